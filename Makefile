@@ -1,0 +1,31 @@
+# The two commands a new user types: `make demo` and `make test`.
+# Each creates .venv on first use and installs what it needs (pins: pyproject.toml).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: demo test bench venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# The main job: until the demo issue lands, the attention benchmark (a real run,
+# side by side with torch SDPA and FlexAttention), written to out/bench-attention.json.
+demo: $(STAMP)
+	mkdir -p out
+	$(BIN)/attnlab bench attention --json out/bench-attention.json
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --durations=15
+
+bench: demo
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .hypothesis

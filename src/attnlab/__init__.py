@@ -1,0 +1,14 @@
+"""attnlab: transformer attention — the math, fast kernels with backward, and the tools to look inside.
+
+>>> import torch, attnlab
+>>> from attnlab import masks
+>>> q = k = v = torch.randn(1, 4, 128, 64)
+>>> attnlab.attention(q, k, v, mask=masks.sliding_window(32)).shape
+torch.Size([1, 4, 128, 64])
+"""
+
+from attnlab import masks, scores
+from attnlab.ops import BACKENDS, BlockMask, attention, merge_states
+
+__version__ = "0.1.0"
+__all__ = ["attention", "merge_states", "masks", "scores", "BlockMask", "BACKENDS", "__version__"]

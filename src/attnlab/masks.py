@@ -1,0 +1,485 @@
+"""Masks: which (query, key) pairs may attend.
+
+A mask is an object with an elementwise predicate and, for the built-ins, an exact
+block classifier::
+
+    mask(b, h, q_pos, kv_pos) -> bool tensor      True = may attend
+
+``b``, ``h``, ``q_pos`` and ``kv_pos`` are int64 tensors that broadcast against each
+other (``b`` is ``(B,1,1,1)``, ``h`` is ``(1,H,1,1)``, ``q_pos`` is ``(1,1,n,1)``,
+``kv_pos`` is ``(1,1,1,m)``).  Positions are **absolute**: query row ``i`` sits at
+``q_offset + i`` and key column ``j`` at ``kv_offset + j``.  With the default
+``q_offset = kv_offset + Nk - Nq`` the queries are the newest tokens
+(bottom-right alignment), so ``causal()`` with 2 queries over 5 keys is::
+
+             kv_pos ->  0 1 2 3 4
+    q_pos 3 (row 0)     1 1 1 1 0
+    q_pos 4 (row 1)     1 1 1 1 1
+
+Masks combine with ``&``, ``|`` and ``~``.  ``mask.block_mask(B, H, Nq, Nk, ...)``
+classifies every (q-block, kv-block) tile as empty, full or partial — exactly for
+the built-ins, by evaluating the predicate once for ``custom`` masks — and caches
+the result per shape, so the flash kernel skips empty tiles and evaluates no mask
+on full ones.
+
+>>> import torch, attnlab
+>>> from attnlab import masks
+>>> m = masks.causal() & ~masks.sliding_window(2)   # causal, but not the last 2 tokens
+>>> m(torch.tensor(0), torch.tensor(0), torch.tensor([[4]]), torch.arange(5)).int().tolist()
+[[1, 1, 1, 0, 0]]
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+from attnlab.ops.blockmask import EMPTY, FULL, PARTIAL, BlockMask
+
+__all__ = [
+    "Mask", "BlockMask", "causal", "sliding_window", "prefix_lm", "document", "padding",
+    "tree", "sink_window", "custom",
+]
+
+_CACHE_SIZE = 8
+# Chunk (in elements) used when a predicate must be evaluated to classify tiles.
+_EVAL_CHUNK = 1 << 24
+
+
+def _states(full: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    s = torch.full(torch.broadcast_shapes(full.shape, empty.shape), PARTIAL, dtype=torch.int8)
+    s = torch.where(full, torch.tensor(FULL, dtype=torch.int8), s)
+    return torch.where(empty, torch.tensor(EMPTY, dtype=torch.int8), s)
+
+
+def _as_4d(s: torch.Tensor) -> torch.Tensor:
+    while s.dim() < 4:
+        s = s.unsqueeze(0)
+    return s
+
+
+class Mask:
+    """Base class.  Subclasses implement :meth:`predicate` and, when they can,
+    :meth:`classify`; they may override :meth:`validate` to check a problem shape."""
+
+    def predicate(self, b, h, q_pos, kv_pos) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __call__(self, b, h, q_pos, kv_pos) -> torch.Tensor:
+        return self.predicate(b, h, q_pos, kv_pos)
+
+    # -- tile classification -------------------------------------------------------
+    def classify(self, B, H, q_lo, q_hi, kv_lo, kv_hi):
+        """Exact tile states, or ``None`` when only evaluation can tell.
+
+        ``q_lo``/``q_hi`` are ``(nqb, 1)`` and ``kv_lo``/``kv_hi`` are ``(1, nkb)`` int64
+        tensors of inclusive absolute positions.  Returns int8 states broadcastable to
+        ``(B, H, nqb, nkb)``.  ``EMPTY``/``FULL`` must be certain; ``PARTIAL`` is always safe.
+        """
+        return None
+
+    def validate(self, B: int, H: int, Nq: int, Nk: int, q_offset: int, kv_offset: int) -> None:
+        """Raise ``ValueError`` if this mask cannot describe that problem."""
+
+    def block_mask(self, B: int, H: int, Nq: int, Nk: int, *, q_offset: int | None = None,
+                   kv_offset: int = 0, block: tuple[int, int] = (128, 512)) -> BlockMask:
+        """Classify every tile of a ``(B, H, Nq, Nk)`` problem; cached per shape.
+
+        ``q_offset`` defaults to ``kv_offset + Nk - Nq`` (bottom-right), as in
+        :func:`attnlab.attention`.
+        """
+        if q_offset is None:
+            q_offset = kv_offset + Nk - Nq
+        bq, bk = int(block[0]), int(block[1])
+        if bq <= 0 or bk <= 0:
+            raise ValueError(f"block: tile sizes must be positive, got {block}")
+        key = (B, H, Nq, Nk, q_offset, kv_offset, bq, bk)
+        cache = self.__dict__.setdefault("_bm_cache", OrderedDict())
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+        self.validate(B, H, Nq, Nk, q_offset, kv_offset)
+        nqb, nkb = -(-Nq // bq), -(-Nk // bk)
+        q_lo = (torch.arange(nqb) * bq + q_offset).view(-1, 1)
+        q_hi = (torch.clamp(torch.arange(1, nqb + 1) * bq, max=Nq) - 1 + q_offset).view(-1, 1)
+        kv_lo = (torch.arange(nkb) * bk + kv_offset).view(1, -1)
+        kv_hi = (torch.clamp(torch.arange(1, nkb + 1) * bk, max=Nk) - 1 + kv_offset).view(1, -1)
+        states = None if nqb == 0 or nkb == 0 else self.classify(B, H, q_lo, q_hi, kv_lo, kv_hi)
+        if states is None:
+            states = self._classify_by_eval(B, H, Nq, Nk, q_offset, kv_offset, bq, bk)
+        states = _as_4d(states.to(torch.int8))
+        Bm = B if states.shape[0] != 1 else 1
+        Hm = H if states.shape[1] != 1 else 1
+        states = states.expand(Bm, Hm, nqb, nkb).contiguous()
+        bm = BlockMask(self, states, B, H, Nq, Nk, q_offset, kv_offset, bq, bk)
+        cache[key] = bm
+        if len(cache) > _CACHE_SIZE:
+            cache.popitem(last=False)
+        return bm
+
+    def _classify_by_eval(self, B, H, Nq, Nk, q_offset, kv_offset, bq, bk) -> torch.Tensor:
+        nqb, nkb = -(-Nq // bq), -(-Nk // bk)
+        b = torch.arange(B).view(B, 1, 1, 1)
+        h = torch.arange(H).view(1, H, 1, 1)
+        kv = (torch.arange(Nk) + kv_offset).view(1, 1, 1, Nk)
+        pad_k = nkb * bk - Nk
+        rows = []
+        rows_per_chunk = max(1, _EVAL_CHUNK // max(1, B * H * max(Nk, 1) * bq))
+        for i0 in range(0, nqb, rows_per_chunk):
+            i1 = min(nqb, i0 + rows_per_chunk)
+            qs, qe = i0 * bq, min(Nq, i1 * bq)
+            qp = (torch.arange(qs, qe) + q_offset).view(1, 1, -1, 1)
+            m = torch.as_tensor(self.predicate(b, h, qp, kv), dtype=torch.bool)
+            m = m.expand(*m.shape[:2], qe - qs, Nk)
+            # pad rows/cols so tiles reshape evenly; padding counts as "allowed" for
+            # `all` and "forbidden" for `any`, i.e. it never changes a verdict
+            pad_q = (i1 - i0) * bq - (qe - qs)
+            anyv = torch.nn.functional.pad(m, (0, pad_k, 0, pad_q), value=False)
+            allv = torch.nn.functional.pad(m, (0, pad_k, 0, pad_q), value=True)
+            sh = (*m.shape[:2], i1 - i0, bq, nkb, bk)
+            a = anyv.reshape(sh).any(-1).any(-2)
+            f = allv.reshape(sh).all(-1).all(-2)
+            rows.append(_states(f, ~a))
+        return torch.cat(rows, dim=-2)
+
+    # -- algebra -------------------------------------------------------------------
+    def __and__(self, other: "Mask") -> "Mask":
+        return _And(self, _check_mask(other, "&"))
+
+    def __or__(self, other: "Mask") -> "Mask":
+        return _Or(self, _check_mask(other, "|"))
+
+    def __invert__(self) -> "Mask":
+        return _Not(self)
+
+
+def _check_mask(m, op):
+    if not isinstance(m, Mask):
+        raise TypeError(f"mask {op}: expected an attnlab mask, got {type(m).__name__}")
+    return m
+
+
+class _And(Mask):
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+    def predicate(self, b, h, q, kv):
+        return self.a.predicate(b, h, q, kv) & self.b.predicate(b, h, q, kv)
+
+    def classify(self, B, H, ql, qh, kl, kh):
+        sa, sb = self.a.classify(B, H, ql, qh, kl, kh), self.b.classify(B, H, ql, qh, kl, kh)
+        if sa is None or sb is None:
+            return None
+        return torch.minimum(sa, sb)  # EMPTY < PARTIAL < FULL
+
+    def validate(self, *shape):
+        self.a.validate(*shape), self.b.validate(*shape)
+
+    def __repr__(self):
+        return f"({self.a!r} & {self.b!r})"
+
+
+class _Or(_And):
+    def predicate(self, b, h, q, kv):
+        return self.a.predicate(b, h, q, kv) | self.b.predicate(b, h, q, kv)
+
+    def classify(self, B, H, ql, qh, kl, kh):
+        sa, sb = self.a.classify(B, H, ql, qh, kl, kh), self.b.classify(B, H, ql, qh, kl, kh)
+        if sa is None or sb is None:
+            return None
+        return torch.maximum(sa, sb)
+
+    def __repr__(self):
+        return f"({self.a!r} | {self.b!r})"
+
+
+class _Not(Mask):
+    def __init__(self, a):
+        self.a = a
+
+    def predicate(self, b, h, q, kv):
+        return ~self.a.predicate(b, h, q, kv)
+
+    def classify(self, B, H, ql, qh, kl, kh):
+        s = self.a.classify(B, H, ql, qh, kl, kh)
+        return None if s is None else (FULL - s).to(torch.int8)
+
+    def validate(self, *shape):
+        self.a.validate(*shape)
+
+    def __repr__(self):
+        return f"~{self.a!r}"
+
+
+# ----------------------------------------------------------------------------- built-ins
+class _Causal(Mask):
+    sdpa_causal = True  # lets the sdpa backend recognise it (ops never import this module)
+
+    def predicate(self, b, h, q, kv):
+        return kv <= q
+
+    def classify(self, B, H, ql, qh, kl, kh):
+        return _states(kh <= ql, kl > qh)
+
+    def __repr__(self):
+        return "causal()"
+
+
+def causal() -> Mask:
+    """``kv_pos <= q_pos``.  Aligned by absolute position (bottom-right by default)."""
+    return _Causal()
+
+
+def _nonneg_int(x, name):
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
+    if x < 0:
+        raise ValueError(f"{name}: must be >= 0, got {x}")
+    return x
+
+
+class _SlidingWindow(Mask):
+    def __init__(self, w):
+        self.w = w
+
+    def predicate(self, b, h, q, kv):
+        return (kv <= q) & (q - kv < self.w)
+
+    def classify(self, B, H, ql, qh, kl, kh):
+        return _states((kh <= ql) & (qh - kl < self.w), (kl > qh) | (ql - kh >= self.w))
+
+    def __repr__(self):
+        return f"sliding_window({self.w})"
+
+
+def sliding_window(w: int) -> Mask:
+    """Causal window of ``w`` tokens including the query itself: ``q_pos - w < kv_pos <= q_pos``."""
+    if _nonneg_int(w, "sliding_window(w)") == 0:
+        raise ValueError("sliding_window(w): w must be >= 1 (w=0 masks everything)")
+    return _SlidingWindow(w)
+
+
+class _PrefixLM(Mask):
+    def __init__(self, n):
+        self.n = n
+
+    def predicate(self, b, h, q, kv):
+        return (kv < self.n) | (kv <= q)
+
+    def classify(self, B, H, ql, qh, kl, kh):
+        return _states((kh < self.n) | (kh <= ql), (kl >= self.n) & (kl > qh))
+
+    def __repr__(self):
+        return f"prefix_lm({self.n})"
+
+
+def prefix_lm(n: int) -> Mask:
+    """Bidirectional over the first ``n`` positions, causal after: ``kv_pos < n or kv_pos <= q_pos``."""
+    return _PrefixLM(_nonneg_int(n, "prefix_lm(n)"))
+
+
+class _SinkWindow(Mask):
+    def __init__(self, sinks, window):
+        self.sinks, self.window = sinks, window
+
+    def predicate(self, b, h, q, kv):
+        return (kv <= q) & ((kv < self.sinks) | (q - kv < self.window))
+
+    def classify(self, B, H, ql, qh, kl, kh):
+        full = (kh <= ql) & ((kh < self.sinks) | (qh - kl < self.window))
+        empty = (kl > qh) | ((kl >= self.sinks) & (ql - kh >= self.window))
+        return _states(full, empty)
+
+    def __repr__(self):
+        return f"sink_window({self.sinks}, {self.window})"
+
+
+def sink_window(sinks: int, window: int) -> Mask:
+    """StreamingLLM's pattern: causal, and either one of the first ``sinks`` positions or
+    within the last ``window`` tokens (query included)."""
+    _nonneg_int(sinks, "sink_window(sinks)")
+    if _nonneg_int(window, "sink_window(window)") == 0 and sinks == 0:
+        raise ValueError("sink_window: sinks=0 and window=0 masks everything")
+    return _SinkWindow(sinks, window)
+
+
+def _ids_tensor(x, name):
+    if not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(x)
+    if x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
+        raise TypeError(f"{name}: expected integer ids, got dtype {x.dtype}")
+    if x.dim() not in (1, 2):
+        raise ValueError(f"{name}: expected shape (N,) or (B, N), got {tuple(x.shape)}")
+    x = x.to(torch.long)
+    return x.unsqueeze(0) if x.dim() == 1 else x
+
+
+def _block_minmax(ids: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
+    """Min and max of ``ids[:, lo[i]:hi[i]+1]`` for each block i: (B', nblocks)."""
+    starts, ends = lo.flatten(), hi.flatten() + 1
+    n = ids.shape[-1]
+    size = int((ends - starts).max()) if starts.numel() else 0
+    idx = (starts.view(-1, 1) + torch.arange(size).view(1, -1))
+    valid = idx < ends.view(-1, 1)
+    idx = torch.where(valid, idx, starts.view(-1, 1)).clamp(max=n - 1)
+    vals = ids[:, idx]  # (B', nb, size); invalid slots repeat the block's first id
+    return vals.amin(-1), vals.amax(-1)
+
+
+class _Document(Mask):
+    def __init__(self, q_ids, kv_ids):
+        self.q_ids, self.kv_ids = q_ids, kv_ids
+
+    def predicate(self, b, h, q, kv):
+        qi = self.q_ids[:, q.reshape(-1)].view(self.q_ids.shape[0], 1, -1, 1)
+        ki = self.kv_ids[:, kv.reshape(-1)].view(self.kv_ids.shape[0], 1, 1, -1)
+        return qi == ki
+
+    def validate(self, B, H, Nq, Nk, q_offset, kv_offset):
+        for name, ids, lo, n in (("q_ids", self.q_ids, q_offset, Nq), ("kv_ids", self.kv_ids, kv_offset, Nk)):
+            if ids.shape[0] not in (1, B):
+                raise ValueError(f"document({name}): batch dim {ids.shape[0]} does not match B={B}")
+            if n and (lo < 0 or lo + n > ids.shape[-1]):
+                raise ValueError(
+                    f"document({name}): ids cover positions 0..{ids.shape[-1] - 1} but the problem needs "
+                    f"positions {lo}..{lo + n - 1} (ids are looked up by absolute position)")
+
+    def classify(self, B, H, ql, qh, kl, kh):
+        qmin, qmax = _block_minmax(self.q_ids, ql, qh)  # (B', nqb)
+        kmin, kmax = _block_minmax(self.kv_ids, kl, kh)  # (B', nkb)
+        qmin, qmax = qmin[:, None, :, None], qmax[:, None, :, None]
+        kmin, kmax = kmin[:, None, None, :], kmax[:, None, None, :]
+        full = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
+        empty = (qmax < kmin) | (kmax < qmin)
+        return _states(full, empty)
+
+    def __repr__(self):
+        return f"document(<{tuple(self.kv_ids.shape)} ids>)"
+
+
+def document(ids, kv_ids=None) -> Mask:
+    """Packed sequences: attend only within the same document.
+
+    ``ids`` is ``(N,)`` or ``(B, N)`` integer document ids looked up by **absolute
+    position**; with ``kv_ids`` given, ``ids`` are the queries' and ``kv_ids`` the
+    keys' (cross attention between two packings).  Combine with ``causal()`` for
+    packed causal training: ``document(ids) & causal()``.
+    Tiles are classified from per-tile min/max ids: exact when each document is
+    contiguous, conservative (partial) otherwise.
+    """
+    q = _ids_tensor(ids, "document(ids)")
+    k = q if kv_ids is None else _ids_tensor(kv_ids, "document(kv_ids)")
+    return _Document(q, k)
+
+
+class _Padding(Mask):
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def _len(self):
+        return self.lengths.view(-1, 1, 1, 1)
+
+    def predicate(self, b, h, q, kv):
+        return kv < self._len()
+
+    def validate(self, B, H, Nq, Nk, q_offset, kv_offset):
+        if self.lengths.shape[0] != B:
+            raise ValueError(f"padding(kv_lengths): got {self.lengths.shape[0]} lengths for batch size B={B}")
+        if (self.lengths > kv_offset + Nk).any():
+            raise ValueError(f"padding(kv_lengths): a length {int(self.lengths.max())} exceeds the "
+                             f"{kv_offset + Nk} key positions")
+
+    def classify(self, B, H, ql, qh, kl, kh):
+        L = self._len()
+        return _states((kh < L).expand(-1, -1, ql.shape[0], -1), (kl >= L).expand(-1, -1, ql.shape[0], -1))
+
+    def __repr__(self):
+        return f"padding({self.lengths.tolist()})"
+
+
+def padding(kv_lengths) -> Mask:
+    """Right padding: batch element ``b`` may attend keys at positions ``< kv_lengths[b]``.
+
+    Rows whose every key is padding are fully masked: output 0, LSE ``-inf``.
+    """
+    t = torch.as_tensor(kv_lengths)
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise TypeError(f"padding(kv_lengths): expected integer lengths, got dtype {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"padding(kv_lengths): expected shape (B,), got {tuple(t.shape)}")
+    if (t < 0).any():
+        raise ValueError(f"padding(kv_lengths): lengths must be >= 0, got {t.tolist()}")
+    return _Padding(t.to(torch.long))
+
+
+class _Tree(Mask):
+    def __init__(self, anc, prefix_len):
+        self.anc, self.prefix_len = anc, prefix_len
+
+    def predicate(self, b, h, q, kv):
+        T, P = self.anc.shape[0], self.prefix_len
+        qt, kt = q - P, kv - P
+        in_tree = (qt >= 0) & (kt >= 0)
+        a = self.anc[qt.clamp(0, T - 1), kt.clamp(0, T - 1)]
+        return torch.where(in_tree, a, kv <= q)
+
+    def validate(self, B, H, Nq, Nk, q_offset, kv_offset):
+        end = self.prefix_len + self.anc.shape[0]
+        if q_offset + Nq > end or kv_offset + Nk > end:
+            raise ValueError(f"tree: the tree covers positions up to {end - 1} but the problem reaches "
+                             f"q position {q_offset + Nq - 1} / kv position {kv_offset + Nk - 1}")
+
+    def __repr__(self):
+        return f"tree(<{self.anc.shape[0]} nodes>, prefix_len={self.prefix_len})"
+
+
+def tree(parents, prefix_len: int = 0) -> Mask:
+    """Tree attention for speculative decoding.
+
+    ``parents[t]`` is the index of node ``t``'s parent (``-1`` for a root; parents come
+    before children).  Node ``t`` sits at absolute position ``prefix_len + t`` and
+    attends every prefix position and its own ancestors (itself included); positions
+    before ``prefix_len`` are causal.  Tiles are classified by evaluation (exact).
+    """
+    p = torch.as_tensor(parents)
+    if p.dtype.is_floating_point or p.dim() != 1:
+        raise ValueError(f"tree(parents): expected a 1-D integer tensor, got {p.dtype} {tuple(p.shape)}")
+    _nonneg_int(prefix_len, "tree(prefix_len)")
+    T = p.numel()
+    idx = torch.arange(T)
+    if ((p >= idx) | (p < -1)).any():
+        bad = int(torch.nonzero((p >= idx) | (p < -1))[0])
+        raise ValueError(f"tree(parents): parents[{bad}]={int(p[bad])}; each parent must be -1 or an earlier node")
+    anc = torch.eye(T, dtype=torch.bool)
+    for t in range(T):
+        if p[t] >= 0:
+            anc[t] |= anc[int(p[t])]
+    return _Tree(anc, prefix_len)
+
+
+class _Custom(Mask):
+    def __init__(self, fn, name):
+        self.fn, self.name = fn, name
+
+    def predicate(self, b, h, q, kv):
+        out = self.fn(b, h, q, kv)
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+            raise TypeError(f"custom mask {self.name}: fn must return a bool tensor, got "
+                            f"{type(out).__name__ if not isinstance(out, torch.Tensor) else out.dtype}")
+        return out
+
+    def __repr__(self):
+        return f"custom({self.name})"
+
+
+def custom(fn: Callable) -> Mask:
+    """Any predicate ``fn(b, h, q_pos, kv_pos) -> bool tensor`` (True = may attend).
+
+    Tiles are classified by evaluating ``fn`` over the whole problem once per shape
+    (cached), as FlexAttention's ``create_block_mask`` does.
+    """
+    if not callable(fn):
+        raise TypeError(f"custom(fn): fn must be callable, got {type(fn).__name__}")
+    return _Custom(fn, getattr(fn, "__name__", "fn"))

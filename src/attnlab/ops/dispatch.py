@@ -1,0 +1,165 @@
+"""``attnlab.attention``: validate once, pick a backend."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from attnlab.ops.flash import flash_attention
+from attnlab.ops.reference import reference_attention
+from attnlab.ops.sdpa import is_causal_mask, sdpa_attention, sdpa_unsupported
+
+BACKENDS = ("auto", "reference", "flash", "sdpa")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, kv_offset=0,
+              return_lse=False, backend="auto"):
+    """Scaled dot-product attention: ``softmax(scale·q kᵀ + score_mod, masked) v``.
+
+    Shapes::
+
+        q   (B, H,   Nq, D)        H % Hkv == 0; query head h reads kv head h // (H // Hkv)
+        k   (B, Hkv, Nk, D)        (GQA; MQA is Hkv = 1).  K/V are never repeated per head
+        v   (B, Hkv, Nk, Dv)       on the flash path.  Dv may differ from D.
+        out (B, H,   Nq, Dv)       dtype of q
+        lse (B, H,   Nq)           natural log, float32 (float64 for float64 inputs)
+
+    Positions (what masks and score mods see) are absolute::
+
+        query row i   -> q_pos  = q_offset + i,  q_offset defaults to kv_offset + Nk - Nq
+        key column j  -> kv_pos = kv_offset + j
+
+    so by default the queries are the *newest* tokens (bottom-right), which is what
+    decoding over a KV cache needs.  causal() with Nq=2 over Nk=4::
+
+               kv_pos: 0 1 2 3
+        row 0 (q_pos 2) x x x .        x = may attend (mask polarity: True = attend)
+        row 1 (q_pos 3) x x x x
+
+    (torch SDPA's ``is_causal`` is top-left: row 0 would see only column 0.)  Pass
+    ``q_offset=0`` for top-left.
+
+    Args:
+        mask: an :mod:`attnlab.masks` mask (``causal()``, ``sliding_window(w)``, ...,
+            combined with ``& | ~``) or a ``BlockMask`` built for this shape.
+        score_mod: ``(score, b, h, q_pos, kv_pos) -> score`` applied to the scaled score
+            before masking (:mod:`attnlab.scores`).
+        scale: default ``1/sqrt(D)``.
+        return_lse: also return the log-sum-exp of each row's scaled, modded, masked
+            scores.  A row with no visible key gives ``out = 0``, ``lse = -inf`` and zero
+            gradients, never NaN.
+        backend: ``"reference"`` (materialized oracle), ``"flash"`` (tiled online
+            softmax, skips empty tiles), ``"sdpa"`` (torch SDPA, only where it means
+            the same), or ``"auto"`` (the fastest correct one, per docs/benchmarks.md).
+
+    >>> import torch, attnlab
+    >>> from attnlab import masks
+    >>> q = torch.randn(2, 8, 16, 64); k = v = torch.randn(2, 2, 16, 64)   # GQA 8:2
+    >>> out, lse = attnlab.attention(q, k, v, mask=masks.causal(), return_lse=True)
+    >>> out.shape, lse.shape
+    (torch.Size([2, 8, 16, 64]), torch.Size([2, 8, 16]))
+    """
+    _check_tensors(q, k, v)
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale == 0:
+        raise ValueError(f"scale: expected a finite non-zero number, got {scale!r}")
+    scale = float(scale)
+    kv_offset = _int_arg(kv_offset, "kv_offset")
+    q_offset = kv_offset + Nk - Nq if q_offset is None else _int_arg(q_offset, "q_offset")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    _check_mask(mask, B, H, Nq, Nk, q_offset, kv_offset)
+    if score_mod is not None:
+        if not callable(score_mod):
+            raise TypeError(f"score_mod: expected a callable (score, b, h, q_pos, kv_pos) -> score, "
+                            f"got {type(score_mod).__name__}")
+        if hasattr(score_mod, "validate"):
+            score_mod.validate(B, H)
+
+    if backend == "auto":
+        backend = _auto(q, k, mask, score_mod, q_offset, kv_offset, return_lse)
+    if Nq == 0 or Nk == 0:
+        backend = "flash"  # every backend's answer for empty problems: out 0, lse -inf
+    kw = dict(mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset)
+    if backend == "sdpa":
+        why = sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse)
+        if why is not None:
+            raise ValueError(f"backend='sdpa': this request does not map onto torch SDPA ({why}); "
+                             "use backend='flash' or 'auto'")
+        return sdpa_attention(q, k, v, **kw)
+    if backend == "reference":
+        if hasattr(mask, "plan"):  # a BlockMask: the reference reads its predicate
+            kw["mask"] = mask.mask
+        out, lse = reference_attention(q, k, v, **kw)
+    else:
+        out, lse = flash_attention(q, k, v, **kw)
+    return (out, lse) if return_lse else out
+
+
+# Measured choice (docs/benchmarks.md, `attnlab bench attention`): torch SDPA wins
+# for float32/float64 wherever it applies; the flash path's bfloat16 matmuls make it
+# faster than SDPA's bfloat16 kernel on CPU for the forward pass.
+def _auto(q, k, mask, score_mod, q_offset, kv_offset, return_lse) -> str:
+    if sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse) is None:
+        wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not wants_grad and q.shape[-1] >= 64:
+            return "flash"
+        return "sdpa"
+    return "flash"
+
+
+def _int_arg(x, name):
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
+    return int(x)
+
+
+def _check_tensors(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims {_LAYOUT[name]}, got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name}: dtype {t.dtype} is not supported; use float16, bfloat16, float32 or float64")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"batch sizes differ: {shapes}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same (B, Hkv, Nk): {shapes}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"query heads H={q.shape[1]} must be a multiple of kv heads Hkv={k.shape[1]} (GQA): {shapes}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k head dims differ (D={q.shape[3]} vs {k.shape[3]}): {shapes}")
+    if q.shape[3] == 0:
+        raise ValueError(f"head dim D must be >= 1: {shapes}")
+
+
+_LAYOUT = {"q": "(B, H, Nq, D)", "k": "(B, Hkv, Nk, D)", "v": "(B, Hkv, Nk, Dv)"}
+
+
+def _check_mask(mask, B, H, Nq, Nk, q_offset, kv_offset):
+    if mask is None:
+        return
+    if hasattr(mask, "plan") and hasattr(mask, "check_shape"):  # BlockMask
+        mask.check_shape(B, H, Nq, Nk, q_offset, kv_offset)
+        return
+    if not (hasattr(mask, "block_mask") and hasattr(mask, "predicate")):
+        raise TypeError(f"mask: expected an attnlab mask (attnlab.masks.causal(), ..., or masks.custom(fn)) "
+                        f"or a BlockMask, got {type(mask).__name__}")
+    mask.validate(B, H, Nq, Nk, q_offset, kv_offset)
+
+
+__all__ = ["attention", "BACKENDS", "is_causal_mask"]

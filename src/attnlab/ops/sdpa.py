@@ -1,0 +1,39 @@
+"""torch's ``scaled_dot_product_attention``, used where it means exactly what we mean.
+
+SDPA's ``is_causal`` is top-left aligned (row ``i`` sees columns ``<= i``); attnlab's
+``causal()`` is aligned by absolute position, so the two agree only when
+``q_offset == kv_offset`` (with the defaults: ``Nq == Nk``).  SDPA returns no LSE and
+takes no score mod.  :func:`sdpa_unsupported` says why a request does not map.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def is_causal_mask(mask) -> bool:
+    return getattr(mask, "sdpa_causal", False) is True
+
+
+def sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse) -> str | None:
+    """``None`` if the request maps onto SDPA exactly, else the reason it does not."""
+    if score_mod is not None:
+        return "SDPA takes no score_mod"
+    if return_lse:
+        return "SDPA returns no LSE"
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        return "SDPA gives NaN on empty sequences"
+    if mask is not None:
+        if not is_causal_mask(mask):
+            return f"SDPA maps only no mask or causal(), got {mask!r}"
+        if q_offset != kv_offset:
+            return (f"SDPA's is_causal is top-left aligned; attnlab's causal() matches it only when "
+                    f"q_offset == kv_offset (here {q_offset} vs {kv_offset}; Nq={q.shape[2]}, Nk={k.shape[2]})")
+    return None
+
+
+def sdpa_attention(q, k, v, *, mask=None, scale, **_):
+    """Run SDPA; inputs validated and :func:`sdpa_unsupported` already checked."""
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=mask is not None, scale=scale, enable_gqa=gqa)

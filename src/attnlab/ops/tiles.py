@@ -1,0 +1,34 @@
+"""Tile sizes for the flash backend, chosen by measurement.
+
+``attnlab bench tiles`` re-measures this table on the machine at hand; the numbers
+below come from that command on the 2-core AVX-512 (bf16) CPU of the CI machine, see
+docs/benchmarks.md.  ``TARGET`` is the number of score elements (all batch and head
+rows together) one tile should hold: enough to amortise Python's per-tile overhead,
+small enough to stay in cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# (dtype, head-dim bucket) -> (block_k, target elements per tile)
+TABLE = {
+    (torch.bfloat16, 64): (512, 1 << 20),
+    (torch.bfloat16, 128): (512, 1 << 20),
+    (torch.float32, 64): (512, 1 << 19),
+    (torch.float32, 128): (512, 1 << 20),
+}
+_DEFAULT = (512, 1 << 20)
+
+
+def _bucket(D: int) -> int:
+    return 64 if D <= 64 else 128
+
+
+def choose_tiles(dtype: torch.dtype, D: int, BH: int, device=None) -> tuple[int, int]:
+    """``(block_q, block_k)`` for a problem with ``BH`` = batch × heads rows per tile."""
+    key = (torch.float32 if dtype in (torch.float16, torch.float64) else dtype, _bucket(D))
+    bk, target = TABLE.get(key, _DEFAULT)
+    bq = target // max(1, BH * bk)
+    bq = 1 << max(5, min(10, bq.bit_length() - 1)) if bq > 0 else 32
+    return bq, bk

@@ -1,0 +1,187 @@
+"""Score mods: functions of the scaled score, applied before masking.
+
+A score mod is called as ``mod(score, b, h, q_pos, kv_pos) -> score`` where ``score``
+is the float32 (float64 for float64 inputs) tile ``scale * q @ k^T`` of shape
+``(B, H, n, m)`` and ``b, h, q_pos, kv_pos`` are broadcastable int64 index tensors
+with **absolute** positions (see :mod:`attnlab.masks`).  The mod must be elementwise
+in ``score`` (no mixing across keys) and pure: every backend calls it on tiles of
+its own choosing, and the flash backward calls it again to recompute.
+
+Learnable tensors a mod reads are returned by ``mod.parameters()``; gradients flow
+to them through every backend.
+
+>>> import torch, attnlab
+>>> from attnlab import scores
+>>> q = k = v = torch.randn(1, 2, 4, 8)
+>>> mod = scores.alibi(torch.tensor([0.5, 0.25]))
+>>> attnlab.attention(q, k, v, score_mod=mod).shape
+torch.Size([1, 2, 4, 8])
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["ScoreMod", "alibi", "softcap", "relative_bias", "custom", "compose"]
+
+
+class ScoreMod:
+    """Base class: implement :meth:`apply`; list learnable tensors in :meth:`parameters`."""
+
+    def apply(self, score, b, h, q_pos, kv_pos):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __call__(self, score, b, h, q_pos, kv_pos):
+        return self.apply(score, b, h, q_pos, kv_pos)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return []
+
+    def validate(self, B: int, H: int) -> None:
+        """Raise ``ValueError`` if this mod cannot serve ``B`` batches of ``H`` heads."""
+
+
+class _Alibi(ScoreMod):
+    def __init__(self, slopes, symmetric):
+        self.slopes, self.symmetric = slopes, symmetric
+
+    def apply(self, score, b, h, q, kv):
+        m = self.slopes.to(score.dtype)[h]
+        d = (kv - q).abs().neg() if self.symmetric else (kv - q)
+        return score + m * d.to(score.dtype)
+
+    def parameters(self):
+        return [self.slopes] if self.slopes.requires_grad else []
+
+    def validate(self, B, H):
+        if self.slopes.shape[0] != H:
+            raise ValueError(f"alibi(slopes): {self.slopes.shape[0]} slopes for H={H} query heads")
+
+    def __repr__(self):
+        return f"alibi({self.slopes.shape[0]} heads{', symmetric' if self.symmetric else ''})"
+
+
+def alibi(slopes, symmetric: bool = False) -> ScoreMod:
+    """ALiBi (Press et al., 2022): ``score + slopes[h] * (kv_pos - q_pos)``.
+
+    The bias is ``-m·(i-j)`` for a key ``i-j`` tokens in the past; keys in the
+    future get a positive bias, so pair it with ``causal()`` as the paper does, or
+    pass ``symmetric=True`` for ``-m·|i-j|`` (encoders).  ``slopes``: ``(H,)``;
+    :func:`attnlab.positions.alibi_slopes` gives the paper's geometric sequence.
+    A slopes tensor with ``requires_grad`` is learned.
+    """
+    s = torch.as_tensor(slopes)
+    if not s.dtype.is_floating_point or s.dim() != 1:
+        raise ValueError(f"alibi(slopes): expected a 1-D float tensor (H,), got {s.dtype} {tuple(s.shape)}")
+    return _Alibi(s, bool(symmetric))
+
+
+class _Softcap(ScoreMod):
+    def __init__(self, c):
+        self.c = c
+
+    def apply(self, score, b, h, q, kv):
+        return torch.tanh(score / self.c) * self.c
+
+    def __repr__(self):
+        return f"softcap({self.c})"
+
+
+def softcap(c: float) -> ScoreMod:
+    """Gemma-2 / Grok logit soft-capping: ``c * tanh(score / c)``."""
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0:
+        raise ValueError(f"softcap(c): c must be a positive number, got {c!r}")
+    return _Softcap(float(c))
+
+
+class _RelativeBias(ScoreMod):
+    def __init__(self, table, max_distance):
+        self.table, self.max_distance = table, max_distance
+
+    def apply(self, score, b, h, q, kv):
+        idx = (kv - q).clamp(-self.max_distance, self.max_distance) + self.max_distance
+        return score + self.table.to(score.dtype)[h, idx]
+
+    def parameters(self):
+        return [self.table] if self.table.requires_grad else []
+
+    def validate(self, B, H):
+        if self.table.shape[0] != H:
+            raise ValueError(f"relative_bias(table): table has {self.table.shape[0]} rows for H={H} query heads")
+
+    def __repr__(self):
+        return f"relative_bias(H={self.table.shape[0]}, max_distance={self.max_distance})"
+
+
+def relative_bias(table: torch.Tensor) -> ScoreMod:
+    """A learned bias per head and clipped relative distance (T5/Shaw style, unbucketed).
+
+    ``table``: ``(H, 2*R + 1)``; entry ``[h, R + d]`` is added where
+    ``kv_pos - q_pos = d``, with ``d`` clipped to ``[-R, R]``.  Gradients reach ``table``
+    when it requires grad.
+    """
+    if not isinstance(table, torch.Tensor) or not table.dtype.is_floating_point or table.dim() != 2:
+        raise ValueError("relative_bias(table): expected a float tensor of shape (H, 2*R+1), got "
+                         f"{getattr(table, 'dtype', type(table).__name__)} {tuple(getattr(table, 'shape', ()))}")
+    if table.shape[1] % 2 != 1:
+        raise ValueError(f"relative_bias(table): the second dim must be odd (2*R+1), got {table.shape[1]}")
+    return _RelativeBias(table, table.shape[1] // 2)
+
+
+class _Custom(ScoreMod):
+    def __init__(self, fn, params):
+        self.fn, self.params = fn, params
+
+    def apply(self, score, b, h, q, kv):
+        return self.fn(score, b, h, q, kv)
+
+    def parameters(self):
+        return [p for p in self.params if p.requires_grad]
+
+    def __repr__(self):
+        return f"custom({getattr(self.fn, '__name__', 'fn')})"
+
+
+def custom(fn: Callable, params: Sequence[torch.Tensor] = ()) -> ScoreMod:
+    """Any elementwise ``fn(score, b, h, q_pos, kv_pos) -> score``.
+
+    List the learnable tensors ``fn`` reads in ``params`` so that their gradients
+    are computed (the flash backward differentiates ``fn`` tile by tile).
+    """
+    if not callable(fn):
+        raise TypeError(f"scores.custom(fn): fn must be callable, got {type(fn).__name__}")
+    params = list(params)
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"scores.custom(params): params[{i}] is a {type(p).__name__}, not a tensor")
+    return _Custom(fn, params)
+
+
+class _Compose(ScoreMod):
+    def __init__(self, mods):
+        self.mods = mods
+
+    def apply(self, score, b, h, q, kv):
+        for m in self.mods:
+            score = m(score, b, h, q, kv)
+        return score
+
+    def parameters(self):
+        return [p for m in self.mods for p in m.parameters()]
+
+    def validate(self, B, H):
+        for m in self.mods:
+            m.validate(B, H)
+
+    def __repr__(self):
+        return " then ".join(map(repr, self.mods))
+
+
+def compose(*mods: ScoreMod) -> ScoreMod:
+    """Apply ``mods`` in order: ``compose(alibi(s), softcap(30))`` caps the biased score."""
+    for i, m in enumerate(mods):
+        if not isinstance(m, ScoreMod):
+            raise TypeError(f"scores.compose: argument {i} is a {type(m).__name__}, not a score mod")
+    return _Compose(list(mods))
