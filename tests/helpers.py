@@ -1,0 +1,37 @@
+"""Shared test helpers: the DESIGN.md tolerance rule.
+
+A fast path's error against the float64 oracle must be at most ``factor`` times the
+error of the same-dtype reference (2x for outputs, 3x for gradients), plus a floor
+``FLOOR[dtype]`` so that a reference that happens to be exact (float64 against
+float64) does not demand bit equality.  The floor is a few ulps at unit scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOOR = {
+    torch.float64: 1e-12,
+    torch.float32: 2e-6,
+    torch.bfloat16: 1e-2,
+    torch.float16: 2e-3,
+}
+
+
+def max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max abs error, treating matching infinities as equal; NaN anywhere is infinite error."""
+    x, ref = x.double(), ref.double()
+    if torch.isnan(x).any():
+        return float("inf")
+    same_inf = torch.isinf(x) & torch.isinf(ref) & (torch.sign(x) == torch.sign(ref))
+    d = torch.where(same_inf, torch.zeros_like(x), (x - ref).abs())
+    d = torch.nan_to_num(d, nan=float("inf"))
+    return float(d.max()) if d.numel() else 0.0
+
+
+def assert_close_rule(fast, ref_same_dtype, oracle, dtype, factor=2.0, what="output"):
+    """``err(fast, oracle) <= factor * err(ref_same_dtype, oracle) + FLOOR[dtype]``."""
+    e_fast = max_err(fast, oracle)
+    e_ref = max_err(ref_same_dtype, oracle)
+    bound = factor * e_ref + FLOOR[dtype]
+    assert e_fast <= bound, f"{what}: fast-path error {e_fast:.3e} > {factor}x reference error {e_ref:.3e} + floor"
