@@ -64,6 +64,10 @@ class Mask:
     """Base class.  Subclasses implement :meth:`predicate` and, when they can,
     :meth:`classify`; they may override :meth:`validate` to check a problem shape."""
 
+    #: True when :meth:`classify` is exact and costs O(tiles), so the flash backend
+    #: may classify several candidate tilings and keep the cheapest.
+    cheap_classify = False
+
     def predicate(self, b, h, q_pos, kv_pos) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -164,6 +168,7 @@ def _check_mask(m, op):
 class _And(Mask):
     def __init__(self, a, b):
         self.a, self.b = a, b
+        self.cheap_classify = a.cheap_classify and b.cheap_classify
 
     def predicate(self, b, h, q, kv):
         return self.a.predicate(b, h, q, kv) & self.b.predicate(b, h, q, kv)
@@ -198,6 +203,7 @@ class _Or(_And):
 class _Not(Mask):
     def __init__(self, a):
         self.a = a
+        self.cheap_classify = a.cheap_classify
 
     def predicate(self, b, h, q, kv):
         return ~self.a.predicate(b, h, q, kv)
@@ -215,6 +221,8 @@ class _Not(Mask):
 
 # ----------------------------------------------------------------------------- built-ins
 class _Causal(Mask):
+    cheap_classify = True
+
     sdpa_causal = True  # lets the sdpa backend recognise it (ops never import this module)
 
     def predicate(self, b, h, q, kv):
@@ -241,6 +249,8 @@ def _nonneg_int(x, name):
 
 
 class _SlidingWindow(Mask):
+    cheap_classify = True
+
     def __init__(self, w):
         self.w = w
 
@@ -262,6 +272,8 @@ def sliding_window(w: int) -> Mask:
 
 
 class _PrefixLM(Mask):
+    cheap_classify = True
+
     def __init__(self, n):
         self.n = n
 
@@ -281,6 +293,8 @@ def prefix_lm(n: int) -> Mask:
 
 
 class _SinkWindow(Mask):
+    cheap_classify = True
+
     def __init__(self, sinks, window):
         self.sinks, self.window = sinks, window
 
@@ -329,6 +343,8 @@ def _block_minmax(ids: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
 
 
 class _Document(Mask):
+    cheap_classify = True
+
     def __init__(self, q_ids, kv_ids):
         self.q_ids, self.kv_ids = q_ids, kv_ids
 
@@ -375,6 +391,8 @@ def document(ids, kv_ids=None) -> Mask:
 
 
 class _Padding(Mask):
+    cheap_classify = True
+
     def __init__(self, lengths):
         self.lengths = lengths
 

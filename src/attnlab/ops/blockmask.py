@@ -75,6 +75,20 @@ class BlockMask:
         total = self.n_q_blocks * self.n_kv_blocks
         return sum(len(r) for r in p) / total if total else 0.0
 
+    def cost(self, rows: int, partial_factor: float = 1.6, tile_overhead: float = 65536.0) -> float:
+        """Estimated work of a flash pass in score-element units, used to pick tile sizes.
+
+        Each visited tile costs ``tile_overhead`` (Python's per-tile cost, measured as
+        about that many score elements of work) plus its elements times
+        ``rows = B·H``, times ``partial_factor`` where the mask must be evaluated.
+        """
+        area = rows * self.block_q * self.block_k
+        total = 0.0
+        for row in self.plan():
+            for _, needs_mask in row:
+                total += tile_overhead + area * (partial_factor if needs_mask else 1.0)
+        return total
+
     def check_shape(self, B: int, H: int, Nq: int, Nk: int, q_offset: int, kv_offset: int) -> None:
         got = (B, H, Nq, Nk, q_offset, kv_offset)
         built = (self.B, self.H, self.Nq, self.Nk, self.q_offset, self.kv_offset)

@@ -23,9 +23,11 @@ from __future__ import annotations
 import torch
 
 from attnlab.ops.reference import acc_dtype
-from attnlab.ops.tiles import choose_tiles
+from attnlab.ops.tiles import choose_tiles, tile_candidates
 
 _NEG_INF = float("-inf")
+LOG2E = 1.4426950408889634  # log2(e): the kernel keeps its row statistics in base 2
+LN2 = 0.6931471805599453
 
 
 def _mm_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -53,79 +55,117 @@ class _Problem:
         return torch.arange(B, device=device).view(B, 1, 1, 1), torch.arange(H, device=device).view(1, H, 1, 1)
 
 
-def _fold(x, qs, qe, Hkv, G, dtype):
-    """Rows ``qs:qe`` of a ``(B, H, N, D)`` tensor as ``(B, Hkv, G*n, D)`` in ``dtype``."""
-    B, _, _, D = x.shape
-    n = qe - qs
-    return x[:, :, qs:qe].reshape(B, Hkv, G * n, D).to(dtype)
+def _prepare(q, k, v, mmd):
+    """Flatten to the kernel's 3-D layout (no per-head copies of K/V).
+
+    q -> (B*Hkv, G, Nq, D) view;  kT -> (B*Hkv, D, Nk) (one transposed copy of K, so
+    every ``Q_i K_jᵀ`` is a plain row-major GEMM);  k -> (B*Hkv, Nk, D);  v -> (B*Hkv, Nk, Dv).
+    """
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    qf = q.reshape(B * Hkv, H // Hkv, Nq, D)
+    kf = k.reshape(B * Hkv, Nk, D).to(mmd)
+    kT = kf.transpose(1, 2).contiguous()
+    vf = v.reshape(B * Hkv, Nk, Dv).to(mmd).contiguous()
+    return qf, kf, kT, vf
 
 
-def _scores(pb: _Problem, Qi, Kj, b, h, qs, qe, ks, ke, needs_mask, acc, with_grad=False):
-    """Scaled, modded, masked score tile ``(B, H, n, m)`` in ``acc``; also the pre-mask leaf."""
-    B, Hkv, Gn, _ = Qi.shape
+def _rows(xf, qs, qe, dtype):
+    """Rows ``qs:qe`` of a ``(B*Hkv, G, N, D)`` tensor as ``(B*Hkv, G*n, D)`` in ``dtype``."""
+    BH, G, _, D = xf.shape
+    return xf[:, :, qs:qe].reshape(BH, G * (qe - qs), D).to(dtype)
+
+
+def _fast(pb, needs_mask) -> bool:
+    return pb.score_mod is None and not needs_mask and pb.scale > 0
+
+
+def _exp2_shifted_fast(pb, X, shift2):
+    """``2^(log2e·scale·X − shift2)`` = ``exp(scale·X − shift2·ln 2)``, in place on X (acc dtype).
+
+    One fused scale-and-shift pass plus exp2, which is ~3x cheaper than exp on CPU.
+    """
+    return torch.add(shift2.neg(), X, alpha=pb.scale * LOG2E, out=X).exp2_()
+
+
+def _score_tile(pb, S, b, h, qs, qe, ks, ke, needs_mask, acc, B, H, with_grad=False):
+    """The exact score tile ``mask(mod(scale · S))``, times log2(e) (base 2), as
+    ``(B*Hkv, G*n, m)`` in ``acc``; ``S`` is the raw ``Q_i K_jᵀ`` tile, already in
+    ``acc`` and consumed (overwritten).
+
+    Returns ``(X, leaf, mod_out)``; with ``with_grad`` the score mod runs under
+    autograd and ``leaf``/``mod_out`` carry its graph.
+    """
     n, m = qe - qs, ke - ks
-    H = Gn // n * Hkv
-    S = torch.matmul(Qi, Kj.transpose(-1, -2)).view(B, H, n, m)
-    S = S.to(acc) if S.dtype != acc else S
-    S.mul_(pb.scale)
-    qp = kp = None
     leaf = mod_out = None
-    if pb.score_mod is not None or needs_mask:
-        dev = S.device
-        qp = (torch.arange(qs, qe, device=dev) + pb.q_offset).view(1, 1, n, 1)
-        kp = (torch.arange(ks, ke, device=dev) + pb.kv_offset).view(1, 1, 1, m)
+    # without a score mod, fold log2(e) into the scale: one pass instead of two
+    X = S.mul_(pb.scale if pb.score_mod is not None else pb.scale * LOG2E)
+    X4 = X.view(B, H, n, m)
+    dev = X.device
+    qp = (torch.arange(qs, qe, device=dev) + pb.q_offset).view(1, 1, n, 1)
+    kp = (torch.arange(ks, ke, device=dev) + pb.kv_offset).view(1, 1, 1, m)
     if pb.score_mod is not None:
         if with_grad:
-            leaf = S.requires_grad_(True)
+            leaf = X4.requires_grad_(True)
             with torch.enable_grad():
                 mod_out = pb.score_mod(leaf, b, h, qp, kp)
-            S = mod_out.detach().clone()  # later in-place ops must not touch the graph's tensors
+            Y = mod_out.detach().clone()  # later in-place ops must not touch the graph's tensors
         else:
-            S = pb.score_mod(S, b, h, qp, kp)
-        if S.shape != (B, H, n, m):
-            raise ValueError(f"score_mod: returned shape {tuple(S.shape)} for a score tile of shape "
+            Y = pb.score_mod(X4, b, h, qp, kp)
+        if not isinstance(Y, torch.Tensor) or Y.shape != (B, H, n, m):
+            raise ValueError(f"score_mod: returned {tuple(getattr(Y, 'shape', ()))} for a score tile of shape "
                              f"{(B, H, n, m)}; a score mod must be elementwise")
+        X4 = (Y.to(acc) if Y.dtype != acc else Y).mul_(LOG2E)
     if needs_mask:
-        S.masked_fill_(~pb.mask(b, h, qp, kp), _NEG_INF)
-    return S, leaf, mod_out
+        X4 = X4.masked_fill_(~pb.mask(b, h, qp, kp), _NEG_INF)
+    return X4.reshape(S.shape), leaf, mod_out
 
 
 def _forward(pb: _Problem, q, k, v):
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
+    BH = B * Hkv
     acc = acc_dtype(q.dtype)
     mmd = _mm_dtype(q.dtype, q.device)
+    qf, _, kT, vf = _prepare(q, k, v, mmd)
     out = torch.empty(B, H, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Nq, dtype=acc, device=q.device)
+    outf, lsef = out.view(BH, G, Nq, Dv), lse.view(BH, G, Nq)
     b, h = pb.grids(B, H, q.device)
     for i, row in enumerate(pb.plan):
         qs, qe = i * pb.bq, min(Nq, (i + 1) * pb.bq)
         n = qe - qs
         if not row:
-            out[:, :, qs:qe] = 0
-            lse[:, :, qs:qe] = _NEG_INF
+            outf[:, :, qs:qe] = 0
+            lsef[:, :, qs:qe] = _NEG_INF
             continue
-        Qi = _fold(q, qs, qe, Hkv, G, mmd)
-        m = torch.full((B, H, n), _NEG_INF, dtype=acc, device=q.device)
-        l = torch.zeros((B, H, n), dtype=acc, device=q.device)
-        o = torch.zeros((B, H, n, Dv), dtype=acc, device=q.device)
+        Qi = _rows(qf, qs, qe, mmd)
+        m = torch.full((BH, G * n, 1), _NEG_INF, dtype=acc, device=q.device)
+        l = torch.zeros((BH, G * n, 1), dtype=acc, device=q.device)
+        o = torch.zeros((BH, G * n, Dv), dtype=acc, device=q.device)
         for j, needs_mask in row:
             ks, ke = j * pb.bk, min(Nk, (j + 1) * pb.bk)
-            Kj, Vj = k[:, :, ks:ke].to(mmd), v[:, :, ks:ke].to(mmd)
-            S, _, _ = _scores(pb, Qi, Kj, b, h, qs, qe, ks, ke, needs_mask, acc)
-            m_new = torch.maximum(m, S.amax(-1))
-            m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
-            P = S.sub_(m_safe.unsqueeze(-1)).exp_()
-            alpha = torch.exp(m - m_safe)
-            l.mul_(alpha).add_(P.sum(-1))
-            PV = torch.matmul(P.to(mmd).view(B, Hkv, G * n, ke - ks), Vj).view(B, H, n, Dv)
-            o.mul_(alpha.unsqueeze(-1)).add_(PV)
+            S = torch.bmm(Qi, kT[:, :, ks:ke])
+            X = S.to(acc) if S.dtype != acc else S
+            if _fast(pb, needs_mask):
+                m_new = torch.maximum(m, X.amax(-1, keepdim=True).mul_(pb.scale * LOG2E))
+                m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
+                P = _exp2_shifted_fast(pb, X, m_safe)
+            else:
+                X, _, _ = _score_tile(pb, X, b, h, qs, qe, ks, ke, needs_mask, acc, B, H)
+                m_new = torch.maximum(m, X.amax(-1, keepdim=True))
+                m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
+                P = X.sub_(m_safe).exp2_()
+            alpha = torch.exp2(m - m_safe)
+            l.mul_(alpha).add_(P.sum(-1, keepdim=True))
+            o.mul_(alpha).add_(torch.bmm(P.to(mmd), vf[:, ks:ke]))
             m = m_new
         empty = l == 0
         l_safe = l.masked_fill(empty, 1.0)
-        out[:, :, qs:qe] = (o / l_safe.unsqueeze(-1)).to(q.dtype)
-        lse[:, :, qs:qe] = torch.where(empty, torch.full_like(l, _NEG_INF), m + torch.log(l_safe))
+        outf[:, :, qs:qe] = (o / l_safe).view(BH, G, n, Dv).to(q.dtype)
+        lse_i = torch.where(empty, torch.full_like(l, _NEG_INF), m * LN2 + torch.log(l_safe))
+        lsef[:, :, qs:qe] = lse_i.view(BH, G, n)
     return out, lse
 
 
@@ -133,11 +173,20 @@ def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params):
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
+    BH = B * Hkv
     acc = acc_dtype(q.dtype)
     mmd = _mm_dtype(q.dtype, q.device)
-    dq = torch.zeros(B, H, Nq, D, dtype=acc, device=q.device)
-    dk = torch.zeros(B, Hkv, Nk, D, dtype=acc, device=q.device)
-    dv = torch.zeros(B, Hkv, Nk, Dv, dtype=acc, device=q.device)
+    qf, kf, kT, vf = _prepare(q, k, v, mmd)
+    vT = vf.transpose(1, 2).contiguous()
+    dof = dout.reshape(BH, G, Nq, Dv)
+    # Δ = rowsum(dO ∘ O) − dLSE, per query row
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.to(acc)
+    deltaf, lsef = delta.reshape(BH, G, Nq), lse.reshape(BH, G, Nq)
+    dq = torch.zeros(BH, G, Nq, D, dtype=acc, device=q.device)
+    dk = torch.zeros(BH, Nk, D, dtype=acc, device=q.device)
+    dv = torch.zeros(BH, Nk, Dv, dtype=acc, device=q.device)
     dparams = [torch.zeros_like(p) for p in params]
     b, h = pb.grids(B, H, q.device)
     for i, row in enumerate(pb.plan):
@@ -145,36 +194,37 @@ def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params):
             continue
         qs, qe = i * pb.bq, min(Nq, (i + 1) * pb.bq)
         n = qe - qs
-        Qi = _fold(q, qs, qe, Hkv, G, mmd)
-        dOi = _fold(dout, qs, qe, Hkv, G, mmd)
-        L = lse[:, :, qs:qe]
-        L_safe = L.masked_fill(L == _NEG_INF, 0.0).unsqueeze(-1)
-        delta = (dout[:, :, qs:qe].to(acc) * out[:, :, qs:qe].to(acc)).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse[:, :, qs:qe].to(acc)
-        delta = delta.unsqueeze(-1)
-        dQi = torch.zeros(B, Hkv, G * n, D, dtype=acc, device=q.device)
+        Qi, dOi = _rows(qf, qs, qe, mmd), _rows(dof, qs, qe, mmd)
+        L = lsef[:, :, qs:qe].reshape(BH, G * n, 1)
+        L2 = L.masked_fill(L == _NEG_INF, 0.0) * LOG2E  # base-2 LSE
+        Di = deltaf[:, :, qs:qe].reshape(BH, G * n, 1)
+        dQi = torch.zeros(BH, G * n, D, dtype=acc, device=q.device)
         for j, needs_mask in row:
             ks, ke = j * pb.bk, min(Nk, (j + 1) * pb.bk)
-            mk = ke - ks
-            Kj, Vj = k[:, :, ks:ke].to(mmd), v[:, :, ks:ke].to(mmd)
-            S, leaf, mod_out = _scores(pb, Qi, Kj, b, h, qs, qe, ks, ke, needs_mask, acc, with_grad=pb.score_mod is not None)
-            P = S.sub_(L_safe).exp_()
-            Pm = P.to(mmd).view(B, Hkv, G * n, mk)
-            dv[:, :, ks:ke] += torch.matmul(Pm.transpose(-1, -2), dOi)
-            dP = torch.matmul(dOi, Vj.transpose(-1, -2)).view(B, H, n, mk)
-            dS = P.mul_(dP.to(acc).sub_(delta))  # P is dead after this: reuse its storage
+            S = torch.bmm(Qi, kT[:, :, ks:ke])
+            X = S.to(acc) if S.dtype != acc else S
+            leaf = None
+            if _fast(pb, needs_mask):
+                P = _exp2_shifted_fast(pb, X, L2)
+            else:
+                X, leaf, mod_out = _score_tile(pb, X, b, h, qs, qe, ks, ke, needs_mask, acc, B, H,
+                                               with_grad=pb.score_mod is not None)
+                P = X.sub_(L2).exp2_()
+            dv[:, ks:ke] += torch.bmm(P.to(mmd).transpose(1, 2), dOi)
+            dP = torch.bmm(dOi, vT[:, :, ks:ke])
+            dS = P.mul_(dP.to(acc).sub_(Di))  # P is dead after this: reuse its storage
             if leaf is not None:
-                grads = torch.autograd.grad(mod_out, [leaf, *params], dS, allow_unused=True)
-                dS = grads[0]
+                grads = torch.autograd.grad(mod_out, [leaf, *params], dS.view(mod_out.shape), allow_unused=True)
+                dS = grads[0].reshape(P.shape)
                 for t, g in zip(dparams, grads[1:]):
                     if g is not None:
                         t += g
-            dSm = dS.mul_(pb.scale).to(mmd).view(B, Hkv, G * n, mk)
-            dQi += torch.matmul(dSm, Kj)
-            dk[:, :, ks:ke] += torch.matmul(dSm.transpose(-1, -2), Qi)
-        dq[:, :, qs:qe] = dQi.view(B, H, n, D)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dparams
+            dSm = dS.mul_(pb.scale).to(mmd)
+            dQi += torch.bmm(dSm, kf[:, ks:ke])
+            dk[:, ks:ke] += torch.bmm(dSm.transpose(1, 2), Qi)
+        dq[:, :, qs:qe] = dQi.view(BH, G, n, D)
+    return (dq.view(B, H, Nq, D).to(q.dtype), dk.view(B, Hkv, Nk, D).to(k.dtype),
+            dv.view(B, Hkv, Nk, Dv).to(v.dtype), dparams)
 
 
 class _FlashFn(torch.autograd.Function):
@@ -203,15 +253,28 @@ def flash_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_o
     """
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    if block is None:
-        block = choose_tiles(q.dtype, D, B * H, q.device)
     if mask is not None and hasattr(mask, "plan"):
         block_mask = mask
         block = (mask.block_q, mask.block_k)
     elif mask is not None and Nq > 0 and Nk > 0:
-        block_mask = mask.block_mask(B, H, Nq, Nk, q_offset=q_offset, kv_offset=kv_offset, block=block)
+        block_mask = _pick_block_mask(mask, q.dtype, B, H, Nq, Nk, D, q_offset, kv_offset, block, q.device)
+        block = (block_mask.block_q, block_mask.block_k)
     else:
         block_mask = None
+        block = block or choose_tiles(q.dtype, D, B * H, q.device)
     params = list(score_mod.parameters()) if score_mod is not None and hasattr(score_mod, "parameters") else []
     pb = _Problem(block_mask, score_mod, params, scale, q_offset, kv_offset, B, H, Nq, Nk, *block)
     return _FlashFn.apply(pb, q, k, v, *params)
+
+
+def _pick_block_mask(mask, dtype, B, H, Nq, Nk, D, q_offset, kv_offset, block, device):
+    """The BlockMask for ``mask``: at ``block`` if given; else, when the mask classifies
+    cheaply, the candidate tiling with the lowest estimated cost."""
+    kw = dict(q_offset=q_offset, kv_offset=kv_offset)
+    if block is not None:
+        return mask.block_mask(B, H, Nq, Nk, block=block, **kw)
+    cands = tile_candidates(dtype, D, B * H, device)
+    if not getattr(mask, "cheap_classify", False):
+        return mask.block_mask(B, H, Nq, Nk, block=cands[0], **kw)
+    bms = [mask.block_mask(B, H, Nq, Nk, block=c, **kw) for c in cands]
+    return min(bms, key=lambda bm: bm.cost(B * H))

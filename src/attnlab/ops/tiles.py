@@ -32,3 +32,10 @@ def choose_tiles(dtype: torch.dtype, D: int, BH: int, device=None) -> tuple[int,
     bq = target // max(1, BH * bk)
     bq = 1 << max(5, min(10, bq.bit_length() - 1)) if bq > 0 else 32
     return bq, bk
+
+
+def tile_candidates(dtype: torch.dtype, D: int, BH: int, device=None) -> list[tuple[int, int]]:
+    """Tile sizes worth trying for a masked problem: the measured default and finer
+    kv-blocks, which skip more of a sparse mask (the BlockMask cost model picks)."""
+    bq, bk = choose_tiles(dtype, D, BH, device)
+    return [(bq, bk), (bq, max(64, bk // 2)), (max(32, bq // 2), max(64, bk // 4))]

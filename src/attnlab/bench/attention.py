@@ -1,0 +1,314 @@
+"""``attnlab bench attention``: attnlab's backends side by side with torch SDPA and
+FlexAttention (compiled) in one run.
+
+For every case it reports the median time of each backend, GFLOP/s counting only
+the unmasked work (forward ``4·D`` flops per allowed (q, k) pair with ``D = Dv``;
+forward+backward 3.5× that, FlashAttention's convention), the ratio to torch SDPA
+(with a dense boolean mask where the case has a mask), and the same-dtype
+``torch.matmul`` rate measured in the same run as the machine's ceiling.  Memory
+cases report the peak extra resident memory of forward and of forward+backward
+(see :mod:`attnlab.bench.measure`).  Absolute times on a shared 2-core machine are
+noise; read the ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+import attnlab
+from attnlab import masks
+from attnlab.bench.measure import memory_supported, peak_extra_bytes, time_call
+
+MiB = 1 << 20
+_DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Case:
+    name: str
+    mask: str  # full | causal | window256 | doc8 | prefix
+    B: int
+    H: int
+    Hkv: int
+    N: int
+    D: int
+    dtype: str
+    mode: str = "fwd"  # fwd | fwdbwd
+    memory_only: bool = False
+    quick: bool = True
+
+    @property
+    def shape(self):
+        return (self.B, self.H, self.N, self.D)
+
+
+def default_cases() -> list[Case]:
+    cs = []
+    for dt in ("float32", "bfloat16"):
+        for (B, H, N, D) in ((1, 8, 4096, 64), (1, 4, 8192, 128)):
+            for m in ("full", "causal"):
+                cs.append(Case(f"{m} {dt} ({B},{H},{N},{D})", m, B, H, H, N, D, dt, quick=(N == 4096)))
+    for m in ("window256", "doc8", "prefix"):
+        for dt in ("float32", "bfloat16"):
+            cs.append(Case(f"{m} {dt} (1,4,8192,64)", m, 1, 4, 4, 8192, 64, dt, quick=dt == "float32"))
+    for dt in ("float32", "bfloat16"):
+        cs.append(Case(f"GQA 8:2 causal {dt} (1,8,4096,64)", "causal", 1, 8, 2, 4096, 64, dt))
+    for m in ("causal", "window256"):
+        for dt in ("float32", "bfloat16"):
+            cs.append(Case(f"fwd+bwd {m} {dt} (1,8,2048,64)", m, 1, 8, 8, 2048, 64, dt, mode="fwdbwd",
+                           quick=dt == "float32"))
+    cs.append(Case("memory causal float32 (1,1,32768,64)", "causal", 1, 1, 1, 32768, 64, "float32",
+                   mode="fwdbwd", memory_only=True))
+    return cs
+
+
+def attnlab_mask(case: Case):
+    N = case.N
+    if case.mask == "full":
+        return None
+    if case.mask == "causal":
+        return masks.causal()
+    if case.mask == "window256":
+        return masks.sliding_window(256)
+    if case.mask == "doc8":
+        return masks.document(torch.arange(N) * 8 // N) & masks.causal()
+    if case.mask == "prefix":
+        return masks.prefix_lm(N // 4)
+    raise ValueError(case.mask)
+
+
+def flex_mask_mod(case: Case):
+    N = case.N
+    if case.mask == "causal":
+        return lambda b, h, q, kv: kv <= q
+    if case.mask == "window256":
+        return lambda b, h, q, kv: (kv <= q) & (q - kv < 256)
+    if case.mask == "doc8":
+        ids = torch.arange(N) * 8 // N
+        return lambda b, h, q, kv: (ids[q] == ids[kv]) & (kv <= q)
+    if case.mask == "prefix":
+        return lambda b, h, q, kv: (kv < N // 4) | (kv <= q)
+    return None
+
+
+def dense_bool_mask(case: Case):
+    m = attnlab_mask(case)
+    if m is None:
+        return None
+    idx = torch.arange(case.N)
+    return m(torch.tensor(0), torch.tensor(0), idx.view(-1, 1), idx.view(1, -1))
+
+
+def allowed_pairs(case: Case) -> int:
+    dm = dense_bool_mask(case)
+    per_head = case.N * case.N if dm is None else int(dm.sum())
+    return per_head * case.B * case.H
+
+
+def case_flops(case: Case) -> float:
+    f = 4.0 * case.D * allowed_pairs(case)
+    return f * 3.5 if case.mode == "fwdbwd" else f
+
+
+def matmul_rate(dtype: torch.dtype, n: int = 2048) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    t = time_call(lambda: torch.matmul(a, b), reps=5)
+    return 2.0 * n ** 3 / t / 1e9
+
+
+class _Runner:
+    """Builds the inputs of one case and a zero-argument callable per backend."""
+
+    def __init__(self, case: Case, seed: int = 0):
+        self.case = case
+        g = torch.Generator().manual_seed(seed)
+        dt = _DT[case.dtype]
+        B, H, Hkv, N, D = case.B, case.H, case.Hkv, case.N, case.D
+        grad = case.mode == "fwdbwd"
+        self.q = torch.randn(B, H, N, D, generator=g).to(dt).requires_grad_(grad)
+        self.k = torch.randn(B, Hkv, N, D, generator=g).to(dt).requires_grad_(grad)
+        self.v = torch.randn(B, Hkv, N, D, generator=g).to(dt).requires_grad_(grad)
+        self.dout = torch.randn(B, H, N, D, generator=g).to(dt) if grad else None
+        self.mask = attnlab_mask(case)
+        self.flex_compile_s = None
+        self._flex = None
+
+    def _run(self, f):
+        def go():
+            for t in (self.q, self.k, self.v):
+                t.grad = None
+            out = f()
+            if self.dout is not None:
+                out.backward(self.dout)
+                return out, self.q.grad, self.k.grad, self.v.grad
+            return out
+        if self.dout is None:
+            def nograd():
+                with torch.no_grad():
+                    return go()
+            return nograd
+        return go
+
+    def backends(self, with_flex: bool = True) -> dict:
+        c = self.case
+        q, k, v, mask = self.q, self.k, self.v, self.mask
+        gqa = c.H != c.Hkv
+        out = {
+            "attnlab auto": self._run(lambda: attnlab.attention(q, k, v, mask=mask)),
+            "attnlab flash": self._run(lambda: attnlab.attention(q, k, v, mask=mask, backend="flash")),
+        }
+        if c.mask in ("full", "causal"):
+            out["torch sdpa"] = self._run(lambda: F.scaled_dot_product_attention(
+                q, k, v, is_causal=c.mask == "causal", enable_gqa=gqa))
+        else:
+            dm = dense_bool_mask(c)
+            out["torch sdpa (dense mask)"] = self._run(lambda: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=dm, enable_gqa=gqa))
+        if with_flex and flex_available():
+            out["flex compiled"] = self._run(self._flex_call)
+        return out
+
+    def _flex_call(self):
+        if self._flex is None:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            c = self.case
+            mm = flex_mask_mod(c)
+            bm = None if mm is None else create_block_mask(mm, None, None, c.N, c.N, device="cpu")
+            fn = torch.compile(flex_attention, dynamic=False)
+            gqa = c.H != c.Hkv
+            self._flex = lambda: fn(self.q, self.k, self.v, block_mask=bm, enable_gqa=gqa)
+            t0 = time.perf_counter()
+            r = self._flex()
+            if self.dout is not None:
+                r.backward(self.dout)
+            self.flex_compile_s = time.perf_counter() - t0
+        return self._flex()
+
+
+_FLEX_OK = None
+
+
+def flex_available() -> bool:
+    """Compiled FlexAttention needs torch.compile's C++ backend (a working compiler)."""
+    global _FLEX_OK
+    if _FLEX_OK is None:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+            import shutil
+            _FLEX_OK = shutil.which("g++") is not None or shutil.which("c++") is not None
+        except Exception:  # pragma: no cover - torch without flex
+            _FLEX_OK = False
+    return _FLEX_OK
+
+
+def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    results = {"machine": _machine(), "cases": [], "matmul_gflops": {}}
+    for dt in sorted({c.dtype for c in cases}):
+        results["matmul_gflops"][dt] = matmul_rate(_DT[dt])
+    jobs = []
+    runners = {}
+    for c in cases:
+        r = _Runner(c)
+        runners[c.name] = r
+        names = ["attnlab auto", "attnlab flash", "torch sdpa"] if c.memory_only else list(r.backends(with_flex))
+        jobs += [(c, n) for n in names]
+    bar = tqdm(jobs, desc="bench attention", unit="run", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    by_case = {}
+    for c, name in bar:
+        bar.set_postfix_str(f"{c.name[:34]} | {name}")
+        r = runners[c.name]
+        fns = r.backends(with_flex)
+        fn = fns.get(name) or fns["torch sdpa (dense mask)"]
+        rec = {"backend": name}
+        try:
+            if c.memory_only:
+                rec["peak_extra_mib"] = peak_extra_bytes(fn) / MiB if memory_supported() else None
+                r_fwd = _Runner(Case(**{**asdict(c), "mode": "fwd"}))
+                fwd = r_fwd.backends(False)[name]
+                rec["peak_extra_fwd_mib"] = peak_extra_bytes(fwd) / MiB if memory_supported() else None
+                rec["seconds"] = time_call(fn, reps=1, warmup=0)
+            else:
+                rec["seconds"] = time_call(fn, reps=reps)
+                if name == "flex compiled":
+                    rec["compile_seconds"] = r.flex_compile_s
+        except Exception as e:  # a backend that cannot run this case is reported, not fatal
+            rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if name == "attnlab auto" and "error" not in rec:
+            rec["auto_choice"] = _auto_choice(r)
+        by_case.setdefault(c.name, (c, []))[1].append(rec)
+    for name, (c, recs) in by_case.items():
+        flops = case_flops(c)
+        anchor = next((x["seconds"] for x in recs if x["backend"].startswith("torch sdpa") and "seconds" in x), None)
+        ceil = results["matmul_gflops"][c.dtype]
+        for x in recs:
+            if "seconds" in x:
+                x["gflops"] = flops / x["seconds"] / 1e9
+                x["pct_of_matmul"] = 100.0 * x["gflops"] / ceil
+                x["vs_torch_sdpa"] = anchor / x["seconds"] if anchor else None
+        results["cases"].append({**asdict(c), "flops": flops, "density": allowed_pairs(c) / (c.B * c.H * c.N * c.N),
+                                 "results": recs})
+    return results
+
+
+def _auto_choice(r: _Runner) -> str:
+    from attnlab.ops.dispatch import _auto
+    c = r.case
+    with torch.set_grad_enabled(c.mode == "fwdbwd"):
+        return _auto(r.q, r.k, r.mask, None, c.N - c.N, 0, False)
+
+
+def _machine() -> dict:
+    return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu": torch.backends.cpu.get_cpu_capability(), "platform": platform.platform(),
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def format_table(res: dict) -> str:
+    lines = [f"torch {res['machine']['torch']}, {res['machine']['threads']} threads, {res['machine']['cpu']}, "
+             f"{res['machine']['date']}",
+             "matmul ceiling (GFLOP/s): " + ", ".join(f"{k} {v:.0f}" for k, v in res["matmul_gflops"].items()), ""]
+    hdr = f"{'case':<40} {'backend':<24} {'ms':>9} {'GFLOP/s':>8} {'%mm':>5} {'x sdpa':>7}  notes"
+    lines += [hdr, "-" * len(hdr)]
+    for c in res["cases"]:
+        for x in c["results"]:
+            notes = []
+            if x.get("auto_choice"):
+                notes.append(f"-> {x['auto_choice']}")
+            if x.get("compile_seconds") is not None:
+                notes.append(f"compile {x['compile_seconds']:.1f}s")
+            if x.get("peak_extra_mib") is not None:
+                notes.append(f"peak extra fwd {x['peak_extra_fwd_mib']:.1f} MiB, fwd+bwd {x['peak_extra_mib']:.1f} MiB")
+            if "error" in x:
+                lines.append(f"{c['name']:<40} {x['backend']:<24} {'-':>9} {'':>8} {'':>5} {'':>7}  {x['error']}")
+                continue
+            ratio = f"{x['vs_torch_sdpa']:.2f}" if x.get("vs_torch_sdpa") else "-"
+            lines.append(f"{c['name']:<40} {x['backend']:<24} {x['seconds'] * 1e3:>9.1f} {x['gflops']:>8.1f} "
+                         f"{x['pct_of_matmul']:>5.0f} {ratio:>7}  {'; '.join(notes)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None, quick: bool = False, json_path: str | None = None, reps: int = 3, flex: bool = True,
+         only: str | None = None) -> dict:
+    cases = default_cases()
+    if quick:
+        cases = [c for c in cases if c.quick]
+    if only:
+        cases = [c for c in cases if only in c.name]
+    res = run(cases, reps=reps, with_flex=flex)
+    print(format_table(res))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=1, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+        print(f"wrote {json_path}")
+    return res

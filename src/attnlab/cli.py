@@ -1,0 +1,46 @@
+"""The ``attnlab`` command.
+
+    attnlab bench attention [--quick] [--json PATH] [--reps N] [--no-flex] [--only TEXT]
+    attnlab bench tiles [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attnlab", description="attnlab: transformer attention, measured.")
+    sub = p.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="benchmarks, side by side with their anchors")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    a = bsub.add_parser("attention", help="attnlab backends vs torch SDPA and FlexAttention")
+    a.add_argument("--quick", action="store_true", help="a subset of the cases (about a third of the time)")
+    a.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    a.add_argument("--reps", type=int, default=3, help="timed repetitions per backend (median reported)")
+    a.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
+    a.add_argument("--only", metavar="TEXT", help="only the cases whose name contains TEXT")
+    t = bsub.add_parser("tiles", help="measure the flash backend's tile sizes per dtype and head dim")
+    t.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "bench" and args.bench == "attention":
+        if args.reps < 1:
+            print("attnlab bench attention: --reps must be >= 1", file=sys.stderr)
+            return 2
+        from attnlab.bench import attention
+        attention.main(quick=args.quick, json_path=args.json, reps=args.reps, flex=not args.no_flex, only=args.only)
+        return 0
+    if args.command == "bench" and args.bench == "tiles":
+        from attnlab.bench import tiles
+        tiles.main(json_path=args.json)
+        return 0
+    return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+if __name__ == "__main__":
+    sys.exit(main())
