@@ -104,7 +104,7 @@ def dense_bool_mask(case: Case):
     if m is None:
         return None
     idx = torch.arange(case.N)
-    return m(torch.tensor(0), torch.tensor(0), idx.view(-1, 1), idx.view(1, -1))
+    return m(torch.tensor(0), torch.tensor(0), idx.view(-1, 1), idx.view(1, -1)).reshape(case.N, case.N)
 
 
 def allowed_pairs(case: Case) -> int:

@@ -1,0 +1,72 @@
+"""The benchmark machinery: measurement helpers and one tiny case end to end."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attnlab.bench import attention as bench
+from attnlab.bench.measure import memory_supported, peak_extra_bytes, time_call
+from attnlab.cli import main
+
+MiB = 1 << 20
+
+
+@pytest.mark.skipif(not memory_supported(), reason="needs /proc/self/clear_refs (Linux)")
+def test_peak_extra_sees_a_transient_allocation_and_not_an_old_one():
+    keep = torch.ones(32 * MiB // 4)  # allocated before: must not count
+    extra = peak_extra_bytes(lambda: torch.ones(64 * MiB // 4).sum())  # 64 MiB, freed inside
+    assert 60 * MiB <= extra <= 100 * MiB
+    small = peak_extra_bytes(lambda: torch.ones(1024).sum())
+    assert small < 8 * MiB
+    del keep
+
+
+def test_time_call_is_a_median_of_positive_times():
+    calls = []
+    t = time_call(lambda: calls.append(1), reps=5, warmup=2)
+    assert t >= 0 and len(calls) == 7
+
+
+def test_tiny_case_end_to_end_reports_ratios_and_auto_choice():
+    cases = [bench.Case("tiny window", "window256", 1, 2, 1, 512, 32, "float32"),
+             bench.Case("tiny causal fwd+bwd", "causal", 1, 2, 2, 256, 16, "float32", mode="fwdbwd")]
+    res = bench.run(cases, reps=1, with_flex=False, progress=False)
+    assert set(res["matmul_gflops"]) == {"float32"}
+    assert res["matmul_gflops"]["float32"] > 0
+    win, cz = res["cases"]
+    names = [r["backend"] for r in win["results"]]
+    assert names == ["attnlab auto", "attnlab flash", "torch sdpa (dense mask)"]
+    # window 256 over 512 keys: exactly sum_{i<512} min(i+1, 256) allowed pairs per head
+    expect = sum(min(i + 1, 256) for i in range(512)) / 512 ** 2
+    assert win["density"] == pytest.approx(expect)
+    for r in win["results"] + cz["results"]:
+        assert r["seconds"] > 0 and r["gflops"] > 0 and r["vs_torch_sdpa"] > 0
+    auto = next(r for r in cz["results"] if r["backend"] == "attnlab auto")
+    assert auto["auto_choice"] == "sdpa"  # float32 causal Nq == Nk maps onto SDPA
+    text = bench.format_table(res)
+    assert "tiny window" in text and "x sdpa" in text
+    json.dumps(res, default=str)
+
+
+def test_dense_mask_matches_the_attnlab_predicate():
+    c = bench.Case("doc", "doc8", 1, 1, 1, 64, 8, "float32")
+    dm = bench.dense_bool_mask(c)
+    ids = torch.arange(64) * 8 // 64
+    i = torch.arange(64)
+    assert torch.equal(dm, (ids[:, None] == ids[None, :]) & (i[None, :] <= i[:, None]))
+
+
+def test_cli_rejects_bad_reps_and_unknown_commands(capsys):
+    assert main(["bench", "attention", "--reps", "0"]) == 2
+    assert "--reps" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "nonsense"])
+
+
+def test_console_script_is_installed_and_prints_help():
+    out = subprocess.run([sys.executable, "-m", "attnlab.cli", "bench", "attention", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "--json" in out and "--quick" in out
