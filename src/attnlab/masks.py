@@ -354,7 +354,8 @@ class _Document(Mask):
         return qi == ki
 
     def validate(self, B, H, Nq, Nk, q_offset, kv_offset):
-        for name, ids, lo, n in (("q_ids", self.q_ids, q_offset, Nq), ("kv_ids", self.kv_ids, kv_offset, Nk)):
+        kv_name = "ids" if self.kv_ids is self.q_ids else "kv_ids"
+        for name, ids, lo, n in (("ids", self.q_ids, q_offset, Nq), (kv_name, self.kv_ids, kv_offset, Nk)):
             if ids.shape[0] not in (1, B):
                 raise ValueError(f"document({name}): batch dim {ids.shape[0]} does not match B={B}")
             if n and (lo < 0 or lo + n > ids.shape[-1]):
@@ -382,8 +383,9 @@ def document(ids, kv_ids=None) -> Mask:
     position**; with ``kv_ids`` given, ``ids`` are the queries' and ``kv_ids`` the
     keys' (cross attention between two packings).  Combine with ``causal()`` for
     packed causal training: ``document(ids) & causal()``.
-    Tiles are classified from per-tile min/max ids: exact when each document is
-    contiguous, conservative (partial) otherwise.
+    Tiles are classified from per-tile min/max ids: exact when the ids are
+    non-decreasing along the sequence (the usual packing), conservative (partial,
+    still correct) otherwise.
     """
     q = _ids_tensor(ids, "document(ids)")
     k = q if kv_ids is None else _ids_tensor(kv_ids, "document(kv_ids)")
@@ -405,9 +407,6 @@ class _Padding(Mask):
     def validate(self, B, H, Nq, Nk, q_offset, kv_offset):
         if self.lengths.shape[0] != B:
             raise ValueError(f"padding(kv_lengths): got {self.lengths.shape[0]} lengths for batch size B={B}")
-        if (self.lengths > kv_offset + Nk).any():
-            raise ValueError(f"padding(kv_lengths): a length {int(self.lengths.max())} exceeds the "
-                             f"{kv_offset + Nk} key positions")
 
     def classify(self, B, H, ql, qh, kl, kh):
         L = self._len()
@@ -420,7 +419,9 @@ class _Padding(Mask):
 def padding(kv_lengths) -> Mask:
     """Right padding: batch element ``b`` may attend keys at positions ``< kv_lengths[b]``.
 
-    Rows whose every key is padding are fully masked: output 0, LSE ``-inf``.
+    Rows whose every key is padding are fully masked: output 0, LSE ``-inf``.  A
+    length may exceed the keys of one call (a KV shard or a split of the cache sees
+    only part of the sequence).
     """
     t = torch.as_tensor(kv_lengths)
     if t.dtype.is_floating_point or t.dtype == torch.bool:
@@ -438,6 +439,8 @@ class _Tree(Mask):
 
     def predicate(self, b, h, q, kv):
         T, P = self.anc.shape[0], self.prefix_len
+        if T == 0:
+            return kv <= q
         qt, kt = q - P, kv - P
         in_tree = (qt >= 0) & (kt >= 0)
         a = self.anc[qt.clamp(0, T - 1), kt.clamp(0, T - 1)]
@@ -462,6 +465,8 @@ def tree(parents, prefix_len: int = 0) -> Mask:
     before ``prefix_len`` are causal.  Tiles are classified by evaluation (exact).
     """
     p = torch.as_tensor(parents)
+    if p.numel() == 0 and p.dim() == 1:
+        p = p.long()  # an empty tree: only the causal prefix
     if p.dtype.is_floating_point or p.dim() != 1:
         raise ValueError(f"tree(parents): expected a 1-D integer tensor, got {p.dtype} {tuple(p.shape)}")
     _nonneg_int(prefix_len, "tree(prefix_len)")

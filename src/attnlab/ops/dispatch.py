@@ -84,16 +84,17 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
         if hasattr(score_mod, "validate"):
             score_mod.validate(B, H)
 
-    if backend == "auto":
-        backend = _auto(q, k, mask, score_mod, q_offset, kv_offset, return_lse)
-    if Nq == 0 or Nk == 0:
-        backend = "flash"  # every backend's answer for empty problems: out 0, lse -inf
-    kw = dict(mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset)
     if backend == "sdpa":
         why = sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse)
         if why is not None:
             raise ValueError(f"backend='sdpa': this request does not map onto torch SDPA ({why}); "
                              "use backend='flash' or 'auto'")
+    elif backend == "auto":
+        backend = _auto(q, k, mask, score_mod, q_offset, kv_offset, return_lse)
+    if Nq == 0 or Nk == 0:
+        backend = "flash"  # every backend's answer for empty problems: out 0, lse -inf
+    kw = dict(mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset)
+    if backend == "sdpa":
         return sdpa_attention(q, k, v, **kw)
     if backend == "reference":
         if hasattr(mask, "plan"):  # a BlockMask: the reference reads its predicate

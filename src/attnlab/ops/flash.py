@@ -26,8 +26,7 @@ from attnlab.ops.reference import acc_dtype
 from attnlab.ops.tiles import choose_tiles, tile_candidates
 
 _NEG_INF = float("-inf")
-LOG2E = 1.4426950408889634  # log2(e): the kernel keeps its row statistics in base 2
-LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x·log2 e), and exp2 is the cheaper kernel
 
 
 def _mm_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -80,26 +79,26 @@ def _fast(pb, needs_mask) -> bool:
     return pb.score_mod is None and not needs_mask and pb.scale > 0
 
 
-def _exp2_shifted_fast(pb, X, shift2):
-    """``2^(log2e·scale·X − shift2)`` = ``exp(scale·X − shift2·ln 2)``, in place on X (acc dtype).
+def _exp_shifted_fast(pb, X, shift):
+    """``exp(scale·X − shift)`` in place on X (acc dtype), no mask and no mod.
 
-    One fused scale-and-shift pass plus exp2, which is ~3x cheaper than exp on CPU.
+    One fused scale-and-shift pass, then ``2^(log2e·x)``: exp2 is ~3x cheaper than exp
+    in torch on CPU.  The shift is subtracted in natural units *before* the change of
+    base, so large scores lose no more precision than the reference's ``exp(s − m)``.
     """
-    return torch.add(shift2.neg(), X, alpha=pb.scale * LOG2E, out=X).exp2_()
+    return torch.add(shift.neg(), X, alpha=pb.scale, out=X).mul_(LOG2E).exp2_()
 
 
 def _score_tile(pb, S, b, h, qs, qe, ks, ke, needs_mask, acc, B, H, with_grad=False):
-    """The exact score tile ``mask(mod(scale · S))``, times log2(e) (base 2), as
-    ``(B*Hkv, G*n, m)`` in ``acc``; ``S`` is the raw ``Q_i K_jᵀ`` tile, already in
-    ``acc`` and consumed (overwritten).
+    """The exact score tile ``mask(mod(scale · S))`` as ``(B*Hkv, G*n, m)`` in ``acc``;
+    ``S`` is the raw ``Q_i K_jᵀ`` tile, already in ``acc`` and consumed (overwritten).
 
     Returns ``(X, leaf, mod_out)``; with ``with_grad`` the score mod runs under
     autograd and ``leaf``/``mod_out`` carry its graph.
     """
     n, m = qe - qs, ke - ks
     leaf = mod_out = None
-    # without a score mod, fold log2(e) into the scale: one pass instead of two
-    X = S.mul_(pb.scale if pb.score_mod is not None else pb.scale * LOG2E)
+    X = S.mul_(pb.scale)
     X4 = X.view(B, H, n, m)
     dev = X.device
     qp = (torch.arange(qs, qe, device=dev) + pb.q_offset).view(1, 1, n, 1)
@@ -115,7 +114,7 @@ def _score_tile(pb, S, b, h, qs, qe, ks, ke, needs_mask, acc, B, H, with_grad=Fa
         if not isinstance(Y, torch.Tensor) or Y.shape != (B, H, n, m):
             raise ValueError(f"score_mod: returned {tuple(getattr(Y, 'shape', ()))} for a score tile of shape "
                              f"{(B, H, n, m)}; a score mod must be elementwise")
-        X4 = (Y.to(acc) if Y.dtype != acc else Y).mul_(LOG2E)
+        X4 = Y.to(acc) if Y.dtype != acc else Y
     if needs_mask:
         X4 = X4.masked_fill_(~pb.mask(b, h, qp, kp), _NEG_INF)
     return X4.reshape(S.shape), leaf, mod_out
@@ -149,22 +148,22 @@ def _forward(pb: _Problem, q, k, v):
             S = torch.bmm(Qi, kT[:, :, ks:ke])
             X = S.to(acc) if S.dtype != acc else S
             if _fast(pb, needs_mask):
-                m_new = torch.maximum(m, X.amax(-1, keepdim=True).mul_(pb.scale * LOG2E))
+                m_new = torch.maximum(m, X.amax(-1, keepdim=True).mul_(pb.scale))
                 m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
-                P = _exp2_shifted_fast(pb, X, m_safe)
+                P = _exp_shifted_fast(pb, X, m_safe)
             else:
                 X, _, _ = _score_tile(pb, X, b, h, qs, qe, ks, ke, needs_mask, acc, B, H)
                 m_new = torch.maximum(m, X.amax(-1, keepdim=True))
                 m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
-                P = X.sub_(m_safe).exp2_()
-            alpha = torch.exp2(m - m_safe)
+                P = X.sub_(m_safe).mul_(LOG2E).exp2_()
+            alpha = torch.exp(m - m_safe)
             l.mul_(alpha).add_(P.sum(-1, keepdim=True))
             o.mul_(alpha).add_(torch.bmm(P.to(mmd), vf[:, ks:ke]))
             m = m_new
         empty = l == 0
         l_safe = l.masked_fill(empty, 1.0)
         outf[:, :, qs:qe] = (o / l_safe).view(BH, G, n, Dv).to(q.dtype)
-        lse_i = torch.where(empty, torch.full_like(l, _NEG_INF), m * LN2 + torch.log(l_safe))
+        lse_i = torch.where(empty, torch.full_like(l, _NEG_INF), m + torch.log(l_safe))
         lsef[:, :, qs:qe] = lse_i.view(BH, G, n)
     return out, lse
 
@@ -196,7 +195,7 @@ def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params):
         n = qe - qs
         Qi, dOi = _rows(qf, qs, qe, mmd), _rows(dof, qs, qe, mmd)
         L = lsef[:, :, qs:qe].reshape(BH, G * n, 1)
-        L2 = L.masked_fill(L == _NEG_INF, 0.0) * LOG2E  # base-2 LSE
+        L_safe = L.masked_fill(L == _NEG_INF, 0.0)
         Di = deltaf[:, :, qs:qe].reshape(BH, G * n, 1)
         dQi = torch.zeros(BH, G * n, D, dtype=acc, device=q.device)
         for j, needs_mask in row:
@@ -205,11 +204,11 @@ def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params):
             X = S.to(acc) if S.dtype != acc else S
             leaf = None
             if _fast(pb, needs_mask):
-                P = _exp2_shifted_fast(pb, X, L2)
+                P = _exp_shifted_fast(pb, X, L_safe)
             else:
                 X, leaf, mod_out = _score_tile(pb, X, b, h, qs, qe, ks, ke, needs_mask, acc, B, H,
                                                with_grad=pb.score_mod is not None)
-                P = X.sub_(L2).exp2_()
+                P = X.sub_(L_safe).mul_(LOG2E).exp2_()
             dv[:, ks:ke] += torch.bmm(P.to(mmd).transpose(1, 2), dOi)
             dP = torch.bmm(dOi, vT[:, :, ks:ke])
             dS = P.mul_(dP.to(acc).sub_(Di))  # P is dead after this: reuse its storage
@@ -262,7 +261,11 @@ def flash_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_o
     else:
         block_mask = None
         block = block or choose_tiles(q.dtype, D, B * H, q.device)
-    params = list(score_mod.parameters()) if score_mod is not None and hasattr(score_mod, "parameters") else []
+    params = []
+    if score_mod is not None and hasattr(score_mod, "parameters"):
+        for p in score_mod.parameters():  # a tensor listed twice must get its gradient once
+            if not any(p is x for x in params):
+                params.append(p)
     pb = _Problem(block_mask, score_mod, params, scale, q_offset, kv_offset, B, H, Nq, Nk, *block)
     return _FlashFn.apply(pb, q, k, v, *params)
 

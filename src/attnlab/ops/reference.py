@@ -42,7 +42,11 @@ def reference_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, 
     s = torch.matmul(q, kr.transpose(-1, -2)).to(acc) * scale
     b, h, qp, kp = index_grids(B, H, Nq, Nk, q_offset, kv_offset, q.device)
     if score_mod is not None:
+        shape = s.shape
         s = score_mod(s, b, h, qp, kp)
+        if not isinstance(s, torch.Tensor) or s.shape != shape:
+            raise ValueError(f"score_mod: returned {tuple(getattr(s, 'shape', ()))} for a score matrix of shape "
+                             f"{tuple(shape)}; a score mod must be elementwise")
     if mask is not None:
         allowed = torch.as_tensor(mask(b, h, qp, kp), device=q.device)
         s = s.masked_fill(~allowed, float("-inf"))

@@ -17,13 +17,13 @@ def is_causal_mask(mask) -> bool:
 
 
 def sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse) -> str | None:
-    """``None`` if the request maps onto SDPA exactly, else the reason it does not."""
+    """``None`` if the request maps onto SDPA exactly, else the reason it does not.
+
+    (Empty problems, ``Nq = 0`` or ``Nk = 0``, are answered before any backend runs.)"""
     if score_mod is not None:
         return "SDPA takes no score_mod"
     if return_lse:
         return "SDPA returns no LSE"
-    if q.shape[2] == 0 or k.shape[2] == 0:
-        return "SDPA gives NaN on empty sequences"
     if mask is not None:
         if not is_causal_mask(mask):
             return f"SDPA maps only no mask or causal(), got {mask!r}"
