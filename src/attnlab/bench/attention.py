@@ -241,6 +241,9 @@ def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool
                 rec["seconds"] = time_call(fn, reps=reps)
                 if name == "flex compiled":
                     rec["compile_seconds"] = r.flex_compile_s
+                if memory_supported():  # already warm from the timing runs
+                    key = "peak_extra_mib" if c.mode == "fwdbwd" else "peak_extra_fwd_mib"
+                    rec[key] = peak_extra_bytes(fn, warmup=False) / MiB
         except Exception as e:  # a backend that cannot run this case is reported, not fatal
             rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         if name == "attnlab auto" and "error" not in rec:
@@ -286,8 +289,10 @@ def format_table(res: dict) -> str:
                 notes.append(f"-> {x['auto_choice']}")
             if x.get("compile_seconds") is not None:
                 notes.append(f"compile {x['compile_seconds']:.1f}s")
+            if x.get("peak_extra_fwd_mib") is not None:
+                notes.append(f"peak extra fwd {x['peak_extra_fwd_mib']:.1f} MiB")
             if x.get("peak_extra_mib") is not None:
-                notes.append(f"peak extra fwd {x['peak_extra_fwd_mib']:.1f} MiB, fwd+bwd {x['peak_extra_mib']:.1f} MiB")
+                notes.append(f"peak extra fwd+bwd {x['peak_extra_mib']:.1f} MiB")
             if "error" in x:
                 lines.append(f"{c['name']:<40} {x['backend']:<24} {'-':>9} {'':>8} {'':>5} {'':>7}  {x['error']}")
                 continue

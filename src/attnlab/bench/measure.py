@@ -3,8 +3,8 @@
 Time: median of ``reps`` runs after one warm-up, wall clock (``perf_counter``).
 Memory: the kernel's own high-water mark of the process's resident set (``VmHWM``),
 reset before the measured call through ``/proc/self/clear_refs`` and read after it;
-"extra" is the peak minus the resident set just before the call.  glibc's dynamic
-mmap threshold is pinned so that large buffers come from and return to the OS.
+"extra" is the peak minus the resident set just before the call, after
+``malloc_trim`` has returned the allocator's free memory to the OS.
 """
 
 from __future__ import annotations
@@ -15,11 +15,17 @@ import statistics
 import time
 from typing import Callable
 
-_M_MMAP_THRESHOLD = -3
 try:
-    ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 16)
+    _LIBC = ctypes.CDLL("libc.so.6")
 except OSError:  # not glibc: measurements still work, less tightly
-    pass
+    _LIBC = None
+
+
+def _trim() -> None:
+    """Give the allocator's free memory back to the OS, so the baseline RSS is honest
+    (memory freed earlier but kept by malloc would otherwise absorb new allocations)."""
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
 
 
 def time_call(fn: Callable[[], object], reps: int = 3, warmup: int = 1, budget_s: float | None = None) -> float:
@@ -55,12 +61,17 @@ def memory_supported() -> bool:
         return False
 
 
-def peak_extra_bytes(fn: Callable[[], object]) -> int:
+def peak_extra_bytes(fn: Callable[[], object], warmup: bool = True) -> int:
     """Peak resident memory ``fn()`` adds above what the process held before it (bytes).
 
     Whatever ``fn`` returns is kept alive until the peak is read, so outputs count.
+    ``warmup`` runs ``fn`` once first, so that one-time costs (thread pools, BLAS
+    workspaces, lazily built tables) are not charged to the measured call.
     """
+    if warmup:
+        fn()
     gc.collect()
+    _trim()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     before = _status_kb("VmRSS")

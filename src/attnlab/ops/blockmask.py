@@ -43,6 +43,12 @@ class BlockMask:
     block_q: int
     block_k: int
     _plan: list | None = field(default=None, repr=False)
+    _tiles: dict = field(default_factory=dict, repr=False)
+    _tile_bytes: int = field(default=0, repr=False)
+
+    #: Evaluated partial tiles are kept (forward, backward and later calls reuse them)
+    #: up to this many bytes per BlockMask; beyond it they are evaluated each time.
+    TILE_CACHE_BYTES = 32 << 20
 
     @property
     def n_q_blocks(self) -> int:
@@ -68,6 +74,21 @@ class BlockMask:
                 plan.append([(j, not bool(allfull[i, j])) for j in js])
             self._plan = plan
         return self._plan
+
+    def masked_out(self, b: torch.Tensor, h: torch.Tensor, qs: int, qe: int, ks: int, ke: int) -> torch.Tensor:
+        """``~mask`` on the tile of rows ``qs:qe`` and columns ``ks:ke`` (True = masked out),
+        broadcastable to ``(B, H, qe-qs, ke-ks)``; cached within ``TILE_CACHE_BYTES``."""
+        dev = b.device
+        key = (qs, qe, ks, ke, str(dev))
+        t = self._tiles.get(key)
+        if t is None:
+            qp = (torch.arange(qs, qe, device=dev) + self.q_offset).view(1, 1, -1, 1)
+            kp = (torch.arange(ks, ke, device=dev) + self.kv_offset).view(1, 1, 1, -1)
+            t = ~torch.as_tensor(self.mask(b, h, qp, kp), dtype=torch.bool, device=dev)
+            if self._tile_bytes + t.numel() <= self.TILE_CACHE_BYTES:
+                self._tiles[key] = t
+                self._tile_bytes += t.numel()
+        return t
 
     def density(self) -> float:
         """Fraction of tiles visited (1.0 = dense)."""

@@ -116,8 +116,48 @@ def _score_tile(pb, S, b, h, qs, qe, ks, ke, needs_mask, acc, B, H, with_grad=Fa
                              f"{(B, H, n, m)}; a score mod must be elementwise")
         X4 = Y.to(acc) if Y.dtype != acc else Y
     if needs_mask:
-        X4 = X4.masked_fill_(~pb.mask(b, h, qp, kp), _NEG_INF)
+        X4 = X4.masked_fill_(pb.block_mask.masked_out(b, h, qs, qe, ks, ke), _NEG_INF)
     return X4.reshape(S.shape), leaf, mod_out
+
+
+def _forward_row(pb, i, qf, kT, vf, outf, lsef, b, h, Nq, Nk, acc, mmd, B, H):
+    """One q-block row of the forward: online softmax over its visited kv-blocks."""
+    BH, G, _, _ = qf.shape
+    Dv = vf.shape[-1]
+    row = pb.plan[i]
+    qs, qe = i * pb.bq, min(Nq, (i + 1) * pb.bq)
+    n = qe - qs
+    if not row:
+        outf[:, :, qs:qe] = 0
+        lsef[:, :, qs:qe] = _NEG_INF
+        return
+    dev = qf.device
+    Qi = _rows(qf, qs, qe, mmd)
+    m = torch.full((BH, G * n, 1), _NEG_INF, dtype=acc, device=dev)
+    l = torch.zeros((BH, G * n, 1), dtype=acc, device=dev)
+    o = torch.zeros((BH, G * n, Dv), dtype=acc, device=dev)
+    for j, needs_mask in row:
+        ks, ke = j * pb.bk, min(Nk, (j + 1) * pb.bk)
+        S = torch.bmm(Qi, kT[:, :, ks:ke])
+        X = S.to(acc) if S.dtype != acc else S
+        if _fast(pb, needs_mask):
+            m_new = torch.maximum(m, X.amax(-1, keepdim=True).mul_(pb.scale))
+            m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
+            P = _exp_shifted_fast(pb, X, m_safe)
+        else:
+            X, _, _ = _score_tile(pb, X, b, h, qs, qe, ks, ke, needs_mask, acc, B, H)
+            m_new = torch.maximum(m, X.amax(-1, keepdim=True))
+            m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
+            P = X.sub_(m_safe).mul_(LOG2E).exp2_()
+        alpha = torch.exp(m - m_safe)
+        l.mul_(alpha).add_(P.sum(-1, keepdim=True))
+        o.mul_(alpha).add_(torch.bmm(P.to(mmd), vf[:, ks:ke]))
+        m = m_new
+    empty = l == 0
+    l_safe = l.masked_fill(empty, 1.0)
+    outf[:, :, qs:qe] = (o / l_safe).view(BH, G, n, Dv).to(outf.dtype)
+    lse_i = torch.where(empty, torch.full_like(l, _NEG_INF), m + torch.log(l_safe))
+    lsef[:, :, qs:qe] = lse_i.view(BH, G, n)
 
 
 def _forward(pb: _Problem, q, k, v):
@@ -132,39 +172,8 @@ def _forward(pb: _Problem, q, k, v):
     lse = torch.empty(B, H, Nq, dtype=acc, device=q.device)
     outf, lsef = out.view(BH, G, Nq, Dv), lse.view(BH, G, Nq)
     b, h = pb.grids(B, H, q.device)
-    for i, row in enumerate(pb.plan):
-        qs, qe = i * pb.bq, min(Nq, (i + 1) * pb.bq)
-        n = qe - qs
-        if not row:
-            outf[:, :, qs:qe] = 0
-            lsef[:, :, qs:qe] = _NEG_INF
-            continue
-        Qi = _rows(qf, qs, qe, mmd)
-        m = torch.full((BH, G * n, 1), _NEG_INF, dtype=acc, device=q.device)
-        l = torch.zeros((BH, G * n, 1), dtype=acc, device=q.device)
-        o = torch.zeros((BH, G * n, Dv), dtype=acc, device=q.device)
-        for j, needs_mask in row:
-            ks, ke = j * pb.bk, min(Nk, (j + 1) * pb.bk)
-            S = torch.bmm(Qi, kT[:, :, ks:ke])
-            X = S.to(acc) if S.dtype != acc else S
-            if _fast(pb, needs_mask):
-                m_new = torch.maximum(m, X.amax(-1, keepdim=True).mul_(pb.scale))
-                m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
-                P = _exp_shifted_fast(pb, X, m_safe)
-            else:
-                X, _, _ = _score_tile(pb, X, b, h, qs, qe, ks, ke, needs_mask, acc, B, H)
-                m_new = torch.maximum(m, X.amax(-1, keepdim=True))
-                m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
-                P = X.sub_(m_safe).mul_(LOG2E).exp2_()
-            alpha = torch.exp(m - m_safe)
-            l.mul_(alpha).add_(P.sum(-1, keepdim=True))
-            o.mul_(alpha).add_(torch.bmm(P.to(mmd), vf[:, ks:ke]))
-            m = m_new
-        empty = l == 0
-        l_safe = l.masked_fill(empty, 1.0)
-        outf[:, :, qs:qe] = (o / l_safe).view(BH, G, n, Dv).to(q.dtype)
-        lse_i = torch.where(empty, torch.full_like(l, _NEG_INF), m + torch.log(l_safe))
-        lsef[:, :, qs:qe] = lse_i.view(BH, G, n)
+    for i in range(len(pb.plan)):
+        _forward_row(pb, i, qf, kT, vf, outf, lsef, b, h, Nq, Nk, acc, mmd, B, H)
     return out, lse
 
 

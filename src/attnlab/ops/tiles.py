@@ -38,4 +38,9 @@ def tile_candidates(dtype: torch.dtype, D: int, BH: int, device=None) -> list[tu
     """Tile sizes worth trying for a masked problem: the measured default and finer
     kv-blocks, which skip more of a sparse mask (the BlockMask cost model picks)."""
     bq, bk = choose_tiles(dtype, D, BH, device)
-    return [(bq, bk), (bq, max(64, bk // 2)), (max(32, bq // 2), max(64, bk // 4))]
+    out = [(bq, bk)]
+    for cq in sorted({bq, min(bq, 256), min(bq, 128)}, reverse=True):
+        for ck in (bk, 256, 128):
+            if ck <= bk and (cq, ck) not in out:
+                out.append((cq, ck))
+    return out
