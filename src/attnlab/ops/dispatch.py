@@ -105,13 +105,17 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
     return (out, lse) if return_lse else out
 
 
-# Measured choice (docs/benchmarks.md, `attnlab bench attention`): torch SDPA wins
-# for float32/float64 wherever it applies; the flash path's bfloat16 matmuls make it
-# faster than SDPA's bfloat16 kernel on CPU for the forward pass.
+# Measured choice (docs/benchmarks.md, `attnlab bench attention`, 2 threads): torch SDPA
+# wins for float32/float64/float16 wherever it applies.  For bfloat16 the flash path's
+# bf16 matmuls beat SDPA's kernel on CPU: forward 1.06x at D=64 and 1.44x at D=128;
+# forward+backward 0.96x at D=64 (so SDPA keeps it) and 1.10x at D=128.
+_BF16_FLASH_MIN_D = {False: 64, True: 128}  # keyed by "needs a backward"
+
+
 def _auto(q, k, mask, score_mod, q_offset, kv_offset, return_lse) -> str:
     if sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse) is None:
         wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-        if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not wants_grad and q.shape[-1] >= 64:
+        if q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-1] >= _BF16_FLASH_MIN_D[wants_grad]:
             return "flash"
         return "sdpa"
     return "flash"
