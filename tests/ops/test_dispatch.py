@@ -1,0 +1,49 @@
+"""`auto`'s choice follows the measured policy (docs/benchmarks.md), and every explicit
+backend is reachable by name."""
+
+import pytest
+import torch
+
+import attnlab
+from attnlab import masks, scores
+from attnlab.ops.dispatch import _auto
+
+
+def _qk(dtype, D, Nq=8, Nk=8, grad=False):
+    q = torch.randn(1, 2, Nq, D, dtype=dtype, requires_grad=grad)
+    k = torch.randn(1, 2, Nk, D, dtype=dtype, requires_grad=grad)
+    return q, k
+
+
+@pytest.mark.parametrize("dtype, D, grad, mask, want", [
+    (torch.float32, 64, False, None, "sdpa"),
+    (torch.float32, 64, True, "causal", "sdpa"),
+    (torch.float64, 32, False, None, "sdpa"),
+    (torch.bfloat16, 64, False, "causal", "flash"),    # fwd: flash 1.06x SDPA at D=64
+    (torch.bfloat16, 64, True, "causal", "sdpa"),      # fwd+bwd: 0.96x at D=64
+    (torch.bfloat16, 128, True, None, "flash"),        # fwd+bwd: 1.10x at D=128
+    (torch.bfloat16, 32, False, None, "sdpa"),         # unmeasured: keep torch's kernel
+    (torch.float32, 64, False, "window", "flash"),     # SDPA would need a dense mask
+])
+def test_auto_policy(dtype, D, grad, mask, want):
+    q, k = _qk(dtype, D, grad=grad)
+    m = {None: None, "causal": masks.causal(), "window": masks.sliding_window(4)}[mask]
+    assert _auto(q, k, m, None, 0, 0, False) == want
+
+
+def test_auto_never_picks_sdpa_when_it_would_mean_something_else():
+    q, k = _qk(torch.float32, 16, Nq=3, Nk=8)
+    assert _auto(q, k, masks.causal(), None, 5, 0, False) == "flash"  # bottom-right causal
+    assert _auto(q, k, None, scores.softcap(5.0), 5, 0, False) == "flash"
+    assert _auto(q, k, None, None, 5, 0, True) == "flash"  # LSE wanted
+
+
+def test_auto_results_equal_the_reference_on_each_branch():
+    for dtype, D, mask in ((torch.float32, 16, masks.causal()), (torch.float32, 16, masks.sliding_window(3)),
+                           (torch.float64, 8, None)):
+        q = torch.randn(1, 2, 9, D, dtype=dtype)
+        k = torch.randn(1, 2, 9, D, dtype=dtype)
+        v = torch.randn(1, 2, 9, D, dtype=dtype)
+        a = attnlab.attention(q, k, v, mask=mask)
+        r = attnlab.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
+        assert (a.double() - r).abs().max() < 1e-5
