@@ -1,6 +1,6 @@
 """The ``attnlab`` command.
 
-    attnlab bench attention [--quick] [--json PATH] [--reps N] [--no-flex] [--only TEXT]
+    attnlab bench attention [--quick] [--json PATH] [--reps N] [--no-flex] [--no-memory] [--only TEXT]
     attnlab bench tiles [--json PATH]
 """
 
@@ -21,6 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--reps", type=int, default=3, help="timed repetitions per backend (median reported)")
     a.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
     a.add_argument("--only", metavar="TEXT", help="only the cases whose name contains TEXT")
+    a.add_argument("--no-memory", action="store_true", help="skip the per-backend memory probes")
     t = bsub.add_parser("tiles", help="measure the flash backend's tile sizes per dtype and head dim")
     t.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return p
@@ -33,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
             print("attnlab bench attention: --reps must be >= 1", file=sys.stderr)
             return 2
         from attnlab.bench import attention
-        attention.main(quick=args.quick, json_path=args.json, reps=args.reps, flex=not args.no_flex, only=args.only)
+        attention.main(quick=args.quick, json_path=args.json, reps=args.reps, flex=not args.no_flex, only=args.only,
+                       memory=not args.no_memory)
         return 0
     if args.command == "bench" and args.bench == "tiles":
         from attnlab.bench import tiles

@@ -43,7 +43,7 @@ __all__ = [
     "tree", "sink_window", "custom",
 ]
 
-_CACHE_SIZE = 8
+_CACHE_SIZE = 16  # BlockMasks kept per mask (the flash backend tries up to 9 tilings)
 # Chunk (in elements) used when a predicate must be evaluated to classify tiles.
 _EVAL_CHUNK = 1 << 24
 

@@ -33,7 +33,7 @@ def test_time_call_is_a_median_of_positive_times():
 def test_tiny_case_end_to_end_reports_ratios_and_auto_choice():
     cases = [bench.Case("tiny window", "window256", 1, 2, 1, 512, 32, "float32"),
              bench.Case("tiny causal fwd+bwd", "causal", 1, 2, 2, 256, 16, "float32", mode="fwdbwd")]
-    res = bench.run(cases, reps=1, with_flex=False, progress=False)
+    res = bench.run(cases, reps=1, with_flex=False, progress=False, memory=False)
     assert set(res["matmul_gflops"]) == {"float32"}
     assert res["matmul_gflops"]["float32"] > 0
     win, cz = res["cases"]
@@ -70,3 +70,16 @@ def test_console_script_is_installed_and_prints_help():
     out = subprocess.run([sys.executable, "-m", "attnlab.cli", "bench", "attention", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "--json" in out and "--quick" in out
+
+
+@pytest.mark.skipif(not memory_supported(), reason="needs /proc/self/clear_refs (Linux)")
+def test_memprobe_child_reports_the_working_set():
+    from attnlab.bench import memprobe
+    # (1, 1, 1024, 32) float32: the reference materializes 1024x1024 scores (4 MiB and
+    # copies of it); flash holds one tile, so it must need clearly less
+    c = bench.Case("probe", "causal", 1, 1, 1, 1024, 32, "float32")
+    fields = {k: getattr(c, k) for k in c.__dataclass_fields__}
+    flash = memprobe.measure(fields, "attnlab flash", "fwd")
+    sdpa = memprobe.measure(fields, "torch sdpa", "fwdbwd")
+    assert flash is not None and 0 < flash < 16
+    assert sdpa is not None and sdpa > 0

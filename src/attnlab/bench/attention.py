@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 import attnlab
 from attnlab import masks
-from attnlab.bench.measure import memory_supported, peak_extra_bytes, time_call
+from attnlab.bench import memprobe
+from attnlab.bench.measure import time_call
 
 MiB = 1 << 20
 _DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -209,7 +210,10 @@ def flex_available() -> bool:
     return _FLEX_OK
 
 
-def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool = True) -> dict:
+def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool = True,
+        memory: bool = True) -> dict:
+    """Time every backend of every case; with ``memory``, also measure each one's peak
+    extra memory in a child process (:mod:`attnlab.bench.memprobe`)."""
     from tqdm import tqdm
 
     results = {"machine": _machine(), "cases": [], "matmul_gflops": {}}
@@ -231,19 +235,15 @@ def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool
         fn = fns.get(name) or fns["torch sdpa (dense mask)"]
         rec = {"backend": name}
         try:
-            if c.memory_only:
-                rec["peak_extra_mib"] = peak_extra_bytes(fn) / MiB if memory_supported() else None
-                r_fwd = _Runner(Case(**{**asdict(c), "mode": "fwd"}))
-                fwd = r_fwd.backends(False)[name]
-                rec["peak_extra_fwd_mib"] = peak_extra_bytes(fwd) / MiB if memory_supported() else None
-                rec["seconds"] = time_call(fn, reps=1, warmup=0)
-            else:
-                rec["seconds"] = time_call(fn, reps=reps)
-                if name == "flex compiled":
-                    rec["compile_seconds"] = r.flex_compile_s
-                if memory_supported():  # already warm from the timing runs
-                    key = "peak_extra_mib" if c.mode == "fwdbwd" else "peak_extra_fwd_mib"
-                    rec[key] = peak_extra_bytes(fn, warmup=False) / MiB
+            rec["seconds"] = time_call(fn, reps=1 if c.memory_only else reps, warmup=0 if c.memory_only else 1)
+            if name == "flex compiled":
+                rec["compile_seconds"] = r.flex_compile_s
+            elif memory:  # in a child process, see attnlab.bench.memprobe
+                fields = asdict(c)
+                if c.mode == "fwdbwd":
+                    rec["peak_extra_mib"] = memprobe.measure(fields, name, "fwdbwd")
+                if c.mode == "fwd" or c.memory_only:
+                    rec["peak_extra_fwd_mib"] = memprobe.measure(fields, name, "fwd")
         except Exception as e:  # a backend that cannot run this case is reported, not fatal
             rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         if name == "attnlab auto" and "error" not in rec:
@@ -304,13 +304,13 @@ def format_table(res: dict) -> str:
 
 
 def main(argv=None, quick: bool = False, json_path: str | None = None, reps: int = 3, flex: bool = True,
-         only: str | None = None) -> dict:
+         only: str | None = None, memory: bool = True) -> dict:
     cases = default_cases()
     if quick:
         cases = [c for c in cases if c.quick]
     if only:
         cases = [c for c in cases if only in c.name]
-    res = run(cases, reps=reps, with_flex=flex)
+    res = run(cases, reps=reps, with_flex=flex, memory=memory)
     print(format_table(res))
     if json_path:
         with open(json_path, "w") as f:

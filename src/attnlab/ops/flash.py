@@ -20,12 +20,15 @@ so gradients reach its parameters.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from attnlab.ops.reference import acc_dtype
 from attnlab.ops.tiles import choose_tiles, tile_candidates
 
 _NEG_INF = float("-inf")
+_PICKS_KEPT = 8  # tile choices remembered per mask (one per problem shape)
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x·log2 e), and exp2 is the cheaper kernel
 
 
@@ -288,5 +291,13 @@ def _pick_block_mask(mask, dtype, B, H, Nq, Nk, D, q_offset, kv_offset, block, d
     cands = tile_candidates(dtype, D, B * H, device)
     if not getattr(mask, "cheap_classify", False):
         return mask.block_mask(B, H, Nq, Nk, block=cands[0], **kw)
+    picks = mask.__dict__.setdefault("_tile_picks", OrderedDict())  # the choice per problem (LRU)
+    key = (B, H, Nq, Nk, q_offset, kv_offset, tuple(cands))
+    if key in picks:
+        picks.move_to_end(key)
+        return picks[key]
     bms = [mask.block_mask(B, H, Nq, Nk, block=c, **kw) for c in cands]
-    return min(bms, key=lambda bm: bm.cost(B * H))
+    picks[key] = min(bms, key=lambda bm: bm.cost(B * H))
+    if len(picks) > _PICKS_KEPT:
+        picks.popitem(last=False)
+    return picks[key]
