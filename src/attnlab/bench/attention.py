@@ -238,6 +238,9 @@ def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool
             rec["seconds"] = time_call(fn, reps=1 if c.memory_only else reps, warmup=0 if c.memory_only else 1)
             if name == "flex compiled":
                 rec["compile_seconds"] = r.flex_compile_s
+                # inductor's OpenMP workers spin for a while after a kernel returns; let
+                # them settle so that they do not steal the next backend's cores
+                time.sleep(1.0)
             elif memory:  # in a child process, see attnlab.bench.memprobe
                 fields = asdict(c)
                 if c.mode == "fwdbwd":
