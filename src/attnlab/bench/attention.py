@@ -219,39 +219,20 @@ def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool
     results = {"machine": _machine(), "cases": [], "matmul_gflops": {}}
     for dt in sorted({c.dtype for c in cases}):
         results["matmul_gflops"][dt] = matmul_rate(_DT[dt])
-    jobs = []
-    runners = {}
+    plan = []
     for c in cases:
         r = _Runner(c)
-        runners[c.name] = r
         names = ["attnlab auto", "attnlab flash", "torch sdpa"] if c.memory_only else list(r.backends(with_flex))
-        jobs += [(c, n) for n in names]
-    bar = tqdm(jobs, desc="bench attention", unit="run", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+        plan.append((c, r, names))
+    n_reps = {c.name: 1 if c.memory_only else reps for c, _, _ in plan}
+    total = sum(len(names) * (n_reps[c.name] + 1) for c, _, names in plan)
+    bar = tqdm(total=total, desc="bench attention", unit="run", disable=not progress, file=sys.stderr,
+               dynamic_ncols=True)
     by_case = {}
-    for c, name in bar:
-        bar.set_postfix_str(f"{c.name[:34]} | {name}")
-        r = runners[c.name]
-        fns = r.backends(with_flex)
-        fn = fns.get(name) or fns["torch sdpa (dense mask)"]
-        rec = {"backend": name}
-        try:
-            rec["seconds"] = time_call(fn, reps=1 if c.memory_only else reps, warmup=0 if c.memory_only else 1)
-            if name == "flex compiled":
-                rec["compile_seconds"] = r.flex_compile_s
-                # inductor's OpenMP workers spin for a while after a kernel returns; let
-                # them settle so that they do not steal the next backend's cores
-                time.sleep(1.0)
-            elif memory:  # in a child process, see attnlab.bench.memprobe
-                fields = asdict(c)
-                if c.mode == "fwdbwd":
-                    rec["peak_extra_mib"] = memprobe.measure(fields, name, "fwdbwd")
-                if c.mode == "fwd" or c.memory_only:
-                    rec["peak_extra_fwd_mib"] = memprobe.measure(fields, name, "fwd")
-        except Exception as e:  # a backend that cannot run this case is reported, not fatal
-            rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        if name == "attnlab auto" and "error" not in rec:
-            rec["auto_choice"] = _auto_choice(r)
-        by_case.setdefault(c.name, (c, []))[1].append(rec)
+    for c, r, names in plan:
+        recs = _run_case(c, r, names, n_reps[c.name], with_flex, memory, bar)
+        by_case[c.name] = (c, recs)
+    bar.close()
     for name, (c, recs) in by_case.items():
         flops = case_flops(c)
         anchor = next((x["seconds"] for x in recs if x["backend"].startswith("torch sdpa") and "seconds" in x), None)
@@ -264,6 +245,65 @@ def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool
         results["cases"].append({**asdict(c), "flops": flops, "density": allowed_pairs(c) / (c.B * c.H * c.N * c.N),
                                  "results": recs})
     return results
+
+
+def _run_case(c: Case, r: _Runner, names: list[str], reps: int, with_flex: bool, memory: bool, bar) -> list[dict]:
+    """Warm every backend up, then time them in interleaved rounds (backend A, B, C,
+    A, B, C, ...) so that drift and order effects hit all of them alike; medians."""
+    import statistics
+
+    fns = r.backends(with_flex)
+    fns = {n: fns.get(n) or fns["torch sdpa (dense mask)"] for n in names}
+    recs = {n: {"backend": n} for n in names}
+    times = {n: [] for n in names}
+
+    def attempt(n, what):
+        bar.set_postfix_str(f"{c.name[:34]} | {n} | {what}")
+        if "error" in recs[n]:
+            return None
+        try:
+            t0 = time.perf_counter()
+            fns[n]()
+            return time.perf_counter() - t0
+        except Exception as e:  # a backend that cannot run this case is reported, not fatal
+            recs[n]["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            return None
+        finally:
+            bar.update(1)
+            if n == "flex compiled":
+                # inductor's OpenMP workers spin for a while after a kernel returns; let
+                # them settle so that they do not steal the next backend's cores
+                time.sleep(0.5)
+
+    if not c.memory_only:
+        for n in names:
+            attempt(n, "warm-up")
+    else:
+        bar.update(len(names))
+    for i in range(reps):
+        for n in names:
+            t = attempt(n, f"rep {i + 1}/{reps}")
+            if t is not None:
+                times[n].append(t)
+    for n in names:
+        rec = recs[n]
+        if times[n]:
+            rec["seconds"] = statistics.median(times[n])
+        if n == "flex compiled" and r.flex_compile_s is not None and times[n]:
+            rec["compile_seconds"] = r.flex_compile_s - rec["seconds"]
+        elif memory and "error" not in rec:  # in a child process, see attnlab.bench.memprobe
+            bar.set_postfix_str(f"{c.name[:34]} | {n} | memory")
+            try:
+                fields = asdict(c)
+                if c.mode == "fwdbwd":
+                    rec["peak_extra_mib"] = memprobe.measure(fields, n, "fwdbwd")
+                if c.mode == "fwd" or c.memory_only:
+                    rec["peak_extra_fwd_mib"] = memprobe.measure(fields, n, "fwd")
+            except Exception as e:
+                rec["memory_error"] = f"{type(e).__name__}: {e}"
+        if n == "attnlab auto" and "error" not in rec:
+            rec["auto_choice"] = _auto_choice(r)
+    return [recs[n] for n in names]
 
 
 def _auto_choice(r: _Runner) -> str:
