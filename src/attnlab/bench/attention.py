@@ -260,6 +260,7 @@ def _run_case(c: Case, r: _Runner, names: list[str], reps: int, with_flex: bool,
     def attempt(n, what):
         bar.set_postfix_str(f"{c.name[:34]} | {n} | {what}")
         if "error" in recs[n]:
+            bar.update(1)
             return None
         try:
             t0 = time.perf_counter()
