@@ -42,8 +42,8 @@ def _mm_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 class _Problem:
     """Everything the kernel needs besides the tensors (kept out of autograd's inputs)."""
 
-    def __init__(self, block_mask, score_mod, params, scale, q_offset, kv_offset, B, H, Nq, Nk, bq, bk):
-        self.block_mask, self.score_mod, self.n_params = block_mask, score_mod, len(params)
+    def __init__(self, block_mask, score_mod, scale, q_offset, kv_offset, Nq, Nk, bq, bk):
+        self.block_mask, self.score_mod = block_mask, score_mod
         self.scale, self.q_offset, self.kv_offset = scale, q_offset, kv_offset
         self.bq, self.bk = bq, bk
         nqb, nkb = -(-Nq // bq), -(-Nk // bk)
@@ -51,7 +51,6 @@ class _Problem:
             self.plan = [[(j, False) for j in range(nkb)] for _ in range(nqb)]
         else:
             self.plan = block_mask.plan()
-        self.mask = None if block_mask is None else block_mask.mask
 
     def grids(self, B, H, device):
         return torch.arange(B, device=device).view(B, 1, 1, 1), torch.arange(H, device=device).view(1, H, 1, 1)
@@ -278,7 +277,7 @@ def flash_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_o
         for p in score_mod.parameters():  # a tensor listed twice must get its gradient once
             if not any(p is x for x in params):
                 params.append(p)
-    pb = _Problem(block_mask, score_mod, params, scale, q_offset, kv_offset, B, H, Nq, Nk, *block)
+    pb = _Problem(block_mask, score_mod, scale, q_offset, kv_offset, Nq, Nk, *block)
     return _FlashFn.apply(pb, q, k, v, *params)
 
 
