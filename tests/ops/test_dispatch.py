@@ -47,3 +47,14 @@ def test_auto_results_equal_the_reference_on_each_branch():
         a = attnlab.attention(q, k, v, mask=mask)
         r = attnlab.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
         assert (a.double() - r).abs().max() < 1e-5
+
+
+def test_reference_called_directly_handles_no_keys():
+    from attnlab.ops import reference_attention
+    q = torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 0, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 0, 5, dtype=torch.float64, requires_grad=True)
+    out, lse = reference_attention(q, k, v, scale=0.5, q_offset=0)
+    assert out.shape == (1, 2, 3, 5) and (out == 0).all() and torch.isneginf(lse).all()
+    out.sum().backward()
+    assert (q.grad == 0).all()

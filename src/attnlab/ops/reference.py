@@ -50,7 +50,7 @@ def reference_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, 
     if mask is not None:
         allowed = torch.as_tensor(mask(b, h, qp, kp), device=q.device)
         s = s.masked_fill(~allowed, float("-inf"))
-    m = s.amax(-1, keepdim=True)
+    m = s.amax(-1, keepdim=True) if Nk else s.new_full((*s.shape[:-1], 1), float("-inf"))
     m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
     e = torch.exp(s - m_safe)
     l = e.sum(-1, keepdim=True)
