@@ -8,7 +8,7 @@ torch.Size([1, 4, 128, 64])
 """
 
 from attnlab import masks, scores
-from attnlab.ops import BACKENDS, BlockMask, attention, merge_states
+from attnlab.ops import BACKENDS, BlockMask, attention, attention_probs, merge_states
 
 __version__ = "0.1.0"
-__all__ = ["attention", "merge_states", "masks", "scores", "BlockMask", "BACKENDS", "__version__"]
+__all__ = ["attention", "attention_probs", "merge_states", "masks", "scores", "BlockMask", "BACKENDS", "__version__"]

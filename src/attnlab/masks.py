@@ -40,7 +40,7 @@ from attnlab.ops.blockmask import EMPTY, FULL, PARTIAL, BlockMask
 
 __all__ = [
     "Mask", "BlockMask", "causal", "sliding_window", "prefix_lm", "document", "padding",
-    "tree", "sink_window", "custom",
+    "tree", "sink_window", "custom", "key_padding",
 ]
 
 _CACHE_SIZE = 16  # BlockMasks kept per mask (the flash backend tries up to 9 tilings)
@@ -431,6 +431,64 @@ def padding(kv_lengths) -> Mask:
     if (t < 0).any():
         raise ValueError(f"padding(kv_lengths): lengths must be >= 0, got {t.tolist()}")
     return _Padding(t.to(torch.long))
+
+
+class _KeyPadding(Mask):
+    cheap_classify = True
+
+    def __init__(self, keep):
+        self.keep = keep  # (B, N) bool, looked up by absolute kv position
+
+    def predicate(self, b, h, q, kv):
+        return self.keep[:, kv.reshape(-1)].view(self.keep.shape[0], 1, 1, -1)
+
+    def validate(self, B, H, Nq, Nk, q_offset, kv_offset):
+        if self.keep.shape[0] != B:
+            raise ValueError(f"key_padding(keep): got {self.keep.shape[0]} rows for batch size B={B}")
+        if Nk and (kv_offset < 0 or kv_offset + Nk > self.keep.shape[1]):
+            raise ValueError(f"key_padding(keep): keep covers key positions 0..{self.keep.shape[1] - 1} but the "
+                             f"problem has keys at {kv_offset}..{kv_offset + Nk - 1} (looked up by absolute position)")
+
+    def classify(self, B, H, ql, qh, kl, kh):
+        # number of kept keys in each kv tile, from a prefix sum: O(B * tiles)
+        c = torch.nn.functional.pad(self.keep.to(torch.int32).cumsum(-1), (1, 0))
+        lo, hi = kl.flatten(), kh.flatten() + 1
+        n = c[:, hi] - c[:, lo]  # (B, nkb)
+        full = (n == (hi - lo)).view(B, 1, 1, -1)
+        empty = (n == 0).view(B, 1, 1, -1)
+        return _states(full, empty).expand(B, 1, ql.shape[0], lo.numel())
+
+    def sdpa_bool_mask(self, B, Nq, Nk, kv_offset):
+        """The same mask as a boolean SDPA ``attn_mask`` of shape ``(B, 1, 1, Nk)``."""
+        return self.keep[:, kv_offset:kv_offset + Nk].view(B, 1, 1, Nk)
+
+    def __repr__(self):
+        return f"key_padding(<{tuple(self.keep.shape)}, {int(self.keep.sum())} kept>)"
+
+
+def key_padding(keep) -> Mask:
+    """Keys marked ``False`` in ``keep`` (``(B, N)`` bool, True = a real token) are hidden.
+
+    The usual ``attention_mask`` of a tokenizer, for right *or* left padding.  ``keep``
+    is looked up by absolute key position.  Query rows are not masked: a padded query
+    still attends the real keys (its output is ignored downstream); a sequence with no
+    real token gives fully masked rows (output 0).
+
+    >>> import torch
+    >>> m = key_padding(torch.tensor([[False, True, True]]))   # one left-padded sequence
+    >>> m(torch.tensor(0), torch.tensor(0), torch.tensor([[2]]), torch.arange(3)).tolist()
+    [[[[False, True, True]]]]
+    """
+    t = torch.as_tensor(keep)
+    if t.dtype != torch.bool:
+        if t.dtype.is_floating_point or t.is_complex():
+            raise TypeError(f"key_padding(keep): expected a bool or 0/1 integer tensor, got dtype {t.dtype}")
+        if ((t != 0) & (t != 1)).any():
+            raise ValueError("key_padding(keep): integer masks must hold only 0 and 1")
+        t = t.bool()
+    if t.dim() != 2:
+        raise ValueError(f"key_padding(keep): expected shape (B, N), got {tuple(t.shape)}")
+    return _KeyPadding(t)
 
 
 class _Tree(Mask):

@@ -8,7 +8,7 @@ import numbers
 import torch
 
 from attnlab.ops.flash import flash_attention
-from attnlab.ops.reference import reference_attention
+from attnlab.ops.reference import reference_attention, reference_probs
 from attnlab.ops.sdpa import is_causal_mask, sdpa_attention, sdpa_unsupported
 
 BACKENDS = ("auto", "reference", "flash", "sdpa")
@@ -65,11 +65,7 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
     _check_tensors(q, k, v)
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale == 0:
-        raise ValueError(f"scale: expected a finite non-zero number, got {scale!r}")
-    scale = float(scale)
+    scale = _scale_arg(scale, D)
     kv_offset = _int_arg(kv_offset, "kv_offset")
     q_offset = kv_offset + Nk - Nq if q_offset is None else _int_arg(q_offset, "q_offset")
     if not isinstance(return_lse, bool):
@@ -77,12 +73,7 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     _check_mask(mask, B, H, Nq, Nk, q_offset, kv_offset)
-    if score_mod is not None:
-        if not callable(score_mod):
-            raise TypeError(f"score_mod: expected a callable (score, b, h, q_pos, kv_pos) -> score, "
-                            f"got {type(score_mod).__name__}")
-        if hasattr(score_mod, "validate"):
-            score_mod.validate(B, H)
+    _check_score_mod(score_mod, B, H)
 
     if backend == "sdpa":
         why = sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse)
@@ -103,6 +94,50 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
     else:
         out, lse = flash_attention(q, k, v, **kw)
     return (out, lse) if return_lse else out
+
+
+def attention_probs(q, k, *, mask=None, score_mod=None, scale=None, q_offset=None, kv_offset=0):
+    """The attention pattern ``softmax(scale·q kᵀ + score_mod, masked)``, materialized.
+
+    Same conventions as :func:`attention` (shapes, GQA, absolute positions, masks):
+    returns ``(B, H, Nq, Nk)`` in float32 (float64 for float64 inputs); each row sums
+    to 1, or is all zeros where every key is masked.  For looking at, not for speed.
+
+    >>> import torch, attnlab
+    >>> from attnlab import masks
+    >>> p = attnlab.attention_probs(torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8), mask=masks.causal())
+    >>> p.shape, p[0, 0, 0].tolist()[1:]
+    (torch.Size([1, 2, 3, 3]), [0.0, 0.0])
+    """
+    _check_tensors(q, k, k)
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    scale = _scale_arg(scale, D)
+    kv_offset = _int_arg(kv_offset, "kv_offset")
+    q_offset = kv_offset + Nk - Nq if q_offset is None else _int_arg(q_offset, "q_offset")
+    _check_mask(mask, B, H, Nq, Nk, q_offset, kv_offset)
+    _check_score_mod(score_mod, B, H)
+    if hasattr(mask, "plan"):
+        mask = mask.mask
+    return reference_probs(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
+                           kv_offset=kv_offset)[0]
+
+
+def _scale_arg(scale, D):
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale == 0:
+        raise ValueError(f"scale: expected a finite non-zero number, got {scale!r}")
+    return float(scale)
+
+
+def _check_score_mod(score_mod, B, H):
+    if score_mod is not None:
+        if not callable(score_mod):
+            raise TypeError(f"score_mod: expected a callable (score, b, h, q_pos, kv_pos) -> score, "
+                            f"got {type(score_mod).__name__}")
+        if hasattr(score_mod, "validate"):
+            score_mod.validate(B, H)
 
 
 # Measured choice (docs/benchmarks.md, `attnlab bench attention`, 2 threads): torch SDPA
@@ -167,4 +202,4 @@ def _check_mask(mask, B, H, Nq, Nk, q_offset, kv_offset):
     mask.validate(B, H, Nq, Nk, q_offset, kv_offset)
 
 
-__all__ = ["attention", "BACKENDS", "is_causal_mask"]
+__all__ = ["attention", "attention_probs", "BACKENDS", "is_causal_mask"]

@@ -27,18 +27,14 @@ def index_grids(B, H, Nq, Nk, q_offset, kv_offset, device):
     return b, h, qp, kp
 
 
-def reference_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0):
-    """Materialized attention.  Returns ``(out, lse)``; inputs already validated.
-
-    ``mask`` is an attnlab Mask (or None); ``score_mod`` a callable (or None).
-    Fully masked rows give ``out = 0`` and ``lse = -inf`` with zero, finite gradients.
-    """
+def reference_probs(q, k, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0):
+    """The attention probabilities ``(B, H, Nq, Nk)`` in float32 (float64 for float64)
+    and the LSE ``(B, H, Nq)``; inputs already validated.  Fully masked rows are 0."""
     B, H, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = H // Hkv
     acc = acc_dtype(q.dtype)
     kr = k.repeat_interleave(G, dim=1) if G > 1 else k
-    vr = v.repeat_interleave(G, dim=1) if G > 1 else v
     s = torch.matmul(q, kr.transpose(-1, -2)).to(acc) * scale
     b, h, qp, kp = index_grids(B, H, Nq, Nk, q_offset, kv_offset, q.device)
     if score_mod is not None:
@@ -57,6 +53,18 @@ def reference_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, 
     empty = l == 0
     l_safe = torch.where(empty, torch.ones_like(l), l)
     p = e / l_safe
-    out = torch.matmul(p.to(v.dtype), vr)
     lse = torch.where(empty, torch.full_like(l, float("-inf")), m_safe + torch.log(l_safe)).squeeze(-1)
-    return out, lse
+    return p, lse
+
+
+def reference_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0):
+    """Materialized attention.  Returns ``(out, lse)``; inputs already validated.
+
+    ``mask`` is an attnlab Mask (or None); ``score_mod`` a callable (or None).
+    Fully masked rows give ``out = 0`` and ``lse = -inf`` with zero, finite gradients.
+    """
+    G = q.shape[1] // k.shape[1]
+    p, lse = reference_probs(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
+                             kv_offset=kv_offset)
+    vr = v.repeat_interleave(G, dim=1) if G > 1 else v
+    return torch.matmul(p.to(v.dtype), vr), lse

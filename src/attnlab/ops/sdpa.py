@@ -24,9 +24,14 @@ def sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse) -> 
         return "SDPA takes no score_mod"
     if return_lse:
         return "SDPA returns no LSE"
+    if mask is not None and hasattr(mask, "sdpa_bool_mask"):  # key padding: a (B,1,1,Nk) bool mask
+        keep = mask.sdpa_bool_mask(q.shape[0], q.shape[2], k.shape[2], kv_offset)
+        if not bool(keep.any(-1).all()):
+            return "a sequence with no visible key: SDPA would give NaN where attnlab gives zeros"
+        return None
     if mask is not None:
         if not is_causal_mask(mask):
-            return f"SDPA maps only no mask or causal(), got {mask!r}"
+            return f"SDPA maps only no mask, causal() or key_padding(), got {mask!r}"
         if q_offset != kv_offset:
             return (f"SDPA's is_causal is top-left aligned; attnlab's causal() matches it only when "
                     f"q_offset == kv_offset (here {q_offset} vs {kv_offset}; Nq={q.shape[2]}, Nk={k.shape[2]})")
@@ -36,4 +41,7 @@ def sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse) -> 
 def sdpa_attention(q, k, v, *, mask=None, scale, **_):
     """Run SDPA; inputs validated and :func:`sdpa_unsupported` already checked."""
     gqa = q.shape[1] != k.shape[1]
+    if mask is not None and hasattr(mask, "sdpa_bool_mask"):
+        keep = mask.sdpa_bool_mask(q.shape[0], q.shape[2], k.shape[2], _.get("kv_offset", 0))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=mask is not None, scale=scale, enable_gqa=gqa)

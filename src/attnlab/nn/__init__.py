@@ -1,0 +1,17 @@
+"""Modules: attention, MLPs, norms, blocks, and the Decoder / Encoder models.
+
+Layering: :func:`attnlab.attention` (functional) → :class:`MultiHeadAttention`
+(projections, heads, positions, W_O, cache) → :class:`Block` → :class:`Decoder` /
+:class:`Encoder`.
+"""
+
+from attnlab.nn.attention import MultiHeadAttention
+from attnlab.nn.block import Block
+from attnlab.nn.config import DecoderConfig, EncoderConfig
+from attnlab.nn.decoder import Decoder, ModelOutput
+from attnlab.nn.encoder import Encoder, mean_pool
+from attnlab.nn.mlp import MLP, SwiGLU
+from attnlab.nn.norms import RMSNorm
+
+__all__ = ["MultiHeadAttention", "Block", "DecoderConfig", "EncoderConfig", "Decoder", "Encoder", "ModelOutput",
+           "mean_pool", "MLP", "SwiGLU", "RMSNorm"]

@@ -1,0 +1,236 @@
+"""``MultiHeadAttention``: projections, heads, positions and W_O around the attention op.
+
+Shapes (B batch, N tokens, d_model, H = n_heads, Hkv = n_kv_heads, d_head)::
+
+    x (B, N, d_model) --W_Q--> q (B, H,   N, d_head) --RoPE--\\
+                      --W_K--> k (B, Hkv, N, d_head) --RoPE----> attention() -> z (B, H, N, d_head)
+                      --W_V--> v (B, Hkv, N, d_head) ----------/
+    z --concat heads--> (B, N, H·d_head) --W_O--> (B, N, d_model)
+
+The output projection is ``out = Σ_h z_h W_O[h] (+ b_O)`` with
+``W_O [H, d_head, d_model]``, i.e. one ``(H·d_head) × d_model`` matrix applied to the
+concatenated heads with **no extra scaling**.  (One of the seed texts scales the
+concatenation by ``1/sqrt(h)`` and gives ``W_O`` the shape ``(D·h) × D``; neither is
+standard: the only scale is ``1/sqrt(d_head)`` inside the softmax, and ``W_O`` maps
+``H·d_head`` back to ``d_model``.)
+
+Weights are stored fused, as ``torch.nn.Linear`` would store them (one
+``((H + 2·Hkv)·d_head, d_model)`` matrix for Q, K and V: one GEMM per call), and are
+exposed per head under their mathematical names as *views* that share storage:
+
+    W_Q [H, d_model, d_head]   W_K, W_V [Hkv, d_model, d_head]   W_O [H, d_head, d_model]
+    b_Q [H, d_head]            b_K, b_V [Hkv, d_head]            b_O [d_model]
+
+so ``q[b, h, i] = x[b, i] @ W_Q[h] + b_Q[h]``; writing into a view writes the weight.
+
+KV cache protocol (one object per layer; :mod:`attnlab.cache` implements it)::
+
+    cache.seen                      -> int, absolute position of the first new token
+    cache.update(k, v)              -> (k_all, v_all, kv_offset): the keys/values to attend,
+                                       the new ones appended, k_all[:, :, 0] at kv_offset
+
+>>> import torch
+>>> from attnlab import masks
+>>> from attnlab.nn import MultiHeadAttention
+>>> from attnlab.positions import RoPE
+>>> mha = MultiHeadAttention(64, n_heads=8, n_kv_heads=2, positions=RoPE(8))   # GQA 8:2
+>>> mha(torch.randn(2, 10, 64), mask=masks.causal()).shape
+torch.Size([2, 10, 64])
+>>> mha.W_Q.shape, mha.W_K.shape, mha.W_O.shape
+(torch.Size([8, 64, 8]), torch.Size([2, 64, 8]), torch.Size([8, 8, 64]))
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnlab.ops.dispatch import BACKENDS, attention, attention_probs
+from attnlab.ops.sdpa import is_causal_mask
+from attnlab.nn.validate import positive_int, probability
+from attnlab.scores import compose
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention (MHA; GQA with ``n_kv_heads < n_heads``; MQA with 1).
+
+    Args:
+        d_model: width of the residual stream.
+        n_heads: query heads ``H``.
+        n_kv_heads: key/value heads ``Hkv`` (default ``H``); ``H % Hkv == 0``.
+        d_head: per-head width (default ``d_model // n_heads``).
+        bias: biases on Q, K, V and O.
+        dropout: attention-probability dropout while training.  The op itself has no
+            dropout: with ``dropout > 0`` in training mode the call runs torch SDPA's
+            dropout where the mask maps onto it, else the materialized pattern.
+        positions: ``None``, a :class:`attnlab.positions.RoPE` (rotates q and k at their
+            absolute positions) or an :class:`attnlab.positions.ALiBi` (a score mod).
+        backend: passed to :func:`attnlab.attention`.
+        scale: softmax scale, default ``1/sqrt(d_head)``.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, d_head: int | None = None, *,
+                 bias: bool = True, dropout: float = 0.0, positions=None, backend: str = "auto",
+                 scale: float | None = None):
+        super().__init__()
+        d_model = positive_int(d_model, "d_model")
+        n_heads = positive_int(n_heads, "n_heads")
+        n_kv_heads = n_heads if n_kv_heads is None else positive_int(n_kv_heads, "n_kv_heads")
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads} (GQA groups)")
+        if d_head is None:
+            if d_model % n_heads:
+                raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass d_head explicitly")
+            d_head = d_model // n_heads
+        d_head = positive_int(d_head, "d_head")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        if positions is not None and not (hasattr(positions, "cos_sin") or hasattr(positions, "score_mod")):
+            raise TypeError(f"positions: expected None, a positions.RoPE or a positions.ALiBi, got "
+                            f"{type(positions).__name__}")
+        if hasattr(positions, "cos_sin") and positions.d_head != d_head:
+            raise ValueError(f"positions: RoPE built for d_head={positions.d_head}, attention has d_head={d_head}")
+        if hasattr(positions, "slopes") and positions.slopes.shape[0] != n_heads:
+            raise ValueError(f"positions: ALiBi has {positions.slopes.shape[0]} slopes for n_heads={n_heads}")
+        self.d_model, self.n_heads, self.n_kv_heads, self.d_head = d_model, n_heads, n_kv_heads, d_head
+        self.dropout = probability(dropout, "dropout")
+        self.backend = backend
+        self.scale = 1.0 / math.sqrt(d_head) if scale is None else float(scale)
+        self.positions = positions  # a RoPE is a Module (buffers); ALiBi is not
+        self._alibi = positions.score_mod() if hasattr(positions, "score_mod") else None
+        n_qkv = (n_heads + 2 * n_kv_heads) * d_head
+        self.qkv_weight = nn.Parameter(torch.empty(n_qkv, d_model))
+        self.qkv_bias = nn.Parameter(torch.zeros(n_qkv)) if bias else None
+        self.out_weight = nn.Parameter(torch.empty(d_model, n_heads * d_head))
+        self.out_bias = nn.Parameter(torch.zeros(d_model)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.xavier_uniform_(self.qkv_weight)
+        nn.init.xavier_uniform_(self.out_weight)
+        for b in (self.qkv_bias, self.out_bias):
+            if b is not None:
+                nn.init.zeros_(b)
+
+    # -- per-head views of the fused weights --------------------------------------
+    def _rows(self, which):
+        H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
+        lo = {"Q": 0, "K": H * dh, "V": (H + Hkv) * dh}[which]
+        return lo, lo + (H if which == "Q" else Hkv) * dh, (H if which == "Q" else Hkv)
+
+    def _w(self, which):
+        lo, hi, n = self._rows(which)
+        return self.qkv_weight[lo:hi].view(n, self.d_head, self.d_model).transpose(1, 2)
+
+    def _b(self, which):
+        if self.qkv_bias is None:
+            return None
+        lo, hi, n = self._rows(which)
+        return self.qkv_bias[lo:hi].view(n, self.d_head)
+
+    W_Q = property(lambda self: self._w("Q"), doc="[n_heads, d_model, d_head] view")
+    W_K = property(lambda self: self._w("K"), doc="[n_kv_heads, d_model, d_head] view")
+    W_V = property(lambda self: self._w("V"), doc="[n_kv_heads, d_model, d_head] view")
+    b_Q = property(lambda self: self._b("Q"))
+    b_K = property(lambda self: self._b("K"))
+    b_V = property(lambda self: self._b("V"))
+    b_O = property(lambda self: self.out_bias)
+
+    @property
+    def W_O(self) -> torch.Tensor:
+        """``[n_heads, d_head, d_model]`` view of the output projection."""
+        return self.out_weight.view(self.d_model, self.n_heads, self.d_head).permute(1, 2, 0)
+
+    # -- forward ------------------------------------------------------------------
+    def project(self, x, context=None):
+        """q ``(B, H, N, d_head)``, k and v ``(B, Hkv, M, d_head)`` (before positions)."""
+        B, N, _ = x.shape
+        H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
+        if context is None:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(B, N, H + 2 * Hkv, dh).transpose(1, 2)
+            return qkv.split((H, Hkv, Hkv), dim=1)
+        nq = H * dh
+        bq = bkv = None
+        if self.qkv_bias is not None:
+            bq, bkv = self.qkv_bias[:nq], self.qkv_bias[nq:]
+        q = F.linear(x, self.qkv_weight[:nq], bq).view(B, N, H, dh).transpose(1, 2)
+        M = context.shape[1]
+        kv = F.linear(context, self.qkv_weight[nq:], bkv).view(B, M, 2 * Hkv, dh).transpose(1, 2)
+        k, v = kv.split((Hkv, Hkv), dim=1)
+        return q, k, v
+
+    def forward(self, x, context=None, *, mask=None, score_mod=None, pos=None, cache=None,
+                need_weights: bool = False):
+        """Attend ``x (B, N, d_model)`` to itself (or to ``context (B, M, d_model)``).
+
+        Args:
+            mask: an :mod:`attnlab.masks` mask in the op's absolute positions (causal
+                self-attention: ``masks.causal()``).  ``None`` attends everything.
+            score_mod: an extra score mod (composed after ALiBi, if any).
+            pos: absolute positions of ``x``'s tokens for RoPE: ``None`` (``cache.seen``
+                onwards, or 0), an int offset, or a LongTensor ``(N,)`` / ``(B, N)``.
+            cache: a per-layer KV cache (see the module docstring); new k/v are appended.
+            need_weights: also return the attention pattern ``(B, H, N, M)`` (float32,
+                materialized; for inspection).
+
+        Returns ``(B, N, d_model)``, or ``(out, pattern)`` with ``need_weights``.
+        """
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x: expected (B, N, d_model={self.d_model}), got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if context is not None:
+            if context.dim() != 3 or context.shape[0] != x.shape[0] or context.shape[-1] != self.d_model:
+                raise ValueError(f"context: expected (B={x.shape[0]}, M, d_model={self.d_model}), "
+                                 f"got {tuple(context.shape)}")
+            if hasattr(self.positions, "cos_sin"):
+                raise ValueError("cross-attention (context=...) with RoPE positions is not defined: "
+                                 "build the module with positions=None or ALiBi")
+        B, N, _ = x.shape
+        q, k, v = self.project(x, context)
+        start = 0 if cache is None else int(cache.seen)
+        if hasattr(self.positions, "cos_sin"):
+            p = start if pos is None else pos
+            q, k = self.positions(q, p), self.positions(k, p)
+        kv_offset = 0
+        if cache is not None:
+            k, v, kv_offset = cache.update(k, v)
+        mod = self._alibi
+        if score_mod is not None:
+            mod = score_mod if mod is None else compose(mod, score_mod)
+        q_offset = None if context is not None or cache is None else start
+        if context is not None:
+            q_offset, kv_offset = 0, 0
+        kw = dict(mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset, kv_offset=kv_offset)
+        weights = None
+        if self.training and self.dropout > 0:
+            z, weights = self._dropout_attention(q, k, v, **kw)
+        else:
+            z = attention(q, k, v, backend=self.backend, **kw)
+        out = F.linear(z.transpose(1, 2).reshape(B, N, self.n_heads * self.d_head), self.out_weight, self.out_bias)
+        if need_weights:
+            if weights is None:
+                weights = attention_probs(q, k, **kw)
+            return out, weights
+        return out
+
+    def _dropout_attention(self, q, k, v, *, mask, score_mod, scale, q_offset, kv_offset):
+        Nq, Nk = q.shape[2], k.shape[2]
+        q_off = kv_offset + Nk - Nq if q_offset is None else q_offset
+        simple = score_mod is None and (mask is None or (is_causal_mask(mask) and q_off == kv_offset))
+        if simple:
+            z = F.scaled_dot_product_attention(q, k, v, is_causal=mask is not None, scale=scale,
+                                               dropout_p=self.dropout, enable_gqa=q.shape[1] != k.shape[1])
+            return z, None
+        p = attention_probs(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
+                            kv_offset=kv_offset)
+        G = q.shape[1] // k.shape[1]
+        vr = v.repeat_interleave(G, dim=1) if G > 1 else v
+        return torch.matmul(F.dropout(p, self.dropout).to(v.dtype), vr), p
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
+                f"d_head={self.d_head}, bias={self.qkv_bias is not None}, dropout={self.dropout}, "
+                f"backend={self.backend!r}")

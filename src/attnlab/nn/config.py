@@ -1,0 +1,146 @@
+"""Model configs: small dataclasses, validated on construction with clear errors.
+
+>>> from attnlab.nn import DecoderConfig
+>>> DecoderConfig(vocab_size=100, d_model=64, n_layers=2, n_heads=4).d_mlp
+256
+>>> DecoderConfig(vocab_size=100, d_model=64, n_layers=2, n_heads=5)
+Traceback (most recent call last):
+...
+ValueError: DecoderConfig: d_model=64 is not divisible by n_heads=5; set d_head explicitly
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from attnlab import positions as P
+from attnlab.nn.mlp import ACTIVATIONS
+from attnlab.nn.norms import NORMS
+from attnlab.nn.validate import choice, nonneg_int, positive_float, positive_int, probability
+from attnlab.ops.dispatch import BACKENDS
+
+_SCALINGS = {c.__name__: c for c in (P.LinearScaling, P.NTKScaling, P.DynamicNTKScaling, P.YaRNScaling,
+                                     P.Llama3Scaling)}
+POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
+MLPS = ("mlp", "swiglu")
+
+
+@dataclass
+class _Common:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None
+    d_head: int | None = None
+    d_mlp: int | None = None          # default 4 * d_model
+    max_positions: int = 1024         # for learned / sinusoidal tables
+    positions: str = "learned"        # learned | sinusoidal | rope | alibi | none
+    norm: str = "layernorm"           # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    norm_position: str = "pre"        # pre (GPT-2, Llama) | post (BERT)
+    mlp: str = "mlp"                  # mlp | swiglu
+    act: str = "gelu"                 # gelu | gelu_tanh | relu | silu
+    bias: bool = True                 # biases of attention and MLP linears (and LayerNorm shifts)
+    dropout: float = 0.0              # embedding / residual dropout
+    attn_dropout: float = 0.0         # attention-probability dropout
+    backend: str = "auto"             # attnlab.attention backend
+    rope_base: float = 10000.0
+    rope_interleaved: bool = False    # False: half-split pairing (Llama/NeoX); True: (2i, 2i+1)
+    rotary_dim: int | None = None     # partial rotary (default d_head)
+    rope_scaling: object = None       # a positions.*Scaling
+
+    def __post_init__(self):
+        name = type(self).__name__
+        for f in ("vocab_size", "d_model", "n_layers", "n_heads", "max_positions"):
+            positive_int(getattr(self, f), f"{name}.{f}")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        positive_int(self.n_kv_heads, f"{name}.n_kv_heads")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"{name}: n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.d_head is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(f"{name}: d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                                 "set d_head explicitly")
+            self.d_head = self.d_model // self.n_heads
+        positive_int(self.d_head, f"{name}.d_head")
+        if self.d_mlp is None:
+            self.d_mlp = 4 * self.d_model
+        positive_int(self.d_mlp, f"{name}.d_mlp")
+        choice(self.positions, f"{name}.positions", POSITIONS)
+        choice(self.norm, f"{name}.norm", NORMS)
+        choice(self.norm_position, f"{name}.norm_position", ("pre", "post"))
+        choice(self.mlp, f"{name}.mlp", MLPS)
+        choice(self.act, f"{name}.act", ACTIVATIONS)
+        choice(self.backend, f"{name}.backend", BACKENDS)
+        positive_float(self.norm_eps, f"{name}.norm_eps")
+        positive_float(self.rope_base, f"{name}.rope_base")
+        probability(self.dropout, f"{name}.dropout")
+        probability(self.attn_dropout, f"{name}.attn_dropout")
+        if self.rotary_dim is not None:
+            nonneg_int(self.rotary_dim, f"{name}.rotary_dim")
+        for f in ("bias", "rope_interleaved"):
+            if not isinstance(getattr(self, f), bool):
+                raise TypeError(f"{name}.{f}: expected a bool, got {getattr(self, f)!r}")
+
+    def replace(self, **changes):
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        s = self.rope_scaling
+        d["rope_scaling"] = None if s is None else {"type": type(s).__name__, **dataclasses.asdict(s)}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        d = dict(d)
+        s = d.get("rope_scaling")
+        if isinstance(s, dict):
+            s = dict(s)
+            kind = s.pop("type", None)
+            if kind not in _SCALINGS:
+                raise ValueError(f"rope_scaling: unknown type {kind!r}; expected one of {sorted(_SCALINGS)}")
+            d["rope_scaling"] = _SCALINGS[kind](**s)
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+        return cls(**d)
+
+
+@dataclass
+class DecoderConfig(_Common):
+    """A GPT-style causal decoder.  Defaults are GPT-2's; Llama is
+    ``positions="rope", norm="rmsnorm", mlp="swiglu", act="silu", bias=False, tie_embeddings=False``.
+
+    ``attn_only=True`` drops the MLPs and every norm (the attention-only transformers
+    of the circuits work)."""
+    tie_embeddings: bool = True
+    attn_only: bool = False
+    final_norm: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        for f in ("tie_embeddings", "attn_only", "final_norm"):
+            if not isinstance(getattr(self, f), bool):
+                raise TypeError(f"DecoderConfig.{f}: expected a bool, got {getattr(self, f)!r}")
+
+
+@dataclass
+class EncoderConfig(_Common):
+    """A BERT-style bidirectional encoder.  Defaults are BERT's (post-LN, GELU, learned
+    absolute positions plus token-type embeddings, eps 1e-12)."""
+    max_positions: int = 512
+    norm_eps: float = 1e-12
+    norm_position: str = "post"
+    type_vocab_size: int = 2
+    pooler: bool = True               # BERT's tanh pooler on the first token
+    pad_token_id: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        nonneg_int(self.type_vocab_size, "EncoderConfig.type_vocab_size")
+        nonneg_int(self.pad_token_id, "EncoderConfig.pad_token_id")

@@ -1,0 +1,155 @@
+"""A GPT-style causal decoder: embeddings → blocks → final norm → logits.
+
+>>> import torch
+>>> from attnlab.nn import Decoder, DecoderConfig
+>>> cfg = DecoderConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, positions="rope",
+...                     norm="rmsnorm", mlp="swiglu", act="silu", bias=False, n_kv_heads=2)
+>>> model = Decoder(cfg)
+>>> model(torch.randint(0, 50, (2, 7))).logits.shape
+torch.Size([2, 7, 50])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from attnlab import masks
+from attnlab import positions as P
+from attnlab.nn.block import Block
+from attnlab.nn.config import DecoderConfig
+from attnlab.nn.norms import make_norm
+
+
+@dataclass
+class ModelOutput:
+    """``logits (B, N, vocab)`` for a decoder (``None`` for an encoder);
+    ``last_hidden_state (B, N, d_model)`` after the final norm;
+    ``hidden_states``: the residual stream entering each block and the last one
+    (``n_layers + 1`` tensors) when asked; ``attentions``: each layer's pattern
+    ``(B, H, N, M)`` when asked; ``pooled``: BERT's pooler output."""
+    logits: torch.Tensor | None
+    last_hidden_state: torch.Tensor
+    hidden_states: list | None = None
+    attentions: list | None = None
+    pooled: torch.Tensor | None = None
+
+
+def absolute_positions(kind: str, max_positions: int, d_model: int) -> nn.Module | None:
+    if kind == "learned":
+        return P.LearnedEmbedding(max_positions, d_model)
+    if kind == "sinusoidal":
+        return P.SinusoidalEmbedding(d_model, max_positions=max_positions)
+    return None
+
+
+def attention_positions(cfg):
+    """The per-attention position object (RoPE / ALiBi), shared by every layer."""
+    if cfg.positions == "rope":
+        return P.RoPE(cfg.d_head, base=cfg.rope_base, rotary_dim=cfg.rotary_dim,
+                      interleaved=cfg.rope_interleaved, scaling=cfg.rope_scaling)
+    if cfg.positions == "alibi":
+        return P.ALiBi(cfg.n_heads)
+    return None
+
+
+def token_positions(pos, B, N, start, device):
+    """``pos`` as given, or ``start .. start+N-1``."""
+    if pos is None:
+        return torch.arange(start, start + N, device=device)
+    if isinstance(pos, int):
+        return torch.arange(pos, pos + N, device=device)
+    if not isinstance(pos, torch.Tensor) or pos.dtype.is_floating_point or pos.shape[-1] != N or pos.dim() > 2:
+        raise ValueError(f"pos: expected None, an int offset or integer positions (N={N},) / (B, N), got "
+                         f"{tuple(pos.shape) if isinstance(pos, torch.Tensor) else type(pos).__name__}")
+    return pos
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        if not isinstance(cfg, DecoderConfig):
+            raise TypeError(f"cfg: expected a DecoderConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embed = absolute_positions(cfg.positions, cfg.max_positions, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        rel = attention_positions(cfg)
+        self.blocks = nn.ModuleList(Block(cfg, attn_only=cfg.attn_only, positions=rel) for _ in range(cfg.n_layers))
+        self.norm = (make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias)
+                     if cfg.final_norm and not cfg.attn_only else None)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.apply(_init_weights)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, input_ids, *, attention_mask=None, pos=None, cache=None, output_attentions: bool = False,
+                output_hidden_states: bool = False) -> ModelOutput:
+        """Logits for ``input_ids (B, N)``.
+
+        Args:
+            attention_mask: ``(B, M)`` bool/0-1, True for real tokens, covering the cached
+                tokens and the new ones (``M = cache.seen + N``); padded keys are hidden
+                (:func:`attnlab.masks.key_padding`) on top of the causal mask.
+            pos: token positions (default ``cache.seen + arange(N)``, or ``arange(N)``).
+            cache: a list of per-layer KV caches (:mod:`attnlab.cache`).
+        """
+        ids = _check_ids(input_ids, self.cfg.vocab_size)
+        B, N = ids.shape
+        if cache is not None and len(cache) != len(self.blocks):
+            raise ValueError(f"cache: expected {len(self.blocks)} per-layer caches, got {len(cache)}")
+        start = 0 if cache is None else int(cache[0].seen)
+        x = self.embed(ids)
+        tpos = token_positions(pos, B, N, start, ids.device)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(tpos)
+        x = self.drop(x)
+        mask = masks.causal()
+        if attention_mask is not None:
+            mask = mask & masks.key_padding(_check_keep(attention_mask, B, start + N))
+        hidden, attns = ([] if output_hidden_states else None), ([] if output_attentions else None)
+        rel_pos = None if pos is None else tpos
+        for i, block in enumerate(self.blocks):
+            if hidden is not None:
+                hidden.append(x)
+            x, w = block(x, mask=mask, pos=rel_pos, cache=None if cache is None else cache[i],
+                         need_weights=output_attentions)
+            if attns is not None:
+                attns.append(w)
+        if self.norm is not None:
+            x = self.norm(x)
+        if hidden is not None:
+            hidden.append(x)
+        return ModelOutput(self.lm_head(x), x, hidden, attns)
+
+    def extra_repr(self):
+        c = self.cfg
+        return f"layers={c.n_layers}, d_model={c.d_model}, heads={c.n_heads}/{c.n_kv_heads}, positions={c.positions}"
+
+
+def _init_weights(m):
+    if isinstance(m, nn.Linear):
+        nn.init.normal_(m.weight, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Embedding):
+        nn.init.normal_(m.weight, std=0.02)
+
+
+def _check_ids(ids, vocab_size):
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 2:
+        raise ValueError(f"input_ids: expected an integer tensor (B, N), got "
+                         f"{(ids.dtype, tuple(ids.shape)) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"input_ids: token ids must lie in [0, {vocab_size}), got range "
+                         f"[{int(ids.min())}, {int(ids.max())}]")
+    return ids
+
+
+def _check_keep(attention_mask, B, M):
+    t = torch.as_tensor(attention_mask)
+    if t.dim() != 2 or t.shape[0] != B or t.shape[1] != M:
+        raise ValueError(f"attention_mask: expected (B={B}, {M}) covering cached and new tokens, got {tuple(t.shape)}")
+    return t

@@ -1,0 +1,36 @@
+"""Argument checks shared by the modules and configs (clear errors, never ``assert``)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+
+def positive_int(x, name: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {x!r}")
+    return int(x)
+
+
+def nonneg_int(x, name: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {x!r}")
+    return int(x)
+
+
+def probability(x, name: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not (0.0 <= x < 1.0):
+        raise ValueError(f"{name}: expected a probability in [0, 1), got {x!r}")
+    return float(x)
+
+
+def positive_float(x, name: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x <= 0:
+        raise ValueError(f"{name}: expected a finite number > 0, got {x!r}")
+    return float(x)
+
+
+def choice(x, name: str, options) -> str:
+    if x not in options:
+        raise ValueError(f"{name}: expected one of {tuple(options)}, got {x!r}")
+    return x

@@ -1,0 +1,1 @@
+"""Training on CPU: tokenizers trained locally, data sources, the loop, checkpoints."""
