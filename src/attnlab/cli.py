@@ -2,6 +2,7 @@
 
     attnlab bench attention [--quick] [--json PATH] [--reps N] [--no-flex] [--no-memory] [--only TEXT]
     attnlab bench tiles [--json PATH]
+    attnlab bench models [--quick] [--json PATH] [--reps N] [--profile]
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--no-memory", action="store_true", help="skip the per-backend memory probes")
     t = bsub.add_parser("tiles", help="measure the flash backend's tile sizes per dtype and head dim")
     t.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    m = bsub.add_parser("models", help="attnlab's GPT-2 decoder and MiniLM encoder vs transformers")
+    m.add_argument("--quick", action="store_true", help="a smaller GPT-2 and batch")
+    m.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    m.add_argument("--reps", type=int, default=5, help="timed repetitions per contender (median reported)")
+    m.add_argument("--profile", action="store_true", help="also show where attnlab's training step spends time")
     return p
 
 
@@ -40,6 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and args.bench == "tiles":
         from attnlab.bench import tiles
         tiles.main(json_path=args.json)
+        return 0
+    if args.command == "bench" and args.bench == "models":
+        if args.reps < 1:
+            print("attnlab bench models: --reps must be >= 1", file=sys.stderr)
+            return 2
+        from attnlab.bench import models
+        models.main(quick=args.quick, json_path=args.json, reps=args.reps, show_profile=args.profile)
         return 0
     return 2  # pragma: no cover - argparse rejects unknown commands
 
