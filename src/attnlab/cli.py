@@ -3,6 +3,7 @@
     attnlab bench attention [--quick] [--json PATH] [--reps N] [--no-flex] [--no-memory] [--only TEXT]
     attnlab bench tiles [--json PATH]
     attnlab bench models [--quick] [--json PATH] [--reps N] [--profile]
+    attnlab train [--task text|induction|recall] [--steps N] [--out DIR [--resume]] ...
 """
 
 from __future__ import annotations
@@ -30,6 +31,21 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     m.add_argument("--reps", type=int, default=5, help="timed repetitions per contender (median reported)")
     m.add_argument("--profile", action="store_true", help="also show where attnlab's training step spends time")
+    tr = sub.add_parser("train", help="train a small Decoder on CPU (progress bar, checkpoints, resume)")
+    tr.add_argument("--task", default="induction", choices=("text", "induction", "recall"))
+    tr.add_argument("--steps", type=int, default=300)
+    tr.add_argument("--layers", type=int, default=2)
+    tr.add_argument("--d-model", type=int, default=128)
+    tr.add_argument("--heads", type=int, default=4)
+    tr.add_argument("--positions", default="rope", choices=("learned", "sinusoidal", "rope", "alibi", "none"))
+    tr.add_argument("--attn-only", action="store_true", help="no MLPs, no norms (circuits-style)")
+    tr.add_argument("--seq-len", type=int, default=64)
+    tr.add_argument("--batch", type=int, default=16)
+    tr.add_argument("--lr", type=float, default=3e-3)
+    tr.add_argument("--vocab", type=int, help="vocabulary (text: BPE size, default 512; tasks: 64)")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--out", metavar="DIR", help="checkpoint folder (safetensors)")
+    tr.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     return p
 
 
@@ -53,6 +69,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from attnlab.bench import models
         models.main(quick=args.quick, json_path=args.json, reps=args.reps, show_profile=args.profile)
+        return 0
+    if args.command == "train":
+        from attnlab.train import run
+        try:
+            run.main(task=args.task, steps=args.steps, layers=args.layers, d_model=args.d_model, heads=args.heads,
+                     positions=args.positions, seq_len=args.seq_len, batch=args.batch, lr=args.lr, vocab=args.vocab,
+                     seed=args.seed, out=args.out, resume=args.resume, attn_only=args.attn_only)
+        except ValueError as e:
+            print(f"attnlab train: {e}", file=sys.stderr)
+            return 2
         return 0
     return 2  # pragma: no cover - argparse rejects unknown commands
 

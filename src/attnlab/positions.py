@@ -396,14 +396,18 @@ class RoPE(torch.nn.Module):
 # ----------------------------------------------------------------------------- ALiBi
 class ALiBi:
     """ALiBi (Press et al., 2022) for ``n_heads`` heads; ``slopes`` default to
-    :func:`alibi_slopes`.  :meth:`score_mod` gives the score mod for :func:`attnlab.attention`.
+    :func:`alibi_slopes`.  ``symmetric=True`` biases by ``-m·|i-j|`` (encoders, which
+    have no causal mask to hide the positive bias of future keys).  :meth:`score_mod` gives the score mod for :func:`attnlab.attention`.
 
     >>> ALiBi(4).score_mod()
     alibi(4 heads)
     """
 
-    def __init__(self, n_heads: int, *, slopes: torch.Tensor | None = None):
+    def __init__(self, n_heads: int, *, slopes: torch.Tensor | None = None, symmetric: bool = False):
         self.n_heads = _int("ALiBi", "n_heads", n_heads, 1)
+        if not isinstance(symmetric, bool):
+            raise TypeError(f"ALiBi: symmetric must be a bool, got {symmetric!r}")
+        self.symmetric = symmetric  # -m|i-j| for bidirectional (encoder) attention
         slopes = alibi_slopes(n_heads) if slopes is None else torch.as_tensor(slopes)
         if not slopes.dtype.is_floating_point or tuple(slopes.shape) != (n_heads,):
             raise ValueError(f"ALiBi: slopes must be a float tensor of shape (n_heads,)=({n_heads},), "
@@ -411,10 +415,10 @@ class ALiBi:
         self.slopes = slopes
 
     def score_mod(self) -> scores.ScoreMod:
-        return scores.alibi(self.slopes)
+        return scores.alibi(self.slopes, symmetric=self.symmetric)
 
     def __repr__(self):
-        return f"ALiBi(n_heads={self.n_heads})"
+        return f"ALiBi(n_heads={self.n_heads}{', symmetric' if self.symmetric else ''})"
 
 
 # ----------------------------------------------------------------------------- transformers configs

@@ -53,6 +53,8 @@ class _Common:
 
     def __post_init__(self):
         name = type(self).__name__
+        # fields filled in from others: replace() recomputes them unless given
+        self._derived = {f for f in ("n_kv_heads", "d_head", "d_mlp") if getattr(self, f) is None}
         for f in ("vocab_size", "d_model", "n_layers", "n_heads", "max_positions"):
             positive_int(getattr(self, f), f"{name}.{f}")
         if self.n_kv_heads is None:
@@ -79,15 +81,23 @@ class _Common:
         positive_float(self.rope_base, f"{name}.rope_base")
         probability(self.dropout, f"{name}.dropout")
         probability(self.attn_dropout, f"{name}.attn_dropout")
-        if self.rotary_dim is not None:
-            nonneg_int(self.rotary_dim, f"{name}.rotary_dim")
+        rd = self.rotary_dim
+        if rd is not None and (isinstance(rd, bool) or not isinstance(rd, int) or rd < 2 or rd % 2 or rd > self.d_head):
+            raise ValueError(f"{name}.rotary_dim: expected an even int in [2, d_head={self.d_head}], got {rd!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, tuple(_SCALINGS.values())):
+            raise TypeError(f"{name}.rope_scaling: expected None or one of {sorted(_SCALINGS)}, "
+                            f"got {type(self.rope_scaling).__name__}")
         for f in ("bias", "rope_interleaved"):
             if not isinstance(getattr(self, f), bool):
                 raise TypeError(f"{name}.{f}: expected a bool, got {getattr(self, f)!r}")
 
     def replace(self, **changes):
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields changed (validated again).  Fields that were derived
+        (``d_head``, ``n_kv_heads``, ``d_mlp`` left at None) are derived again."""
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+              if f.name not in getattr(self, "_derived", ())}
+        kw.update(changes)
+        return type(self)(**kw)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -144,3 +154,6 @@ class EncoderConfig(_Common):
         super().__post_init__()
         nonneg_int(self.type_vocab_size, "EncoderConfig.type_vocab_size")
         nonneg_int(self.pad_token_id, "EncoderConfig.pad_token_id")
+        if self.pad_token_id >= self.vocab_size:
+            raise ValueError(f"EncoderConfig.pad_token_id: expected an id in [0, vocab_size={self.vocab_size}), "
+                             f"got {self.pad_token_id}")

@@ -45,13 +45,13 @@ def absolute_positions(kind: str, max_positions: int, d_model: int) -> nn.Module
     return None
 
 
-def attention_positions(cfg):
+def attention_positions(cfg, *, bidirectional: bool = False):
     """The per-attention position object (RoPE / ALiBi), shared by every layer."""
     if cfg.positions == "rope":
         return P.RoPE(cfg.d_head, base=cfg.rope_base, rotary_dim=cfg.rotary_dim,
                       interleaved=cfg.rope_interleaved, scaling=cfg.rope_scaling)
     if cfg.positions == "alibi":
-        return P.ALiBi(cfg.n_heads)
+        return P.ALiBi(cfg.n_heads, symmetric=bidirectional)
     return None
 
 
@@ -64,6 +64,8 @@ def token_positions(pos, B, N, start, device):
     if not isinstance(pos, torch.Tensor) or pos.dtype.is_floating_point or pos.shape[-1] != N or pos.dim() > 2:
         raise ValueError(f"pos: expected None, an int offset or integer positions (N={N},) / (B, N), got "
                          f"{tuple(pos.shape) if isinstance(pos, torch.Tensor) else type(pos).__name__}")
+    if pos.dim() == 2 and pos.shape[0] not in (1, B):
+        raise ValueError(f"pos: expected (N={N},) or (B={B}, N={N}) positions, got {tuple(pos.shape)}")
     return pos
 
 
@@ -81,7 +83,7 @@ class Decoder(nn.Module):
         self.norm = (make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias)
                      if cfg.final_norm and not cfg.attn_only else None)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.apply(_init_weights)
+        init_weights(self, cfg.n_layers)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
@@ -129,13 +131,32 @@ class Decoder(nn.Module):
         return f"layers={c.n_layers}, d_model={c.d_model}, heads={c.n_heads}/{c.n_kv_heads}, positions={c.positions}"
 
 
-def _init_weights(m):
-    if isinstance(m, nn.Linear):
-        nn.init.normal_(m.weight, std=0.02)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
-    elif isinstance(m, nn.Embedding):
-        nn.init.normal_(m.weight, std=0.02)
+def init_weights(model: nn.Module, n_layers: int, std: float = 0.02) -> None:
+    """GPT-2's initialisation: every matrix and embedding N(0, std), biases 0, and the
+    projections that write into the residual stream (W_O and the MLP's output)
+    N(0, std/sqrt(2·n_layers)) so the stream's variance does not grow with depth."""
+    from attnlab.nn.attention import MultiHeadAttention
+    from attnlab.nn.mlp import MLP, SwiGLU
+    resid = std / (2 * n_layers) ** 0.5
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=std)
+            if isinstance(m, nn.Embedding) and m.padding_idx is not None:
+                with torch.no_grad():
+                    m.weight[m.padding_idx].zero_()
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, MultiHeadAttention):
+            nn.init.normal_(m.qkv_weight, std=std)
+            nn.init.normal_(m.out_weight, std=resid)
+            for b in (m.qkv_bias, m.out_bias):
+                if b is not None:
+                    nn.init.zeros_(b)
+    for m in model.modules():
+        if isinstance(m, MLP):
+            nn.init.normal_(m.fc_out.weight, std=resid)
+        elif isinstance(m, SwiGLU):
+            nn.init.normal_(m.down.weight, std=resid)
 
 
 def _check_ids(ids, vocab_size):
@@ -150,6 +171,8 @@ def _check_ids(ids, vocab_size):
 
 def _check_keep(attention_mask, B, M):
     t = torch.as_tensor(attention_mask)
+    if t.dtype.is_floating_point or t.is_complex():
+        raise TypeError(f"attention_mask: expected bool or 0/1 integers (1 = real token), got dtype {t.dtype}")
     if t.dim() != 2 or t.shape[0] != B or t.shape[1] != M:
         raise ValueError(f"attention_mask: expected (B={B}, {M}) covering cached and new tokens, got {tuple(t.shape)}")
     return t

@@ -18,7 +18,7 @@ from torch import nn
 from attnlab import masks
 from attnlab.nn.block import Block
 from attnlab.nn.config import EncoderConfig
-from attnlab.nn.decoder import (ModelOutput, _check_ids, _check_keep, _init_weights, absolute_positions,
+from attnlab.nn.decoder import (ModelOutput, _check_ids, _check_keep, absolute_positions, init_weights,
                                 attention_positions, token_positions)
 from attnlab.nn.norms import make_norm
 
@@ -34,11 +34,11 @@ class Encoder(nn.Module):
         self.type_embed = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
         self.embed_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
-        rel = attention_positions(cfg)
+        rel = attention_positions(cfg, bidirectional=True)
         self.blocks = nn.ModuleList(Block(cfg, positions=rel) for _ in range(cfg.n_layers))
         self.final_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias) if cfg.norm_position == "pre" else None
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model) if cfg.pooler else None
-        self.apply(_init_weights)
+        init_weights(self, cfg.n_layers)
 
     def forward(self, input_ids, *, attention_mask=None, token_type_ids=None, pos=None,
                 output_attentions: bool = False, output_hidden_states: bool = False) -> ModelOutput:

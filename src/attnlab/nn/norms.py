@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(positive_int(d_model, "d_model")))
 
     def forward(self, x):
-        h = x.float()
+        h = x if x.dtype == torch.float64 else x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
