@@ -35,3 +35,28 @@ def assert_close_rule(fast, ref_same_dtype, oracle, dtype, factor=2.0, what="out
     e_ref = max_err(ref_same_dtype, oracle)
     bound = factor * e_ref + FLOOR[dtype]
     assert e_fast <= bound, f"{what}: fast-path error {e_fast:.3e} > {factor}x reference error {e_ref:.3e} + floor"
+
+
+def mask_dense(m, B, H, Nq, Nk, qo, ko):
+    """A mask's predicate evaluated on the whole (B, H, Nq, Nk) grid of absolute positions."""
+    b = torch.arange(B).view(B, 1, 1, 1)
+    h = torch.arange(H).view(1, H, 1, 1)
+    qp = (torch.arange(Nq) + qo).view(1, 1, Nq, 1)
+    kp = (torch.arange(Nk) + ko).view(1, 1, 1, Nk)
+    out = m(b, h, qp, kp)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bool
+    return torch.broadcast_to(out, (B, H, Nq, Nk))
+
+
+def tile_truth(dense, bq, bk):
+    """(any, all) per (bq, bk) tile of a dense (B, H, Nq, Nk) mask, by slicing (the last
+    tiles are truncated)."""
+    B, H, Nq, Nk = dense.shape
+    nqb, nkb = -(-Nq // bq), -(-Nk // bk)
+    anyt = torch.zeros(B, H, nqb, nkb, dtype=torch.bool)
+    allt = torch.zeros(B, H, nqb, nkb, dtype=torch.bool)
+    for i in range(nqb):
+        for j in range(nkb):
+            t = dense[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].flatten(2)
+            anyt[:, :, i, j], allt[:, :, i, j] = t.any(-1), t.all(-1)
+    return anyt, allt

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import attnlab
+import helpers
 from attnlab import masks
 from attnlab.masks import EMPTY, FULL, PARTIAL, BlockMask
 
@@ -215,27 +216,10 @@ def brute_dense(f, Nq, Nk, qo, ko):
 
 
 def mask_dense(m, Nq, Nk, qo, ko):
-    b = torch.arange(B).view(B, 1, 1, 1)
-    h = torch.arange(H).view(1, H, 1, 1)
-    qp = (torch.arange(Nq) + qo).view(1, 1, Nq, 1)
-    kp = (torch.arange(Nk) + ko).view(1, 1, 1, Nk)
-    out = m(b, h, qp, kp)
-    assert isinstance(out, torch.Tensor) and out.dtype == torch.bool
-    return torch.broadcast_to(out, (B, H, Nq, Nk))
+    return helpers.mask_dense(m, B, H, Nq, Nk, qo, ko)
 
 
-def tile_truth(dense, bq, bk):
-    """(any, all) per tile, computed by slicing (the last tiles are truncated)."""
-    Nq, Nk = dense.shape[-2:]
-    nqb, nkb = -(-Nq // bq), -(-Nk // bk)
-    anyt = torch.zeros(B, H, nqb, nkb, dtype=torch.bool)
-    allt = torch.zeros(B, H, nqb, nkb, dtype=torch.bool)
-    for i in range(nqb):
-        for j in range(nkb):
-            t = dense[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
-            anyt[:, :, i, j] = t.flatten(2).any(-1)
-            allt[:, :, i, j] = t.flatten(2).all(-1)
-    return anyt, allt
+tile_truth = helpers.tile_truth
 
 
 BLOCKS = [(1, 1), (2, 3), (3, 2), (4, 4), (5, 7), (16, 16), (128, 512)]

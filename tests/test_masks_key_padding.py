@@ -22,6 +22,7 @@ if str(_ROOT) not in sys.path:
 import attnlab  # noqa: E402
 from attnlab import masks  # noqa: E402
 from attnlab.masks import EMPTY, FULL, PARTIAL  # noqa: E402
+from tests import helpers  # noqa: E402
 from tests.helpers import assert_close_rule  # noqa: E402
 
 B, H, L = 3, 2, 24  # keep covers absolute key positions 0..23
@@ -59,25 +60,10 @@ def brute_dense(keep, Nq, Nk, qo, ko, pred=None):
 
 
 def mask_dense(m, Nq, Nk, qo, ko):
-    b = torch.arange(B).view(B, 1, 1, 1)
-    h = torch.arange(H).view(1, H, 1, 1)
-    qp = (torch.arange(Nq) + qo).view(1, 1, Nq, 1)
-    kp = (torch.arange(Nk) + ko).view(1, 1, 1, Nk)
-    out = m(b, h, qp, kp)
-    assert isinstance(out, torch.Tensor) and out.dtype == torch.bool
-    return torch.broadcast_to(out, (B, H, Nq, Nk))
+    return helpers.mask_dense(m, B, H, Nq, Nk, qo, ko)
 
 
-def tile_truth(dense, bq, bk):
-    Nq, Nk = dense.shape[-2:]
-    nqb, nkb = -(-Nq // bq), -(-Nk // bk)
-    anyt = torch.zeros(B, H, nqb, nkb, dtype=torch.bool)
-    allt = torch.zeros(B, H, nqb, nkb, dtype=torch.bool)
-    for i in range(nqb):
-        for j in range(nkb):
-            t = dense[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].flatten(2)
-            anyt[:, :, i, j], allt[:, :, i, j] = t.any(-1), t.all(-1)
-    return anyt, allt
+tile_truth = helpers.tile_truth
 
 
 def check_states(m, dense, shape, exact):

@@ -308,17 +308,7 @@ class ByteBPE(_Base):
                     best, best_new = pair, new
             if best is None:
                 break
-            a, b = best
-            out = []
-            i, n = 0, len(ids)
-            while i < n:
-                if i < n - 1 and ids[i] == a and ids[i + 1] == b:
-                    out.append(best_new)
-                    i += 2
-                else:
-                    out.append(ids[i])
-                    i += 1
-            ids = out
+            ids = _merge_word(ids, best[0], best[1], best_new)
         return tuple(ids)
 
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
