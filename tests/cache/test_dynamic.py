@@ -1,4 +1,5 @@
-"""DynamicCache: the per-layer KV-cache protocol (seen, update -> (k_all, v_all, kv_offset))."""
+"""DynamicCache and StaticCache: the cache interface (update(layer, k, v) -> KV view, seen,
+length, reset, fork, free) and their use by MultiHeadAttention and Decoder."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from attnlab import masks
-from attnlab.cache import DynamicCache
+from attnlab.cache import DenseKV, DynamicCache, StaticCache
 from attnlab.nn import Decoder, DecoderConfig, MultiHeadAttention
 from attnlab.positions import RoPE
 
@@ -16,73 +17,112 @@ def kv(B, H, n, D, Dv=None, seed=0):
     return torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, Dv or D, generator=g)
 
 
-def test_update_appends_and_counts():
-    c = DynamicCache()
-    assert c.seen == 0 and c.k is None and c.v is None
+def make(kind, n_layers=1, B=2, H=3, D=8, Dv=5, capacity=16, evict=None):
+    if kind == "dynamic":
+        return DynamicCache(n_layers)
+    return StaticCache(n_layers, B, H, D, capacity, d_v=Dv, dtype=torch.float32, evict=evict)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_update_appends_and_counts(kind):
+    c = make(kind, n_layers=2)
+    assert c.seen == 0 and c.length == 0
     k1, v1 = kv(2, 3, 4, 8, Dv=5, seed=1)
-    ka, va, off = c.update(k1, v1)
-    assert off == 0 and c.seen == 4
-    assert torch.equal(ka, k1) and torch.equal(va, v1)
+    view = c.update(0, k1, v1)
+    assert isinstance(view, DenseKV) and view.kv_offset == 0 and view.q_offset == 0
+    assert c.seen_at(0) == 4 and c.seen_at(1) == 0
     k2, v2 = kv(2, 3, 1, 8, Dv=5, seed=2)
-    ka, va, off = c.update(k2, v2)
-    assert off == 0 and c.seen == 5
-    assert ka.shape == (2, 3, 5, 8) and va.shape == (2, 3, 5, 5)
-    assert torch.equal(ka, torch.cat([k1, k2], 2)) and torch.equal(va, torch.cat([v1, v2], 2))
-    assert torch.equal(c.k, ka) and torch.equal(c.v, va)
-    # an empty chunk changes nothing but is accepted
-    ka, _, _ = c.update(*kv(2, 3, 0, 8, Dv=5))
-    assert c.seen == 5 and ka.shape[2] == 5
-    assert repr(c) == "DynamicCache(seen=5)"
+    view = c.update(0, k2, v2)
+    assert view.q_offset == 4 and c.seen_at(0) == 5
+    assert torch.equal(view.k, torch.cat([k1, k2], 2)) and torch.equal(view.v, torch.cat([v1, v2], 2))
+    view = c.update(0, *kv(2, 3, 0, 8, Dv=5))  # an empty chunk changes nothing
+    assert c.seen_at(0) == 5 and view.k.shape[2] == 5
+    c.reset()
+    assert c.seen == 0
 
 
-def test_for_model_gives_independent_caches():
-    caches = DynamicCache.for_model(3)
-    assert len(caches) == 3 and len({id(c) for c in caches}) == 3
-    caches[0].update(*kv(1, 1, 2, 4))
-    assert [c.seen for c in caches] == [2, 0, 0]
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_fork_is_independent(kind):
+    c = make(kind)
+    c.update(0, *kv(2, 3, 4, 8, Dv=5, seed=1))
+    f = c.fork()
+    a = c.update(0, *kv(2, 3, 1, 8, Dv=5, seed=2))
+    b = f.update(0, *kv(2, 3, 1, 8, Dv=5, seed=3))
+    assert torch.equal(a.k[:, :, :4], b.k[:, :, :4]) and not torch.equal(a.k[:, :, 4], b.k[:, :, 4])
+    assert c.seen == f.seen == 5
 
 
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
 @pytest.mark.parametrize("k_shape, v_shape", [
-    ((2, 3, 4), (2, 3, 4, 8)),          # k not 4-D
-    ((2, 3, 4, 8), (2, 3, 5, 8)),       # different n
-    ((2, 3, 4, 8), (1, 3, 4, 8)),       # different B
+    ((2, 3, 4), (2, 3, 4, 5)),          # k not 4-D
+    ((2, 3, 4, 8), (2, 3, 5, 5)),       # different n
+    ((2, 3, 4, 8), (1, 3, 4, 5)),       # different B
 ])
-def test_update_rejects_bad_shapes(k_shape, v_shape):
+def test_update_rejects_bad_shapes(kind, k_shape, v_shape):
     with pytest.raises(ValueError, match=r"update: expected k \(B, Hkv, n, D\) and v \(B, Hkv, n, Dv\)"):
-        DynamicCache().update(torch.zeros(k_shape), torch.zeros(v_shape))
+        make(kind).update(0, torch.zeros(k_shape), torch.zeros(v_shape))
 
 
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
 @pytest.mark.parametrize("k_shape, v_shape", [
-    ((1, 2, 1, 8), (1, 2, 1, 8)),       # B changes
-    ((2, 1, 1, 8), (2, 1, 1, 8)),       # Hkv changes
-    ((2, 2, 1, 4), (2, 2, 1, 8)),       # D changes
-    ((2, 2, 1, 8), (2, 2, 1, 6)),       # Dv changes
+    ((1, 3, 1, 8), (1, 3, 1, 5)),       # B changes
+    ((2, 1, 1, 8), (2, 1, 1, 5)),       # Hkv changes
+    ((2, 3, 1, 4), (2, 3, 1, 5)),       # D changes
+    ((2, 3, 1, 8), (2, 3, 1, 6)),       # Dv changes
 ])
-def test_update_rejects_chunks_that_do_not_continue(k_shape, v_shape):
-    c = DynamicCache()
-    c.update(*kv(2, 2, 3, 8))
-    with pytest.raises(ValueError, match="do not continue the cached"):
-        c.update(torch.zeros(k_shape), torch.zeros(v_shape))
-    assert c.seen == 3 and c.k.shape == (2, 2, 3, 8)  # a rejected update leaves the cache alone
+def test_update_rejects_chunks_that_do_not_continue(kind, k_shape, v_shape):
+    c = make(kind)
+    c.update(0, *kv(2, 3, 3, 8, Dv=5))
+    with pytest.raises(ValueError, match="do not continue the cached|do not fit buffers"):
+        c.update(0, torch.zeros(k_shape), torch.zeros(v_shape))
+    assert c.seen == 3  # a rejected update leaves the cache alone
 
 
-def test_mha_with_cache_equals_full_forward_and_fills_the_cache():
+def test_layer_index_is_checked():
+    with pytest.raises(ValueError, match=r"layer: expected an int in \[0, 2\)"):
+        make("dynamic", n_layers=2).update(2, *kv(1, 1, 1, 4))
+    with pytest.raises(IndexError):
+        make("dynamic", n_layers=2)[5]
+
+
+def test_static_capacity_error_writes_nothing():
+    c = make("static", capacity=5)
+    c.update(0, *kv(2, 3, 4, 8, Dv=5, seed=1))
+    before = c.k[0].clone()
+    with pytest.raises(ValueError, match="holds 4 of 5 slots and 2 more were written"):
+        c.update(0, *kv(2, 3, 2, 8, Dv=5, seed=2))
+    assert c.seen == 4 and torch.equal(c.k[0], before)
+
+
+def test_static_window_eviction_is_sliding_window_attention():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 4, 2, positions=RoPE(4)).double().eval()
+    x = torch.randn(1, 12, 16, dtype=torch.float64)
+    W = 5
+    full = mha(x, mask=masks.causal() & masks.sliding_window(W))
+    c = StaticCache(1, 1, 2, 4, W, dtype=torch.float64, evict="window")
+    out = torch.cat([mha(x[:, t:t + 1], mask=masks.causal(), cache=c[0]) for t in range(12)], 1)
+    torch.testing.assert_close(out, full, rtol=0, atol=1e-12)
+    assert c.length == W and c.seen == 12 and c.offsets[0] == 12 - W
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_mha_with_cache_equals_full_forward_and_fills_the_cache(kind):
     torch.manual_seed(0)
     mha = MultiHeadAttention(16, 4, 2, positions=RoPE(4)).double().eval()
     x = torch.randn(2, 7, 16, dtype=torch.float64)
     full = mha(x, mask=masks.causal())
-    c = DynamicCache()
-    out = torch.cat([mha(x[:, :3], mask=masks.causal(), cache=c)] +
-                    [mha(x[:, t:t + 1], mask=masks.causal(), cache=c) for t in range(3, 7)], 1)
+    c = DynamicCache(1) if kind == "dynamic" else StaticCache(1, 2, 2, 4, 8, dtype=torch.float64)
+    out = torch.cat([mha(x[:, :3], mask=masks.causal(), cache=c[0])] +
+                    [mha(x[:, t:t + 1], mask=masks.causal(), cache=c[0]) for t in range(3, 7)], 1)
     torch.testing.assert_close(out, full, rtol=0, atol=1e-12)
-    assert c.seen == 7 and c.k.shape == (2, 2, 7, 4) and c.v.shape == (2, 2, 7, 4)
-    # the cached keys are those a full forward computes (rotated at their absolute positions)
+    K = c.k[0][:, :, :7]
     q, k, v = mha.project(x)
-    torch.testing.assert_close(c.k, mha.positions(k, 0), rtol=0, atol=1e-12)
-    torch.testing.assert_close(c.v, v, rtol=0, atol=1e-12)
+    torch.testing.assert_close(K, mha.positions(k, 0), rtol=0, atol=1e-12)  # rotated at absolute positions
 
 
-def test_decoder_with_cache_list_equals_full_forward_and_greedy_generation_matches():
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_decoder_cached_greedy_equals_recomputation(kind):
     torch.manual_seed(0)
     cfg = DecoderConfig(vocab_size=23, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, positions="rope")
     m = Decoder(cfg).eval()
@@ -91,17 +131,16 @@ def test_decoder_with_cache_list_equals_full_forward_and_greedy_generation_match
             if p.dim() == 2:
                 p.mul_(25)
     ids = torch.randint(0, 23, (2, 4))
-    # greedy decoding with and without the cache produces the same tokens and logits
-    cache = DynamicCache.for_model(2)
+    cache = DynamicCache(2) if kind == "dynamic" else StaticCache.for_model(m, 2, 16)
     seq = ids
-    logits = m(seq, cache=cache).logits[:, -1]
-    nocache = ids
-    for _ in range(5):
-        nxt = logits.argmax(-1, keepdim=True)
-        seq = torch.cat([seq, nxt], 1)
-        logits = m(nxt, cache=cache).logits[:, -1]
-        ref_logits = m(seq).logits[:, -1]
-        torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
-        nocache = torch.cat([nocache, m(nocache).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    with torch.no_grad():
+        logits = m(seq, cache=cache).logits[:, -1]
+        nocache = ids
+        for _ in range(5):
+            nxt = logits.argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], 1)
+            logits = m(nxt, cache=cache).logits[:, -1]
+            torch.testing.assert_close(logits, m(seq).logits[:, -1], rtol=0, atol=1e-5)
+            nocache = torch.cat([nocache, m(nocache).logits[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(seq, nocache)
-    assert all(c.seen == 9 for c in cache)
+    assert cache.seen == 9

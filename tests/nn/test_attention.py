@@ -323,7 +323,7 @@ def test_cache_prefill_and_decode_equal_full_causal_forward(kind, Hkv, chunks, w
     offsets = torch.tensor([[0], [5]])  # with_pos: row 1's positions start at 5 (RoPE only sees them)
     full_pos = (torch.arange(N) + offsets) if with_pos else None
     full, wfull = mha(x, mask=masks.causal(), pos=full_pos, need_weights=True)
-    cache = DynamicCache()
+    cache = DynamicCache(1)[0]
     start = 0
     for n in chunks:
         pos = full_pos[:, start:start + n] if with_pos else None
@@ -339,7 +339,7 @@ def test_cache_float32_matches_full_forward():
     mha = make_mha(32, 4, 2, positions=RoPE(8), dtype=torch.float32)
     x = randx(2, 8, 32, dtype=torch.float32)
     full = mha(x, mask=masks.causal())
-    cache = DynamicCache()
+    cache = DynamicCache(1)[0]
     outs = [mha(x[:, :5], mask=masks.causal(), cache=cache)]
     outs += [mha(x[:, t:t + 1], mask=masks.causal(), cache=cache) for t in range(5, 8)]
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=2e-6, rtol=1e-5)
@@ -348,11 +348,11 @@ def test_cache_float32_matches_full_forward():
 def test_cache_stores_rotated_keys_of_kv_heads():
     mha = make_mha(32, 4, 2, positions=RoPE(8))
     x = randx(1, 5, 32)
-    cache = DynamicCache()
-    mha(x, mask=masks.causal(), cache=cache)
-    assert cache.k.shape == (1, 2, 5, 8) and cache.v.shape == (1, 2, 5, 8)
+    store = DynamicCache(1)
+    mha(x, mask=masks.causal(), cache=store[0])
+    assert store.k[0].shape == (1, 2, 5, 8) and store.v[0].shape == (1, 2, 5, 8)
     k = torch.einsum("bnm,hme->bhne", x, mha.W_K.detach()) + mha.b_K.detach()[None, :, None]
-    assert_close(cache.k, hand_rope(k, torch.arange(5)))
+    assert_close(store.k[0], hand_rope(k, torch.arange(5)))
 
 
 # ----------------------------------------------------------------------------- need_weights

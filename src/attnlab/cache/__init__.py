@@ -1,5 +1,8 @@
-"""KV caches (the per-layer protocol is in :mod:`attnlab.nn.attention`)."""
+"""KV caches.  The interface is in :mod:`attnlab.cache.base`: ``update(layer, k, v) -> KV``
+(a view the attention reads), ``seen``, ``length``, ``reset``, ``fork``, ``free``."""
 
+from attnlab.cache.base import KV, Cache, DenseKV, LayerCache
 from attnlab.cache.dynamic import DynamicCache
+from attnlab.cache.static import StaticCache
 
-__all__ = ["DynamicCache"]
+__all__ = ["KV", "DenseKV", "Cache", "LayerCache", "DynamicCache", "StaticCache"]

@@ -1,47 +1,61 @@
 """The simplest KV cache: keys and values appended as they come (grows without bound).
 
-It implements the per-layer protocol :class:`attnlab.nn.MultiHeadAttention` reads::
-
-    cache.seen           absolute position of the next new token
-    cache.update(k, v)   -> (k_all, v_all, kv_offset)
-
 >>> import torch
 >>> from attnlab.cache import DynamicCache
->>> layers = DynamicCache.for_model(n_layers=2)
->>> k_all, v_all, off = layers[0].update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
->>> k_all.shape, off, layers[0].seen
-(torch.Size([1, 2, 3, 8]), 0, 3)
+>>> cache = DynamicCache(n_layers=2)
+>>> kv = cache.update(0, torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
+>>> kv.k.shape, kv.kv_offset, cache.seen_at(0), cache.seen_at(1)
+(torch.Size([1, 2, 3, 8]), 0, 3, 0)
 """
 
 from __future__ import annotations
 
 import torch
 
+from attnlab.cache.base import Cache, DenseKV
 
-class DynamicCache:
-    """One layer's keys ``(B, Hkv, seen, D)`` and values ``(B, Hkv, seen, Dv)``."""
 
-    def __init__(self):
-        self.k = self.v = None
-        self.seen = 0
+class DynamicCache(Cache):
+    """Per layer, keys ``(B, Hkv, seen, D)`` and values ``(B, Hkv, seen, Dv)``, concatenated
+    on every update (a copy per step: :class:`StaticCache` avoids it)."""
+
+    def __init__(self, n_layers: int):
+        super().__init__(n_layers)
+        self.k = [None] * n_layers
+        self.v = [None] * n_layers
 
     @classmethod
-    def for_model(cls, n_layers: int) -> list["DynamicCache"]:
-        return [cls() for _ in range(n_layers)]
+    def for_model(cls, n_layers: int) -> "DynamicCache":
+        return cls(n_layers)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor):
-        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
-            raise ValueError(f"update: expected k (B, Hkv, n, D) and v (B, Hkv, n, Dv), got {tuple(k.shape)}, "
-                             f"{tuple(v.shape)}")
-        if self.k is None:
-            self.k, self.v = k, v
+    def seen_at(self, layer):
+        return 0 if self.k[layer] is None else self.k[layer].shape[2]
+
+    @property
+    def length(self) -> int:
+        return self.seen_at(0)
+
+    def update(self, layer, k, v):
+        self._check_layer(layer, k, v)
+        K, V = self.k[layer], self.v[layer]
+        if K is None:
+            K, V = k, v
         else:
-            if k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3] or v.shape[3] != self.v.shape[3]:
+            if k.shape[:2] != K.shape[:2] or k.shape[3] != K.shape[3] or v.shape[3] != V.shape[3]:
                 raise ValueError(f"update: new k {tuple(k.shape)} / v {tuple(v.shape)} do not continue the cached "
-                                 f"k {tuple(self.k.shape)} / v {tuple(self.v.shape)}")
-            self.k, self.v = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)
-        self.seen += k.shape[2]
-        return self.k, self.v, 0
+                                 f"k {tuple(K.shape)} / v {tuple(V.shape)}")
+            K, V = torch.cat([K, k], 2), torch.cat([V, v], 2)
+        self.k[layer], self.v[layer] = K, V
+        return DenseKV(K, V, kv_offset=0, q_offset=K.shape[2] - k.shape[2])
+
+    def reset(self):
+        self.k = [None] * self.n_layers
+        self.v = [None] * self.n_layers
+
+    def fork(self):
+        c = DynamicCache(self.n_layers)
+        c.k, c.v = list(self.k), list(self.v)  # tensors are never written in place: sharing is safe
+        return c
 
     def __repr__(self):
-        return f"DynamicCache(seen={self.seen})"
+        return f"DynamicCache(layers={self.n_layers}, seen={self.seen})"

@@ -23,11 +23,11 @@ exposed per head under their mathematical names as *views* that share storage:
 
 so ``q[b, h, i] = x[b, i] @ W_Q[h] + b_Q[h]``; writing into a view writes the weight.
 
-KV cache protocol (one object per layer; :mod:`attnlab.cache` implements it)::
+KV cache protocol (``cache[i]`` of any :class:`attnlab.cache.Cache`)::
 
-    cache.seen                      -> int, absolute position of the first new token
-    cache.update(k, v)              -> (k_all, v_all, kv_offset): the keys/values to attend,
-                                       the new ones appended, k_all[:, :, 0] at kv_offset
+    cache.seen                      -> absolute position of the first new token (int, or (B,))
+    cache.update(k, v)              -> a KV view: kv.attend(q, mask=..., ...) attends the cached
+                                       keys plus the new ones; kv.dense() gives tensors
 
 >>> import torch
 >>> from attnlab import masks
@@ -52,6 +52,13 @@ from attnlab.ops.dispatch import BACKENDS, attention, attention_probs
 from attnlab.ops.sdpa import is_causal_mask
 from attnlab.nn.validate import positive_int, probability
 from attnlab.scores import compose
+
+
+def _positions(seen, N):
+    """Positions of N new tokens after ``seen`` (an int, or ``(B,)`` per sequence)."""
+    if isinstance(seen, torch.Tensor):
+        return seen.view(-1, 1) + torch.arange(N, device=seen.device)
+    return int(seen)
 
 
 class MultiHeadAttention(nn.Module):
@@ -193,31 +200,46 @@ class MultiHeadAttention(nn.Module):
                                  "build the module with positions=None or ALiBi")
         B, N, _ = x.shape
         q, k, v = self.project(x, context)
-        start = 0 if cache is None else int(cache.seen)
-        if hasattr(self.positions, "cos_sin"):
-            p = start if pos is None else pos
-            q, k = self.positions(q, p), self.positions(k, p)
-        kv_offset = 0
-        if cache is not None:
-            k, v, kv_offset = cache.update(k, v)
+        rope = self.positions if hasattr(self.positions, "cos_sin") else None
         mod = self._alibi
         if score_mod is not None:
             mod = score_mod if mod is None else compose(mod, score_mod)
-        q_offset = None if context is not None or cache is None else start
-        if context is not None:
-            q_offset, kv_offset = 0, 0
-        kw = dict(mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset, kv_offset=kv_offset)
+        if cache is not None:
+            if context is not None:
+                raise ValueError("cache: a KV cache serves self-attention; cross-attention keys do not grow")
+            if rope is not None and not getattr(cache, "rotates_keys", False):
+                p = _positions(cache.seen, N) if pos is None else pos
+                q, k = rope(q, p), rope(k, p)
+            kv = cache.update(k, v)
+            if rope is not None and getattr(cache, "rotates_keys", False):
+                q = rope(q, kv.q_positions)  # the cache stores keys unrotated and rotates them at read
+            if self.training and self.dropout > 0 or need_weights:
+                kv = kv.dense()
+                k, v = kv.k, kv.v
+                kw = dict(mask=mask, score_mod=mod, scale=self.scale, q_offset=kv.q_offset, kv_offset=kv.kv_offset)
+            else:
+                z = kv.attend(q, mask=mask, score_mod=mod, scale=self.scale, backend=self.backend)
+                return self._out(z, B, N)
+        else:
+            if rope is not None:
+                p = 0 if pos is None else pos
+                q, k = rope(q, p), rope(k, p)
+            q_offset = 0 if context is not None else None
+            kw = dict(mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset, kv_offset=0)
         weights = None
         if self.training and self.dropout > 0:
             z, weights = self._dropout_attention(q, k, v, **kw)
         else:
             z = attention(q, k, v, backend=self.backend, **kw)
-        out = F.linear(z.transpose(1, 2).reshape(B, N, self.n_heads * self.d_head), self.out_weight, self.out_bias)
+        out = self._out(z, B, N)
         if need_weights:
             if weights is None:
                 weights = attention_probs(q, k, **kw)
             return out, weights
         return out
+
+    def _out(self, z, B, N):
+        return F.linear(z.transpose(1, 2).reshape(B, N, self.n_heads * self.d_head), self.out_weight, self.out_bias)
 
     def _dropout_attention(self, q, k, v, *, mask, score_mod, scale, q_offset, kv_offset):
         Nq, Nk = q.shape[2], k.shape[2]

@@ -56,8 +56,10 @@ def attention_positions(cfg, *, bidirectional: bool = False):
 
 
 def token_positions(pos, B, N, start, device):
-    """``pos`` as given, or ``start .. start+N-1``."""
+    """``pos`` as given, or ``start .. start+N-1`` (``start`` an int or ``(B,)`` per sequence)."""
     if pos is None:
+        if isinstance(start, torch.Tensor):
+            return start.view(-1, 1).to(device) + torch.arange(N, device=device)
         return torch.arange(start, start + N, device=device)
     if isinstance(pos, int):
         return torch.arange(pos, pos + N, device=device)
@@ -96,13 +98,13 @@ class Decoder(nn.Module):
                 tokens and the new ones (``M = cache.seen + N``); padded keys are hidden
                 (:func:`attnlab.masks.key_padding`) on top of the causal mask.
             pos: token positions (default ``cache.seen + arange(N)``, or ``arange(N)``).
-            cache: a list of per-layer KV caches (:mod:`attnlab.cache`).
+            cache: an :class:`attnlab.cache.Cache` (or any sequence of per-layer caches).
         """
         ids = _check_ids(input_ids, self.cfg.vocab_size)
         B, N = ids.shape
         if cache is not None and len(cache) != len(self.blocks):
             raise ValueError(f"cache: expected {len(self.blocks)} per-layer caches, got {len(cache)}")
-        start = 0 if cache is None else int(cache[0].seen)
+        start = 0 if cache is None else cache[0].seen
         x = self.embed(ids)
         tpos = token_positions(pos, B, N, start, ids.device)
         if self.pos_embed is not None:
@@ -110,9 +112,10 @@ class Decoder(nn.Module):
         x = self.drop(x)
         mask = masks.causal()
         if attention_mask is not None:
-            mask = mask & masks.key_padding(_check_keep(attention_mask, B, start + N))
+            M = (start if isinstance(start, int) else int(start.max())) + N
+            mask = mask & masks.key_padding(_check_keep(attention_mask, B, M))
         hidden, attns = ([] if output_hidden_states else None), ([] if output_attentions else None)
-        rel_pos = None if pos is None else tpos
+        rel_pos = None if pos is None or getattr(cache, "rotates_keys", False) else tpos
         for i, block in enumerate(self.blocks):
             if hidden is not None:
                 hidden.append(x)

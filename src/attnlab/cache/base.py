@@ -1,0 +1,134 @@
+"""The cache interface: what a KV cache promises the attention module.
+
+A cache holds, for each of ``n_layers`` layers, the keys and values of the tokens seen
+so far.  The attention module of layer ``i`` calls::
+
+    kv = cache.update(i, k_new, v_new)      # k_new (B, Hkv, n, D), v_new (B, Hkv, n, Dv)
+    out = kv.attend(q, mask=..., score_mod=..., scale=..., backend=...)
+
+``update`` stores the new keys/values (after RoPE, unless ``cache.rotates_keys``) and
+returns a :class:`KV` *view*: dense caches hand back tensors (no copy), paged and
+quantized caches hand back an object whose ``attend`` reads their blocks directly.
+Positions are absolute, as everywhere in attnlab: the view's ``q_offset`` is the
+position of the first new query and ``kv_offset`` that of its first key, in the
+coordinates the masks see.
+
+Model code indexes a cache per layer (``cache[i]``, a :class:`LayerCache` with
+``seen`` and ``update(k, v)``), which is what :class:`attnlab.nn.MultiHeadAttention`
+reads.
+
+Lifecycle: ``length`` (tokens held per sequence), ``seen`` (absolute position of the
+next token; differs from ``length`` once a cache evicts), ``reset()``, ``fork()`` (an
+independent copy that shares what it can), ``free()``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab.ops.dispatch import attention, attention_probs
+
+
+class KV:
+    """One layer's keys and values as the attention reads them after an update."""
+
+    q_offset: int | None = None   # absolute position of the first new query (None: the op's default)
+    q_positions = None            # RoPE positions for the queries, when the cache rotates keys itself
+
+    def attend(self, q, *, mask=None, score_mod=None, scale=None, backend="auto", return_lse=False):
+        raise NotImplementedError
+
+    def dense(self) -> "DenseKV":
+        """The same keys and values as dense tensors (for patterns and checks)."""
+        raise NotImplementedError
+
+
+class DenseKV(KV):
+    """Dense ``k (B, Hkv, Nk, D)``, ``v (B, Hkv, Nk, Dv)``; key ``j`` at ``kv_offset + j``."""
+
+    def __init__(self, k, v, kv_offset: int = 0, q_offset: int | None = None, q_positions=None):
+        self.k, self.v, self.kv_offset, self.q_offset, self.q_positions = k, v, kv_offset, q_offset, q_positions
+
+    def attend(self, q, *, mask=None, score_mod=None, scale=None, backend="auto", return_lse=False):
+        return attention(q, self.k, self.v, mask=mask, score_mod=score_mod, scale=scale, q_offset=self.q_offset,
+                         kv_offset=self.kv_offset, return_lse=return_lse, backend=backend)
+
+    def probs(self, q, *, mask=None, score_mod=None, scale=None):
+        return attention_probs(q, self.k, mask=mask, score_mod=score_mod, scale=scale, q_offset=self.q_offset,
+                               kv_offset=self.kv_offset)
+
+    def dense(self):
+        return self
+
+
+class Cache:
+    """Base class: subclasses implement :meth:`update`, :attr:`length`, :meth:`seen_at`."""
+
+    rotates_keys = False  # True: keys are stored before RoPE and rotated at read (StreamingCache)
+
+    def __init__(self, n_layers: int):
+        if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
+            raise ValueError(f"n_layers: expected an int >= 1, got {n_layers!r}")
+        self.n_layers = n_layers
+
+    # -- the interface ------------------------------------------------------------
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KV:
+        raise NotImplementedError
+
+    def seen_at(self, layer: int):
+        """Absolute position of the next token of ``layer`` (int, or ``(B,)`` for ragged caches)."""
+        raise NotImplementedError
+
+    @property
+    def seen(self):
+        return self.seen_at(0)
+
+    @property
+    def length(self) -> int:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def fork(self) -> "Cache":
+        raise NotImplementedError
+
+    def free(self) -> None:
+        self.reset()
+
+    # -- per-layer access for model code -----------------------------------------------
+    def __len__(self) -> int:
+        return self.n_layers
+
+    def __getitem__(self, layer: int) -> "LayerCache":
+        if not -self.n_layers <= layer < self.n_layers:
+            raise IndexError(f"layer {layer} out of range for a cache of {self.n_layers} layers")
+        return LayerCache(self, layer % self.n_layers)
+
+    def _check_layer(self, layer, k, v):
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.n_layers:
+            raise ValueError(f"layer: expected an int in [0, {self.n_layers}), got {layer!r}")
+        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4 or v.dim() != 4 \
+                or k.shape[:3] != v.shape[:3]:
+            raise ValueError(f"update: expected k (B, Hkv, n, D) and v (B, Hkv, n, Dv), got "
+                             f"{tuple(getattr(k, 'shape', ()))}, {tuple(getattr(v, 'shape', ()))}")
+
+
+class LayerCache:
+    """``cache[i]``: the view of one layer that :class:`~attnlab.nn.MultiHeadAttention` uses."""
+
+    __slots__ = ("cache", "layer")
+
+    def __init__(self, cache: Cache, layer: int):
+        self.cache, self.layer = cache, layer
+
+    @property
+    def seen(self):
+        return self.cache.seen_at(self.layer)
+
+    @property
+    def rotates_keys(self) -> bool:
+        return self.cache.rotates_keys
+
+    def update(self, k, v) -> KV:
+        return self.cache.update(self.layer, k, v)
