@@ -47,7 +47,6 @@ def split_kv_attention(q, pieces: Iterable, *, mask=None, score_mod=None, scale=
         outs.append(o)
         lses.append(l)
     if not outs:
-        B, H, Nq, _ = q.shape
         raise ValueError("split_kv_attention: no keys to attend (every piece is empty)")
     if len(outs) == 1:
         out, lse = outs[0], lses[0]
