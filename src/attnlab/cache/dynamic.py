@@ -48,6 +48,15 @@ class DynamicCache(Cache):
         self.k[layer], self.v[layer] = K, V
         return DenseKV(K, V, kv_offset=0, q_offset=K.shape[2] - k.shape[2])
 
+    def retain(self, index: torch.Tensor) -> None:
+        """Keep only the cached tokens at ``index`` (a 1-D LongTensor of slots, in order):
+        how speculative decoding keeps the accepted branch of a verified token tree."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        for i in range(self.n_layers):
+            if self.k[i] is not None:
+                self.k[i] = self.k[i].index_select(2, index.to(self.k[i].device))
+                self.v[i] = self.v[i].index_select(2, index.to(self.v[i].device))
+
     def reset(self):
         self.k = [None] * self.n_layers
         self.v = [None] * self.n_layers

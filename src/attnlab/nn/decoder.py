@@ -89,8 +89,8 @@ class Decoder(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
-    def forward(self, input_ids, *, attention_mask=None, pos=None, cache=None, output_attentions: bool = False,
-                output_hidden_states: bool = False) -> ModelOutput:
+    def forward(self, input_ids, *, attention_mask=None, pos=None, cache=None, mask=None,
+                output_attentions: bool = False, output_hidden_states: bool = False) -> ModelOutput:
         """Logits for ``input_ids (B, N)``.
 
         Args:
@@ -99,6 +99,8 @@ class Decoder(nn.Module):
                 (:func:`attnlab.masks.key_padding`) on top of the causal mask.
             pos: token positions (default ``cache.seen + arange(N)``, or ``arange(N)``).
             cache: an :class:`attnlab.cache.Cache` (or any sequence of per-layer caches).
+            mask: replaces ``masks.causal()`` (e.g. ``masks.tree(parents, prefix_len)`` to
+                verify a speculative token tree); absolute positions as always.
         """
         ids = _check_ids(input_ids, self.cfg.vocab_size)
         B, N = ids.shape
@@ -110,7 +112,7 @@ class Decoder(nn.Module):
         if self.pos_embed is not None:
             x = x + self.pos_embed(tpos)
         x = self.drop(x)
-        mask = masks.causal()
+        mask = masks.causal() if mask is None else mask
         if attention_mask is not None:
             M = (start if isinstance(start, int) else int(start.max())) + N
             mask = mask & masks.key_padding(_check_keep(attention_mask, B, M))
