@@ -33,7 +33,8 @@ def test_auto_policy(dtype, D, grad, mask, want):
 
 def test_auto_never_picks_sdpa_when_it_would_mean_something_else():
     q, k = _qk(torch.float32, 16, Nq=3, Nk=8)
-    assert _auto(q, k, masks.causal(), None, 5, 0, False) == "flash"  # bottom-right causal
+    assert _auto(q, k, masks.causal(), None, 0, 3, False) == "flash"  # rows before every key: SDPA gives NaN
+    assert _auto(q, k, masks.causal(), None, 5, 0, False) == "sdpa"   # bottom-right chunk: a dense bool mask
     assert _auto(q, k, None, scores.softcap(5.0), 5, 0, False) == "flash"
     assert _auto(q, k, None, None, 5, 0, True) == "flash"  # LSE wanted
 

@@ -23,6 +23,9 @@ from attnlab.nn.config import DecoderConfig
 from attnlab.nn.norms import make_norm
 
 
+_CAUSAL = masks.causal()  # one object, so its BlockMask cache serves every call
+
+
 @dataclass
 class ModelOutput:
     """``logits (B, N, vocab)`` for a decoder (``None`` for an encoder);
@@ -112,7 +115,7 @@ class Decoder(nn.Module):
         if self.pos_embed is not None:
             x = x + self.pos_embed(tpos)
         x = self.drop(x)
-        mask = masks.causal() if mask is None else mask
+        mask = _CAUSAL if mask is None else mask
         if attention_mask is not None:
             M = (start if isinstance(start, int) else int(start.max())) + N
             mask = mask & masks.key_padding(_check_keep(attention_mask, B, M))

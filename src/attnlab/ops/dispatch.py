@@ -11,7 +11,7 @@ from attnlab.ops.flash import flash_attention
 from attnlab.ops.reference import reference_attention, reference_probs
 from attnlab.ops.sdpa import is_causal_mask, sdpa_attention, sdpa_unsupported
 
-BACKENDS = ("auto", "reference", "flash", "sdpa")
+BACKENDS = ("auto", "reference", "flash", "sdpa", "triton")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -53,7 +53,9 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
             gradients, never NaN.
         backend: ``"reference"`` (materialized oracle), ``"flash"`` (tiled online
             softmax, skips empty tiles), ``"sdpa"`` (torch SDPA, only where it means
-            the same), or ``"auto"`` (the fastest correct one, per docs/benchmarks.md).
+            the same), ``"triton"`` (GPU kernels, :mod:`attnlab.ops.triton`; CUDA tensors,
+            or CPU under ``TRITON_INTERPRET=1``), or ``"auto"`` (the fastest correct one,
+            per docs/benchmarks.md; never ``"triton"`` on the CPU).
 
     >>> import torch, attnlab
     >>> from attnlab import masks
@@ -74,14 +76,21 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     _check_mask(mask, B, H, Nq, Nk, q_offset, kv_offset)
     _check_score_mod(score_mod, B, H)
+    if mask is not None and Nk and is_causal_mask(mask) and q_offset >= kv_offset + Nk - 1:
+        mask = None  # every key sits at or before the first query: causal() hides nothing (decoding)
 
     if backend == "sdpa":
         why = sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse)
         if why is not None:
             raise ValueError(f"backend='sdpa': this request does not map onto torch SDPA ({why}); "
                              "use backend='flash' or 'auto'")
+    elif backend == "triton":
+        from attnlab.ops.triton import unsupported as triton_unsupported
+        why = triton_unsupported(q, k, v, mask, score_mod, q_offset, kv_offset)
+        if why is not None:
+            raise ValueError(f"backend='triton': {why}; use backend='flash' or 'auto'")
     elif backend == "auto":
-        backend = _auto(q, k, mask, score_mod, q_offset, kv_offset, return_lse)
+        backend = _auto(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=v)
     if Nq == 0 or Nk == 0:
         backend = "flash"  # every backend's answer for empty problems: out 0, lse -inf
     kw = dict(mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset)
@@ -91,6 +100,9 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
         if hasattr(mask, "plan"):  # a BlockMask: the reference reads its predicate
             kw["mask"] = mask.mask
         out, lse = reference_attention(q, k, v, **kw)
+    elif backend == "triton":
+        from attnlab.ops.triton import triton_attention
+        out, lse = triton_attention(q, k, v, **kw)
     else:
         out, lse = flash_attention(q, k, v, **kw)
     return (out, lse) if return_lse else out
@@ -147,12 +159,16 @@ def _check_score_mod(score_mod, B, H):
 _BF16_FLASH_MIN_D = {False: 64, True: 128}  # keyed by "needs a backward"
 
 
-def _auto(q, k, mask, score_mod, q_offset, kv_offset, return_lse) -> str:
+def _auto(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=None) -> str:
     if sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse) is None:
         wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
         if q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-1] >= _BF16_FLASH_MIN_D[wants_grad]:
             return "flash"
         return "sdpa"
+    if q.device.type == "cuda":  # unmeasured policy (docs/triton.md): SDPA where it maps, else the Triton kernels
+        from attnlab.ops.triton import unsupported as triton_unsupported
+        if triton_unsupported(q, k, k if v is None else v, mask, score_mod, q_offset, kv_offset) is None:
+            return "triton"
     return "flash"
 
 

@@ -2,7 +2,9 @@
 
 SDPA's ``is_causal`` is top-left aligned (row ``i`` sees columns ``<= i``); attnlab's
 ``causal()`` is aligned by absolute position, so the two agree only when
-``q_offset == kv_offset`` (with the defaults: ``Nq == Nk``).  SDPA returns no LSE and
+``q_offset == kv_offset`` (with the defaults: ``Nq == Nk``).  A causal chunk over a
+cache (``q_offset > kv_offset``, every row sees a key) goes to SDPA with an explicit
+boolean mask when ``Nq·Nk`` is small (``_DENSE_CAUSAL_MAX``).  SDPA returns no LSE and
 takes no score mod.  :func:`sdpa_unsupported` says why a request does not map.
 """
 
@@ -10,6 +12,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+# A causal mask whose queries sit after the first key (a prefill chunk over a cache) is
+# passed to SDPA as an explicit boolean (Nq, Nk) mask up to this many elements.
+_DENSE_CAUSAL_MAX = 1 << 20
 
 
 def is_causal_mask(mask) -> bool:
@@ -32,9 +39,13 @@ def sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse) -> 
     if mask is not None:
         if not is_causal_mask(mask):
             return f"SDPA maps only no mask, causal() or key_padding(), got {mask!r}"
-        if q_offset != kv_offset:
+        if q_offset < kv_offset:
+            return (f"with q_offset {q_offset} < kv_offset {kv_offset} the first rows see no key; SDPA would give "
+                    "NaN where attnlab gives zeros")
+        if q_offset != kv_offset and q.shape[2] * k.shape[2] > _DENSE_CAUSAL_MAX:
             return (f"SDPA's is_causal is top-left aligned; attnlab's causal() matches it only when "
-                    f"q_offset == kv_offset (here {q_offset} vs {kv_offset}; Nq={q.shape[2]}, Nk={k.shape[2]})")
+                    f"q_offset == kv_offset (here {q_offset} vs {kv_offset}; Nq={q.shape[2]}, Nk={k.shape[2]}), "
+                    f"or as a dense mask of at most {_DENSE_CAUSAL_MAX} elements")
     return None
 
 
@@ -44,4 +55,9 @@ def sdpa_attention(q, k, v, *, mask=None, scale, **_):
     if mask is not None and hasattr(mask, "sdpa_bool_mask"):
         keep = mask.sdpa_bool_mask(q.shape[0], q.shape[2], k.shape[2], _.get("kv_offset", 0))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
+    q_offset, kv_offset = _["q_offset"], _.get("kv_offset", 0)
+    if mask is not None and q_offset != kv_offset:  # bottom-right causal: explicit mask
+        qp = torch.arange(q.shape[2], device=q.device).view(-1, 1) + q_offset
+        kp = torch.arange(k.shape[2], device=q.device).view(1, -1) + kv_offset
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=kp <= qp, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=mask is not None, scale=scale, enable_gqa=gqa)
