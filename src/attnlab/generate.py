@@ -132,6 +132,7 @@ def make_cache(kind, model, batch_size: int, capacity: int, **options):
     if kind == "quantized":
         return C.QuantizedCache.for_model(model, **options)
     if kind == "paged":
+        options.setdefault("max_tokens", batch_size * capacity)
         return C.PagedCache.for_model(model, **options)
     raise ValueError(f"cache: expected None, a Cache or one of {CACHES}, got {kind!r}")
 

@@ -15,12 +15,13 @@ re-rotating on eviction (``R(p−1) = R(−1)·R(p)``) — but it is exact, wher
 re-rotating a stored key again and again accumulates rounding.  ALiBi models get
 the same slot positions through ``q_offset``/``kv_offset``.
 
-A chunk of ``n > 1`` new tokens (a prompt) is attended over the stored tokens plus
-the chunk with ``masks.sink_window(sinks, window + 1)`` in slot coordinates, so each
-token sees exactly what it would see if fed one at a time, at the same positions —
-as long as the chunk fits (``length + n <= sinks + window + 1``); a longer chunk
-would need positions that differ per query, so it is refused (``generate`` feeds
-long prompts a token at a time past that point).  Eviction happens after the chunk.
+A chunk of ``n > 1`` new tokens (a prompt) is attended over the stored tokens plus the
+chunk; each token sees exactly what it would see if fed one at a time, at the same
+positions, as long as the chunk fits (``length + n <= sinks + window + 1``: then the
+StreamingLLM pattern ``masks.sink_window(sinks, window + 1)`` in slot coordinates is
+plain causal attention).  A longer chunk would need positions that differ per query,
+so it is refused (``generate`` feeds long prompts a token at a time past that point).
+Eviction happens after the chunk.
 
 >>> import torch
 >>> from attnlab.cache import StreamingCache
@@ -39,25 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab import masks
 from attnlab.cache.base import Cache, DenseKV
-
-
-class _StreamKV(DenseKV):
-    def __init__(self, k, v, q_offset, sinks, window):
-        super().__init__(k, v, kv_offset=0, q_offset=q_offset,
-                         q_positions=torch.arange(q_offset, k.shape[2], device=k.device))
-        self.pattern = masks.sink_window(sinks, window + 1)  # the window, plus the query itself
-
-    def _mask(self, mask):
-        return self.pattern if mask is None else mask & self.pattern
-
-    def attend(self, q, *, mask=None, score_mod=None, scale=None, backend="auto", return_lse=False):
-        return super().attend(q, mask=self._mask(mask), score_mod=score_mod, scale=scale, backend=backend,
-                              return_lse=return_lse)
-
-    def probs(self, q, *, mask=None, score_mod=None, scale=None):
-        return super().probs(q, mask=self._mask(mask), score_mod=score_mod, scale=scale)
 
 
 class StreamingCache(Cache):
@@ -121,7 +104,10 @@ class StreamingCache(Cache):
         Vc = v if V is None else torch.cat([V, v], 2)
         n_all = Kc.shape[2]
         Kr = Kc if self.rope is None else self.rope(Kc, 0)  # slot positions 0 .. n_all-1
-        view = _StreamKV(Kr, Vc, L, self.sinks, self.window)
+        # Every query of a chunk that fits sees all the slots (the stored sinks and window
+        # and the chunk before it): sink_window(sinks, window + 1) in slot coordinates
+        # reduces to the caller's causal mask, so no extra mask is needed.
+        view = DenseKV(Kr, Vc, kv_offset=0, q_offset=L, q_positions=torch.arange(L, n_all, device=Kc.device))
         if n_all > self.capacity:  # evict the middle: keep the sinks and the newest `window`
             keep = torch.cat([torch.arange(self.sinks), torch.arange(n_all - self.window, n_all)]).to(Kc.device)
             Kc, Vc = Kc.index_select(2, keep), Vc.index_select(2, keep)

@@ -30,9 +30,10 @@ SHAPES = {
     "decode-1x97-d32": (1, 2, 2, 1, 97, 32, 32),
     "d111-20x45-dv64": (1, 3, 3, 20, 45, 111, 64),
     "tiny-1x1-d32-dv16": (2, 2, 2, 1, 1, 32, 16),
+    "d256-17x20": (1, 2, 1, 17, 20, 256, 256),
 }
 CASES = [(s, m, d) for s in SHAPES for m in ("none", "causal") for d in (F32, BF16)
-         if not (s.startswith("tiny") and m == "causal")]
+         if not (s.startswith("tiny") and m == "causal") and not (s.startswith("d256") and d == BF16)]
 CASES += [("gqa-17x97-d40", "causal", F16), ("mha-97x97-d64", "none", F16)]
 
 
@@ -113,14 +114,18 @@ MASKS = {  # name -> (factory, lowered kind or "table")
     "window|prefix": (lambda: masks.sliding_window(5) | masks.prefix_lm(3), "table"),
     "(sink|doc)&pad": (lambda: (masks.sink_window(2, 6) | masks.document(IDS)) & masks.padding([97, 60]), "table"),
 }
+# Every mask at the default 32x32 tiles in float32; some in bfloat16 at 16x32 and 16x16 tiles
+# (a BlockMask built at those tiles sets the kernels' tiling): more tiles, more partial ones.
+SLOW = pytest.mark.slow
 MASK_CASES = [(m, F32, None) for m in MASKS]
-MASK_CASES += [(m, BF16, (16, 32)) for m in ("causal", "document&causal", "tree", "custom-head", "padding")]
-MASK_CASES += [(m, F32, (16, 16)) for m in ("sliding_window", "sink_window", "window|prefix")]
+MASK_CASES += [pytest.param(m, BF16, (16, 32), marks=SLOW) for m in ("causal", "document&causal", "tree",
+                                                                     "custom-head", "padding")]
+MASK_CASES += [pytest.param(m, F32, (16, 16), marks=SLOW) for m in ("sliding_window", "sink_window", "window|prefix")]
 
 
 @pytest.mark.parametrize("maskname, dtype, block", MASK_CASES, ids=lambda x: DTYPE_IDS.get(x, str(x)))
 def test_masks(maskname, dtype, block):
-    B, H, Hkv, Nq, Nk, D, Dv = 2, 4, 2, 70, 97, 40, 24
+    B, H, Hkv, Nq, Nk, D, Dv = 2, 2, 1, 70, 97, 40, 24
     q, k, v = make_qkv(B, H, Hkv, Nq, Nk, D, Dv, dtype=dtype, seed=1)
     factory, kind = MASKS[maskname]
     compare_triton(q, k, v, mask=factory(), block=block, cache_key=("tmask", maskname, dtype),
@@ -135,12 +140,38 @@ def test_offsets(case):
     """Explicit q_offset / kv_offset with Nq != Nk: masks and ALiBi see absolute positions."""
     Nq, Nk, q_offset, kv_offset = {"q0-kvoff": (40, 97, 0, 5), "q-after": (33, 60, 70, 3),
                                    "qlong": (97, 40, 0, 0), "kvoff-default": (40, 97, None, 17)}[case]
-    q, k, v = make_qkv(1, 4, 2, Nq, Nk, 40, 24, dtype=F32, seed=4)
-    slopes = torch.rand(4, generator=gen(5), dtype=torch.float64) * 0.2
-    for mask, mod in ((masks.sliding_window(9), None), (masks.causal() & ~masks.sliding_window(4), None),
-                      (masks.causal(), lambda p: scores.alibi(p))):
-        compare_triton(q, k, v, mask=mask, q_offset=q_offset, kv_offset=kv_offset, mod_factory=mod,
-                       param=slopes if mod else None, what=f"{case}/{mask!r}")
+    q, k, v = make_qkv(1, 2, 1, Nq, Nk, 40, 24, dtype=F32, seed=4)
+    for mask in (masks.sliding_window(9), masks.causal() & ~masks.sliding_window(4)):
+        compare_triton(q, k, v, mask=mask, q_offset=q_offset, kv_offset=kv_offset, what=f"{case}/{mask!r}")
+    slopes = torch.rand(2, generator=gen(5), dtype=torch.float64) * 0.2
+    fast, ref, oracle = compare_triton(q, k, v, mask=masks.causal(), q_offset=q_offset, kv_offset=kv_offset,
+                                       mod_factory=lambda p: scores.alibi(p), param=slopes, skip=("dparam",),
+                                       what=f"{case}/alibi")
+    qo = kv_offset + Nk - Nq if q_offset is None else q_offset
+    slack = _alibi_row_slack(q, k, masks.causal(), slopes, qo, kv_offset, oracle["out"], F32)
+    e_fast, e_ref = max_err(fast["dparam"], oracle["dparam"]), max_err(ref["dparam"], oracle["dparam"])
+    bound = 3 * e_ref + FLOOR[F32] + torch.finfo(F32).eps * float(oracle["dparam"].abs().max()) + slack
+    assert e_fast <= bound, f"{case}: alibi slope gradient error {e_fast:.3e} > {bound:.3e}"
+
+
+def _alibi_row_slack(q, k, mask, slopes, q_offset, kv_offset, out64, dtype):
+    """The ALiBi slope gradient sums ``dS_ij·(kv_j − q_i)`` with ``dS = P∘(dP − Δ)``; a tiled
+    backward rounds ``Δ_i = rowsum(dO_i∘O_i)`` once per row (the materialized reference's
+    rows cancel exactly), which reaches the gradient as ``δΔ_i·Σ_j P_ij·(kv_j − q_i)``.
+    With ``|δΔ_i| <= eps·Σ_k |dO_ik·O_ik|`` this first-order bound, per head, is the
+    allowance on top of the shared rule.  When queries sit far past their keys (|kv − q|
+    up to 96 in 'qlong') the shared ``eps·max|dparam|`` slack is too small for any tiled
+    backward: over 4 seeds flash reaches 1.4× and triton 1.25× the shared bound.  This
+    worst-case bound is ~10× the measured errors, so here the slope gradient checks the
+    positions (an off-by-one moves it by O(max|dparam|) ~ 300), not the last bits."""
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    P = attnlab.attention_probs(q.double(), k.double(), mask=mask, score_mod=scores.alibi(slopes),
+                                q_offset=q_offset, kv_offset=kv_offset)
+    dist = (torch.arange(Nk) + kv_offset).view(1, -1) - (torch.arange(Nq) + q_offset).view(-1, 1)
+    w, _ = loss_weights(B, H, Nq, out64.shape[-1])
+    row = (w.abs() * out64.double().abs()).sum(-1) * (P * dist).sum(-1).abs()  # (B, H, Nq)
+    return torch.finfo(dtype).eps * float(row.sum((0, 2)).max())
 
 
 # ------------------------------------------------------------------------------- score mods
@@ -170,7 +201,7 @@ MOD_CASES += [(m, "sliding_window", BF16) for m in ("relative_bias", "alibi", "s
 
 @pytest.mark.parametrize("modname, maskname, dtype", MOD_CASES, ids=lambda x: DTYPE_IDS.get(x, str(x)))
 def test_score_mods(modname, maskname, dtype):
-    B, H, Hkv, Nq, Nk, D, Dv = 2, 4, 2, 40, 97, 40, 24
+    B, H, Hkv, Nq, Nk, D, Dv = 1, 4, 2, 40, 97, 40, 24
     q, k, v = make_qkv(B, H, Hkv, Nq, Nk, D, Dv, dtype=dtype, seed=6)
     factory, param = _mod(modname, H)
     mask = {"none": None, "causal": masks.causal(), "sliding_window": masks.sliding_window(13)}[maskname]
@@ -214,13 +245,15 @@ def _masked_case(name):
     raise KeyError(name)
 
 
-@pytest.mark.parametrize("name", ["padding-zero", "causal-nq>nk", "window-kvoff", "custom-head"])
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("raw_lse", [False, True], ids=["lse-finite-loss", "raw-lse-loss"])
+# the raw -inf LSE in the loss (its gradient reaches the kernel as dLSE) in float32 only
+MASKED_CASES = [(n, d, raw) for n in ("padding-zero", "causal-nq>nk", "window-kvoff", "custom-head")
+                for d in (F32, BF16) for raw in (False, True) if not (raw and d == BF16)]
+
+
+@pytest.mark.parametrize("name, dtype, raw_lse", MASKED_CASES,
+                         ids=lambda x: DTYPE_IDS.get(x, {True: "raw-lse-loss", False: "lse-finite-loss"}.get(x, x)))
 def test_fully_masked_rows(name, dtype, raw_lse):
     (B, H, Hkv, Nq, Nk), mask, (qo, ko), rows = _masked_case(name)
-    if raw_lse and dtype == BF16:
-        pytest.skip("one dtype is enough for the raw -inf LSE in the loss")
     q, k, v = make_qkv(B, H, Hkv, Nq, Nk, 24, dtype=dtype, seed=12)
     w, c = loss_weights(B, H, Nq, 24)
     c = c.abs() + 0.1  # raw -inf LSE in the loss: keep it -inf (not nan) with positive weights

@@ -1,0 +1,229 @@
+"""The autograd.Function and the launchers of the Triton kernels.
+
+Host work per call: lower the score mod (:mod:`.scoremods`), fetch the cached plan of
+the mask at each kernel's tiling (:mod:`.masking`), and launch.  On a GPU each kernel
+is wrapped in ``triton.autotune`` over :data:`.config.AUTOTUNE` and the pick is written
+to :data:`.config.CHOSEN`; under the interpreter the kernels are called directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from attnlab.ops.triton import config
+from attnlab.ops.triton.backward import attn_bwd_delta, attn_bwd_dkdv, attn_bwd_dq
+from attnlab.ops.triton.forward import attn_fwd
+from attnlab.ops.triton.masking import plan_for
+from attnlab.ops.triton.scoremods import lower_score_mod
+from attnlab.ops.triton.support import unsupported
+
+_KERNELS = {"fwd": attn_fwd, "dq": attn_bwd_dq, "dkdv": attn_bwd_dkdv, "delta": attn_bwd_delta}
+_KEYS = {"fwd": ["BM", "BN", "BD", "BDV", "SPARSE", "MT", "ALIBI", "SOFTCAP", "RELBIAS"],
+         "delta": ["BM", "BDV"]}
+_KEYS["dq"] = _KEYS["dkdv"] = _KEYS["fwd"]
+_RESET = {"dq": ["DRTAB"]}  # accumulated with atomics: zeroed before every autotuning trial
+_TUNED: dict = {}
+
+
+def interpreting() -> bool:
+    return type(attn_fwd).__name__ == "InterpretedFunction"
+
+
+def _launch(name, grid, **kw):
+    fn = _KERNELS[name]
+    if interpreting():
+        fn[grid](**kw)
+        return
+    tuned = _TUNED.get(name)
+    if tuned is None:
+        cfgs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in config.AUTOTUNE[name]]
+        tuned = _TUNED[name] = triton.autotune(cfgs, key=_KEYS[name], reset_to_zero=_RESET.get(name))(fn)
+    tuned[grid](**kw)
+    key = tuple(kw[k] for k in _KEYS[name]) + (str(kw.get("Q", kw.get("O")).dtype),)
+    config.CHOSEN[(name, key)] = str(tuned.best_config)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _bstride(t, dim):
+    """The stride of a broadcast dim: 0 when it has size 1 (the kernel reads index b or h)."""
+    return t.stride(dim) if t.shape[dim] > 1 else 0
+
+
+class _Problem:
+    """Everything but the tensors: kept on ctx, out of autograd's inputs."""
+
+    def __init__(self, q, k, v, mask, mod, scale, q_offset, kv_offset, block):
+        B, H, Nq, D = q.shape
+        self.B, self.H, self.Nq, self.D = B, H, Nq, D
+        self.Hkv, self.Nk, self.Dv = k.shape[1], k.shape[2], v.shape[-1]
+        self.mask, self.mod, self.scale = mask, mod, float(scale)
+        self.q_offset, self.kv_offset = int(q_offset), int(kv_offset)
+        self.device = q.device
+        interp = interpreting()
+        if block is None and hasattr(mask, "states") and config.valid_tiles((mask.block_q, mask.block_k)):
+            block = (mask.block_q, mask.block_k)  # a BlockMask at Triton-sized tiles fixes the tiling
+        self.tiles = config.kernel_tiles(D, self.Dv, Nq, self.Nk, interp, block)
+        self.BD, self.BDV = config.head_block(D), config.head_block(self.Dv)
+        self.fix_bf16 = interp and q.dtype == torch.bfloat16
+        self.dummy_i = torch.zeros(1, dtype=torch.int32, device=q.device)
+        self.dummy_f = torch.zeros(1, dtype=torch.float32, device=q.device)
+        self.mod_kw = self._mod_args()
+
+    def plan(self, kernel):
+        if self.mask is None:
+            return None
+        return plan_for(self.mask, self.B, self.H, self.Nq, self.Nk, self.q_offset, self.kv_offset,
+                        self.tiles[kernel], self.device)
+
+    def _mod_args(self):
+        m, f32 = self.mod, torch.float32
+        kw = dict(SLOPES=self.dummy_f, RTAB=self.dummy_f, s_rtab=0, R=0, cap=1.0,
+                  ALIBI=m.alibi, SOFTCAP=m.softcap, RELBIAS=m.relbias)
+        if m.alibi:
+            kw["SLOPES"] = m.slopes.detach().to(device=self.device, dtype=f32).contiguous()
+        if m.relbias:
+            t = m.table.detach().to(device=self.device, dtype=f32).contiguous()
+            kw.update(RTAB=t, s_rtab=t.stride(0), R=(t.shape[1] - 1) // 2)
+        if m.softcap:
+            kw["cap"] = float(m.cap)
+        return kw
+
+    def mask_args(self, plan, direction):
+        """Launch arguments for the block lists (``direction`` "kv" or "q") and the mask spec."""
+        di, kw = self.dummy_i, {}
+        kw.update(band_lo=0, band_hi=0, sink_n=0, sink_lo=0, QIDS=di, s_qids=0, KVIDS=di, s_kvids=0,
+                  KEEP=di, s_keep=0, TID=di, TAB=di, s_tab_t=0, s_tab_b=0, s_tab_h=0,
+                  MB=False, MS=False, MD=False, MK=False, MT=False, W=1,
+                  LISTS=di, slb=0, slh=0, slr=0, SPARSE=plan is not None)
+        if plan is None:
+            return kw
+        lists = plan.kv_lists if direction == "kv" else plan.q_lists
+        kw.update(LISTS=lists, slb=_bstride(lists, 0), slh=_bstride(lists, 1), slr=lists.stride(2))
+        spec = plan.spec
+        if spec.band is not None:
+            kw.update(band_lo=spec.band[0], band_hi=spec.band[1], MB=True)
+            if spec.sink is not None:
+                kw.update(sink_n=spec.sink[0], sink_lo=spec.sink[1], MS=True)
+        if spec.q_ids is not None:
+            kw.update(QIDS=spec.q_ids, s_qids=_bstride(spec.q_ids, 0), KVIDS=spec.kv_ids,
+                      s_kvids=_bstride(spec.kv_ids, 0), MD=True)
+        if spec.keep is not None:
+            kw.update(KEEP=spec.keep, s_keep=_bstride(spec.keep, 0), MK=True)
+        if spec.table is not None:
+            t = spec.table
+            kw.update(TID=spec.tile_id, TAB=t, s_tab_t=t.stride(0), s_tab_b=_bstride(t, 1),
+                      s_tab_h=_bstride(t, 2), W=t.shape[-1], MT=True)
+        return kw
+
+    def common(self, kernel, direction):
+        BM, BN = self.tiles[kernel]
+        plan = self.plan(kernel)
+        return BM, BN, dict(
+            H=self.H, G=self.H // self.Hkv, Nq=self.Nq, Nk=self.Nk, D=self.D, Dv=self.Dv,
+            q_offset=self.q_offset, kv_offset=self.kv_offset, scale=self.scale,
+            n_kv_blocks=_cdiv(self.Nk, BN), BM=BM, BN=BN, BD=self.BD, BDV=self.BDV,
+            EVEN_N=self.Nk % BN == 0, UPCAST=self.fix_bf16, FIX_BF16=self.fix_bf16,
+            **self.mask_args(plan, direction), **self.mod_kw)
+
+
+def _forward(pb: _Problem, q, k, v):
+    B, H, Nq = pb.B, pb.H, pb.Nq
+    out = torch.empty(B, H, Nq, pb.Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
+    BM, BN, kw = pb.common("fwd", "kv")
+    _launch("fwd", (_cdiv(Nq, BM), B * H), Q=q, K=k, V=v, O=out, LSE=lse,
+            **_strides("sq", q), **_strides("sk", k), **_strides("sv", v), **_strides("so", out), **kw)
+    return out, lse
+
+
+def _strides(prefix, t):
+    return {f"{prefix}{c}": s for c, s in zip("bhmd" if prefix in ("sq", "so", "sd", "sg") else "bhnd", t.stride())}
+
+
+def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params):
+    B, H, Nq, Nk = pb.B, pb.H, pb.Nq, pb.Nk
+    delta = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
+    BMd = 64 if not interpreting() else 32
+    _launch("delta", (_cdiv(Nq, BMd), B * H), O=out, DO=dout,
+            DLSE=pb.dummy_f if dlse is None else dlse.to(torch.float32).contiguous(), DELTA=delta,
+            sob=out.stride(0), soh=out.stride(1), som=out.stride(2), sod=out.stride(3),
+            sdb=dout.stride(0), sdh=dout.stride(1), sdm=dout.stride(2), sdd=dout.stride(3),
+            H=H, Nq=Nq, Dv=pb.Dv, BM=BMd, BDV=pb.BDV, HAS_DLSE=dlse is not None)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    m = pb.mod
+    alibi_grad = m.alibi and any(p is m.slopes for p in params)
+    rel_grad = m.relbias and any(p is m.table for p in params)
+
+    BM, BN, kw = pb.common("dq", "kv")
+    nqb = _cdiv(Nq, BM)
+    dslope = torch.zeros(B * H, nqb, dtype=torch.float32, device=q.device) if alibi_grad else pb.dummy_f
+    drtab = torch.zeros(m.table.shape, dtype=torch.float32, device=q.device) if rel_grad else pb.dummy_f
+    _launch("dq", (nqb, B * H), Q=q, K=k, V=v, DO=dout, DQ=dq, LSE=lse, DELTA=delta,
+            **_strides("sq", q), **_strides("sk", k), **_strides("sv", v), **_strides("sd", dout),
+            **_strides("sg", dq), n_q_blocks=nqb, DSLOPE=dslope, DRTAB=drtab,
+            s_drtab=drtab.stride(0) if rel_grad else 0, ALIBI_GRAD=bool(alibi_grad), RELBIAS_GRAD=bool(rel_grad),
+            **kw)
+
+    BM, BN, kw = pb.common("dkdv", "q")
+    nkb = _cdiv(Nk, BN)
+    _launch("dkdv", (nkb, B * pb.Hkv), Q=q, K=k, V=v, DO=dout, DK=dk, DV=dv, LSE=lse, DELTA=delta,
+            **_strides("sq", q), **_strides("sk", k), **_strides("sv", v), **_strides("sd", dout),
+            skgb=dk.stride(0), skgh=dk.stride(1), skgn=dk.stride(2), skgd=dk.stride(3),
+            svgb=dv.stride(0), svgh=dv.stride(1), svgn=dv.stride(2), svgd=dv.stride(3),
+            Hkv=pb.Hkv, n_q_blocks=_cdiv(Nq, BM), **kw)
+
+    dparams = []
+    for p in params:
+        if alibi_grad and p is m.slopes:
+            g = dslope.view(B, H, -1).sum((0, 2))
+        elif rel_grad and p is m.table:
+            g = drtab
+        else:
+            g = torch.zeros_like(p)
+        dparams.append(g.to(device=p.device, dtype=p.dtype))
+    return dq, dk, dv, dparams
+
+
+class _TritonAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pb, q, k, v, *params):
+        out, lse = _forward(pb, q, k, v)
+        ctx.pb = pb
+        ctx.save_for_backward(q, k, v, out, lse, *params)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *params = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv, dparams = _backward(ctx.pb, q, k, v, out, lse, dout, dlse, params)
+        return (None, dq, dk, dv, *dparams)
+
+
+def triton_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, block=None):
+    """Attention on the Triton kernels, forward and backward.  Returns ``(out, lse)``.
+
+    Inputs as validated by :func:`attnlab.attention`; ``mask`` is a Mask, a BlockMask
+    or None.  ``block=(BM, BN)`` (powers of two, 16..256) sets every kernel's tiles; a
+    BlockMask built at such tiles sets them too (and is used as is), any other
+    BlockMask is re-classified at the kernels' own tiles.
+    Raises ``ValueError`` when the kernels cannot serve the request (see
+    :func:`attnlab.ops.triton.unsupported`).
+    """
+    why = unsupported(q, k, v, mask, score_mod, q_offset, kv_offset)
+    if why is not None:
+        raise ValueError(f"backend='triton': {why}")
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        from attnlab.ops.flash import flash_attention
+        return flash_attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
+                               kv_offset=kv_offset)
+    mod = lower_score_mod(score_mod)
+    pb = _Problem(q, k, v, mask, mod, scale, q_offset, kv_offset, block)
+    return _TritonAttention.apply(pb, q, k, v, *mod.params)

@@ -1,0 +1,78 @@
+"""Tile sizes and autotuning configs of the Triton kernels, and the record of the choice.
+
+Tile sizes are fixed per head-dim bucket, not autotuned: the block lists and the
+partial-tile tables of a mask are built for one tiling (a BlockMask per tiling), so
+tuning them would re-classify the mask per candidate.  ``triton.autotune`` chooses
+only among a few ``(num_warps, num_stages)`` pairs per kernel, keyed by the head-dim
+blocks and the dtype; what it picked is recorded in :data:`CHOSEN` (the GPU benchmark
+prints it).  The starting points follow the Triton fused-attention tutorial's choices
+for Hopper (forward 128×64; backward 32×128 for dK/dV and 128×32 for dQ); they are
+**not measured here** (no GPU on the CI machine): ``python -m attnlab.ops.triton.bench``
+measures them on a GPU.
+
+Under the interpreter (CPU, tests) every kernel uses 32×32 tiles: enough tiles on the
+small test shapes to exercise the block lists, few enough programs to keep it quick.
+"""
+
+from __future__ import annotations
+
+INTERPRET_TILES = (32, 32)
+
+# largest head-dim block -> kernel -> (BM, BN)
+GPU_TILES = {
+    64: {"fwd": (128, 64), "dq": (128, 32), "dkdv": (32, 128)},
+    128: {"fwd": (128, 64), "dq": (128, 32), "dkdv": (32, 128)},
+    256: {"fwd": (64, 32), "dq": (64, 32), "dkdv": (32, 64)},
+}
+
+# kernel -> candidate (num_warps, num_stages).  num_stages=1 is the fallback that fits
+# shared memory for float32 at D=256 (the autotuner scores a config that does not fit as
+# infinitely slow).
+AUTOTUNE = {
+    "fwd": [(4, 3), (8, 3), (8, 2), (4, 1)],
+    "dq": [(4, 2), (8, 2), (4, 3), (4, 1)],
+    "dkdv": [(4, 2), (8, 2), (4, 3), (4, 1)],
+    "delta": [(4, 1)],
+}
+
+#: (kernel, autotune key) -> the config triton.autotune picked, filled as kernels run on a GPU
+CHOSEN: dict = {}
+
+MAX_HEAD_DIM = 256
+
+
+def pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def head_block(d: int) -> int:
+    """The padded head-dim block: the next power of two, at least 16 (``tl.dot``'s minimum)."""
+    return max(16, pow2(d))
+
+
+def valid_tiles(block) -> bool:
+    """Powers of two in 16..256 (what a BlockMask must have for the kernels to use its tiling)."""
+    return all(16 <= int(x) <= 256 and not int(x) & (int(x) - 1) for x in block)
+
+
+def _check_block(block):
+    if len(tuple(block)) != 2 or not valid_tiles(block):
+        raise ValueError(f"block: Triton tiles must be two powers of two in 16..256, got {tuple(block)}")
+    return int(block[0]), int(block[1])
+
+
+def kernel_tiles(D: int, Dv: int, Nq: int, Nk: int, interpret: bool, block=None) -> dict:
+    """``{"fwd"|"dq"|"dkdv": (BM, BN)}`` for one problem.  ``block`` sets all three.
+
+    Otherwise tiles never exceed the problem by more than one power of two (a decode step
+    with one query gets 16-row tiles, not 128)."""
+    if block is not None:  # as given (not capped): a BlockMask built at these tiles must match
+        t = _check_block(block)
+        return {"fwd": t, "dq": t, "dkdv": t}
+    if interpret:
+        tiles = {"fwd": INTERPRET_TILES, "dq": INTERPRET_TILES, "dkdv": INTERPRET_TILES}
+    else:
+        bd = max(head_block(D), head_block(Dv))
+        tiles = dict(GPU_TILES[64 if bd <= 64 else 128 if bd <= 128 else 256])
+    cap_m, cap_n = max(16, pow2(Nq)), max(16, pow2(Nk))
+    return {name: (min(bm, cap_m), min(bn, cap_n)) for name, (bm, bn) in tiles.items()}

@@ -1,0 +1,270 @@
+"""How a mask reaches the Triton kernels (host side, torch only: no triton import).
+
+Two things travel from a mask to a kernel.
+
+**Which tiles to visit** comes from the :class:`~attnlab.ops.blockmask.BlockMask` built
+at the kernel's own tile sizes.  :func:`block_lists` turns its states into compact
+per-(b, h, row-block) lists (FlexAttention's ``kv_num_blocks``/``kv_indices``)::
+
+    lists[bm, hm, i] = [n_partial, n_full, j_0 ... j_{n_partial-1}, j'_0 ... j'_{n_full-1}, (unused)]
+
+so a kernel loops over the PARTIAL tiles with the mask evaluated and then over the
+FULL tiles with no mask code at all; EMPTY tiles never appear.  The same function on
+the transposed states gives the per-kv-block lists of q-blocks that the dK/dV kernel
+walks.  ``Bm``/``Hm`` stay 1 when the mask does not depend on the batch or head (the
+kernel reads them with stride 0).
+
+**What is allowed inside a partial tile** comes in one of two forms:
+
+* *Lowered* (:func:`lower_mask`): the built-ins are compiled into the kernel as
+  constexpr variants of one small family::
+
+      allowed = ([lo <= q_pos - kv_pos <= hi]  |  [kv_pos < sink_n  &  q_pos - kv_pos >= sink_lo])
+                & [q_ids[q] == kv_ids[kv]]  &  keep[b, kv]
+
+  ``causal`` is the band ``[0, ∞]``, ``sliding_window(w)`` is ``[0, w-1]``,
+  ``prefix_lm(n)`` adds the clause ``kv < n``, ``sink_window(s, w)`` is the band
+  ``[0, w-1]`` or ``kv < s & q >= kv``; ``document`` is the id comparison (ids sliced to
+  the problem's absolute positions), ``padding``/``key_padding`` are a per-(batch, key)
+  ``keep`` vector; ``&`` of these merges (two bands intersect, keep vectors AND).
+  Nothing is materialized beyond O(B·N) ids.
+* *Table* (:func:`tile_table`): any other mask (``custom``, ``tree``, ``|``, ``~``, a
+  combination the family cannot express) is evaluated once per BlockMask on its
+  partial tiles only, bit-packed into int32 words (one bit per (q, kv) pair), and the
+  kernel reads the bits of the tile it is on.  Memory is (partial tiles) × BM × BN / 8
+  bytes per distinct (b, h) the predicate depends on, and nothing for empty or full
+  tiles.
+
+Why both: the compiled family costs nothing on the host and nothing in memory, and it
+covers what training and serving mostly use (causal, windows, packed documents,
+padding); a Python predicate cannot run inside a Triton kernel, so ``custom`` masks need
+the table, which FlexAttention avoids only by compiling the predicate with Inductor.
+The lowered masks are recognised by their class in :mod:`attnlab.masks` without
+importing it (ops must not import masks); an unrecognised class is never wrong, it
+only takes the table path.
+
+Plans (lists, lowered spec, table) are cached on the BlockMask, per device, so the
+forward, the backward and later calls with the same BlockMask build nothing again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnlab.ops.blockmask import FULL, PARTIAL
+
+INT_MAX = 2**31 - 1
+INT_MIN = -(2**31)
+POS_LIMIT = 2**30  # absolute positions (and offsets) must stay within ±2^30 (int32 arithmetic)
+
+
+# ----------------------------------------------------------------------------- tile lists
+def block_lists(states: torch.Tensor) -> torch.Tensor:
+    """``(Bm, Hm, nr, nc)`` tile states -> int32 ``(Bm, Hm, nr, 2 + nc)`` visit lists:
+    ``[n_partial, n_full, partial column blocks..., full column blocks..., rest]``."""
+    key = torch.where(states == PARTIAL, 0, torch.where(states == FULL, 1, 2)).to(torch.int8)
+    order = torch.sort(key, dim=-1, stable=True).indices
+    n_part = (states == PARTIAL).sum(-1, keepdim=True)
+    n_full = (states == FULL).sum(-1, keepdim=True)
+    return torch.cat([n_part, n_full, order], dim=-1).to(torch.int32).contiguous()
+
+
+# ----------------------------------------------------------------------------- lowered masks
+@dataclass
+class MaskSpec:
+    """What a kernel evaluates on a partial tile.  ``None`` fields are compiled out."""
+
+    band: tuple[int, int] | None = None      # lo <= q_pos - kv_pos <= hi
+    sink: tuple[int, int] | None = None      # | (kv_pos < n & q_pos - kv_pos >= lo); only with band
+    q_ids: torch.Tensor | None = None        # int32 (B' , Nq): document id of each query row
+    kv_ids: torch.Tensor | None = None       # int32 (B'', Nk): document id of each key column
+    keep: torch.Tensor | None = None         # int8 (B', Nk): 1 = key visible
+    table: torch.Tensor | None = None        # int32 (T, Bp, Hp, BM, W) bit-packed partial tiles
+    tile_id: torch.Tensor | None = None      # int32 (nqb, nkb): index into table, -1 = none
+
+    @property
+    def kind(self) -> str:
+        if self.table is not None:
+            return "table"
+        parts = [name for name, x in (("band", self.band), ("doc", self.q_ids), ("keep", self.keep)) if x is not None]
+        return "+".join(parts) or "none"
+
+
+def _kind(m) -> str | None:
+    t = type(m)
+    return t.__name__ if t.__module__ == "attnlab.masks" else None
+
+
+def _int32(x) -> int:
+    return max(INT_MIN, min(INT_MAX, int(x)))
+
+
+def _lower(m):
+    """A mask as a dict of family terms (positions not yet applied), or None."""
+    kind = _kind(m)
+    if kind == "_Causal":
+        return {"band": (0, INT_MAX)}
+    if kind == "_SlidingWindow":
+        return {"band": (0, _int32(int(m.w) - 1))}
+    if kind == "_PrefixLM":
+        return {"band": (0, INT_MAX), "sink": (_int32(m.n), INT_MIN)}
+    if kind == "_SinkWindow":
+        return {"band": (0, _int32(int(m.window) - 1)), "sink": (_int32(m.sinks), 0)}
+    if kind == "_Document":
+        return {"doc": (m.q_ids, m.kv_ids)}
+    if kind == "_Padding":
+        return {"keep": [("lengths", m.lengths)]}
+    if kind == "_KeyPadding":
+        return {"keep": [("keep", m.keep)]}
+    if kind == "_And":
+        a, b = _lower(m.a), _lower(m.b)
+        if a is None or b is None:
+            return None
+        out = dict(a)
+        if "band" in b:
+            if "band" in a:
+                if "sink" in a or "sink" in b:
+                    return None  # (band | sink) & band is not in the family
+                out["band"] = (max(a["band"][0], b["band"][0]), min(a["band"][1], b["band"][1]))
+            else:
+                out["band"] = b["band"]
+                if "sink" in b:
+                    out["sink"] = b["sink"]
+        if "doc" in b:
+            if "doc" in a:
+                return None
+            out["doc"] = b["doc"]
+        if "keep" in b:
+            out["keep"] = a.get("keep", []) + b["keep"]
+        return out
+    return None
+
+
+def lower_mask(mask, B, Nq, Nk, q_offset, kv_offset, device) -> MaskSpec | None:
+    """The mask as a :class:`MaskSpec` the kernels compile in, or None (use the table)."""
+    terms = _lower(mask)
+    if terms is None:
+        return None
+    spec = MaskSpec(band=terms.get("band"), sink=terms.get("sink"))
+    if "doc" in terms:
+        q_ids, kv_ids = terms["doc"]
+        if any(t.numel() and int(t.abs().max()) > INT_MAX for t in (q_ids, kv_ids)):
+            return None  # ids beyond int32: the table path compares them exactly
+        spec.q_ids = q_ids[:, q_offset:q_offset + Nq].to(device=device, dtype=torch.int32).contiguous()
+        spec.kv_ids = kv_ids[:, kv_offset:kv_offset + Nk].to(device=device, dtype=torch.int32).contiguous()
+        if spec.q_ids.shape[-1] != Nq or spec.kv_ids.shape[-1] != Nk:
+            return None  # ids do not cover the problem: let the predicate decide (and raise)
+    if "keep" in terms:
+        keep = None
+        kv_pos = torch.arange(Nk, device="cpu") + kv_offset
+        for what, t in terms["keep"]:
+            if what == "lengths":
+                k = kv_pos.view(1, -1) < t.to("cpu").view(-1, 1)
+            else:
+                k = t[:, kv_offset:kv_offset + Nk].to("cpu")
+                if k.shape[-1] != Nk:
+                    return None
+            keep = k if keep is None else keep & k
+        spec.keep = keep.to(device=device, dtype=torch.int8).contiguous()
+    return spec
+
+
+# ----------------------------------------------------------------------------- partial-tile table
+def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """bool ``(..., BN)`` -> int32 ``(..., ceil(BN/32))``; bit ``c % 32`` of word ``c // 32``."""
+    BN = bits.shape[-1]
+    W = -(-BN // 32)
+    if W * 32 != BN:
+        bits = torch.nn.functional.pad(bits, (0, W * 32 - BN))
+    w = bits.reshape(*bits.shape[:-1], W, 32).to(torch.int64)
+    words = (w << torch.arange(32, dtype=torch.int64)).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32)
+
+
+def tile_table(bm, device) -> MaskSpec:
+    """Evaluate ``bm.mask`` on the partial tiles of ``bm`` (once) and bit-pack them.
+
+    The predicate runs on the CPU, one call per q-block row, with the grids the masks
+    expect (``b`` (B,1,1,1), ``h`` (1,H,1,1), positions (1,1,BM,1) and (1,1,1,m)), as
+    BlockMask classification does; positions past the problem are clamped to its last
+    row/column (the kernel masks them anyway)."""
+    s = bm.states
+    nqb, nkb = s.shape[-2], s.shape[-1]
+    BM, BN = bm.block_q, bm.block_k
+    partial = (s == PARTIAL).flatten(0, 1).any(0)  # (nqb, nkb): partial for some (b, h)
+    tile_id = torch.full((nqb, nkb), -1, dtype=torch.int32)
+    b = torch.arange(bm.B).view(-1, 1, 1, 1)
+    h = torch.arange(bm.H).view(1, -1, 1, 1)
+    chunks, count = [], 0
+    for i in range(nqb):
+        js = torch.nonzero(partial[i]).flatten()
+        if js.numel() == 0:
+            continue
+        rows = (i * BM + torch.arange(BM)).clamp(max=bm.Nq - 1)
+        cols = (js.view(-1, 1) * BN + torch.arange(BN).view(1, -1)).clamp(max=bm.Nk - 1).flatten()
+        r = torch.as_tensor(bm.mask(b, h, (rows + bm.q_offset).view(1, 1, BM, 1),
+                                    (cols + bm.kv_offset).view(1, 1, 1, -1)), dtype=torch.bool)
+        while r.dim() < 4:
+            r = r.unsqueeze(0)
+        r = r.expand(r.shape[0], r.shape[1], BM, cols.numel())
+        chunks.append(r.reshape(r.shape[0], r.shape[1], BM, js.numel(), BN).permute(3, 0, 1, 2, 4))
+        tile_id[i, js] = torch.arange(count, count + js.numel(), dtype=torch.int32)
+        count += js.numel()
+    if not chunks:
+        table = torch.zeros(1, 1, 1, BM, -(-BN // 32), dtype=torch.int32)
+    else:
+        Bp = max(c.shape[1] for c in chunks)
+        Hp = max(c.shape[2] for c in chunks)
+        table = torch.cat([_pack_bits(c.expand(-1, Bp, Hp, BM, BN)) for c in chunks])
+    return MaskSpec(table=table.to(device).contiguous(), tile_id=tile_id.to(device).contiguous())
+
+
+# ----------------------------------------------------------------------------- per-BlockMask plan
+class Plan:
+    """Everything a kernel needs from one BlockMask on one device, built lazily and cached."""
+
+    def __init__(self, bm, device):
+        self.bm, self.device = bm, device
+        self._kv_lists = self._q_lists = self._spec = None
+
+    @property
+    def kv_lists(self) -> torch.Tensor:
+        """Per q-block: the kv-blocks to visit (forward and dQ)."""
+        if self._kv_lists is None:
+            self._kv_lists = block_lists(self.bm.states).to(self.device)
+        return self._kv_lists
+
+    @property
+    def q_lists(self) -> torch.Tensor:
+        """Per kv-block: the q-blocks to visit (dK/dV)."""
+        if self._q_lists is None:
+            self._q_lists = block_lists(self.bm.states.transpose(-1, -2)).to(self.device)
+        return self._q_lists
+
+    @property
+    def spec(self) -> MaskSpec:
+        if self._spec is None:
+            bm = self.bm
+            spec = lower_mask(bm.mask, bm.B, bm.Nq, bm.Nk, bm.q_offset, bm.kv_offset, self.device)
+            self._spec = spec if spec is not None else tile_table(bm, self.device)
+        return self._spec
+
+
+def plan_for(mask, B, H, Nq, Nk, q_offset, kv_offset, tiles, device) -> Plan:
+    """The cached :class:`Plan` for ``mask`` (a Mask or a BlockMask) at ``tiles = (BM, BN)``.
+
+    A BlockMask built at other tile sizes is re-classified from its mask (cached on the
+    mask, as every BlockMask is)."""
+    if hasattr(mask, "plan") and hasattr(mask, "states"):  # a BlockMask
+        bm = mask if (mask.block_q, mask.block_k) == tuple(tiles) else mask.mask.block_mask(
+            B, H, Nq, Nk, q_offset=q_offset, kv_offset=kv_offset, block=tuple(tiles))
+    else:
+        bm = mask.block_mask(B, H, Nq, Nk, q_offset=q_offset, kv_offset=kv_offset, block=tuple(tiles))
+    cache = bm.__dict__.setdefault("_triton_plans", {})
+    key = str(device)
+    if key not in cache:
+        cache[key] = Plan(bm, device)
+    return cache[key]
