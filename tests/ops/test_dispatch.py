@@ -59,3 +59,27 @@ def test_reference_called_directly_handles_no_keys():
     assert out.shape == (1, 2, 3, 5) and (out == 0).all() and torch.isneginf(lse).all()
     out.sum().backward()
     assert (q.grad == 0).all()
+
+
+def test_small_inference_problems_with_masks_take_a_dense_sdpa_mask(monkeypatch):
+    import attnlab.ops.dispatch as D
+    calls = []
+    real = D.sdpa_dense_mask
+    monkeypatch.setattr(D, "sdpa_dense_mask", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q = torch.randn(1, 4, 3, 16, dtype=torch.float64)
+    k = torch.randn(1, 2, 9, 16, dtype=torch.float64)
+    v = torch.randn(1, 2, 9, 16, dtype=torch.float64)
+    for mask in (masks.sliding_window(4), masks.tree(torch.tensor([-1, 0, 0]), 6), masks.causal() & masks.causal()):
+        with torch.no_grad():
+            got = attnlab.attention(q, k, v, mask=mask)
+        want = attnlab.attention(q, k, v, mask=mask, backend="reference")
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert len(calls) == 3
+    # a row with no visible key: SDPA would give NaN, so the flash path answers (zeros)
+    with torch.no_grad():
+        out = attnlab.attention(q, k, v, mask=masks.custom(lambda b, h, qp, kp: (kp < qp) & (qp > 6)))
+    assert torch.isfinite(out).all() and (out[:, :, 0] == 0).all()
+    # with gradients, the flash path (whose backward meets the accuracy rule) keeps it
+    qg = q.clone().requires_grad_()
+    attnlab.attention(qg, k, v, mask=masks.sliding_window(4))
+    assert len(calls) == 4

@@ -9,7 +9,7 @@ import torch
 
 from attnlab.ops.flash import flash_attention
 from attnlab.ops.reference import reference_attention, reference_probs
-from attnlab.ops.sdpa import is_causal_mask, sdpa_attention, sdpa_unsupported
+from attnlab.ops.sdpa import is_causal_mask, sdpa_attention, sdpa_dense_mask, sdpa_unsupported
 
 BACKENDS = ("auto", "reference", "flash", "sdpa", "triton")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -91,6 +91,11 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
             raise ValueError(f"backend='triton': {why}; use backend='flash' or 'auto'")
     elif backend == "auto":
         backend = _auto(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=v)
+        if backend == "flash" and mask is not None and score_mod is None and not return_lse \
+                and B * H * Nq * Nk <= _DENSE_MASK_MAX and not _wants_grad(q, k, v):
+            out = sdpa_dense_mask(q, k, v, mask, scale=scale, q_offset=q_offset, kv_offset=kv_offset)
+            if out is not None:
+                return out
     if Nq == 0 or Nk == 0:
         backend = "flash"  # every backend's answer for empty problems: out 0, lse -inf
     kw = dict(mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset)
@@ -157,6 +162,17 @@ def _check_score_mod(score_mod, B, H):
 # bf16 matmuls beat SDPA's kernel on CPU: forward 1.06x at D=64 and 1.44x at D=128;
 # forward+backward 0.96x at D=64 (so SDPA keeps it) and 1.10x at D=128.
 _BF16_FLASH_MIN_D = {False: 64, True: 128}  # keyed by "needs a backward"
+
+
+# Inference on small problems (a decode step, a speculative tree): evaluating the mask
+# densely and handing it to SDPA costs microseconds, where the flash path's tile
+# planning costs a millisecond of Python.  Only without gradients (torch's CPU SDPA
+# backward misses the gradient accuracy rule on peaky softmaxes; see test_accuracy).
+_DENSE_MASK_MAX = 1 << 16
+
+
+def _wants_grad(*ts) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
 def _auto(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=None) -> str:

@@ -61,3 +61,16 @@ def sdpa_attention(q, k, v, *, mask=None, scale, **_):
         kp = torch.arange(k.shape[2], device=q.device).view(1, -1) + kv_offset
         return F.scaled_dot_product_attention(q, k, v, attn_mask=kp <= qp, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=mask is not None, scale=scale, enable_gqa=gqa)
+
+
+def sdpa_dense_mask(q, k, v, mask, *, scale, q_offset, kv_offset):
+    """SDPA with ``mask`` evaluated on the whole (small) problem as a boolean tensor, or
+    ``None`` when some row would see no key (SDPA would give NaN there)."""
+    from attnlab.ops.reference import index_grids
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    pred = mask.mask if hasattr(mask, "plan") else mask  # a BlockMask: its predicate
+    allowed = torch.as_tensor(pred(*index_grids(B, H, Nq, Nk, q_offset, kv_offset, q.device)), device=q.device)
+    if not bool(allowed.any(-1).all()):
+        return None
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
