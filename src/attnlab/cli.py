@@ -3,6 +3,8 @@
     attnlab bench attention [--quick] [--json PATH] [--reps N] [--no-flex] [--no-memory] [--only TEXT]
     attnlab bench tiles [--json PATH]
     attnlab bench models [--quick] [--json PATH] [--reps N] [--profile]
+    attnlab bench inference [--quick] [--json PATH] [--reps N]
+    attnlab bench distributed [--quick] [--json PATH] [--reps N] [--seq 16384,32768] [--ranks 2,4] [--no-memory]
     attnlab train [--task text|induction|recall] [--steps N] [--out DIR [--resume]] ...
 """
 
@@ -31,6 +33,17 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     m.add_argument("--reps", type=int, default=5, help="timed repetitions per contender (median reported)")
     m.add_argument("--profile", action="store_true", help="also show where attnlab's training step spends time")
+    inf = bsub.add_parser("inference", help="decoding vs transformers, caches, quantization, streaming, speculation")
+    inf.add_argument("--quick", action="store_true", help="smaller sizes (about a fifth of the time)")
+    inf.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    inf.add_argument("--reps", type=int, default=3, help="timed repetitions of the decode comparison")
+    dd = bsub.add_parser("distributed", help="ring and Ulysses attention on local gloo ranks vs one process")
+    dd.add_argument("--quick", action="store_true", help="N=2048,4096 and one round (a smoke run)")
+    dd.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    dd.add_argument("--reps", type=int, default=2, help="interleaved rounds per variant (median reported)")
+    dd.add_argument("--seq", default="16384,32768", help="sequence lengths, comma-separated")
+    dd.add_argument("--ranks", default="2,4", help="group sizes, comma-separated")
+    dd.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     tr = sub.add_parser("train", help="train a small Decoder on CPU (progress bar, checkpoints, resume)")
     tr.add_argument("--task", default="induction", choices=("text", "induction", "recall"))
     tr.add_argument("--steps", type=int, default=300)
@@ -69,6 +82,25 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from attnlab.bench import models
         models.main(quick=args.quick, json_path=args.json, reps=args.reps, show_profile=args.profile)
+        return 0
+    if args.command == "bench" and args.bench == "inference":
+        if args.reps < 1:
+            print("attnlab bench inference: --reps must be >= 1", file=sys.stderr)
+            return 2
+        from attnlab.bench import inference
+        inference.main(quick=args.quick, json_path=args.json, reps=args.reps)
+        return 0
+    if args.command == "bench" and args.bench == "distributed":
+        from attnlab.bench import distributed
+        try:
+            if args.reps < 1:
+                raise ValueError("--reps must be >= 1")
+            seqs, ranks = distributed.parse_ints(args.seq, "--seq"), distributed.parse_ints(args.ranks, "--ranks")
+        except ValueError as e:
+            print(f"attnlab bench distributed: {e}", file=sys.stderr)
+            return 2
+        distributed.main(seqs=seqs, ranks=ranks, reps=args.reps, quick=args.quick, memory=not args.no_memory,
+                         json_path=args.json)
         return 0
     if args.command == "train":
         from attnlab.train import run

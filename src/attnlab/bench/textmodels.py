@@ -1,0 +1,76 @@
+"""Small decoders trained on the standard library's source, for the inference and
+interpretability experiments.  Trained once with :func:`attnlab.train.train` and kept
+in a folder (safetensors), so later runs load them in a second.
+
+* ``target``: 4 layers, d_model 128, 4 heads (2 kv heads), RoPE — the model that streams,
+  is quantized and is sped up.
+* ``draft``: 1 layer, d_model 64 — the speculative draft.
+
+Both read a 1024-token byte-level BPE trained on the same text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from attnlab.nn import Decoder, DecoderConfig
+
+SEQ = 128
+SPECS = {
+    "target": dict(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, steps=600, lr=3e-3),
+    "draft": dict(d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, steps=300, lr=3e-3),
+}
+CORPUS_BYTES = 1_500_000
+VOCAB = 1024
+
+
+@dataclass
+class TextModels:
+    tokenizer: object
+    target: Decoder
+    draft: Decoder
+    heldout: torch.Tensor   # 1-D token ids never trained on
+    train_seconds: float
+
+
+def _cfg(spec):
+    return DecoderConfig(vocab_size=VOCAB, d_model=spec["d_model"], n_layers=spec["n_layers"],
+                         n_heads=spec["n_heads"], n_kv_heads=spec["n_kv_heads"], positions="rope", norm="rmsnorm",
+                         mlp="swiglu", act="silu", bias=False, max_positions=SEQ, d_mlp=3 * spec["d_model"])
+
+
+def load_or_train(folder="out/bench-cache/text-models", progress: bool = True) -> TextModels:
+    from attnlab.train import ByteBPE, TokenStream, TrainConfig, load_checkpoint, save_checkpoint, stdlib_corpus, train
+    folder = Path(folder)
+    key = json.dumps({"specs": SPECS, "seq": SEQ, "bytes": CORPUS_BYTES, "vocab": VOCAB, "v": 1}, sort_keys=True)
+    texts = stdlib_corpus(CORPUS_BYTES, seed=0)
+    fresh = not (folder / "key.json").is_file() or (folder / "key.json").read_text() != key
+    if fresh:
+        tok = ByteBPE.train(texts, VOCAB)
+    else:
+        tok = ByteBPE.load(folder / "tokenizer.json")
+    stream = TokenStream.from_texts(texts, tok)
+    tr, held = stream.split(0.9)
+    models, seconds = {}, 0.0
+    for name, spec in SPECS.items():
+        torch.manual_seed(0)
+        model = Decoder(_cfg(spec))
+        ck = folder / name
+        if not fresh and ck.is_dir():
+            load_checkpoint(ck, model)
+        else:
+            cfg = TrainConfig(steps=spec["steps"], batch_size=16, seq_len=SEQ, lr=spec["lr"],
+                              warmup_steps=spec["steps"] // 20, seed=0)
+            res = train(model, tr.batches(16, SEQ, seed=0), cfg, progress=progress)
+            seconds += res.elapsed_s
+            save_checkpoint(ck, model, None, spec["steps"], {"final_loss": res.losses[-1]})
+        models[name] = model.eval()
+    if fresh:
+        folder.mkdir(parents=True, exist_ok=True)
+        tok.save(folder / "tokenizer.json")
+        (folder / "key.json").write_text(key)
+    return TextModels(tok, models["target"], models["draft"], held.tokens, seconds)
