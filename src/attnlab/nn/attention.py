@@ -77,11 +77,15 @@ class MultiHeadAttention(nn.Module):
             absolute positions) or an :class:`attnlab.positions.ALiBi` (a score mod).
         backend: passed to :func:`attnlab.attention`.
         scale: softmax scale, default ``1/sqrt(d_head)``.
+        context_parallel: ``None`` (default), or an
+            :class:`attnlab.distributed.ContextParallel`: ``x`` is then this rank's shard
+            of a sequence split over a process group and attention runs across the
+            group (ring or Ulysses); RoPE uses the shard's global positions.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, d_head: int | None = None, *,
                  bias: bool = True, dropout: float = 0.0, positions=None, backend: str = "auto",
-                 scale: float | None = None):
+                 scale: float | None = None, context_parallel=None):
         super().__init__()
         d_model = positive_int(d_model, "d_model")
         n_heads = positive_int(n_heads, "n_heads")
@@ -111,6 +115,7 @@ class MultiHeadAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(d_head) if scale is None else float(scale)
         self.positions = positions  # a RoPE is a Module (buffers); ALiBi is not
         self._alibi = positions.score_mod() if hasattr(positions, "score_mod") else None
+        self.context_parallel = context_parallel  # duck-typed: .positions(n, device), .attend(q, k, v, ...)
         n_qkv = (n_heads + 2 * n_kv_heads) * d_head
         self.qkv_weight = nn.Parameter(torch.empty(n_qkv, d_model))
         self.qkv_bias = nn.Parameter(torch.zeros(n_qkv)) if bias else None
@@ -204,6 +209,15 @@ class MultiHeadAttention(nn.Module):
         mod = self._alibi
         if score_mod is not None:
             mod = score_mod if mod is None else compose(mod, score_mod)
+        cp = self.context_parallel
+        if cp is not None:
+            if cache is not None or context is not None or need_weights or (self.training and self.dropout > 0):
+                raise ValueError("context_parallel: runs self-attention only, without cache, context, need_weights "
+                                 "or attention dropout")
+            if rope is not None:
+                p = cp.positions(N, x.device) if pos is None else pos
+                q, k = rope(q, p), rope(k, p)
+            return self._out(cp.attend(q, k, v, mask=mask, score_mod=mod, scale=self.scale), B, N)
         if cache is not None:
             if context is not None:
                 raise ValueError("cache: a KV cache serves self-attention; cross-attention keys do not grow")

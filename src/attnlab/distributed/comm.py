@@ -1,0 +1,129 @@
+"""The few torch.distributed operations distributed attention uses, with guarded waits.
+
+* point-to-point messages posted together with ``dist.batch_isend_irecv`` (on NCCL
+  that groups them, so a ring of sends and receives cannot deadlock; on gloo each
+  runs asynchronously in gloo's I/O thread while this thread computes);
+* ``all_to_all_single``, ``all_gather_into_tensor`` and ``all_reduce`` for Ulysses,
+  gathering sequences and the argument handshake.
+
+Every wait goes through :func:`attnlab.distributed.failure.guarded_wait`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from attnlab.distributed.failure import guarded_wait, resolve_timeout
+
+__all__ = ["Comm", "Pending"]
+
+
+class Comm:
+    """A process group seen from this rank: group ranks, timeouts, guarded operations."""
+
+    def __init__(self, group, timeout, op: str):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"{op}: torch.distributed is not initialized; call "
+                               "torch.distributed.init_process_group('gloo' or 'nccl', ...) on every rank first "
+                               "(attnlab.distributed.run_local does it for a local test group)")
+        self.group = group
+        self.op = op
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        if self.rank < 0:
+            raise ValueError(f"{op}: group: this process is not a member of the group it was given")
+        self.timeout_s = resolve_timeout(timeout)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def start(self, sends, recvs) -> "Pending":
+        """Post ``sends`` and ``recvs`` — lists of ``(name, tensor, group_peer, tag, what)`` —
+        as one batch; returns a :class:`Pending` to wait on by name."""
+        ops, meta = [], []
+        for kind, items in ((dist.isend, sends), (dist.irecv, recvs)):
+            for name, t, peer, tag, what in items:
+                ops.append(dist.P2POp(kind, t, self.global_rank(peer), self.group, tag))
+                key = ("send " if kind is dist.isend else "recv ") + name
+                if any(m[0] == key for m in meta):
+                    raise AssertionError(f"two messages named {key!r} in one batch")  # internal invariant
+                meta.append((key, peer, what, t))
+                if kind is dist.isend:
+                    self.bytes_sent += t.numel() * t.element_size()
+                else:
+                    self.bytes_received += t.numel() * t.element_size()
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return Pending(self, works, meta)
+
+    def wait(self, work, *, peer, what):
+        guarded_wait(work, timeout_s=self.timeout_s, op=self.op, rank=self.rank, peer=peer, what=what)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> torch.Tensor:
+        """Equal-split ``all_to_all_single`` along dim 0 (``out`` is filled and returned)."""
+        work = dist.all_to_all_single(out, inp, group=self.group, async_op=True)
+        self.bytes_sent += inp.numel() * inp.element_size() * (self.world - 1) // max(1, self.world)
+        self.wait(work, peer=None, what=what)
+        return out
+
+    def all_gather(self, inp: torch.Tensor, what: str) -> torch.Tensor:
+        """``(world, *inp.shape)``: every rank's ``inp``."""
+        flat = inp.contiguous().view(-1)
+        out = torch.empty(self.world * flat.numel(), dtype=inp.dtype, device=inp.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = gather(out, flat, group=self.group, async_op=True)
+        self.wait(work, peer=None, what=what)
+        return out.view(self.world, *inp.shape)
+
+    def all_reduce(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        work = dist.all_reduce(t, group=self.group, async_op=True)
+        self.wait(work, peer=None, what=what)
+        return t
+
+
+class Pending:
+    """Messages in flight.  ``wait(name)`` waits for the receive ``name`` (or, with a
+    ``"send "`` prefix, the send), ``wait_all()`` for the rest.
+
+    Every work object is kept until it has been waited on: gloo cancels an operation
+    whose work object is destroyed.  (NCCL may coalesce a batch into a single work
+    object; then any wait waits for all.)"""
+
+    def __init__(self, comm: Comm, works, meta):
+        self.comm = comm
+        self.meta = meta
+        self._keep = list(works)
+        if len(works) == len(meta):
+            self.works = {m[0]: (w, m) for w, m in zip(works, meta)}
+            self.coalesced = None
+        else:
+            self.works = {}
+            self.coalesced = (list(works), meta)
+
+    def wait(self, name: str) -> None:
+        if self.coalesced is not None:
+            self.wait_all()
+            return
+        if not name.startswith(("send ", "recv ")):
+            name = "recv " + name
+        item = self.works.pop(name, None)
+        if item is not None:
+            w, (_, peer, what, _t) = item
+            self.comm.wait(w, peer=peer, what=what)
+
+    def wait_all(self) -> None:
+        if self.coalesced is not None:
+            works, meta = self.coalesced
+            self.coalesced = ([], meta)
+            what = ", ".join(m[2] for m in meta)
+            peers = sorted({m[1] for m in meta})
+            for w in works:
+                self.comm.wait(w, peer=peers[0] if len(peers) == 1 else None, what=what)
+            return
+        for name in list(self.works):
+            self.wait(name)
+        self._keep = []
