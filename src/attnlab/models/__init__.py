@@ -9,8 +9,9 @@ torch.Size([1, 384])
 """
 
 from attnlab.models.checkpoint import CheckpointError
+from attnlab.models.hf_cache import as_hf_cache
 from attnlab.models.load import ARCHITECTURES, load, minilm_path
 from attnlab.models.sentence import sentence_embeddings
 from attnlab.models.tokenizer import Tokenizer
 
-__all__ = ["load", "CheckpointError", "ARCHITECTURES", "minilm_path", "sentence_embeddings", "Tokenizer"]
+__all__ = ["as_hf_cache", "load", "CheckpointError", "ARCHITECTURES", "minilm_path", "sentence_embeddings", "Tokenizer"]
