@@ -237,21 +237,33 @@ def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params):
             dv.view(B, Hkv, Nk, Dv).to(v.dtype), dparams)
 
 
-class _FlashFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, pb, q, k, v, *params):
-        out, lse = _forward(pb, q, k, v)
-        ctx.pb = pb
-        ctx.save_for_backward(q, k, v, out, lse, *params)
-        return out, lse
+def tiled_function(fwd, bwd, name: str) -> type:
+    """The autograd.Function of a tiled kernel pair: ``fwd(pb, q, k, v) -> (out, lse)`` and
+    ``bwd(pb, q, k, v, out, lse, dout, dlse, params) -> (dq, dk, dv, dparams)``, where
+    ``pb`` is the kernel's plan and ``params`` the score mod's learnable tensors.  The
+    gradient reaches the LSE too; only ``out, lse`` are saved (no score matrix)."""
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, *params = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv, dparams = _backward(ctx.pb, q, k, v, out, lse, dout, dlse, params)
-        return (None, dq, dk, dv, *dparams)
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, pb, q, k, v, *params):
+            out, lse = fwd(pb, q, k, v)
+            ctx.pb = pb
+            ctx.save_for_backward(q, k, v, out, lse, *params)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, dlse):
+            q, k, v, out, lse, *params = ctx.saved_tensors
+            if dout is None:
+                dout = torch.zeros_like(out)
+            dq, dk, dv, dparams = bwd(ctx.pb, q, k, v, out, lse, dout, dlse, params)
+            return (None, dq, dk, dv, *dparams)
+
+    Fn.__name__ = Fn.__qualname__ = name
+    return Fn
+
+
+_FlashFn = tiled_function(_forward, _backward, "_FlashFn")
 
 
 def flash_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, block=None):

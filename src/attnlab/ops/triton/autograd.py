@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from attnlab.ops.flash import tiled_function
 from attnlab.ops.triton import config
 from attnlab.ops.triton.backward import attn_bwd_delta, attn_bwd_dkdv, attn_bwd_dq
 from attnlab.ops.triton.forward import attn_fwd
@@ -190,21 +191,7 @@ def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params):
     return dq, dk, dv, dparams
 
 
-class _TritonAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, pb, q, k, v, *params):
-        out, lse = _forward(pb, q, k, v)
-        ctx.pb = pb
-        ctx.save_for_backward(q, k, v, out, lse, *params)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, *params = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv, dparams = _backward(ctx.pb, q, k, v, out, lse, dout, dlse, params)
-        return (None, dq, dk, dv, *dparams)
+_TritonAttention = tiled_function(_forward, _backward, "_TritonAttention")
 
 
 def triton_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, block=None):
