@@ -55,3 +55,10 @@ def test_quality_tables_run_on_tiny_models():
 def test_paged_waste_is_under_a_block_per_sequence():
     w = bench.paged_waste(n_seqs=8)
     assert 0 <= w["waste_blocks_per_sequence"] < 1
+
+
+def test_streaming_generation_keeps_the_cache_bounded():
+    g = bench.streaming_generation(tiny_models(), n_tokens=1_000, sinks=2, window=30)
+    assert g["tokens"] == 1_000 and g["tok_s"] > 0
+    sizes = {m["cache_bytes"] for m in g["marks"]}
+    assert len(sizes) == 1  # the same bytes at 250, 500 and 1,000 tokens

@@ -188,6 +188,32 @@ def streaming_table(tm, n_tokens=3072, sinks=4, window=124, bar=None):
     return rows
 
 
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def streaming_generation(tm, n_tokens=20_000, sinks=4, window=124, bar=None):
+    """Generate ``n_tokens`` with a StreamingCache; the cache's bytes and the process's
+    resident set at checkpoints (both should stop growing once the window is full)."""
+    from attnlab.cache import StreamingCache
+    from attnlab.generate import Sampling, stream
+    c = StreamingCache.for_model(tm.target, sinks=sinks, window=window)
+    marks, t0 = [], time.perf_counter()
+    checkpoints = {1_000, n_tokens // 4, n_tokens // 2, n_tokens}
+    prompt = [tm.heldout[:8].tolist()]
+    for i, _ in enumerate(stream(tm.target, prompt, max_new_tokens=n_tokens, cache=c,
+                                 sampling=Sampling(temperature=0.8, top_k=40), seed=0), start=1):
+        if bar is not None:
+            bar.update(1)
+        if i in checkpoints:
+            marks.append({"tokens": i, "cache_bytes": c.nbytes(), "rss_mib": _rss_kib() / 1024})
+    return {"tokens": n_tokens, "tok_s": n_tokens / (time.perf_counter() - t0), "marks": marks}
+
+
 def speculative_table(tm, new_tokens=96, prompts=4):
     from attnlab.generate import generate
     from attnlab.speculative import speculative_generate
@@ -256,6 +282,10 @@ def run(quick: bool = False, reps: int = 3, progress: bool = True) -> dict:
     with tqdm(total=3 * n, desc="streaming", unit="tok", disable=not progress, file=sys.stderr, leave=False) as sb:
         out["streaming"] = streaming_table(tm, n_tokens=n, bar=sb)
     bar.update(1)
+    n = 2_000 if quick else 20_000
+    with tqdm(total=n, desc="streaming generation", unit="tok", disable=not progress, file=sys.stderr,
+              leave=False) as sb:
+        out["streaming_generation"] = streaming_generation(tm, n_tokens=n, bar=sb)
     bar.set_postfix_str("speculative decoding")
     out["speculative"] = speculative_table(tm, new_tokens=32 if quick else 96, prompts=2 if quick else 4)
     bar.update(1)
@@ -282,6 +312,10 @@ def format_report(r: dict) -> str:
     for s in r["streaming"]:
         sp = f"  {s['tok_s']:.0f} tok/s" if s.get("tok_s") else ""
         L.append(f"  {s['method']:<55} ppl {s['ppl']:>10.2f}{sp}")
+    if r.get("streaming_generation"):
+        g = r["streaming_generation"]
+        L.append(f"  generating {g['tokens']} tokens with sinks + window: {g['tok_s']:.0f} tok/s; " + ", ".join(
+            f"{m['tokens']}: cache {m['cache_bytes'] / 1024:.0f} KiB, RSS {m['rss_mib']:.0f} MiB" for m in g["marks"]))
     L.append("\nSpeculative decoding (1-layer draft, 4-layer target):")
     for s in r["speculative"]:
         extra = "" if "speedup" not in s else (f", speed-up {s['speedup']:.2f}x, accepted/round "

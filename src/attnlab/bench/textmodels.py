@@ -6,7 +6,9 @@ in a folder (safetensors), so later runs load them in a second.
   is quantized and is sped up.
 * ``draft``: 1 layer, d_model 64 — the speculative draft.
 
-Both read a 1024-token byte-level BPE trained on the same text.
+Both read a 1024-token byte-level BPE trained on the same text.  Every training window
+opens with the end-of-text token, as a model's contexts open with BOS — which is what
+lets an attention sink form on the first token (StreamingLLM).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _cfg(spec):
 def load_or_train(folder="out/bench-cache/text-models", progress: bool = True) -> TextModels:
     from attnlab.train import ByteBPE, TokenStream, TrainConfig, load_checkpoint, save_checkpoint, stdlib_corpus, train
     folder = Path(folder)
-    key = json.dumps({"specs": SPECS, "seq": SEQ, "bytes": CORPUS_BYTES, "vocab": VOCAB, "v": 1}, sort_keys=True)
+    key = json.dumps({"specs": SPECS, "seq": SEQ, "bytes": CORPUS_BYTES, "vocab": VOCAB, "v": 3}, sort_keys=True)
     texts = stdlib_corpus(CORPUS_BYTES, seed=0)
     fresh = not (folder / "key.json").is_file() or (folder / "key.json").read_text() != key
     if fresh:
@@ -65,7 +67,7 @@ def load_or_train(folder="out/bench-cache/text-models", progress: bool = True) -
         else:
             cfg = TrainConfig(steps=spec["steps"], batch_size=16, seq_len=SEQ, lr=spec["lr"],
                               warmup_steps=spec["steps"] // 20, seed=0)
-            res = train(model, tr.batches(16, SEQ, seed=0), cfg, progress=progress)
+            res = train(model, document_batches(tr.tokens, tok.eot_id, 16, SEQ, seed=0), cfg, progress=progress)
             seconds += res.elapsed_s
             save_checkpoint(ck, model, None, spec["steps"], {"final_loss": res.losses[-1]})
         models[name] = model.eval()
@@ -73,4 +75,20 @@ def load_or_train(folder="out/bench-cache/text-models", progress: bool = True) -
         folder.mkdir(parents=True, exist_ok=True)
         tok.save(folder / "tokenizer.json")
         (folder / "key.json").write_text(key)
-    return TextModels(tok, models["target"], models["draft"], held.tokens, seconds)
+    # held-out text opens with end-of-text, as every training window does
+    h = torch.cat([torch.tensor([tok.eot_id]), held.tokens])
+    return TextModels(tok, models["target"], models["draft"], h, seconds)
+
+
+def document_batches(tokens: torch.Tensor, eot: int, batch_size: int, seq_len: int, *, seed: int):
+    """Endless ``(inputs, targets)`` of ``seq_len`` tokens: the end-of-text token (a BOS)
+    followed by a random window of the stream, drawn with a seeded generator."""
+    if tokens.numel() < seq_len + 1:
+        raise ValueError(f"document_batches: {tokens.numel()} tokens cannot fill a window of {seq_len}")
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.arange(seq_len)
+    bos = torch.full((batch_size, 1), eot, dtype=torch.long)
+    while True:
+        s = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=g)
+        w = torch.cat([bos, tokens[s[:, None] + idx]], 1)
+        yield w[:, :-1], w[:, 1:]
