@@ -60,3 +60,17 @@ def tile_truth(dense, bq, bk):
             t = dense[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].flatten(2)
             anyt[:, :, i, j], allt[:, :, i, j] = t.any(-1), t.all(-1)
     return anyt, allt
+
+
+def assert_tiles_sound(states, dense, bq, bk, where, exact):
+    """A BlockMask's tile states (expanded to (B, H, nqb, nkb)) against the truth from the
+    dense mask: EMPTY tiles hold no allowed pair, FULL tiles no forbidden one, and with
+    ``exact`` every tile has the one verdict the truth gives."""
+    from attnlab.ops.blockmask import EMPTY, FULL, PARTIAL
+    anyt, allt = tile_truth(dense, bq, bk)
+    assert not ((states == EMPTY) & anyt).any(), f"{where}: a tile marked EMPTY has an allowed pair"
+    assert not ((states == FULL) & ~allt).any(), f"{where}: a tile marked FULL has a forbidden pair"
+    if exact:
+        want = torch.where(~anyt, EMPTY, torch.where(allt, FULL, PARTIAL)).to(torch.int8)
+        bad = torch.nonzero(states != want)
+        assert bad.numel() == 0, f"{where}: not exact at (b, h, qb, kb) {bad[:5].tolist()}"

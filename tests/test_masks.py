@@ -253,14 +253,9 @@ def test_block_mask_is_correct_and_exact(make, shape):
         assert s.shape[0] in (1, B) and s.shape[1] in (1, H)
         assert ((s == EMPTY) | (s == PARTIAL) | (s == FULL)).all()
         s = s.expand(B, H, nqb, nkb)
-        anyt, allt = tile_truth(dense, bq, bk)
         where = f"{m!r} block=({bq},{bk})"
-        assert not ((s == EMPTY) & anyt).any(), f"{where}: a tile marked EMPTY has an allowed pair"
-        assert not ((s == FULL) & ~allt).any(), f"{where}: a tile marked FULL has a forbidden pair"
-        if exact:
-            want = torch.where(~anyt, EMPTY, torch.where(allt, FULL, PARTIAL)).to(torch.int8)
-            bad = torch.nonzero(s != want)
-            assert bad.numel() == 0, f"{where}: not exact at (b, h, qb, kb) {bad[:5].tolist()}"
+        helpers.assert_tiles_sound(s, dense, bq, bk, where, exact)
+        anyt, allt = tile_truth(dense, bq, bk)
         # the plan a kernel reads: visit every tile non-empty for some (b, h); mask unless all FULL
         plan = bm.plan()
         assert len(plan) == nqb

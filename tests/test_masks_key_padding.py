@@ -74,14 +74,7 @@ def check_states(m, dense, shape, exact):
         s = bm.states
         assert s.dtype == torch.int8 and s.shape[-2:] == (nqb, nkb) and s.shape[0] in (1, B)
         s = s.expand(B, H, nqb, nkb)
-        anyt, allt = tile_truth(dense, bq, bk)
-        where = f"{m!r} shape={shape} block=({bq},{bk})"
-        assert not ((s == EMPTY) & anyt).any(), f"{where}: a tile marked EMPTY has an allowed pair"
-        assert not ((s == FULL) & ~allt).any(), f"{where}: a tile marked FULL has a forbidden pair"
-        if exact:
-            want = torch.where(~anyt, EMPTY, torch.where(allt, FULL, PARTIAL)).to(torch.int8)
-            bad = torch.nonzero(s != want)
-            assert bad.numel() == 0, f"{where}: not exact at (b, h, qb, kb) {bad[:5].tolist()}"
+        helpers.assert_tiles_sound(s, dense, bq, bk, f"{m!r} shape={shape} block=({bq},{bk})", exact)
 
 
 CASES = [pytest.param(seed, dens, shape, id=f"keep{seed}-{dens}-{shape[0]}x{shape[1]}@{shape[2]},{shape[3]}")
