@@ -37,6 +37,8 @@ GQA runs natively (K/V keep their ``Hkv`` heads).  Differences from ``eager``:
   ...), not for GPT-2, whose attention swallows it.  Otherwise ``None``, as SDPA.
   ``config.output_attentions = True`` is refused by transformers for any non-eager
   implementation.
+* hooks: a list ``module.attnlab_hooks`` on a transformers attention module is run
+  like :attr:`attnlab.nn.MultiHeadAttention.hooks` (:mod:`attnlab.interp` installs it);
 * unsupported and refused: paged caches (``cache=``) and per-token ``sinks=``.
 
 >>> import pytest; _ = pytest.importorskip("transformers")
@@ -140,6 +142,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     score_mod = None if not mods else mods[0] if len(mods) == 1 else scores.compose(*mods)
     kw = dict(mask=mask, score_mod=score_mod, scale=None if scaling is None else float(scaling), q_offset=q_offset)
     res = attention(query, key, value, return_lse=s_aux is not None, backend=backend, **kw)
+    hooks = getattr(module, "attnlab_hooks", None)
+    if hooks:  # attnlab.interp: capture / ablation on a transformers model (z before s_aux's gate)
+        from attnlab.nn.attention import AttentionCall, run_hooks
+        call = AttentionCall(module, query, key, value, res[0] if s_aux is not None else res,
+                             layer=getattr(module, "layer_idx", None), **kw)
+        z = run_hooks(hooks, call)
+        res = (z, res[1]) if s_aux is not None else z
     weights = None
     if kwargs.get("output_attentions"):
         weights = attnlab.attention_probs(query, key, **kw)

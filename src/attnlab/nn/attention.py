@@ -43,15 +43,72 @@ torch.Size([2, 10, 64])
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnlab import masks
 from attnlab.ops.dispatch import BACKENDS, attention, attention_probs
 from attnlab.ops.sdpa import is_causal_mask
 from attnlab.nn.validate import positive_int, probability
 from attnlab.scores import compose
+
+
+@dataclass
+class AttentionCall:
+    """What one attention call saw, handed to each of a module's ``hooks``.
+
+    ``q (B, H, Nq, d_head)`` and ``k``/``v (B, Hkv, Nk, d_head)`` are the tensors the op
+    attended (after RoPE; with a cache, every cached key); ``z (B, H, Nq, d_head)`` is the
+    per-head output before ``W_O``.  ``mask``, ``score_mod``, ``scale``, ``q_offset`` and
+    ``kv_offset`` are the op's arguments, so :meth:`pattern` recomputes the exact
+    attention pattern for any subset of heads.  ``layer`` is the index of the layer
+    when the hook's installer knows it (:func:`attnlab.interp.capture` does).
+    """
+    module: object
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    z: torch.Tensor
+    mask: object = None
+    score_mod: object = None
+    scale: float | None = None
+    q_offset: int | None = None
+    kv_offset: int = 0
+    layer: int | None = None  # filled in by whoever installed the hook (e.g. interp.capture)
+
+    def pattern(self, heads=None) -> torch.Tensor:
+        """The attention pattern ``(B, len(heads), Nq, Nk)`` (float32), recomputed from q and k
+        for the query heads asked (default all); GQA-correct, head-dependent masks and
+        score mods (ALiBi) see the original head indices."""
+        H, Hkv = self.q.shape[1], self.k.shape[1]
+        idx = torch.arange(H) if heads is None else torch.as_tensor(heads, dtype=torch.long).reshape(-1)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= H):
+            raise ValueError(f"heads: expected query-head indices in [0, {H}), got {idx.tolist()}")
+        kv = idx // (H // Hkv)  # the kv head each chosen query head reads
+        mask, mod = self.mask, self.score_mod
+        if hasattr(mask, "plan"):  # a BlockMask: its predicate
+            mask = mask.mask
+        if heads is not None:  # masks and score mods must see the original head indices
+            dev = idx.to(self.q.device)
+            mask = None if mask is None else masks.custom(lambda b, h, qp, kp, m=mask: m(b, dev[h], qp, kp))
+            mod = None if mod is None else (lambda s, b, h, qp, kp, f=mod: f(s, b, dev[h], qp, kp))
+        return attention_probs(self.q[:, idx], self.k[:, kv], mask=mask, score_mod=mod, scale=self.scale,
+                               q_offset=self.q_offset, kv_offset=self.kv_offset)
+
+
+def run_hooks(hooks, call: AttentionCall) -> torch.Tensor:
+    """Call each hook in order; a returned tensor replaces ``call.z``.  Returns the final z."""
+    for hook in list(hooks):
+        r = hook(call)
+        if r is not None:
+            if not isinstance(r, torch.Tensor) or r.shape != call.z.shape:
+                raise ValueError(f"hook {hook!r}: must return None or z of shape {tuple(call.z.shape)}, got "
+                                 f"{tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__}")
+            call.z = r
+    return call.z
 
 
 def _positions(seen, N):
@@ -121,6 +178,10 @@ class MultiHeadAttention(nn.Module):
         self.qkv_bias = nn.Parameter(torch.zeros(n_qkv)) if bias else None
         self.out_weight = nn.Parameter(torch.empty(d_model, n_heads * d_head))
         self.out_bias = nn.Parameter(torch.zeros(d_model)) if bias else None
+        #: callables ``hook(call: AttentionCall) -> None | z`` run after the op, before W_O;
+        #: a returned tensor ``(B, H, Nq, d_head)`` replaces z (ablation, patching).
+        #: See :mod:`attnlab.interp`.  Not part of the state dict.
+        self.hooks: list = []
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -211,9 +272,10 @@ class MultiHeadAttention(nn.Module):
             mod = score_mod if mod is None else compose(mod, score_mod)
         cp = self.context_parallel
         if cp is not None:
-            if cache is not None or context is not None or need_weights or (self.training and self.dropout > 0):
-                raise ValueError("context_parallel: runs self-attention only, without cache, context, need_weights "
-                                 "or attention dropout")
+            if (cache is not None or context is not None or need_weights or self.hooks
+                    or (self.training and self.dropout > 0)):
+                raise ValueError("context_parallel: runs self-attention only, without cache, context, need_weights, "
+                                 "hooks or attention dropout")
             if rope is not None:
                 p = cp.positions(N, x.device) if pos is None else pos
                 q, k = rope(q, p), rope(k, p)
@@ -227,7 +289,7 @@ class MultiHeadAttention(nn.Module):
             kv = cache.update(k, v)
             if rope is not None and getattr(cache, "rotates_keys", False):
                 q = rope(q, kv.q_positions)  # the cache stores keys unrotated and rotates them at read
-            if self.training and self.dropout > 0 or need_weights:
+            if self.training and self.dropout > 0 or need_weights or self.hooks:
                 kv = kv.dense()
                 k, v = kv.k, kv.v
                 kw = dict(mask=mask, score_mod=mod, scale=self.scale, q_offset=kv.q_offset, kv_offset=kv.kv_offset)
@@ -245,6 +307,8 @@ class MultiHeadAttention(nn.Module):
             z, weights = self._dropout_attention(q, k, v, **kw)
         else:
             z = attention(q, k, v, backend=self.backend, **kw)
+        if self.hooks:
+            z = run_hooks(self.hooks, AttentionCall(self, q, k, v, z, **kw))
         out = self._out(z, B, N)
         if need_weights:
             if weights is None:

@@ -1,0 +1,180 @@
+"""Capture what attention saw — q, k, v, per-head outputs, patterns — with the fast kernels on.
+
+A capture installs a hook on each attention module (``MultiHeadAttention.hooks`` for
+attnlab models, ``module.attnlab_hooks`` through :mod:`attnlab.models.bridge` for
+transformers models).  The forward pass runs the usual fast path (flash / SDPA); the
+hook keeps the tensors the op attended.  Patterns are *recomputed* afterwards from the
+captured q and k, only for the layers and heads asked for, so nothing forces an eager
+model or materializes ``L·H·N²`` weights nobody looks at::
+
+    model(ids)  ──▶ layer l: q, k, v ──▶ attention (fast) ──▶ z ──▶ W_O
+                                 │                            │
+                                 └──── captured ──────────────┘
+    cap.pattern(l, heads=[3])  = softmax(scale·q₃k₃ᵀ + mods, masked)   (B, 1, Nq, Nk)
+    cap.stats(l)               = entropy, sink / previous-token mass ... at O(N) memory
+
+Shapes: ``q (B, H, Nq, d_head)``, ``k``/``v (B, Hkv, Nk, d_head)`` (after RoPE; with a KV
+cache every cached key), ``z (B, H, Nq, d_head)`` (per-head outputs before W_O).
+
+>>> import torch
+>>> from attnlab.nn import Decoder, DecoderConfig
+>>> from attnlab.interp import capture
+>>> model = Decoder(DecoderConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4)).eval()
+>>> ids = torch.randint(0, 50, (1, 9))
+>>> with capture(model, layers=[1]) as cap:
+...     logits = model(ids).logits
+>>> cap[1].q.shape, cap.pattern(1, heads=[0, 2]).shape
+(torch.Size([1, 4, 9, 8]), torch.Size([1, 2, 9, 9]))
+>>> want = model(ids, output_attentions=True).attentions[1][:, [0, 2]]
+>>> bool(torch.allclose(cap.pattern(1, heads=[0, 2]), want, atol=1e-6))
+True
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from attnlab.nn.attention import AttentionCall, MultiHeadAttention
+
+KEEP = ("q", "k", "v", "z")
+
+
+def attention_modules(model: nn.Module) -> list[tuple[int, nn.Module, str]]:
+    """``[(layer, module, kind)]`` for every attention module of ``model`` in layer order.
+
+    ``kind`` is ``"attnlab"`` (a :class:`MultiHeadAttention`) or ``"hf"`` (a transformers
+    attention module, recognised by its ``layer_idx``/``is_causal`` attributes).  An attnlab
+    model's layer index is its position among the MultiHeadAttention modules (cross-attention
+    included, in module order); a transformers module's is its ``layer_idx``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, MultiHeadAttention):
+        return [(0, model, "attnlab")]
+    found = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    if found:
+        return [(i, m, "attnlab") for i, m in enumerate(found)]
+    hf = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal") and hasattr(m, "config")]
+    return [(m.layer_idx if isinstance(m.layer_idx, int) else i, m, "hf") for i, m in enumerate(hf)]
+
+
+class Capture:
+    """The calls recorded per layer; use :func:`capture` to make one.
+
+    ``cap[layer]`` is the layer's latest :class:`~attnlab.nn.attention.AttentionCall`
+    (with a KV cache, one call per decoding step: ``cap.calls(layer)`` has them all).
+    """
+
+    def __init__(self, layers: list[int], heads, keep):
+        self.layers = layers
+        self.heads = heads
+        self.keep = keep
+        self._calls: dict[int, list[AttentionCall]] = {l: [] for l in layers}
+
+    def _record(self, layer: int, call: AttentionCall) -> None:
+        kept = {n: (getattr(call, n).detach() if n in self.keep or n in ("q", "k") else None) for n in KEEP}
+        self._calls[layer].append(AttentionCall(None, **kept, mask=call.mask, score_mod=call.score_mod,
+                                                scale=call.scale, q_offset=call.q_offset,
+                                                kv_offset=call.kv_offset, layer=layer))
+
+    def calls(self, layer: int) -> list[AttentionCall]:
+        self._check_layer(layer)
+        return self._calls[layer]
+
+    def __getitem__(self, layer: int) -> AttentionCall:
+        c = self.calls(layer)
+        if not c:
+            raise ValueError(f"layer {layer}: no attention call was recorded (did the model run inside the capture?)")
+        return c[-1]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def _check_layer(self, layer):
+        if layer not in self._calls:
+            raise ValueError(f"layer: {layer!r} was not captured; captured layers are {self.layers}")
+
+    def pattern(self, layer: int, heads=None) -> torch.Tensor:
+        """``(B, h, Nq, Nk)`` float32 pattern of ``layer`` for the query ``heads`` (default: the
+        capture's heads, else all), recomputed from the captured q and k."""
+        return self[layer].pattern(self.heads if heads is None else heads)
+
+    def patterns(self, heads=None) -> torch.Tensor:
+        """``(L, B, h, Nq, Nk)``: :meth:`pattern` of every captured layer, stacked."""
+        return torch.stack([self.pattern(l, heads) for l in self.layers])
+
+    def stats(self, layer: int, **kw):
+        """:func:`attnlab.interp.stats.head_stats` of ``layer``'s latest call (O(N) memory);
+        keyword arguments (``sink_tokens``, ``key_positions``...) are passed on."""
+        from attnlab.interp.stats import head_stats
+        c = self[layer]
+        return head_stats(c.q, c.k, mask=c.mask, score_mod=c.score_mod, scale=c.scale, q_offset=c.q_offset,
+                          kv_offset=c.kv_offset, **kw)
+
+
+@contextmanager
+def capture(model: nn.Module, layers=None, heads=None, *, keep=KEEP):
+    """Record the attention calls of ``model`` (attnlab or transformers) inside a ``with``.
+
+    Args:
+        layers: layer indices to record (default all).
+        heads: the query heads :meth:`Capture.pattern` returns by default (all by default).
+        keep: which of ``"q", "k", "v", "z"`` to keep (q and k are always kept: patterns
+            and statistics are recomputed from them).
+
+    A transformers model is switched to the ``"attnlab"`` attention implementation
+    (:func:`attnlab.models.bridge.register`) for the duration and switched back after.
+    The hooks observe only: outputs are unchanged.
+    """
+    keep = tuple(keep)
+    bad = [k for k in keep if k not in KEEP]
+    if bad:
+        raise ValueError(f"keep: unknown entries {bad}; expected a subset of {KEEP}")
+    mods = attention_modules(model)
+    if not mods:
+        raise ValueError(f"model: no attention modules found in {type(model).__name__} (expected attnlab "
+                         "MultiHeadAttention modules or a transformers model)")
+    have = [l for l, _, _ in mods]
+    if layers is None:
+        layers = have
+    else:
+        layers = [int(l) for l in ([layers] if isinstance(layers, int) else layers)]
+        missing = [l for l in layers if l not in have]
+        if missing:
+            raise ValueError(f"layers: {missing} not in the model's layers 0..{max(have)}")
+    cap = Capture(layers, heads, keep)
+    installed, restore = [], None
+    if any(kind == "hf" for _, _, kind in mods):
+        restore = _use_bridge(model)
+    try:
+        for l, m, kind in mods:
+            if l not in layers:
+                continue
+            hook = (lambda call, l=l: cap._record(l, call))
+            lst = m.hooks if kind == "attnlab" else m.__dict__.setdefault("attnlab_hooks", [])
+            lst.append(hook)
+            installed.append((lst, hook))
+        yield cap
+    finally:
+        for lst, hook in installed:
+            lst.remove(hook)
+        if restore is not None:
+            restore()
+
+
+def _use_bridge(model) -> callable:
+    """Switch a transformers model to attnlab attention; return a function that switches back."""
+    from attnlab.models import bridge
+    name = bridge.register()
+    cfg = getattr(model, "config", None)
+    before = getattr(cfg, "_attn_implementation", None)
+    if before == name:
+        return lambda: None
+    if not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"model: {type(model).__name__} has transformers attention modules but no "
+                        "set_attn_implementation(); pass the top-level transformers model")
+    model.set_attn_implementation(name)
+    return lambda: model.set_attn_implementation(before)

@@ -1,0 +1,1 @@
+"""A self-contained, offline HTML report (everything inlined; no network)."""
