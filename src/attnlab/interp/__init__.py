@@ -3,3 +3,9 @@
 from attnlab.interp.capture import Capture, attention_modules, capture
 
 __all__ = ["Capture", "attention_modules", "capture"]
+
+from attnlab.interp import detectors  # noqa: E402
+from attnlab.interp.ablation import ablate, ablation_effects  # noqa: E402
+from attnlab.interp.detectors import HeadScores, detect, value_weighted  # noqa: E402
+
+__all__ += ["ablate", "ablation_effects", "detectors", "HeadScores", "detect", "value_weighted"]
