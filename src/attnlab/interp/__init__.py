@@ -9,3 +9,8 @@ from attnlab.interp.ablation import ablate, ablation_effects  # noqa: E402
 from attnlab.interp.detectors import HeadScores, detect, value_weighted  # noqa: E402
 
 __all__ += ["ablate", "ablation_effects", "detectors", "HeadScores", "detect", "value_weighted"]
+
+from attnlab.interp import circuits  # noqa: E402
+from attnlab.interp.factored import FactoredMatrix  # noqa: E402
+
+__all__ += ["circuits", "FactoredMatrix"]
