@@ -14,3 +14,7 @@ from attnlab.interp import circuits  # noqa: E402
 from attnlab.interp.factored import FactoredMatrix  # noqa: E402
 
 __all__ += ["circuits", "FactoredMatrix"]
+
+from attnlab.interp.stats import HeadStats, head_stats, stats_from_probs  # noqa: E402
+
+__all__ += ["HeadStats", "head_stats", "stats_from_probs"]
