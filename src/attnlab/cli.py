@@ -5,7 +5,14 @@
     attnlab bench models [--quick] [--json PATH] [--reps N] [--profile]
     attnlab bench inference [--quick] [--json PATH] [--reps N]
     attnlab bench distributed [--quick] [--json PATH] [--reps N] [--seq 16384,32768] [--ranks 2,4] [--no-memory]
+    attnlab bench interp [--n N] [--quick] [--json PATH]
+    attnlab bench capture [--quick] [--reps N] [--json PATH] [--no-memory]
     attnlab train [--task text|induction|recall] [--steps N] [--out DIR [--resume]] ...
+    attnlab demo [--out PATH] [--quick] [--force] [--no-claims]
+    attnlab report [--out PATH] [--quick] [--force] [--no-claims]
+    attnlab inspect TEXT [--model minilm|FOLDER] [--out PATH]
+    attnlab claims [IDS...] [--json PATH] [--list]
+    attnlab lab induction|sinks|recall|hopfield|crossover [options of that experiment]
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     dd.add_argument("--seq", default="16384,32768", help="sequence lengths, comma-separated")
     dd.add_argument("--ranks", default="2,4", help="group sizes, comma-separated")
     dd.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    bsub.add_parser("interp", help="per-head statistics at O(N) memory vs materialized patterns", add_help=False)
+    bsub.add_parser("capture", help="interp.capture's overhead and memory against a plain forward pass",
+                    add_help=False)
     tr = sub.add_parser("train", help="train a small Decoder on CPU (progress bar, checkpoints, resume)")
     tr.add_argument("--task", default="induction", choices=("text", "induction", "recall"))
     tr.add_argument("--steps", type=int, default=300)
@@ -59,11 +69,79 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--out", metavar="DIR", help="checkpoint folder (safetensors)")
     tr.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    for name, hlp in (("demo", "the main job: induction heads, MiniLM sinks, KV-cache decoding, the seeds' claims; "
+                                "prints a summary and writes the HTML report"),
+                      ("report", "write the offline HTML report of the lab's experiments (cached runs reused)")):
+        d = sub.add_parser(name, help=hlp)
+        d.add_argument("--out", default="out/report.html", help="the HTML file to write (default out/report.html)")
+        d.add_argument("--quick", action="store_true", help="fewer training steps for the induction models")
+        d.add_argument("--force", action="store_true", help="retrain even when the lab cache has the models")
+        d.add_argument("--no-claims", action="store_true", help="skip the seeds' claims")
+    ins = sub.add_parser("inspect", help="score every head of a model on a text; print the table, write a report")
+    ins.add_argument("text")
+    ins.add_argument("--model", default="minilm", help="'minilm' (default) or a checkpoint folder (bert/gpt2/llama)")
+    ins.add_argument("--out", default="out/inspect.html")
+    sub.add_parser("claims", help="the seeds' claims as experiments with verdicts (attnlab claims --help)",
+                   add_help=False)
+    sub.add_parser("lab", help="one experiment: induction | sinks | recall | hopfield | crossover", add_help=False)
     return p
 
 
+_LAB = ("induction", "sinks", "recall", "hopfield", "crossover")
+
+
+def _lab(argv: list[str]) -> int:
+    """``attnlab lab NAME [options]``: run one experiment and print its summary."""
+    if not argv or argv[0] not in _LAB:
+        print(f"attnlab lab: expected one of {', '.join(_LAB)}", file=sys.stderr)
+        return 2
+    name, rest = argv[0], argv[1:]
+    import importlib
+    mod = importlib.import_module(f"attnlab.lab.{name}")
+    if hasattr(mod, "main"):
+        return mod.main(rest) or 0
+    import argparse as ap
+    import json
+    p = ap.ArgumentParser(prog=f"attnlab lab {name}")
+    p.add_argument("--json", metavar="PATH")
+    if name == "induction":
+        p.add_argument("--quick", action="store_true")
+        p.add_argument("--force", action="store_true")
+    a = p.parse_args(rest)
+    res = mod.run(**({"quick": a.quick, "force": a.force} if name == "induction" else {}))
+    print(mod.summary(res))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["claims"]:
+        from attnlab.lab.claims import main as claims_main
+        return claims_main(argv[1:])
+    if argv[:1] == ["lab"]:
+        return _lab(argv[1:])
+    if argv[:2] == ["bench", "capture"]:
+        from attnlab.bench import capture
+        return capture.main(argv[2:]) or 0
+    if argv[:2] == ["bench", "interp"]:
+        from attnlab.bench import interp_stats
+        return interp_stats.main(argv[2:]) or 0
     args = _parser().parse_args(argv)
+    if args.command in ("demo", "report"):
+        from attnlab.lab.demo import demo
+        demo(args.out, quick=args.quick, force=args.force, claims=not args.no_claims)
+        return 0
+    if args.command == "inspect":
+        from attnlab.lab.demo import inspect
+        try:
+            inspect(args.text, model_name=args.model, out=args.out)
+        except ValueError as e:
+            print(f"attnlab inspect: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "bench" and args.bench == "attention":
         if args.reps < 1:
             print("attnlab bench attention: --reps must be >= 1", file=sys.stderr)

@@ -15,7 +15,7 @@ induction           ``j`` with ``tokens[j − 1] == tokens[i]``, ``j ≤ i``    
                     current token).  On ``[x₁..x_T, x₁..x_T]`` this is the
                     diagonal ``j = i − T + 1``.
 sink                ``j < k`` (the first ``k`` tokens, e.g. [CLS] / BOS)         ``i ≥ k`` (not the sink itself)
-positional          ``i − d`` for the best fixed offset ``d ∈ [0, max_offset]``   ``i ≥ d``
+positional          ``i − d`` for the best fixed offset ``|d| ≤ max_offset``      rows where key ``i − d`` exists
 custom              ``template[i, j]`` (bool or weights in [0, 1])               all rows with a visible key
 ==================  ===========================================================  ============================
 
@@ -118,12 +118,13 @@ def keys_mass(p, keys, rows=None) -> torch.Tensor:
 
 
 def offset_mass(p, d: int) -> torch.Tensor:
-    """``(H,)``: mean mass on key ``i − d`` over rows ``i ≥ d``."""
+    """``(H,)``: mean mass on key ``i − d`` over the rows where that key exists
+    (``d < 0`` looks ahead, for bidirectional encoders)."""
     p = _check_p(p)
     qp = _qpos(p)
     kp = torch.arange(p.shape[3], device=p.device)
     keys = (kp.view(1, -1) == (qp - d).view(-1, 1)).unsqueeze(0)
-    return keys_mass(p, keys, (qp >= d).view(1, -1))
+    return keys_mass(p, keys, ((qp - d >= 0) & (qp - d < p.shape[3])).view(1, -1))
 
 
 def previous_token(p) -> torch.Tensor:
@@ -169,10 +170,12 @@ def sink(p, k: int = 1) -> torch.Tensor:
 
 def positional(p, max_offset: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """``(score (H,), offset (H,))``: the largest mean mass at one fixed relative offset
-    ``d ∈ [0, max_offset]`` and that offset (a head attending by position, not content)."""
-    masses = torch.stack([offset_mass(p, d) for d in range(max_offset + 1)])  # (D, H)
-    score, off = masses.max(0)
-    return score, off
+    ``d ∈ [−max_offset, max_offset]`` (key ``i − d``; negative = a later key, which only a
+    bidirectional model can see) and that offset: a head attending by position, not content."""
+    offsets = list(range(-max_offset, max_offset + 1))
+    masses = torch.stack([offset_mass(p, d) for d in offsets])  # (D, H)
+    score, i = masses.max(0)
+    return score, torch.tensor(offsets, device=score.device)[i]
 
 
 def custom(p, template) -> torch.Tensor:

@@ -1,0 +1,124 @@
+"""Report sections for the lab's results (:class:`attnlab.report.Report` blocks)."""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab.interp.capture import capture
+
+
+def induction_section(r, res: dict, model2=None, cfg=None) -> None:
+    """Training curves, detector grids, K-composition, ablation and patterns of the
+    induction experiment (:func:`attnlab.lab.induction.run`)."""
+    m2, m1 = res["models"]["2L"], res["models"]["1L"]
+    l2, l1 = m2["log"], m1["log"]
+    f2, f1 = m2["final"], m1["final"]
+    r.section("Induction heads form", "A 2-layer attention-only transformer and a 1-layer control, trained on "
+              "random segments repeated (the segment length varies per row, so only content-based lookup "
+              "predicts the second copy). The 2-layer model's loss drops suddenly when an induction head "
+              "appears in layer 1, fed by a previous-token head in layer 0 (K-composition); the 1-layer model "
+              "cannot compose and stays at the bag-of-tokens loss.")
+    pc = m2["phase_change_step"]
+    r.text(f"Phase change of the 2-layer model (induction score half-way to its final value): "
+           f"**{'step ' + str(pc) if pc is not None else 'not observed'}**. "
+           f"Final second-copy loss: 2-layer **{f2['second_half_loss']:.3f}**, 1-layer **{f1['second_half_loss']:.3f}** "
+           f"nats (uniform: {torch.tensor(float(res['config']['vocab'])).log():.2f}).")
+    r.line_plot({"2-layer": (l2["step"], l2["loss"]), "1-layer": (l1["step"], l1["loss"])},
+                title="Held-out loss during training", x_label="step", y_label="loss (nats)")
+    r.line_plot({"2-layer induction": (l2["step"], l2["induction_max"]),
+                 "2-layer previous-token": (l2["step"], l2["prev_token_max"]),
+                 "1-layer induction": (l1["step"], l1["induction_max"])},
+                title="Best head scores during training", x_label="step", y_label="attention mass")
+    r.line_plot({"2-layer": (l2["step"], l2["icl"]), "1-layer": (l1["step"], l1["icl"])},
+                title="In-context learning score (loss on the 2nd copy minus the 1st)", x_label="step",
+                y_label="Δ loss (nats)")
+    r.head_grid(torch.tensor(f2["induction"]), title="Induction score per head (2-layer)", vmin=0, vmax=1)
+    r.head_grid(torch.tensor(f2["previous_token"]), title="Previous-token score per head (2-layer)", vmin=0, vmax=1)
+    r.head_grid(torch.tensor(f1["induction"]), title="Induction score per head (1-layer control)", vmin=0, vmax=1)
+    if "k_composition" in f2:
+        b = f2["k_comp_baseline"]
+        r.text(f"K-composition of the induction head L{f2['induction_head'][0]}H{f2['induction_head'][1]} with the "
+               f"previous-token head L0H{f2['prev_token_head'][1]}: **{f2['k_comp_induction_prev']:.3f}** against "
+               f"{b['mean']:.3f} ± {b['std']:.3f} for random matrices of the same shapes.")
+        r.head_grid(torch.tensor(f2["k_composition"]), title="K-composition: last-layer head (rows) × layer-0 head "
+                    "(columns)", row_label="layer-1 head", col_label="layer-0 head", fmt=".3f")
+    r.head_grid(torch.tensor(f2["ablation"]), title="Loss increase when one head is zero-ablated (2-layer)",
+                fmt=".2f")
+    if model2 is not None and cfg is not None:
+        from attnlab.lab.induction import repeated_tokens
+        from attnlab.interp import circuits as C
+        rep = repeated_tokens(cfg, T=min(12, cfg.seq_len // 2), B=1, seed=7)
+        with torch.no_grad(), capture(model2) as cap:
+            model2(rep)
+        pats = torch.stack([cap.pattern(l)[0] for l in cap.layers])
+        toks = [f"t{int(t)}" for t in rep[0]]
+        ih, ph = f2.get("induction_head"), f2.get("prev_token_head")
+        labels = {}
+        if ih:
+            labels[tuple(ih)] = "induction head"
+        if ph:
+            labels[tuple(ph)] = "previous-token head"
+        r.heatmaps(pats, toks, title="Patterns of the 2-layer model on a repeated sequence", labels=labels)
+        if ih and ph:
+            qk = C.qk_circuit(model2.blocks[ih[0]].attn)[ih[1]].svdvals().detach()
+            ov = C.ov_circuit(model2.blocks[ih[0]].attn)[ih[1]].svdvals().detach()
+            pqk = C.qk_circuit(model2.blocks[0].attn)[ph[1]].svdvals().detach()
+            r.bar_plot({"induction W_QK": qk, "induction W_OV": ov, "prev-token W_QK": pqk},
+                       labels=list(range(1, len(qk) + 1)), title="Singular values of the heads' circuits "
+                       "(rank ≤ d_head)", x_label="index", y_label="singular value", log_y=True)
+
+
+def sinks_section(r, res: dict, model=None, tokenizer=None) -> None:
+    """MiniLM sink heads: raw and value-weighted mass on [CLS]/[SEP] (:mod:`attnlab.lab.sinks`)."""
+    raw = torch.tensor(res["cls"]) + torch.tensor(res["sep"])
+    vw = torch.tensor(res["cls_vw"]) + torch.tensor(res["sep_vw"])
+    r.section("Attention sinks in MiniLM", f"The pretrained all-MiniLM-L6-v2, run through attnlab on "
+              f"{res['n_sentences']} sentences. {res['heads_over_half_raw']} of {res['n_heads']} heads put more "
+              f"than half their attention on [CLS] or [SEP]; weighted by the norm of the values they read, "
+              f"{res['heads_over_half_vw']} do: mean mass {res['mean_raw']:.2f} raw vs {res['mean_vw']:.2f} "
+              "value-weighted. Raw attention overstates sinks: the sink tokens' values are small, so the heads "
+              "park attention there without writing much.")
+    r.head_grid(raw, title="Mass on [CLS] + [SEP] (raw)", vmin=0, vmax=1)
+    r.head_grid(vw, title="Mass on [CLS] + [SEP] (value-weighted)", vmin=0, vmax=1)
+    r.table(["head", "raw", "value-weighted"],
+            [[f"L{h['layer']}H{h['head']}", h["raw"], h["value_weighted"]] for h in res["top_heads"]],
+            caption="The strongest sink heads", highlight=[1, 2])
+    if model is not None and tokenizer is not None:
+        ex = res["example"]
+        from attnlab.lab.sinks import SENTENCES
+        b = tokenizer([SENTENCES[ex["row"]]])
+        with torch.no_grad(), capture(model) as cap:
+            model(b["input_ids"], attention_mask=b["attention_mask"], token_type_ids=b["token_type_ids"])
+        pats = torch.stack([cap.pattern(l)[0] for l in cap.layers])
+        r.heatmaps(pats, ex["tokens"], title="MiniLM patterns on one sentence (all layers and heads)")
+
+
+def generation_section(r, rows: list[dict]) -> None:
+    r.section("Decoding with the KV cache", "The 2-layer induction model continues a repeated segment. Greedy "
+              "decoding with attnlab's static KV cache gives exactly the tokens of recomputing the whole "
+              "prefix at every step.")
+    r.table(["prompt", "continuation (cache)", "expected", "correct", "cache = recompute"],
+            [[x["prompt"], x["continuation"], x["expected"], x["accuracy"], "yes" if x["equal"] else "NO"]
+             for x in rows], highlight=[3])
+
+
+def claims_section(r, results) -> None:
+    from collections import Counter
+    c = Counter(x.verdict.value if x.verdict is not None else "error" for x in results)
+    r.section("The seeds' claims, measured", f"{len(results)} claims quoted from the seed texts, each run as an "
+              "experiment: " + ", ".join(f"{n} {v}" for v, n in c.items()) + ". `attnlab claims` prints the table; "
+              "`--json` writes the evidence.")
+    r.table(["claim", "verdict", "key figure", "seed says"],
+            [[x.id, x.verdict.value if x.verdict else f"error: {x.error}", x.key_figure,
+              _short(x.claim.quotes[0])] for x in results])
+
+
+def detectors_section(r, scores: dict, title: str) -> None:
+    r.section(title)
+    for name, hs in scores.items():
+        r.head_grid(hs.scores, title=f"{name.replace('_', ' ')} score per head", vmin=0, vmax=1)
+
+
+def _short(s: str, n: int = 160) -> str:
+    s = " ".join(s.split())
+    return s if len(s) <= n else s[: n - 1] + "…"

@@ -1,0 +1,69 @@
+"""`attnlab demo` and `attnlab inspect` end to end: the commands run, print their tables,
+and write reports that open in a real headless Chromium with no errors."""
+
+import os
+import re
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from attnlab.cli import main  # noqa: E402
+
+pytestmark = pytest.mark.slow
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", "--no-first-run"]
+
+
+def _open_in_chromium(path):
+    """Load the file; return (console errors, page errors, requests, section titles, canvas non-blank)."""
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium); CI installs it")
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        pg = b.new_page(viewport={"width": 1280, "height": 900})
+        errors, console, requests = [], [], []
+        pg.on("pageerror", lambda e: errors.append(str(e)))
+        pg.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
+        pg.on("request", lambda r: requests.append(r.url))
+        pg.goto(path.as_uri())
+        pg.wait_for_function("() => [...document.querySelectorAll('figure.al-heat')].every(f => f.dataset.ready !== '0')",
+                             timeout=30_000)
+        titles = pg.eval_on_selector_all("h2", "els => els.map(e => e.textContent)")
+        inked = pg.evaluate("""() => [...document.querySelectorAll('figure.al-heat canvas')].some(c => {
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+            for (let i = 0; i < d.length; i += 4) if (d[i] < 250 || d[i+1] < 250 || d[i+2] < 250) return true;
+            return false; })""")
+        b.close()
+    return console, errors, requests, titles, inked
+
+
+def test_demo_runs_and_its_report_opens(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "report.html"
+    assert main(["demo", "--quick", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for part in ("== induction heads ==", "== attention sinks (MiniLM) ==", "== KV-cache decoding ==",
+                 "== the seeds' claims ==", f"report: {out.resolve()}"):
+        assert part in printed
+    assert re.search(r"cache = recompute in (\d+)/\1", printed)  # every continuation equal
+    console, errors, requests, titles, inked = _open_in_chromium(out)
+    assert errors == [] and console == []
+    assert set(requests) == {out.resolve().as_uri()}             # nothing leaves the file
+    assert {"Induction heads form", "Attention sinks in MiniLM", "Decoding with the KV cache",
+            "The seeds' claims, measured"} <= set(titles)
+    assert inked
+
+
+def test_inspect_prints_heads_and_writes_report(tmp_path, capsys):
+    out = tmp_path / "inspect.html"
+    assert main(["inspect", "The cat <b>sat</b> on the mat & the dog sat on the log.", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "layers × 12 heads" in printed and "previous_token" in printed and "sink_vw" in printed
+    html = out.read_text()
+    assert "<b>sat</b>" not in html                               # user text is escaped
+    console, errors, _, titles, inked = _open_in_chromium(out)
+    assert errors == [] and console == [] and inked
+    assert main(["inspect", "   ", "--out", str(out)]) == 2       # a clear error, not a traceback
