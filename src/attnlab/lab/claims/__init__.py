@@ -39,6 +39,7 @@ CLAIM_MODULES = [
     "attnlab.lab.claims.positions",
     "attnlab.lab.claims.masking",
     "attnlab.lab.claims.inference",
+    "attnlab.lab.claims.experiments",
 ]
 
 __all__ = ["CLAIM_MODULES", "SEED_000", "SEED_002", "REGISTRY", "Claim", "ClaimResult", "Outcome", "Registry",
