@@ -40,6 +40,7 @@ CLAIM_MODULES = [
     "attnlab.lab.claims.masking",
     "attnlab.lab.claims.inference",
     "attnlab.lab.claims.experiments",
+    "attnlab.lab.claims.alternatives",
 ]
 
 __all__ = ["CLAIM_MODULES", "SEED_000", "SEED_002", "REGISTRY", "Claim", "ClaimResult", "Outcome", "Registry",

@@ -1,0 +1,64 @@
+"""Claims about the alternatives (Hopfield, linear, additive attention): quoted verbatim,
+verdicts as measured, and a broken implementation flips the ones it should."""
+
+import pytest
+import torch
+
+import attnlab.lab.claims as C
+from attnlab.lab.claims import Verdict
+
+EXPECTED = {"hopfield-update-is-attention": Verdict.HOLDS,
+            "hopfield-exponential-capacity": Verdict.HOLDS_UNDER_CONDITIONS,
+            "linear-attention-approximates-softmax": Verdict.HOLDS_UNDER_CONDITIONS}
+TIMED = ("linear-attention-faster-at-long-sequences", "additive-attention-costlier")  # wall-time evidence
+
+
+def _norm(s):
+    return " ".join(s.split())
+
+
+@pytest.mark.parametrize("claim_id", sorted([*EXPECTED, *TIMED]))
+def test_quote_is_in_the_seed(claim_id):
+    (c,) = C.select([claim_id])
+    path = C.seed_path(c.seed)
+    if path is None:
+        pytest.skip(f"seed {c.seed} not found")
+    text = _norm(path.read_text(encoding="utf-8"))
+    assert all(_norm(q) in text for q in c.quotes)
+
+
+@pytest.mark.parametrize("claim_id", sorted(EXPECTED))
+def test_verdict(claim_id):
+    (r,) = C.run_claims([claim_id], progress=False)
+    assert r.ok, r.error
+    assert r.verdict is EXPECTED[claim_id], (r.key_figure, r.evidence)
+
+
+@pytest.mark.parametrize("claim_id", TIMED)
+def test_timed_claims_run(claim_id, tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path))  # the crossover claim falls back to a quick run
+    (r,) = C.run_claims([claim_id], progress=False)
+    assert r.ok, r.error
+    assert isinstance(r.verdict, Verdict) and r.key_figure and r.evidence
+
+
+def test_a_hopfield_update_with_the_wrong_temperature_flips_the_identity(monkeypatch):
+    import attnlab.ops.hopfield as H
+    real = H.hopfield_update
+    monkeypatch.setattr(H, "hopfield_update", lambda xi, X, beta: real(xi, X, beta ** 0.5))
+    (r,) = C.run_claims(["hopfield-update-is-attention"], progress=False)
+    assert r.verdict is Verdict.DOES_NOT_HOLD
+
+
+def test_favor_features_without_the_exponential_flip_the_approximation(monkeypatch):
+    import attnlab.ops.linear as L
+
+    class Broken(L.FavorFeatures):  # positive random features without the exponential: not the softmax kernel
+        def query(self, x):
+            return torch.relu(self.logits(x)) + 1e-3
+
+        key = query
+
+    monkeypatch.setattr(L, "FavorFeatures", Broken)
+    (r,) = C.run_claims(["linear-attention-approximates-softmax"], progress=False)
+    assert r.verdict is Verdict.DOES_NOT_HOLD
