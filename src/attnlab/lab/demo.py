@@ -60,6 +60,8 @@ def demo(out: str = "out/report.html", *, quick: bool = False, force: bool = Fal
     snk = sinks.analyse(mini, tok)
     _say("[3/4] decoding with the KV cache")
     gens = continuations(model2, cfg)
+    from attnlab.lab import hopfield
+    hop = hopfield.run()
     results = []
     if claims:
         _say("[4/4] the seeds' claims")
@@ -70,12 +72,25 @@ def demo(out: str = "out/report.html", *, quick: bool = False, force: bool = Fal
     pages.induction_section(r, ind, model2, cfg)
     pages.sinks_section(r, snk, mini, tok)
     pages.generation_section(r, gens)
+    pages.hopfield_section(r, hop)
+    for name, section in (("crossover", pages.crossover_section),):  # measured by `attnlab lab <name>`
+        cached = _cached(name)
+        if cached is not None:
+            section(r, cached)
     if results:
         pages.claims_section(r, results)
     path = r.write(out)
     print(_summary(ind, snk, gens, results, time.perf_counter() - t0))
     print(f"\nreport: {path.resolve()}  (one offline HTML file; open it in a browser)")
     return path
+
+
+def _cached(name: str):
+    """A lab experiment's cached result (``attnlab lab <name>`` writes it), or None."""
+    import json
+    from attnlab.lab import cache_dir
+    p = cache_dir(name) / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
 
 
 def _summary(ind, snk, gens, results, seconds) -> str:

@@ -122,3 +122,47 @@ def detectors_section(r, scores: dict, title: str) -> None:
 def _short(s: str, n: int = 160) -> str:
     s = " ".join(s.split())
     return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def hopfield_section(r, res: dict) -> None:
+    """Retrieval accuracy against stored patterns (:mod:`attnlab.lab.hopfield`)."""
+    c = res["config"]
+    r.section("Hopfield capacity", f"One attention read is one update of a modern Hopfield network (stored patterns "
+              f"= keys = values, β = softmax scale). Random ±1 patterns, {c['frac']:.0%} of a pattern's entries "
+              f"flipped as the probe, β = {c['beta']}; retrieved = cosine with the stored pattern > 0.99. "
+              f"The modern network's capacity grows exponentially with the dimension (log2 capacity "
+              f"+{res['growth']['modern_log2_capacity_per_dim']:.2f} per dimension); the classical Hebbian "
+              "network's linearly and far lower.")
+    ns = res["ns"]
+    series = {}
+    for d in res["dims"]:
+        series[f"modern d={d}"] = (ns, res["modern"]["accuracy"][str(d)])
+        if res.get("classical"):
+            series[f"classical d={d}"] = (ns, res["classical"]["accuracy"][str(d)])
+    r.line_plot(series, title="Retrieval accuracy against the number of stored patterns", x_label="stored patterns N",
+                y_label="fraction retrieved", log_x=True)
+    r.table(["d", "modern capacity", "classical capacity", "0.138·d"],
+            [[d, res["modern"]["capacity"][str(d)], (res["classical"] or {}).get("capacity", {}).get(str(d)),
+              0.138 * d] for d in res["dims"]])
+
+
+def crossover_section(r, res: dict) -> None:
+    """Linear attention against softmax attention in time and error (:mod:`attnlab.lab.crossover`)."""
+    ns = res["ns"]
+    c = res["crossover"]["fwdbwd"]["elu/sdpa"]
+    n_star = c.get("interpolated") or c.get("n")
+    r.section("Linear attention: crossover and error", f"Causal attention with d_head {res['config']['d_head']}: "
+              f"time of linear attention (elu+1 and FAVOR+, chunked) over softmax attention (torch SDPA, attnlab "
+              f"flash), forward and backward, medians of interleaved runs. Linear attention wins past N ≈ "
+              f"{n_star:.0f} against SDPA. FAVOR+ approximates softmax; elu+1 is a different model.")
+    r.line_plot({k: (ns, v) for k, v in res["ratios"]["fwdbwd"].items()},
+                title="Time ratio linear / softmax (forward + backward); below 1 = linear is faster",
+                x_label="sequence length N", y_label="time ratio", log_x=True, log_y=True)
+    err = {f"FAVOR+ σ={s}": (ns, v) for s, v in res["errors"]["favor"].items()}
+    err.update({f"elu+1 σ={s}": (ns, v) for s, v in res["errors"]["elu"].items()})
+    r.line_plot(err, title="Relative error against exact softmax attention", x_label="sequence length N",
+                y_label="relative error", log_x=True)
+    fv = res["favor_vs_features"]
+    r.line_plot({f"σ={s}": (fv["features"], v) for s, v in fv["rel_error"].items()},
+                title=f"FAVOR+ error against the number of random features (N={fv['n']})", x_label="features m",
+                y_label="relative error", log_x=True, log_y=True)
