@@ -7,3 +7,17 @@ collect them (pytest still loads them as conftests).
 """
 
 collect_ignore_glob = ["tests/*conftest.py"]
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Run a module's tests on one torch thread (tiny problems: a second OpenMP thread only
+    spins on the shared cores), restoring the previous setting after."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -90,9 +90,9 @@ def test_claim_runs_and_gives_a_valid_verdict(results, claim_id):
     json.dumps(r.as_dict())  # evidence is JSON
 
 
-@pytest.mark.parametrize("claim_id", sorted(EXPECTED))
+@pytest.mark.parametrize("claim_id", sorted(c.id for c in C.all_claims()))  # every registered claim
 def test_claim_quotes_occur_verbatim_in_its_seed(claim_id):
-    (c,) = C.select([claim_id])
+    (c,) = [c for c in C.all_claims() if c.id == claim_id]
     path = C.seed_path(c.seed)
     if path is None:
         pytest.skip(f"seed {c.seed} not found (looked in ../shared/seeds and $ATTNLAB_SEEDS)")

@@ -13,12 +13,7 @@ from attnlab.lab import crossover
 from attnlab.lab.crossover import LINEAR, METHODS, SOFTMAX, _crossover, run, summary
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny problems: a 2nd thread only spins
 
 
 @pytest.fixture(scope="module")

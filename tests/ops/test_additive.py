@@ -15,13 +15,7 @@ from attnlab.ops.additive import additive_attention, naive_additive_attention
 from tests.helpers import assert_close_rule
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These problems are tiny: on 2 shared cores a second OpenMP thread only adds spin-waits."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny problems: a 2nd thread only spins
 
 
 # float64 in, float64 sums: tiled and materialised forms differ only in summation order

@@ -11,12 +11,7 @@ import attnlab
 from attnlab.ops.hopfield import hopfield_energy, hopfield_retrieve, hopfield_update
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny problems: a 2nd thread only spins
 
 
 def _draw(B=3, N=20, M=5, d=16, seed=0, dtype=torch.float64):
