@@ -56,7 +56,7 @@ class InductionConfig:
     d_model: int = 64
     n_heads: int = 4
     batch: int = 32
-    steps: int = 1200
+    steps: int = 2000
     lr: float = 1e-2
     eval_every: int = 50
     positions: str = "learned"
