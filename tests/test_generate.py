@@ -130,3 +130,16 @@ def test_streaming_cache_refuses_padded_prompts_and_learned_positions():
         generate(model(), PROMPTS, max_new_tokens=2, cache="streaming")
     with pytest.raises(ValueError, match="absolute 'learned' positions"):
         generate(model("learned"), [PROMPTS[0]], max_new_tokens=2, cache="streaming")
+
+
+@pytest.mark.parametrize("mixer,positions", [("ssm", "none"), ("linear", "rope")])
+def test_recurrent_mixers_decode_from_their_state(mixer, positions):
+    from attnlab.nn import Decoder, DecoderConfig
+    torch.manual_seed(0)
+    m = Decoder(DecoderConfig(vocab_size=30, d_model=32, n_layers=2, n_heads=4, mixer=mixer,
+                              positions=positions)).eval()
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    want = generate(m, prompts, max_new_tokens=6, cache=None).new_tokens  # recompute: the reference
+    assert generate(m, prompts, max_new_tokens=6).new_tokens == want      # default cache -> the recurrent state
+    with pytest.raises(ValueError, match="recurrent state"):
+        generate(m, prompts, max_new_tokens=2, cache="paged")

@@ -123,6 +123,12 @@ def make_cache(kind, model, batch_size: int, capacity: int, **options):
     from attnlab import cache as C
     if kind is None or not isinstance(kind, str):
         return kind
+    if getattr(model.cfg, "mixer", "attention") != "attention":  # linear / SSM mixers keep a state, not K/V
+        from attnlab.nn.ssm import RecurrentCache
+        if kind not in ("static", "dynamic", "recurrent"):
+            raise ValueError(f"cache: a {model.cfg.mixer!r} mixer decodes from a recurrent state; cache={kind!r} "
+                             "holds keys and values (use 'static', 'dynamic' or 'recurrent')")
+        return RecurrentCache.for_layers(model.cfg.n_layers)
     if kind == "dynamic":
         return C.DynamicCache(model.cfg.n_layers)
     if kind == "static":

@@ -3,13 +3,18 @@
     pre-norm  (GPT-2, Llama):  x = x + attn(norm1(x));   x = x + mlp(norm2(x))
     post-norm (BERT):          x = norm1(x + attn(x));   x = norm2(x + mlp(x))
     attention-only:            x = x + attn(x)           (no norms, no MLP)
+
+``attn`` is the block's sequence mixer, built by :func:`attnlab.nn.mixers.make_mixer`
+from ``cfg.mixer``: softmax attention (default), linear attention or a selective SSM.
+The attribute keeps the name ``attn`` whatever the mixer, so code and checkpoints that
+address ``blocks.i.attn`` keep working.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from attnlab.nn.attention import MultiHeadAttention
+from attnlab.nn.mixers import make_mixer
 from attnlab.nn.mlp import MLP, SwiGLU
 from attnlab.nn.norms import make_norm
 
@@ -19,8 +24,7 @@ class Block(nn.Module):
         super().__init__()
         self.post = cfg.norm_position == "post"
         self.attn_only = attn_only
-        self.attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, bias=cfg.bias,
-                                       dropout=cfg.attn_dropout, positions=positions, backend=cfg.backend)
+        self.attn = make_mixer(cfg, positions)
         self.drop = nn.Dropout(cfg.dropout)
         if attn_only:
             self.norm1 = self.norm2 = self.mlp = None

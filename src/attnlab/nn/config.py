@@ -24,6 +24,8 @@ _SCALINGS = {c.__name__: c for c in (P.LinearScaling, P.NTKScaling, P.DynamicNTK
                                      P.Llama3Scaling)}
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
 MLPS = ("mlp", "swiglu")
+MIXERS = ("attention", "linear", "ssm")
+FEATURE_MAPS = ("elu", "favor")
 
 
 @dataclass
@@ -50,6 +52,11 @@ class _Common:
     rope_interleaved: bool = False    # False: half-split pairing (Llama/NeoX); True: (2i, 2i+1)
     rotary_dim: int | None = None     # partial rotary (default d_head)
     rope_scaling: object = None       # a positions.*Scaling
+    mixer: str = "attention"          # attention | linear | ssm  (the token mixer of every block)
+    d_state: int = 16                 # ssm: state size per channel
+    ssm_expand: int = 1               # ssm: inner channels = ssm_expand * d_model (1 ~ attention's params)
+    ssm_conv: int = 4                 # ssm: kernel of the short causal conv (0 = none)
+    linear_feature_map: str = "elu"   # linear: "elu" (elu+1) or "favor" (FAVOR+ random features)
 
     def __post_init__(self):
         name = type(self).__name__
@@ -90,6 +97,29 @@ class _Common:
         for f in ("bias", "rope_interleaved"):
             if not isinstance(getattr(self, f), bool):
                 raise TypeError(f"{name}.{f}: expected a bool, got {getattr(self, f)!r}")
+        self._check_mixer(name)
+
+    def _check_mixer(self, name):
+        choice(self.mixer, f"{name}.mixer", MIXERS)
+        positive_int(self.d_state, f"{name}.d_state")
+        positive_int(self.ssm_expand, f"{name}.ssm_expand")
+        nonneg_int(self.ssm_conv, f"{name}.ssm_conv")
+        choice(self.linear_feature_map, f"{name}.linear_feature_map", FEATURE_MAPS)
+        if self.mixer == "attention":
+            return
+        if self.positions == "alibi":
+            raise ValueError(f"{name}: positions='alibi' biases softmax scores; mixer={self.mixer!r} forms none "
+                             "(use 'rope', 'learned', 'sinusoidal' or 'none')")
+        if self.attn_dropout:
+            raise ValueError(f"{name}: attn_dropout={self.attn_dropout} drops softmax probabilities; "
+                             f"mixer={self.mixer!r} has none (set attn_dropout=0)")
+        if self.mixer == "ssm":
+            if self.n_kv_heads != self.n_heads:
+                raise ValueError(f"{name}: n_kv_heads={self.n_kv_heads} (GQA) means nothing to mixer='ssm'; "
+                                 f"leave it at n_heads={self.n_heads}")
+            if (self.ssm_expand * self.d_model) % self.n_heads:
+                raise ValueError(f"{name}: mixer='ssm' splits ssm_expand*d_model = {self.ssm_expand * self.d_model} "
+                                 f"channels into n_heads={self.n_heads} equal heads; choose n_heads dividing it")
 
     def replace(self, **changes):
         """A copy with some fields changed (validated again).  Fields that were derived
@@ -127,7 +157,14 @@ class DecoderConfig(_Common):
     ``positions="rope", norm="rmsnorm", mlp="swiglu", act="silu", bias=False, tie_embeddings=False``.
 
     ``attn_only=True`` drops the MLPs and every norm (the attention-only transformers
-    of the circuits work)."""
+    of the circuits work).
+
+    ``mixer`` picks every block's token mixer (:mod:`attnlab.nn.mixers`): ``"attention"``
+    (softmax), ``"linear"`` (causal linear attention, feature map ``linear_feature_map``)
+    or ``"ssm"`` (a selective state-space scan with ``d_state``, ``ssm_expand``,
+    ``ssm_conv``).  Everything else stays the same, so ``cfg.replace(mixer="ssm")`` is
+    the same model with another mixer.  RoPE applies to both attentions; the SSM ignores
+    it; ALiBi and ``attn_dropout`` belong to softmax attention only."""
     tie_embeddings: bool = True
     attn_only: bool = False
     final_norm: bool = True
@@ -154,6 +191,9 @@ class EncoderConfig(_Common):
         super().__post_init__()
         nonneg_int(self.type_vocab_size, "EncoderConfig.type_vocab_size")
         nonneg_int(self.pad_token_id, "EncoderConfig.pad_token_id")
+        if self.mixer != "attention":
+            raise ValueError(f"EncoderConfig.mixer: the encoder is bidirectional and attends over padding masks; "
+                             f"only mixer='attention' is supported, got {self.mixer!r}")
         if self.pad_token_id >= self.vocab_size:
             raise ValueError(f"EncoderConfig.pad_token_id: expected an id in [0, vocab_size={self.vocab_size}), "
                              f"got {self.pad_token_id}")

@@ -106,6 +106,9 @@ class Decoder(nn.Module):
                 verify a speculative token tree); absolute positions as always.
         """
         ids = _check_ids(input_ids, self.cfg.vocab_size)
+        if output_attentions and self.cfg.mixer == "ssm":
+            raise ValueError("output_attentions: the SSM mixer (cfg.mixer='ssm') forms no attention pattern; "
+                             "it is available for mixer='attention' (softmax) and 'linear' (normalised φ(q)·φ(k))")
         B, N = ids.shape
         if cache is not None and len(cache) != len(self.blocks):
             raise ValueError(f"cache: expected {len(self.blocks)} per-layer caches, got {len(cache)}")
@@ -136,14 +139,19 @@ class Decoder(nn.Module):
 
     def extra_repr(self):
         c = self.cfg
-        return f"layers={c.n_layers}, d_model={c.d_model}, heads={c.n_heads}/{c.n_kv_heads}, positions={c.positions}"
+        mixer = "" if c.mixer == "attention" else f", mixer={c.mixer}"
+        return (f"layers={c.n_layers}, d_model={c.d_model}, heads={c.n_heads}/{c.n_kv_heads}, "
+                f"positions={c.positions}{mixer}")
 
 
 def init_weights(model: nn.Module, n_layers: int, std: float = 0.02) -> None:
     """GPT-2's initialisation: every matrix and embedding N(0, std), biases 0, and the
     projections that write into the residual stream (W_O and the MLP's output)
-    N(0, std/sqrt(2·n_layers)) so the stream's variance does not grow with depth."""
+    N(0, std/sqrt(2·n_layers)) so the stream's variance does not grow with depth.
+    Linear-attention and SSM mixers get the same (the SSM's A, Δ bias, D and conv keep
+    their own initialisation)."""
     from attnlab.nn.attention import MultiHeadAttention
+    from attnlab.nn.mixers import init_mixer_weights
     from attnlab.nn.mlp import MLP, SwiGLU
     resid = std / (2 * n_layers) ** 0.5
     for m in model.modules():
@@ -165,6 +173,8 @@ def init_weights(model: nn.Module, n_layers: int, std: float = 0.02) -> None:
             nn.init.normal_(m.fc_out.weight, std=resid)
         elif isinstance(m, SwiGLU):
             nn.init.normal_(m.down.weight, std=resid)
+        else:
+            init_mixer_weights(m, std, resid)  # linear-attention / SSM mixers (a no-op for other modules)
 
 
 def _check_ids(ids, vocab_size):
