@@ -50,3 +50,21 @@ def test_favor_features_without_the_exponential_flip_the_approximation(monkeypat
     monkeypatch.setattr(L, "FavorFeatures", Broken)
     (r,) = C.run_claims(["linear-attention-approximates-softmax"], progress=False)
     assert r.verdict is Verdict.DOES_NOT_HOLD
+
+
+@pytest.mark.slow
+def test_ssm_recall_claim():
+    (r,) = C.run_claims(["ssm-weaker-content-recall"], progress=False)   # the lab's recall run (cached)
+    assert r.ok, r.error
+    assert r.verdict is Verdict.HOLDS_UNDER_CONDITIONS, (r.key_figure, r.evidence)
+
+
+def test_an_ssm_that_recalls_like_attention_flips_the_recall_claim(monkeypatch):
+    from attnlab.lab import recall
+    acc = {"2": 1.0, "4": 1.0, "8": 0.99}
+    fake = {"n_pairs": [2, 4, 8], "no_binding": {"2": 0.75, "4": 0.52, "8": 0.34},
+            "config": {"seq_len": 32, "d_model": 64, "steps": 10},
+            "models": {m: {"accuracy": dict(acc), "params": 1} for m in ("attention", "ssm")}}
+    monkeypatch.setattr(recall, "run", lambda **kw: fake)
+    (r,) = C.run_claims(["ssm-weaker-content-recall"], progress=False)
+    assert r.verdict is Verdict.DOES_NOT_HOLD

@@ -47,14 +47,15 @@ def test_demo_runs_and_its_report_opens(tmp_path, monkeypatch, capsys):
     assert main(["demo", "--quick", "--no-claims", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     for part in ("== induction heads ==", "== attention sinks (MiniLM) ==", "== KV-cache decoding ==",
+                 "== associative recall (MQAR) ==",
                  f"report: {out.resolve()}"):
         assert part in printed
     assert re.search(r"cache = recompute in (\d+)/\1", printed)  # every continuation equal
     console, errors, requests, titles, inked = _open_in_chromium(out)
     assert errors == [] and console == []
     assert set(requests) == {out.resolve().as_uri()}             # nothing leaves the file
-    assert {"Induction heads form", "Attention sinks in MiniLM", "Decoding with the KV cache",
-            "Hopfield capacity"} <= set(titles)
+    assert {"Induction heads form", "Attention sinks in MiniLM", "Decoding with the KV cache", "Hopfield capacity",
+            "Associative recall: softmax attention, linear attention, a state-space model"} <= set(titles)
     assert inked
 
 

@@ -1,8 +1,9 @@
 """``attnlab demo``, ``attnlab report`` and ``attnlab inspect``: the main job and its report.
 
 ``demo`` trains (or loads from the lab cache) the induction models, analyses the
-pretrained MiniLM's sinks, decodes with the KV cache, runs the seeds' claims, prints a
-summary table and writes one offline HTML report.
+pretrained MiniLM's sinks, decodes with the KV cache, compares softmax attention, linear
+attention and a state-space mixer on associative recall, measures Hopfield capacity, runs
+the seeds' claims, prints a summary table and writes one offline HTML report.
 """
 
 from __future__ import annotations
@@ -49,22 +50,24 @@ def demo(out: str = "out/report.html", *, quick: bool = False, force: bool = Fal
     from attnlab.report import Report
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    _say("[1/4] induction heads: training a 2-layer and a 1-layer attention-only model (cached after the first run)")
+    _say("[1/5] induction heads: training a 2-layer and a 1-layer attention-only model (cached after the first run)")
     ind = induction.run(quick=quick, force=force)
     cfg = induction.InductionConfig(**ind["config"])
     model2, _ = induction.load_or_train(cfg, 2)
-    _say("[2/4] attention sinks in the pretrained MiniLM")
+    _say("[2/5] attention sinks in the pretrained MiniLM")
     from attnlab.models import load
     mini, tok = load("minilm")
     mini.eval()
     snk = sinks.analyse(mini, tok)
-    _say("[3/4] decoding with the KV cache")
+    _say("[3/5] decoding with the KV cache")
     gens = continuations(model2, cfg)
-    from attnlab.lab import hopfield
+    _say("[4/5] associative recall: softmax vs linear attention vs a state-space model (cached after the first run)")
+    from attnlab.lab import hopfield, recall
+    rec = recall.run(quick=quick, force=force)
     hop = hopfield.run()
     results = []
     if claims:
-        _say("[4/4] the seeds' claims")
+        _say("[5/5] the seeds' claims")
         from attnlab.lab.claims import run_claims
         results = run_claims()
     r = Report("attnlab demo", subtitle="Induction heads forming, attention sinks in a real model, KV-cache "
@@ -72,6 +75,7 @@ def demo(out: str = "out/report.html", *, quick: bool = False, force: bool = Fal
     pages.induction_section(r, ind, model2, cfg)
     pages.sinks_section(r, snk, mini, tok)
     pages.generation_section(r, gens)
+    pages.recall_section(r, rec)
     pages.hopfield_section(r, hop)
     for name, section in (("crossover", pages.crossover_section),):  # measured by `attnlab lab <name>`
         cached = _cached(name)
@@ -80,7 +84,7 @@ def demo(out: str = "out/report.html", *, quick: bool = False, force: bool = Fal
     if results:
         pages.claims_section(r, results)
     path = r.write(out)
-    print(_summary(ind, snk, gens, results, time.perf_counter() - t0))
+    print(_summary(ind, snk, gens, rec, results, time.perf_counter() - t0))
     print(f"\nreport: {path.resolve()}  (one offline HTML file; open it in a browser)")
     return path
 
@@ -93,13 +97,15 @@ def _cached(name: str):
     return json.loads(p.read_text()) if p.exists() else None
 
 
-def _summary(ind, snk, gens, results, seconds) -> str:
+def _summary(ind, snk, gens, rec, results, seconds) -> str:
     from attnlab.lab.induction import summary
     lines = ["", "== induction heads ==", summary(ind), "", "== attention sinks (MiniLM) ==",
              __import__("attnlab.lab.sinks", fromlist=["summary"]).summary(snk), "",
              "== KV-cache decoding ==",
              f"{len(gens)} continuations: mean accuracy {sum(g['accuracy'] for g in gens) / len(gens):.2f}, "
-             f"cache = recompute in {sum(g['equal'] for g in gens)}/{len(gens)}"]
+             f"cache = recompute in {sum(g['equal'] for g in gens)}/{len(gens)}",
+             "", "== associative recall (MQAR) ==",
+             __import__("attnlab.lab.recall", fromlist=["summary"]).summary(rec)]
     if results:
         from collections import Counter
         c = Counter(x.verdict.value if x.verdict is not None else "error" for x in results)

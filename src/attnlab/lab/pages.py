@@ -166,3 +166,23 @@ def crossover_section(r, res: dict) -> None:
     r.line_plot({f"σ={s}": (fv["features"], v) for s, v in fv["rel_error"].items()},
                 title=f"FAVOR+ error against the number of random features (N={fv['n']})", x_label="features m",
                 y_label="relative error", log_x=True, log_y=True)
+
+
+def recall_section(r, res: dict) -> None:
+    """Multi-query associative recall by mixer (:mod:`attnlab.lab.recall`)."""
+    c = res["config"]
+    ns = [str(n) for n in res["n_pairs"]]
+    r.section("Associative recall: softmax attention, linear attention, a state-space model",
+              f"Multi-query associative recall (Zoology's MQAR): key-value pairs, then queries for some keys; "
+              f"accuracy on the queried values, held out. Equal-size 2-layer Decoders that differ only in the "
+              f"sequence mixer (d_model {c['d_model']}, {c['steps']} steps, sequence length {c['seq_len']}, learning "
+              "rate chosen per mixer by training loss). The no-binding bar is what copying a random not-yet-queried "
+              "value from the context scores: below it a model has not bound keys to values.")
+    labels = [f"{n} pairs" for n in ns]
+    vals = {m: [round(res["models"][m]["accuracy"][n], 3) for n in ns] for m in res["models"]}
+    vals["no-binding bar"] = [round(res["no_binding"][n], 3) for n in ns]
+    r.bar_plot(vals, labels=labels, title="Recall accuracy by mixer", x_label="key-value pairs",
+               y_label="accuracy")
+    r.table(["mixer", "parameters", "learning rate", *labels],
+            [[m, res["models"][m]["params"], res["models"][m]["lr"], *vals[m]] for m in res["models"]],
+            highlight=labels)

@@ -172,3 +172,32 @@ def _additive() -> Outcome:
                                      "one matrix multiplication",
                          key_figure=f"×{t_add / t_dot:.0f} slower at N={N} (same machine, same run)")
 
+
+
+@claim("ssm-weaker-content-recall",
+       title="state-space models retrieve by content less well than softmax attention",
+       seed=SEED_002,
+       quote="possesses weaker explicit content-based retrieval capabilities compared to softmax attention")
+def _ssm_recall() -> Outcome:
+    from attnlab.lab import recall
+    r = recall.run(progress=False)               # the lab's cached run (about 2 minutes the first time)
+    ns = [str(n) for n in r["n_pairs"]]
+    acc = {m: r["models"][m]["accuracy"] for m in r["models"]}
+    ev = {f"accuracy {m}": [round(acc[m][n], 4) for n in ns] for m in acc}
+    ev.update({"pairs": r["n_pairs"], "no-binding bar": [round(r["no_binding"][n], 4) for n in ns],
+               "params": {m: r["models"][m]["params"] for m in acc}})
+    att, ssm = acc["attention"], acc["ssm"]
+    last = ns[-1]
+    weaker = all(ssm[n] <= att[n] for n in ns) and att[last] - ssm[last] > 0.02
+    if not weaker:
+        return Outcome(Verdict.DOES_NOT_HOLD, ev, "the SSM recalls as well as softmax attention on MQAR here",
+                       key_figure=f"n={last}: attention {att[last]:.2f}, SSM {ssm[last]:.2f}")
+    lin = acc.get("linear", {}).get(last)
+    return Outcome(Verdict.HOLDS_UNDER_CONDITIONS, ev,
+                   "multi-query associative recall with equal-size 2-layer models: softmax attention is exact at every "
+                   "number of pairs, the SSM falls off as pairs grow",
+                   conditions=f"MQAR, sequence length {r['config']['seq_len']}, up to {last} pairs, d_model "
+                              f"{r['config']['d_model']}, {r['config']['steps']} steps, one seed, learning rate chosen "
+                              "per mixer; the SSM is close (not far) behind at this size",
+                   key_figure=f"n={last}: attention {att[last]:.2f}, SSM {ssm[last]:.2f}"
+                              + (f", linear {lin:.2f}" if lin is not None else ""))
