@@ -10,7 +10,8 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 LAB = {"induction-heads-need-two-layers": Verdict.HOLDS,
-       "attention-sinks-in-trained-models": Verdict.HOLDS_UNDER_CONDITIONS}
+       "attention-sinks-in-trained-models": Verdict.HOLDS_UNDER_CONDITIONS,
+       "evicting-the-sink-collapses-quality": Verdict.DOES_NOT_HOLD}
 
 
 
@@ -44,3 +45,19 @@ def test_sinks_vanish_when_attention_ignores_the_special_tokens(monkeypatch):
     (r,) = C.run_claims(["attention-sinks-in-trained-models"], progress=False)
     assert r.verdict is Verdict.DOES_NOT_HOLD
     monkeypatch.setattr(sinks.D, "keys_mass", real)
+
+
+def test_a_window_that_loses_quality_flips_the_streaming_claim(monkeypatch):
+    import attnlab.bench.inference as inf
+    real = inf.streaming_table
+
+    def collapsed(tm, **kw):  # as if the window-only cache had lost the model's sink
+        rows = real(tm, n_tokens=64)
+        for r in rows:
+            if r["method"] == "window only":
+                r["ppl"] *= 3
+        return rows
+
+    monkeypatch.setattr(inf, "streaming_table", collapsed)
+    (r,) = C.run_claims(["evicting-the-sink-collapses-quality"], progress=False)
+    assert r.verdict is Verdict.HOLDS
