@@ -52,7 +52,7 @@ from torch import nn
 from attnlab import masks
 from attnlab.ops.dispatch import BACKENDS, attention, attention_probs
 from attnlab.ops.sdpa import is_causal_mask
-from attnlab.nn.validate import positive_int, probability
+from attnlab.nn.validate import head_shape, positive_int, probability
 from attnlab.scores import compose
 
 
@@ -144,16 +144,7 @@ class MultiHeadAttention(nn.Module):
                  bias: bool = True, dropout: float = 0.0, positions=None, backend: str = "auto",
                  scale: float | None = None, context_parallel=None):
         super().__init__()
-        d_model = positive_int(d_model, "d_model")
-        n_heads = positive_int(n_heads, "n_heads")
-        n_kv_heads = n_heads if n_kv_heads is None else positive_int(n_kv_heads, "n_kv_heads")
-        if n_heads % n_kv_heads:
-            raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads} (GQA groups)")
-        if d_head is None:
-            if d_model % n_heads:
-                raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass d_head explicitly")
-            d_head = d_model // n_heads
-        d_head = positive_int(d_head, "d_head")
+        d_model, n_heads, n_kv_heads, d_head = head_shape(d_model, n_heads, n_kv_heads, d_head)
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         if positions is not None and not (hasattr(positions, "cos_sin") or hasattr(positions, "score_mod")):

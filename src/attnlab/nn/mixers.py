@@ -35,7 +35,7 @@ from torch import nn
 from attnlab.nn.attention import MultiHeadAttention
 from attnlab.nn.config import FEATURE_MAPS, MIXERS
 from attnlab.nn.ssm import RecurrentCache, SSMMixer, check_recurrent_cache
-from attnlab.nn.validate import positive_int
+from attnlab.nn.validate import head_shape, positive_int
 from attnlab.ops.linear import FavorFeatures, elu_feature, linear_attention, linear_attention_step
 from attnlab.ops.sdpa import is_causal_mask
 
@@ -81,16 +81,7 @@ class LinearAttentionMixer(nn.Module):
                  bias: bool = True, feature_map: str = "elu", n_features: int | None = None, seed: int = 0,
                  positions=None, chunk_size: int = 64):
         super().__init__()
-        d_model = positive_int(d_model, "d_model")
-        n_heads = positive_int(n_heads, "n_heads")
-        n_kv_heads = n_heads if n_kv_heads is None else positive_int(n_kv_heads, "n_kv_heads")
-        if n_heads % n_kv_heads:
-            raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads} (GQA groups)")
-        if d_head is None:
-            if d_model % n_heads:
-                raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass d_head explicitly")
-            d_head = d_model // n_heads
-        d_head = positive_int(d_head, "d_head")
+        d_model, n_heads, n_kv_heads, d_head = head_shape(d_model, n_heads, n_kv_heads, d_head)
         if feature_map not in FEATURE_MAPS:
             raise ValueError(f"feature_map: expected one of {FEATURE_MAPS}, got {feature_map!r}")
         if positions is not None and not hasattr(positions, "cos_sin"):
