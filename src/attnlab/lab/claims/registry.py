@@ -336,11 +336,13 @@ def to_json(results: Sequence[ClaimResult]) -> str:
 
 # ----------------------------------------------------------------------------- seeds
 def seed_dirs() -> list[Path]:
-    """Where seed files are looked for: ``$ATTNLAB_SEEDS``, then ``../shared/seeds``
-    next to the working directory and next to the source checkout."""
+    """Where seed files are looked for: ``$ATTNLAB_SEEDS``, the copy shipped in the package
+    (``lab/claims/seeds/``), then ``../shared/seeds`` next to the working directory and next
+    to the source checkout."""
     dirs = []
     if os.environ.get("ATTNLAB_SEEDS"):
         dirs.append(Path(os.environ["ATTNLAB_SEEDS"]))
+    dirs.append(Path(__file__).resolve().parent / "seeds")
     dirs.append(Path.cwd().parent / "shared" / "seeds")
     here = Path(__file__).resolve()
     for up in here.parents[:6]:
