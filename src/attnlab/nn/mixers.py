@@ -105,35 +105,12 @@ class LinearAttentionMixer(nn.Module):
         self.out_bias = nn.Parameter(torch.zeros(d_model)) if bias else None
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        nn.init.xavier_uniform_(self.qkv_weight)
-        nn.init.xavier_uniform_(self.out_weight)
-        for b in (self.qkv_bias, self.out_bias):
-            if b is not None:
-                nn.init.zeros_(b)
-
-    # per-head views, as MultiHeadAttention's
-    def _w(self, which):
-        H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
-        lo = {"Q": 0, "K": H * dh, "V": (H + Hkv) * dh}[which]
-        n = H if which == "Q" else Hkv
-        return self.qkv_weight[lo:lo + n * dh].view(n, dh, self.d_model).transpose(1, 2)
-
-    W_Q = property(lambda self: self._w("Q"), doc="[n_heads, d_model, d_head] view")
-    W_K = property(lambda self: self._w("K"), doc="[n_kv_heads, d_model, d_head] view")
-    W_V = property(lambda self: self._w("V"), doc="[n_kv_heads, d_model, d_head] view")
-
-    @property
-    def W_O(self) -> torch.Tensor:
-        """``[n_heads, d_head, d_model]`` view of the output projection."""
-        return self.out_weight.view(self.d_model, self.n_heads, self.d_head).permute(1, 2, 0)
-
-    def project(self, x):
-        """q ``(B, H, N, d_head)``, k and v ``(B, Hkv, N, d_head)`` (before positions)."""
-        B, N, _ = x.shape
-        H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(B, N, H + 2 * Hkv, dh).transpose(1, 2)
-        return qkv.split((H, Hkv, Hkv), dim=1)
+    # the same fused parameters as MultiHeadAttention, so the same per-head views and projection
+    reset_parameters = MultiHeadAttention.reset_parameters
+    _rows, _w, _b = MultiHeadAttention._rows, MultiHeadAttention._w, MultiHeadAttention._b
+    W_Q, W_K, W_V, W_O = MultiHeadAttention.W_Q, MultiHeadAttention.W_K, MultiHeadAttention.W_V, MultiHeadAttention.W_O
+    b_Q, b_K, b_V, b_O = MultiHeadAttention.b_Q, MultiHeadAttention.b_K, MultiHeadAttention.b_V, MultiHeadAttention.b_O
+    project = MultiHeadAttention.project  # q (B, H, N, d_head), k, v (B, Hkv, N, d_head) before positions
 
     def forward(self, x, *, mask=None, pos=None, cache=None, need_weights: bool = False):
         """``x (B, N, d_model)`` -> ``(B, N, d_model)`` (and the pattern with ``need_weights``)."""
