@@ -52,10 +52,10 @@ import numbers
 import torch
 
 from attnlab.ops.blockmask import BlockMask
+from attnlab.ops.checks import FLOAT_DTYPES as _FLOAT_DTYPES, check_qkv
 
 __all__ = ["additive_attention", "naive_additive_attention"]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NEG_INF = float("-inf")
 
 
@@ -324,17 +324,7 @@ def _int(x, name):
 
 
 def _check(q, k, v, w_q, w_k, v_a, bias, mask, q_offset, kv_offset, return_lse):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: expected 4 dims {_LAYOUT[name]}, got shape {tuple(t.shape)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name}: dtype {t.dtype} is not supported; use float16, bfloat16, float32 or float64")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v: expected one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v: expected one device, got q {q.device}, k {k.device}, v {v.device}")
+    check_qkv(q, k, v, _LAYOUT)
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     B, H, Nq, Dq = q.shape
     _, Hkv, Nk, Dk = k.shape

@@ -45,10 +45,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from attnlab.ops.checks import check_qkv
+
 __all__ = ["elu_feature", "FavorFeatures", "LinearState", "linear_attention",
            "linear_attention_step", "naive_linear_attention"]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def elu_feature(x: torch.Tensor) -> torch.Tensor:
@@ -357,17 +358,7 @@ def _pos_int(x, name):
 
 
 def _check(q, k, v, feature_map, causal, normalize, chunk_size, eps):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: expected 4 dims (B, heads, N, dim), got shape {tuple(t.shape)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name}: expected a float16/bfloat16/float32/float64 tensor, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v: expected one device, got {q.device}, {k.device}, {v.device}")
+    check_qkv(q, k, v)
     B, H, Nq, D = q.shape
     _, Hkv, Nk, _ = k.shape
     if k.shape[0] != B or v.shape[0] != B:
