@@ -17,12 +17,106 @@ hidden by the attention mask and every row gets its own positions
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 
+from attnlab.nn.validate import nonneg_int
+
 CACHES = ("dynamic", "static", "paged", "quantized", "streaming")
+
+
+# -- argument checks shared with attnlab.speculative ---------------------------------------
+
+def model_vocab(model) -> int | None:
+    """``model.cfg.vocab_size`` when the model has one (token ids are checked against it)."""
+    v = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _in_vocab(t: int, name: str, vocab: int | None) -> int:
+    if t < 0 or (vocab is not None and t >= vocab):
+        raise ValueError(f"{name}: token id {t} is outside the vocabulary "
+                         f"[0, {'vocab_size' if vocab is None else vocab})")
+    return t
+
+
+def token_id(x, name: str, vocab: int | None = None) -> int:
+    """One token id: a Python/numpy integer or a 0-d integer tensor in ``[0, vocab)``.
+    Floats (``1.7`` is not silently ``1``), bools, complex numbers and strings are refused."""
+    if isinstance(x, torch.Tensor) and x.dim() == 0 and _integer_dtype(x.dtype):
+        x = int(x)
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise ValueError(f"{name}: expected an integer token id, got {x!r} ({type(x).__name__})")
+    return _in_vocab(int(x), name, vocab)
+
+
+def _integer_dtype(dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def token_row(row, name: str, vocab: int | None = None) -> list:
+    """One sequence of token ids (a list/tuple of ints or a 1-d integer tensor) as a list."""
+    if isinstance(row, torch.Tensor):
+        if row.dim() != 1 or not _integer_dtype(row.dtype):
+            raise ValueError(f"{name}: expected a 1-d integer tensor, got {row.dtype} {tuple(row.shape)}")
+        toks = row.tolist()
+        if toks:
+            _in_vocab(min(toks), name, vocab), _in_vocab(max(toks), name, vocab)
+        return toks
+    if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
+        raise ValueError(f"{name}: expected a sequence of token ids, got {type(row).__name__} {row!r}")
+    return [token_id(t, name, vocab) for t in row]
+
+
+def stop_token_set(stop_tokens, vocab: int | None = None) -> set:
+    """``stop_tokens``: one token id or a sequence of them (like transformers' ``eos_token_id``)."""
+    if isinstance(stop_tokens, numbers.Integral) and not isinstance(stop_tokens, bool):
+        stop_tokens = [stop_tokens]
+    return set(token_row(stop_tokens, "stop_tokens", vocab))
+
+
+_SEED_RANGE = (-(2 ** 63), 2 ** 64)  # what torch.Generator.manual_seed accepts
+
+
+def check_seed(seed, name: str = "seed") -> int:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or \
+            not _SEED_RANGE[0] <= seed < _SEED_RANGE[1]:
+        raise ValueError(f"{name}: expected an int in [-2**63, 2**64) (torch.Generator's range), got {seed!r}")
+    return int(seed)
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The seed of row ``row`` when ``generate`` is given one int ``seed`` (splitmix64 of
+    both): ``generate(batch, seed=s)`` row ``i`` equals ``generate([batch[i]],
+    seed=[row_seed(s, i)])``."""
+    m = 2 ** 64
+    z = (check_seed(seed) + (row + 1) * 0x9E3779B97F4A7C15) % m
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % m
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % m
+    return z ^ (z >> 31)
+
+
+def row_seeds(seed, n_rows: int) -> list | None:
+    """``seed`` (None, one int, or one int per row) -> a seed per row, or None."""
+    if seed is None:
+        return None
+    if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
+        return [row_seed(seed, i) for i in range(n_rows)]
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != n_rows:
+            raise ValueError(f"seed: a per-row seed list needs one seed per prompt ({n_rows}), got {len(seed)}")
+        return [check_seed(s, f"seed[{i}]") for i, s in enumerate(seed)]
+    raise ValueError(f"seed: expected None, an int or a list of one int per prompt, got {seed!r}")
+
+
+def _real(x, name: str, ok, want: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or not ok(x):
+        raise ValueError(f"{name}: expected {want}, got {x!r}")
+    return float(x)
 
 
 @dataclass
@@ -30,58 +124,79 @@ class Sampling:
     """How the next token is chosen from the logits of the last position.
 
     ``temperature == 0`` is greedy (argmax); otherwise logits are divided by the
-    temperature, filtered by ``top_k`` and ``top_p`` (nucleus), and sampled.
-    ``repetition_penalty > 1`` divides the positive (multiplies the negative) logits of
-    tokens already in the row (CTRL, Keskar et al. 2019)."""
+    temperature, filtered by ``top_k`` and ``top_p`` (nucleus), and sampled.  The
+    division is done on ``logits - max`` so that any finite temperature > 0, however
+    small (``1e-45``), is stable: it tends to the greedy choice (ties share the mass).
+    Both filters keep every token tied with the last one kept, so the result never
+    depends on how a sort orders equal values.  ``repetition_penalty > 1`` divides the
+    positive (multiplies the negative) logits of tokens already in the row (CTRL,
+    Keskar et al. 2019); ``context`` entries ``< 0`` (padding, nothing) are no token."""
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     repetition_penalty: float = 1.0
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"temperature: expected a number >= 0, got {self.temperature!r}")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+        self.temperature = _real(self.temperature, "temperature", lambda t: t >= 0, "a finite number >= 0")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral)
                                        or self.top_k < 1):
             raise ValueError(f"top_k: expected None or an int >= 1, got {self.top_k!r}")
-        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p: expected None or a number in (0, 1], got {self.top_p!r}")
-        if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty: expected a number > 0, got {self.repetition_penalty!r}")
+        self.top_k = None if self.top_k is None else int(self.top_k)
+        if self.top_p is not None:
+            self.top_p = _real(self.top_p, "top_p", lambda p: 0 < p <= 1, "None or a number in (0, 1]")
+        self.repetition_penalty = _real(self.repetition_penalty, "repetition_penalty", lambda r: r > 0,
+                                        "a finite number > 0")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     def process(self, logits: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
-        """``logits (B, V)`` -> processed float32 logits (``-inf`` where filtered out)."""
+        """``logits (B, V)`` -> processed float32 logits (``-inf`` where filtered out;
+        when sampling, shifted so that each row's maximum is 0).  ``context (B, T)``:
+        the tokens each row has seen, ``-1`` for none (padding)."""
         x = logits.float()
+        V = x.shape[-1]
         if self.repetition_penalty != 1.0 and context is not None:
-            seen = torch.zeros_like(x, dtype=torch.bool).scatter_(1, context.clamp(min=0), True)
-            pen = torch.where(x > 0, x / self.repetition_penalty, x * self.repetition_penalty)
+            ctx = context.long()
+            ctx = torch.where((ctx >= 0) & (ctx < V), ctx, V)  # padding -> an extra column, dropped
+            seen = torch.zeros(x.shape[0], V + 1, dtype=torch.bool).scatter_(1, ctx, True)[:, :V]
+            xd, big = x.double(), torch.finfo(torch.float32).max
+            pen = torch.where(xd > 0, xd / self.repetition_penalty, xd * self.repetition_penalty)
+            pen = torch.where(torch.isfinite(x), pen.clamp(-big, big), xd).float()  # no overflow to +-inf
             x = torch.where(seen, pen, x)
         if self.greedy:
             return x
-        x = x / self.temperature
-        if self.top_k is not None and self.top_k < x.shape[-1]:
+        top = x.amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        x = ((x - top).double() / self.temperature).float()  # float64: a temperature of 1e-300 is no 0
+        if self.top_k is not None and self.top_k < V:
             kth = x.topk(self.top_k, dim=-1).values[..., -1:]
             x = x.masked_fill(x < kth, float("-inf"))
         if self.top_p is not None and self.top_p < 1:
-            srt, idx = x.sort(-1, descending=True)
-            cum = srt.softmax(-1).cumsum(-1)
-            drop = cum - srt.softmax(-1) >= self.top_p  # keep the smallest prefix whose mass reaches top_p
-            x = x.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
+            srt = x.sort(-1, descending=True).values
+            p = srt.softmax(-1)
+            # keep the smallest prefix whose mass reaches top_p (at least one token), and its ties
+            n_keep = ((p.cumsum(-1) - p) < self.top_p).sum(-1, keepdim=True).clamp(min=1)
+            x = x.masked_fill(x < srt.gather(-1, n_keep - 1), float("-inf"))
         return x
 
     def probs(self, logits, context=None) -> torch.Tensor:
         return self.process(logits, context).softmax(-1)
 
     def choose(self, logits, context=None, generator=None) -> torch.Tensor:
-        """Next token per row, ``(B,)``."""
+        """Next token per row, ``(B,)``.  ``generator``: None (torch's global RNG), one
+        ``torch.Generator`` for the batch, or a sequence of one per row — each row then
+        draws from its own, so its tokens do not depend on the other rows."""
         x = self.process(logits, context)
         if self.greedy:
             return x.argmax(-1)
-        return torch.multinomial(x.softmax(-1), 1, generator=generator).squeeze(-1)
+        p = x.softmax(-1)
+        if isinstance(generator, (list, tuple)):
+            if len(generator) != p.shape[0]:
+                raise ValueError(f"generator: expected one per row ({p.shape[0]}), got {len(generator)}")
+            return torch.stack([torch.multinomial(p[i], 1, generator=g)[0] for i, g in enumerate(generator)])
+        return torch.multinomial(p, 1, generator=generator).squeeze(-1)
 
 
 @dataclass
@@ -95,20 +210,35 @@ class Generation:
     logits: list = field(default_factory=list)
 
 
-def _prompts(input_ids, attention_mask, pad):
+def _prompts(input_ids, attention_mask, pad, vocab=None):
     """Left-padded ``ids (B, P)`` and ``keep (B, P)`` from a tensor (+mask) or a list of lists."""
     if isinstance(input_ids, torch.Tensor):
-        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
-            raise ValueError(f"input_ids: expected an integer tensor (B, N), got {tuple(input_ids.shape)}")
-        keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else \
-            torch.as_tensor(attention_mask).bool()
-        if keep.shape != input_ids.shape:
-            raise ValueError(f"attention_mask: expected {tuple(input_ids.shape)}, got {tuple(keep.shape)}")
-        rows = [input_ids[i][keep[i]].tolist() for i in range(input_ids.shape[0])]
+        if input_ids.dim() != 2 or not _integer_dtype(input_ids.dtype):
+            raise ValueError(f"input_ids: expected an integer tensor (B, N), got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        if attention_mask is None:
+            keep = torch.ones_like(input_ids, dtype=torch.bool)
+        else:
+            m = torch.as_tensor(attention_mask)
+            if m.shape != input_ids.shape:
+                raise ValueError(f"attention_mask: expected {tuple(input_ids.shape)}, got {tuple(m.shape)}")
+            if not (m.dtype == torch.bool or _integer_dtype(m.dtype)) or not bool(((m == 0) | (m == 1)).all()):
+                raise ValueError(f"attention_mask: expected bool or 0/1 integers (1 = real token), got "
+                                 f"{m.dtype} values {torch.unique(m).tolist()[:8]}")
+            keep = m.bool()
+        rows = [token_row(input_ids[i][keep[i]], f"input_ids[{i}]", vocab) for i in range(input_ids.shape[0])]
     else:
-        rows = [list(map(int, r)) for r in input_ids]
+        if attention_mask is not None:
+            raise ValueError("attention_mask: only for a padded input_ids tensor; a list of prompts needs none")
+        if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, (list, tuple)):
+            raise ValueError(f"input_ids: expected a (B, N) integer tensor or a list of token lists, got "
+                             f"{type(input_ids).__name__}")
+        if input_ids and all(isinstance(r, numbers.Number) for r in input_ids):
+            raise ValueError(f"input_ids: expected a list of prompts (token lists), got one flat list "
+                             f"{list(input_ids)[:8]}; wrap it: [[...]]")
+        rows = [token_row(r, f"input_ids[{i}]", vocab) for i, r in enumerate(input_ids)]
     if not rows or any(len(r) == 0 for r in rows):
-        raise ValueError("input_ids: every prompt needs at least one token")
+        raise ValueError("input_ids: expected at least one prompt, each with at least one token")
     P = max(map(len, rows))
     ids = torch.full((len(rows), P), pad, dtype=torch.long)
     keep = torch.zeros(len(rows), P, dtype=torch.bool)
@@ -143,24 +273,56 @@ def make_cache(kind, model, batch_size: int, capacity: int, **options):
     raise ValueError(f"cache: expected None, a Cache or one of {CACHES}, got {kind!r}")
 
 
-@torch.no_grad()
+def _check_stream_args(model, input_ids, attention_mask, max_new_tokens, sampling, stop_tokens, seed,
+                       pad_token_id, cache, cache_options, logits_out):
+    """Every argument of :func:`stream` checked before anything runs."""
+    max_new_tokens = nonneg_int(max_new_tokens, "max_new_tokens")
+    if sampling is None:
+        sampling = Sampling()
+    elif not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling: expected None or a Sampling, got {type(sampling).__name__}")
+    vocab = model_vocab(model)
+    pad_token_id = token_id(pad_token_id, "pad_token_id", vocab)
+    stops = stop_token_set(stop_tokens, vocab)
+    rows, ids, keep = _prompts(input_ids, attention_mask, pad_token_id, vocab)
+    seeds = row_seeds(seed, len(rows))
+    if isinstance(cache, (bool, int, float)) or (isinstance(cache, str) and cache not in CACHES):
+        raise ValueError(f"cache: expected None, a Cache or one of {CACHES}, got {cache!r}")
+    if cache_options is not None and not isinstance(cache_options, dict):
+        raise ValueError(f"cache_options: expected None or a dict, got {type(cache_options).__name__}")
+    if logits_out is not None and not isinstance(logits_out, list):
+        raise ValueError(f"logits_out: expected None or a list, got {type(logits_out).__name__}")
+    return max_new_tokens, sampling, pad_token_id, stops, rows, ids, keep, seeds
+
+
 def stream(model, input_ids, *, max_new_tokens: int, cache="static", attention_mask=None,
-           sampling: Sampling | None = None, stop_tokens=(), seed: int | None = None, pad_token_id: int = 0,
+           sampling: Sampling | None = None, stop_tokens=(), seed=None, pad_token_id: int = 0,
            cache_options: dict | None = None, logits_out: list | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, ``(B,)``, as soon as it is chosen (rows that
     have stopped yield ``pad_token_id``).  Same arguments as :func:`generate`."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
-    sampling = sampling or Sampling()
-    stops = torch.tensor(sorted(set(int(t) for t in stop_tokens)), dtype=torch.long)
-    rows, ids, keep = _prompts(input_ids, attention_mask, pad_token_id)
+    max_new_tokens, sampling, pad_token_id, stops_set, rows, ids, keep, seeds = _check_stream_args(
+        model, input_ids, attention_mask, max_new_tokens, sampling, stop_tokens, seed, pad_token_id, cache,
+        cache_options, logits_out)
+    return _stream(model, rows, ids, keep, max_new_tokens, cache, sampling, stops_set, seeds, pad_token_id,
+                   cache_options, logits_out)
+
+
+@torch.no_grad()
+def _stream(model, rows, ids, keep, max_new_tokens, cache, sampling, stops_set, seeds, pad_token_id,
+            cache_options, logits_out):
+    from attnlab.cache import QuantizedCache
+    stops = torch.tensor(sorted(stops_set), dtype=torch.long)
     B, P = ids.shape
     ragged = not bool(keep.all())
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    gen = None if seeds is None else [torch.Generator().manual_seed(s) for s in seeds]  # one per row
     c = make_cache(cache, model, B, P + max_new_tokens, **(cache_options or {}))
     if c is not None and getattr(c, "rotates_keys", False) and ragged:
         raise ValueError("cache='streaming' keeps positions in the cache and cannot serve left-padded prompts; "
                          "generate them one at a time")
+    if isinstance(c, QuantizedCache) and ragged:
+        raise ValueError("cache='quantized' quantizes keys in groups of tokens along the padded batch, so with "
+                         "left-padded prompts a row's quantization error would depend on the other rows' "
+                         "lengths; generate prompts of different lengths one at a time, or use cache='paged'")
     pos = (keep.long().cumsum(1) - 1).clamp(min=0)
     if hasattr(c, "select_batch"):  # paged: one sequence per row, prefilled one at a time, no padding
         step_logits = c.prefill(model, rows)
@@ -173,13 +335,15 @@ def stream(model, input_ids, *, max_new_tokens: int, cache="static", attention_m
     else:
         kw = {} if not ragged else {"attention_mask": keep, "pos": pos}
         step_logits = model(ids, cache=c, **kw).logits[:, -1]
+    # the tokens each row has seen, -1 for padding (and after a row stopped): never a token
     context = ids.masked_fill(~keep, -1)
+    penalise = sampling.repetition_penalty != 1
     finished = torch.zeros(B, dtype=torch.bool)
     seqs, mask_all, last_pos = ids, keep, pos[:, -1]
     for step in range(max_new_tokens):
         if logits_out is not None:
             logits_out.append(step_logits.float())
-        nxt = sampling.choose(step_logits, context.clamp(min=0) if sampling.repetition_penalty != 1 else None, gen)
+        nxt = sampling.choose(step_logits, context if penalise else None, gen)
         nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
         yield nxt
         if stops.numel():
@@ -202,36 +366,53 @@ def stream(model, input_ids, *, max_new_tokens: int, cache="static", attention_m
 
 def generate(model, input_ids, *, max_new_tokens: int, cache="static", attention_mask=None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             repetition_penalty: float = 1.0, stop_tokens=(), seed: int | None = None, pad_token_id: int = 0,
+             repetition_penalty: float = 1.0, stop_tokens=(), seed=None, pad_token_id: int = 0,
              cache_options: dict | None = None, on_token: Callable | None = None,
              output_logits: bool = False) -> Generation:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
+    A row's tokens never depend on the other rows of the batch: padding is hidden from
+    attention, has its own positions, and never enters the repetition penalty, the stop
+    checks or the filters; with a ``seed`` every row samples from its own generator.
+
     Args:
         model: an :class:`attnlab.nn.Decoder` (anything with ``cfg`` and
             ``(ids, cache=, attention_mask=, pos=) -> .logits``).
-        input_ids: ``(B, N)`` tensor (with ``attention_mask`` marking real tokens, any
-            padding side) or a list of token lists of different lengths.
-        cache: ``"static"`` (default), ``"dynamic"``, ``"paged"``, ``"quantized"``,
-            ``"streaming"``, a :class:`attnlab.cache.Cache` object, or ``None`` (no
-            cache: the whole prefix is recomputed each step — the reference).
+        input_ids: ``(B, N)`` integer tensor (with ``attention_mask`` marking real tokens,
+            any padding side) or a list of token lists of different lengths.  Token ids
+            are integers in ``[0, vocab_size)``; floats, bools and complex are refused.
+        cache: ``"static"`` (default), ``"dynamic"``, ``"paged"``, ``"quantized"`` (prompts
+            of one length), ``"streaming"`` (one length), a :class:`attnlab.cache.Cache`
+            object, or ``None`` (no cache: the whole prefix is recomputed each step — the
+            reference).
         temperature, top_k, top_p, repetition_penalty: see :class:`Sampling`
             (``temperature=0``: greedy).
-        stop_tokens: a row stops after producing one of these.
-        seed: makes sampling reproducible (a private ``torch.Generator``).
+        stop_tokens: a token id or ids; a row stops after producing one of these.
+        seed: makes sampling reproducible.  One int ``s``: row ``i`` samples from its own
+            ``torch.Generator`` seeded with :func:`row_seed` ``(s, i)``.  A list of one int
+            per row (vLLM's per-request seed): row ``i`` uses ``seed[i]`` itself, so a
+            prompt generated with ``seed=[s]`` alone gives the same tokens as in any batch
+            where its seed is ``s``.  ``None``: torch's global RNG (rows then share it).
+        pad_token_id: what :func:`stream` yields for rows that have stopped, and the
+            (masked) filler of left padding; must be in the vocabulary.
         on_token: called with ``(step, tokens (B,))`` as each token is chosen (streaming).
         output_logits: keep every step's raw logits in ``Generation.logits``.
+
+    Bad arguments raise ``ValueError`` naming the argument before the model runs.
     """
     sampling = Sampling(temperature, top_k, top_p, repetition_penalty)
-    rows, _, _ = _prompts(input_ids, attention_mask, pad_token_id)
+    if on_token is not None and not callable(on_token):
+        raise ValueError(f"on_token: expected None or a callable (step, tokens), got {type(on_token).__name__}")
+    if not isinstance(output_logits, bool):
+        raise ValueError(f"output_logits: expected a bool, got {output_logits!r}")
     logits = [] if output_logits else None
+    max_new_tokens, sampling, pad_token_id, stops, rows, ids, keep, seeds = _check_stream_args(
+        model, input_ids, attention_mask, max_new_tokens, sampling, stop_tokens, seed, pad_token_id, cache,
+        cache_options, logits)
     new = [[] for _ in rows]
     done = [False] * len(rows)
-    stops = set(int(t) for t in stop_tokens)
-    for step, tok in enumerate(stream(model, input_ids, max_new_tokens=max_new_tokens, cache=cache,
-                                      attention_mask=attention_mask, sampling=sampling, stop_tokens=stop_tokens,
-                                      seed=seed, pad_token_id=pad_token_id, cache_options=cache_options,
-                                      logits_out=logits)):
+    for step, tok in enumerate(_stream(model, rows, ids, keep, max_new_tokens, cache, sampling, stops, seeds,
+                                       pad_token_id, cache_options, logits)):
         if on_token is not None:
             on_token(step, tok)
         for i, t in enumerate(tok.tolist()):

@@ -33,13 +33,15 @@ True
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import torch
 
 from attnlab import masks
 from attnlab.cache import DynamicCache
-from attnlab.generate import Sampling
+from attnlab.generate import Sampling, check_seed, model_vocab, stop_token_set, token_row
+from attnlab.nn.validate import nonneg_int
 
 
 @dataclass
@@ -104,19 +106,30 @@ def speculative_generate(target, draft, prompt, *, max_new_tokens: int, branchin
                          seed: int | None = None, stop_tokens=()) -> SpeculativeResult:
     """Generate from ``target`` with ``draft`` proposing a token tree each round.
 
-    ``prompt``: a list of token ids (one sequence).  ``branching[d]``: children per node
-    at depth ``d + 1`` (``(1, 1, 1, 1)`` is classic 4-token speculation).  Greedy when
-    ``temperature == 0``.  Both models must share the vocabulary.
+    ``prompt``: one sequence of token ids (a list of ints or a 1-d integer tensor).
+    ``branching[d]``: children per node at depth ``d + 1`` (``(1, 1, 1, 1)`` is classic
+    4-token speculation).  Greedy when ``temperature == 0``.  Both models must share the
+    vocabulary.  The arguments are checked by the same functions as
+    :func:`attnlab.generate.generate`'s (``ValueError`` naming the argument).
     """
-    if not branching or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in branching):
+    max_new_tokens = nonneg_int(max_new_tokens, "max_new_tokens")
+    if not isinstance(branching, (list, tuple)) or not branching or \
+            any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in branching):
         raise ValueError(f"branching: expected a non-empty sequence of ints >= 1, got {branching!r}")
+    branching = [int(b) for b in branching]
     if target.cfg.vocab_size != draft.cfg.vocab_size:
         raise ValueError(f"draft vocab_size {draft.cfg.vocab_size} != target vocab_size {target.cfg.vocab_size}")
+    vocab = model_vocab(target)
+    if isinstance(prompt, (list, tuple)) and prompt and (isinstance(prompt[0], (list, tuple))
+                                                          or getattr(prompt[0], "ndim", 0) > 0):
+        raise ValueError("prompt: expected one sequence of token ids (speculative decoding runs one prompt), "
+                         f"got a nested sequence of {len(prompt)}")
+    prompt = token_row(prompt, "prompt", vocab)
     if not prompt:
         raise ValueError("prompt: needs at least one token")
     sampling = Sampling(temperature, top_k, top_p)
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    stops = set(int(t) for t in stop_tokens)
+    gen = torch.Generator().manual_seed(check_seed(seed)) if seed is not None else None
+    stops = stop_token_set(stop_tokens, vocab)
     tc, dc = DynamicCache(target.cfg.n_layers), DynamicCache(draft.cfg.n_layers)
     ids = torch.tensor([prompt[:-1]]) if len(prompt) > 1 else None
     if ids is not None:  # both caches hold the prompt but its last token (the first tree root)
