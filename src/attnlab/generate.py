@@ -11,8 +11,11 @@
 
 ``cache=None`` recomputes the whole prefix at every step: the reference every cache
 is tested against.  Prompts of different lengths are left-padded; the padding is
-hidden by the attention mask and every row gets its own positions
-(``cumsum(mask) - 1``), so a row's tokens do not depend on the other rows.
+hidden by the attention mask, every row gets its own positions (``cumsum(mask) - 1``),
+and padding is no token for the repetition penalty, the stops or the filters; with a
+``seed`` each row samples from its own generator (``seed=[s0, s1, ...]``: one per row,
+vLLM's per-request seed).  So a row's tokens do not depend on the other rows
+(tests/faults/test_generation.py holds it as a property).
 """
 
 from __future__ import annotations
@@ -268,7 +271,10 @@ def make_cache(kind, model, batch_size: int, capacity: int, **options):
     if kind == "quantized":
         return C.QuantizedCache.for_model(model, **options)
     if kind == "paged":
-        options.setdefault("max_tokens", batch_size * capacity)
+        bs = options.get("block_size", 16)  # PagedCache.for_model's default
+        if "n_blocks" not in options and "max_tokens" not in options and isinstance(bs, int) and bs >= 1:
+            # every row holds whole blocks: batch_size * capacity tokens may be too few blocks
+            options["n_blocks"] = batch_size * -(-capacity // bs)
         return C.PagedCache.for_model(model, **options)
     raise ValueError(f"cache: expected None, a Cache or one of {CACHES}, got {kind!r}")
 
