@@ -68,7 +68,8 @@ def token_row(row, name: str, vocab: int | None = None) -> list:
             raise ValueError(f"{name}: expected a 1-d integer tensor, got {row.dtype} {tuple(row.shape)}")
         toks = row.tolist()
         if toks:
-            _in_vocab(min(toks), name, vocab), _in_vocab(max(toks), name, vocab)
+            _in_vocab(min(toks), name, vocab)
+            _in_vocab(max(toks), name, vocab)
         return toks
     if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
         raise ValueError(f"{name}: expected a sequence of token ids, got {type(row).__name__} {row!r}")

@@ -62,12 +62,20 @@ def _rows_alone_equal_batch(prompts, batch, alone_kw, **kw):
 @settings(max_examples=30, **SETTINGS)
 @given(prompts=prompts, cache=caches, rp=penalties, stop=stops, pad=st.integers(0, V - 1),
        top_k=st.one_of(st.none(), st.integers(1, V + 1)), top_p=st.one_of(st.none(), st.floats(0.05, 1.0)),
-       n=st.integers(1, 5))
-def test_greedy_row_in_a_ragged_batch_equals_the_row_alone(prompts, cache, rp, stop, pad, top_k, top_p, n):
-    """Greedy with every deterministic option: exact equality of tokens and stop flags."""
+       n=st.integers(1, 5), as_tensor=st.booleans())
+def test_greedy_row_in_a_ragged_batch_equals_the_row_alone(prompts, cache, rp, stop, pad, top_k, top_p, n,
+                                                          as_tensor):
+    """Greedy with every deterministic option: exact equality of tokens and stop flags.
+    The batch is a list of prompts, or a right-padded tensor with its attention_mask."""
     kw = dict(max_new_tokens=n, cache=cache, repetition_penalty=rp, stop_tokens=stop, pad_token_id=pad,
               top_k=top_k, top_p=top_p)
-    batch = generate(MODEL, prompts, **kw)
+    if as_tensor:
+        P = max(map(len, prompts))
+        ids = torch.tensor([p + [pad] * (P - len(p)) for p in prompts])
+        mask = torch.tensor([[1] * len(p) + [0] * (P - len(p)) for p in prompts])
+        batch = generate(MODEL, ids, attention_mask=mask, **kw)
+    else:
+        batch = generate(MODEL, prompts, **kw)
     _rows_alone_equal_batch(prompts, batch, lambda i: {}, **kw)
 
 
@@ -167,6 +175,12 @@ def test_generate_refuses_bad_arguments_by_name(bad, words):
     kw.update(bad)
     with pytest.raises(ValueError, match=words):
         generate(MODEL, kw.pop("input_ids"), **kw)
+
+
+def test_stream_refuses_bad_arguments_at_the_call_not_at_the_first_token():
+    from attnlab.generate import stream
+    with pytest.raises(ValueError, match="input_ids"):
+        stream(MODEL, [[1.7]], max_new_tokens=2)  # before: no error until next(), then 1.7 became 1
 
 
 SPECULATIVE_BAD = [
