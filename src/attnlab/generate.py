@@ -299,29 +299,14 @@ def _check_stream_args(model, input_ids, attention_mask, max_new_tokens, samplin
         raise ValueError(f"cache_options: expected None or a dict, got {type(cache_options).__name__}")
     if logits_out is not None and not isinstance(logits_out, list):
         raise ValueError(f"logits_out: expected None or a list, got {type(logits_out).__name__}")
-    return max_new_tokens, sampling, pad_token_id, stops, rows, ids, keep, seeds
+    return max_new_tokens, sampling, pad_token_id, stops, rows, ids, keep, seeds, \
+        _open_cache(cache, model, ids, keep, max_new_tokens, cache_options)
 
 
-def stream(model, input_ids, *, max_new_tokens: int, cache="static", attention_mask=None,
-           sampling: Sampling | None = None, stop_tokens=(), seed=None, pad_token_id: int = 0,
-           cache_options: dict | None = None, logits_out: list | None = None) -> Iterator[torch.Tensor]:
-    """Yield the next token of every row, ``(B,)``, as soon as it is chosen (rows that
-    have stopped yield ``pad_token_id``).  Same arguments as :func:`generate`."""
-    max_new_tokens, sampling, pad_token_id, stops_set, rows, ids, keep, seeds = _check_stream_args(
-        model, input_ids, attention_mask, max_new_tokens, sampling, stop_tokens, seed, pad_token_id, cache,
-        cache_options, logits_out)
-    return _stream(model, rows, ids, keep, max_new_tokens, cache, sampling, stops_set, seeds, pad_token_id,
-                   cache_options, logits_out)
-
-
-@torch.no_grad()
-def _stream(model, rows, ids, keep, max_new_tokens, cache, sampling, stops_set, seeds, pad_token_id,
-            cache_options, logits_out):
+def _open_cache(cache, model, ids, keep, max_new_tokens, cache_options):
+    """The cache for this call; refused where left padding would leak into a row."""
     from attnlab.cache import QuantizedCache
-    stops = torch.tensor(sorted(stops_set), dtype=torch.long)
-    B, P = ids.shape
-    ragged = not bool(keep.all())
-    gen = None if seeds is None else [torch.Generator().manual_seed(s) for s in seeds]  # one per row
+    (B, P), ragged = ids.shape, not bool(keep.all())
     c = make_cache(cache, model, B, P + max_new_tokens, **(cache_options or {}))
     if c is not None and getattr(c, "rotates_keys", False) and ragged:
         raise ValueError("cache='streaming' keeps positions in the cache and cannot serve left-padded prompts; "
@@ -330,6 +315,26 @@ def _stream(model, rows, ids, keep, max_new_tokens, cache, sampling, stops_set, 
         raise ValueError("cache='quantized' quantizes keys in groups of tokens along the padded batch, so with "
                          "left-padded prompts a row's quantization error would depend on the other rows' "
                          "lengths; generate prompts of different lengths one at a time, or use cache='paged'")
+    return c
+
+
+def stream(model, input_ids, *, max_new_tokens: int, cache="static", attention_mask=None,
+           sampling: Sampling | None = None, stop_tokens=(), seed=None, pad_token_id: int = 0,
+           cache_options: dict | None = None, logits_out: list | None = None) -> Iterator[torch.Tensor]:
+    """Yield the next token of every row, ``(B,)``, as soon as it is chosen (rows that
+    have stopped yield ``pad_token_id``).  Same arguments as :func:`generate`."""
+    max_new_tokens, sampling, pad_token_id, stops_set, rows, ids, keep, seeds, c = _check_stream_args(
+        model, input_ids, attention_mask, max_new_tokens, sampling, stop_tokens, seed, pad_token_id, cache,
+        cache_options, logits_out)
+    return _stream(model, rows, ids, keep, max_new_tokens, c, sampling, stops_set, seeds, pad_token_id, logits_out)
+
+
+@torch.no_grad()
+def _stream(model, rows, ids, keep, max_new_tokens, c, sampling, stops_set, seeds, pad_token_id, logits_out):
+    stops = torch.tensor(sorted(stops_set), dtype=torch.long)
+    B, P = ids.shape
+    ragged = not bool(keep.all())
+    gen = None if seeds is None else [torch.Generator().manual_seed(s) for s in seeds]  # one per row
     pos = (keep.long().cumsum(1) - 1).clamp(min=0)
     if hasattr(c, "select_batch"):  # paged: one sequence per row, prefilled one at a time, no padding
         step_logits = c.prefill(model, rows)
@@ -413,13 +418,13 @@ def generate(model, input_ids, *, max_new_tokens: int, cache="static", attention
     if not isinstance(output_logits, bool):
         raise ValueError(f"output_logits: expected a bool, got {output_logits!r}")
     logits = [] if output_logits else None
-    max_new_tokens, sampling, pad_token_id, stops, rows, ids, keep, seeds = _check_stream_args(
+    max_new_tokens, sampling, pad_token_id, stops, rows, ids, keep, seeds, c = _check_stream_args(
         model, input_ids, attention_mask, max_new_tokens, sampling, stop_tokens, seed, pad_token_id, cache,
         cache_options, logits)
     new = [[] for _ in rows]
     done = [False] * len(rows)
-    for step, tok in enumerate(_stream(model, rows, ids, keep, max_new_tokens, cache, sampling, stops, seeds,
-                                       pad_token_id, cache_options, logits)):
+    for step, tok in enumerate(_stream(model, rows, ids, keep, max_new_tokens, c, sampling, stops, seeds,
+                                       pad_token_id, logits)):
         if on_token is not None:
             on_token(step, tok)
         for i, t in enumerate(tok.tolist()):

@@ -177,10 +177,14 @@ def test_generate_refuses_bad_arguments_by_name(bad, words):
         generate(MODEL, kw.pop("input_ids"), **kw)
 
 
-def test_stream_refuses_bad_arguments_at_the_call_not_at_the_first_token():
+@pytest.mark.parametrize("bad, words", [
+    (dict(input_ids=[[1.7]]), "input_ids"),                          # before: 1.7 became 1 at next()
+    (dict(input_ids=[[1, 2], [3]], cache="quantized"), "quantized"),
+])
+def test_stream_refuses_bad_arguments_at_the_call_not_at_the_first_token(bad, words):
     from attnlab.generate import stream
-    with pytest.raises(ValueError, match="input_ids"):
-        stream(MODEL, [[1.7]], max_new_tokens=2)  # before: no error until next(), then 1.7 became 1
+    with pytest.raises(ValueError, match=words):
+        stream(MODEL, bad.pop("input_ids"), max_new_tokens=2, **bad)
 
 
 SPECULATIVE_BAD = [
