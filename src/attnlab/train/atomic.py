@@ -4,8 +4,8 @@ Used by :func:`attnlab.train.checkpoint.save_checkpoint`.  For a destination ``D
 
     1. write      DIR/.NAME.tmp-PID-HEX/   a fresh sibling; every file and the folder fsynced
     2. (stale)    DIR/.NAME.old -> DIR/.NAME.trash-HEX, deleted   (left by a crash after 4)
-    3. back up    DIR/NAME      -> DIR/.NAME.old                  rename(2), parent fsynced
-    4. switch     DIR/.NAME.tmp-PID-HEX -> DIR/NAME               rename(2), parent fsynced
+    3. back up    DIR/NAME      -> DIR/.NAME.old                  rename(2)
+    4. switch     DIR/.NAME.tmp-PID-HEX -> DIR/NAME               rename(2); the parent fsynced
     5. drop       DIR/.NAME.old -> DIR/.NAME.trash-HEX, deleted
 
 ``rename(2)`` within one folder is atomic, so ``NAME`` and ``.NAME.old`` are each, at every
@@ -173,12 +173,12 @@ def replace_folder(dst, write: Callable[[Path], None], *, marker: str | None = N
             _discard(bak, dst.name)
         had_old = os.path.lexists(dst)
         if had_old:
-            os.replace(dst, bak)
-            fsync_dir(parent)
+            os.replace(dst, bak)     # same folder as the next rename: one fsync makes both durable
         os.replace(tmp, dst)
         fsync_dir(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        recover(dst, marker)             # interrupted between 3 and 4: put the old folder back now
         raise
     if had_old:
         _discard(bak, dst.name)
