@@ -237,6 +237,7 @@ def kill_harness(root: Path, seed: int) -> list[dict]:
     return results
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the harness forks a child per kill")
 def test_sigkill_at_every_step_and_at_random_instants_leaves_old_or_new(tmp_path):
     src = Path(sys.modules["attnlab"].__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",

@@ -181,7 +181,7 @@ def save_checkpoint(path_dir, model: nn.Module, optimizer: torch.optim.Optimizer
     if not isinstance(extra, dict):
         raise TypeError(f"extra: expected a dict, got {type(extra).__name__}")
     try:
-        extra_json = json.loads(json.dumps(extra, allow_nan=False))
+        extra_json = json.loads(json.dumps(extra))
     except (TypeError, ValueError) as e:
         raise TypeError(f"extra: must be JSON-serialisable ({e})") from None
 
@@ -510,7 +510,7 @@ def prepare_load(path_dir, model: nn.Module, optimizer: torch.optim.Optimizer | 
     rng = _check_rng(path, trainer_tensors)
     pairs = _plan_model(path, model, meta)
     opt_sd = _plan_optimizer(path, model, optimizer, meta) if optimizer is not None else None
-    info = CheckpointInfo(path=Path(path_dir), step=meta["step"], extra=meta["extra"], rng_state=rng, meta=meta)
+    info = CheckpointInfo(path=path, step=meta["step"], extra=meta["extra"], rng_state=rng, meta=meta)
     return PendingLoad(info, model, optimizer, pairs, opt_sd)
 
 

@@ -21,7 +21,10 @@ One step::
   the end, in ``checkpoint_dir/step-0000010`` (10 = completed steps).  They hold the
   model, the optimizer, the RNG state and the number of batches consumed; ``train(...,
   resume=folder)`` with a *fresh* iterator built with the same arguments skips that many
-  batches and continues exactly where the run stopped.
+  batches and continues exactly where the run stopped.  The checkpoint is checked whole
+  before anything changes (:func:`attnlab.train.checkpoint.prepare_load`), and its data
+  position too: ``batches_consumed`` must equal the step (one batch per step), and only a
+  run with steps left skips, so resuming takes at most ``cfg.steps`` batches, never forever.
 
 >>> import torch
 >>> from attnlab.nn import Decoder, DecoderConfig
@@ -439,11 +442,15 @@ def train(model: nn.Module, batches: Iterable, cfg: TrainConfig, *, eval_batches
             stops the run.
         resume: a checkpoint folder, or a ``checkpoint_dir`` (its latest checkpoint):
             restores model, optimizer, RNG state and step, and skips the batches the
-            saved run consumed.  Pass a freshly built ``batches`` iterator.
+            saved run consumed.  Pass a freshly built ``batches`` iterator.  A damaged
+            checkpoint or data position raises ``CheckpointError`` (a ``ValueError``)
+            and a source that runs out while skipping a ``ValueError``, both before the
+            model is modified.
         progress: ``True`` (a tqdm bar on stderr), ``False``, or a file object for the
             bar.  Its postfix shows the loss, tokens/s and lr.
 
-    Raises ``FloatingPointError`` when the loss stops being finite.
+    Raises ``FloatingPointError`` when the loss stops being finite, and ``ValueError``
+    before the first step when ``cfg.checkpoint_dir`` cannot be created or written.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
