@@ -170,9 +170,9 @@ def replace_folder(dst, write: Callable[[Path], None], *, marker: str | None = N
         _fsync_tree(tmp)
         bak = backup_path(dst)
         if os.path.lexists(bak):
-            if not os.path.lexists(dst):       # recover() could not rename it back
+            if not os.path.lexists(dst) and _is_complete(bak, marker):   # recover() could not rename it
                 raise OSError(f"{dst}: missing, and its backup {bak} cannot be restored")
-            _discard(bak, dst.name)
+            _discard(bak, dst.name)      # stale (dst is complete), or the backup of an empty folder
         had_old = os.path.lexists(dst)
         if had_old:
             os.replace(dst, bak)     # same folder as the next rename: one fsync makes both durable
