@@ -9,20 +9,31 @@ A checkpoint is one folder::
                            "state.{i}.{key}" (i = the parameter's index, in param_groups
                            order; e.g. "state.3.exp_avg", "state.3.step") and
                            "param_groups.{g}.{key}" for a tensor-valued hyperparameter
-    trainer.safetensors    trainer tensors: torch's CPU RNG state "rng.torch_cpu" (uint8)
-    trainer.json           format, step, ``extra`` (the caller's JSON), the optimizer's class,
-                           param_groups hyperparameters, non-tensor state, and the model name
-                           of every optimizer index
+    trainer.safetensors    trainer tensors: torch's CPU RNG state "rng.torch_cpu" (uint8);
+                           its metadata holds the CRC-32 of trainer.json
+                           ("attnlab.trainer_json_crc32")
+    trainer.json           format, version, step, ``extra`` (the caller's JSON), the
+                           optimizer's class, param_groups hyperparameters, non-tensor
+                           state, and the model name of every optimizer index
 
 Every safetensors file carries a CRC-32 of each tensor in its metadata
-("attnlab.crc32"), so flipped bytes in the data are reported with the tensor's name.
+("attnlab.crc32"), and trainer.safetensors the CRC-32 of trainer.json, so flipped bytes
+are reported with the tensor's or the file's name.
 
-The folder is written to a temporary sibling and renamed into place, so a crash
-never leaves a half-written checkpoint under the final name (an existing checkpoint
-of the same name is replaced).  :func:`load_checkpoint` reads and checks everything
-(names, shapes, dtypes, checksums, optimizer layout) and raises
-:class:`attnlab.models.checkpoint.CheckpointError` (a ``ValueError``) naming the
-offending tensor *before* it copies anything.
+**Saving is atomic at every instant** (:mod:`attnlab.train.atomic`): the folder is
+written to a fresh temporary sibling, every file and folder fsynced, and switched in by
+renames with a backup of the previous checkpoint; a process killed at any point leaves
+the complete old or the complete new checkpoint under the name (an interrupted switch
+is undone by the next save, load or :func:`latest_checkpoint`).
+
+**Loading checks everything before it modifies anything**: :func:`prepare_load` reads
+and validates every field of trainer.json (types, ranges, no unknown fields), the
+checksums, the weights (names, shapes, dtypes, ties), the optimizer state against the
+optimizer (:func:`attnlab.train.optim_state.check_optimizer_state`: parameter ids,
+hyperparameters, every per-parameter entry's kind, shape and dtype) and the RNG state
+(size, dtype, a valid generator state), and raises
+:class:`attnlab.models.checkpoint.CheckpointError` (a ``ValueError``) naming the field;
+only then does ``.apply()`` (or :func:`load_checkpoint`) copy.
 
 >>> import tempfile, torch
 >>> from attnlab.nn import Decoder, DecoderConfig
@@ -41,9 +52,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-import uuid
+import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,19 +61,23 @@ import torch
 from torch import nn
 
 from attnlab.models.checkpoint import CheckpointError
+from attnlab.train.atomic import recover, replace_folder, write_bytes
+from attnlab.train.optim_state import check_optimizer_state
+from attnlab.train.tensor_files import read_tensors, safetensors_module, write_tensors
 
-__all__ = ["CheckpointError", "CheckpointInfo", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
-           "MODEL_FILE", "OPTIMIZER_FILE", "TRAINER_FILE", "TRAINER_JSON"]
+__all__ = ["CheckpointError", "CheckpointInfo", "PendingLoad", "save_checkpoint", "prepare_load", "load_checkpoint",
+           "latest_checkpoint", "MODEL_FILE", "OPTIMIZER_FILE", "TRAINER_FILE", "TRAINER_JSON"]
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 TRAINER_FILE = "trainer.safetensors"
 TRAINER_JSON = "trainer.json"
 FORMAT = "attnlab.train.checkpoint"
-VERSION = 1
-_CRC_KEY = "attnlab.crc32"
+VERSION = 2                 # 2: trainer.json's CRC-32 in trainer.safetensors (1 still loads)
+VERSIONS = (1, 2)
 _ALIAS_KEY = "attnlab.aliases"
 _RNG = "rng.torch_cpu"
+_JSON_CRC_KEY = "attnlab.trainer_json_crc32"
 
 
 @dataclass
@@ -82,76 +95,11 @@ class CheckpointInfo:
 
 # -- small helpers ------------------------------------------------------------------
 
-def _st():
-    try:
-        import safetensors.torch as st
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("attnlab.train.checkpoint needs the 'safetensors' package: pip install safetensors") from e
-    return st
-
-
-def _crc(t: torch.Tensor) -> int:
-    b = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return zlib.crc32(b.numpy()) if b.numel() else 0
-
-
 def _storage_key(t: torch.Tensor):
     ptr = t.untyped_storage().data_ptr()
     if t.numel() == 0 or ptr == 0:
         return None
     return (t.device, ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-
-
-def _write(st, path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
-    """Save ``tensors`` (contiguous CPU copies where storages are shared) with checksums."""
-    ptrs: dict[int, int] = {}
-    for t in tensors.values():
-        p = t.untyped_storage().data_ptr()
-        ptrs[p] = ptrs.get(p, 0) + 1
-    out = {}
-    for name, t in tensors.items():
-        t = t.detach().cpu()
-        if ptrs[t.untyped_storage().data_ptr()] > 1 or not t.is_contiguous():
-            t = t.clone(memory_format=torch.contiguous_format)   # safetensors refuses shared storage
-        out[name] = t
-    meta = dict(metadata or {})
-    meta["format"] = "pt"
-    meta[_CRC_KEY] = json.dumps({n: _crc(t) for n, t in out.items()}, sort_keys=True)
-    st.save_file(out, str(path), metadata=meta)
-
-
-def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """All tensors and the metadata of one file; checksums verified.  Errors name the file
-    (unreadable) or the tensor (checksum)."""
-    from safetensors import safe_open
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            names = list(f.keys())
-            tensors = {}
-            for n in names:
-                try:
-                    tensors[n] = f.get_tensor(n)
-                except Exception as e:  # noqa: BLE001 - safetensors raises several kinds
-                    raise CheckpointError(f"{path}: tensor {n!r} cannot be read ({e})") from None
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, ...
-        size = path.stat().st_size
-        raise CheckpointError(f"{path} ({size} bytes): not a readable safetensors file, corrupt or truncated? "
-                              f"({type(e).__name__}: {e})") from None
-    crcs = meta.get(_CRC_KEY)
-    if crcs is not None:
-        try:
-            crcs = json.loads(crcs)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: metadata {_CRC_KEY!r} is not valid JSON ({e})") from None
-        for n, t in tensors.items():
-            if n in crcs and _crc(t) != crcs[n]:
-                raise CheckpointError(f"{path}: tensor {n!r} fails its CRC-32 check (the file is corrupted)")
-    return tensors, meta
 
 
 def _to_json(v, where: str):
@@ -218,9 +166,11 @@ def save_checkpoint(path_dir, model: nn.Module, optimizer: torch.optim.Optimizer
         extra: JSON-serialisable dict kept in ``trainer.json`` (e.g. the train config,
             the data position).
 
-    torch's CPU RNG state at the time of the call is saved too (``rng.torch_cpu``).
+    torch's CPU RNG state at the time of the call is saved too (``rng.torch_cpu``).  A
+    process killed at any point of the call leaves under ``path_dir`` the complete
+    previous checkpoint or the complete new one (see :mod:`attnlab.train.atomic`).
     """
-    st = _st()
+    st = safetensors_module()
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -261,72 +211,142 @@ def save_checkpoint(path_dir, model: nn.Module, optimizer: torch.optim.Optimizer
             groups.append(enc)
         meta["optimizer"] = {"file": OPTIMIZER_FILE, "class": type(optimizer).__name__, "param_groups": groups,
                              "state": nontensor, "param_names": _param_names(model, optimizer)}
+    meta_bytes = json.dumps(meta, indent=1, sort_keys=True).encode()
+    rng = torch.get_rng_state()
 
     path = Path(path_dir)
+    recover(path, TRAINER_JSON)
     if path.exists() and not path.is_dir():
         raise ValueError(f"path_dir: {path} exists and is not a folder")
     if path.is_dir() and any(path.iterdir()) and not (path / TRAINER_JSON).is_file():
         raise ValueError(f"path_dir: {path} is a non-empty folder that is not a checkpoint; refusing to replace it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        os.chmod(tmp, 0o755)
-        _write(st, tmp / MODEL_FILE, model_tensors, {_ALIAS_KEY: json.dumps(aliases, sort_keys=True)})
+
+    def write(tmp: Path) -> None:
+        write_tensors(st, tmp / MODEL_FILE, model_tensors, {_ALIAS_KEY: json.dumps(aliases, sort_keys=True)})
         if optimizer is not None:
-            _write(st, tmp / OPTIMIZER_FILE, opt_tensors)
-        _write(st, tmp / TRAINER_FILE, {_RNG: torch.get_rng_state()})
-        (tmp / TRAINER_JSON).write_text(json.dumps(meta, indent=1, sort_keys=True))
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+            write_tensors(st, tmp / OPTIMIZER_FILE, opt_tensors)
+        write_tensors(st, tmp / TRAINER_FILE, {_RNG: rng}, {_JSON_CRC_KEY: str(zlib.crc32(meta_bytes))})
+        write_bytes(tmp / TRAINER_JSON, meta_bytes)          # last: the marker of a complete folder
+
+    return replace_folder(path, write, marker=TRAINER_JSON)
 
 
-def _fsync_dir(d: Path) -> None:
-    """Make the rename durable (best effort: not every platform can open a folder)."""
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+# -- trainer.json ------------------------------------------------------------------
+
+def _bad(p, field_name: str, got, want: str) -> CheckpointError:
+    shown = repr(got) if len(repr(got)) < 60 else f"a {type(got).__name__}"
+    return CheckpointError(f"{p}: field {field_name!r} is {shown}, expected {want}")
 
 
-# -- loading -----------------------------------------------------------------------
+def _nonneg_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
-def _read_meta(path: Path) -> dict:
+
+def _check_keys(p, d: dict, where: str, required: set, optional: set = frozenset()) -> None:
+    missing = sorted(required - set(d))
+    unknown = sorted(set(d) - required - set(optional))
+    if missing:
+        raise CheckpointError(f"{p}: {where} lacks the field {missing[0]!r}" if where else
+                              f"{p}: missing the field {missing[0]!r}")
+    if unknown:
+        raise CheckpointError(f"{p}: unknown field {(where + '.' if where else '') + unknown[0]!r} "
+                              f"(expected {sorted(required | set(optional))})")
+
+
+def _check_meta(p: Path, meta) -> dict:
+    """Every field of trainer.json: types, ranges, no unknown fields."""
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{p}: expected a JSON object, got {type(meta).__name__}")
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{p}: format is {meta.get('format')!r}, expected {FORMAT!r}")
+    version = meta.get("version")
+    if isinstance(version, bool) or version not in VERSIONS:
+        raise CheckpointError(f"{p}: version {version!r} is not supported (expected one of {VERSIONS})")
+    _check_keys(p, meta, "", {"format", "version", "step", "extra", "model", "optimizer", "rng"})
+    if not _nonneg_int(meta["step"]):
+        raise CheckpointError(f"{p}: step must be an int >= 0, got {meta['step']!r}")
+    if not isinstance(meta["extra"], dict):
+        raise _bad(p, "extra", meta["extra"], "a JSON object")
+    mm = meta["model"]
+    if not isinstance(mm, dict):
+        raise _bad(p, "model", mm, "a JSON object")
+    _check_keys(p, mm, "model", {"file", "aliases"})
+    if mm["file"] != MODEL_FILE:
+        raise _bad(p, "model.file", mm["file"], repr(MODEL_FILE))
+    if not isinstance(mm["aliases"], dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                      for k, v in mm["aliases"].items()):
+        raise _bad(p, "model.aliases", mm["aliases"], "an object of str -> str")
+    if meta["rng"] != {"torch_cpu": _RNG}:
+        raise _bad(p, "rng", meta["rng"], repr({"torch_cpu": _RNG}))
+    om = meta["optimizer"]
+    if om is None:
+        return meta
+    if not isinstance(om, dict):
+        raise _bad(p, "optimizer", om, "null or a JSON object")
+    _check_keys(p, om, "optimizer", {"file", "class", "param_groups", "state", "param_names"})
+    if om["file"] != OPTIMIZER_FILE:
+        raise _bad(p, "optimizer.file", om["file"], repr(OPTIMIZER_FILE))
+    if not isinstance(om["class"], str):
+        raise _bad(p, "optimizer.class", om["class"], "a class name (str)")
+    if not isinstance(om["param_names"], list) or not all(isinstance(n, str) for n in om["param_names"]):
+        raise _bad(p, "optimizer.param_names", om["param_names"], "a list of str")
+    groups = om["param_groups"]
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise _bad(p, "optimizer.param_groups", groups, "a list of JSON objects")
+    for g, grp in enumerate(groups):
+        ids = grp.get("params")
+        if not isinstance(ids, list) or not all(_nonneg_int(i) for i in ids):
+            raise _bad(p, f"optimizer.param_groups[{g}].params", ids, "a list of ints >= 0")
+    state = om["state"]
+    if not isinstance(state, dict) or not all(re.fullmatch(r"0|[1-9][0-9]*", k) and isinstance(v, dict)
+                                              for k, v in state.items()):
+        raise _bad(p, "optimizer.state", state, "an object {parameter index: {key: value}}")
+    return meta
+
+
+def _read_meta(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """trainer.json (checked against its CRC-32 and :func:`_check_meta`) and the tensors
+    of trainer.safetensors."""
     p = path / TRAINER_JSON
     if not p.is_file():
         raise CheckpointError(f"{path}: no {TRAINER_JSON}; not an attnlab training checkpoint")
+    raw = p.read_bytes()
+    tensors, tmeta = read_tensors(path / TRAINER_FILE)
+    crc = tmeta.get(_JSON_CRC_KEY)
+    if crc is not None and (not crc.isdigit() or int(crc) != zlib.crc32(raw)):
+        raise CheckpointError(f"{p}: fails its CRC-32 check (recorded in {TRAINER_FILE}; the file is corrupted "
+                              "or was edited)")
     try:
-        meta = json.loads(p.read_text())
+        meta = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{p}: not valid JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{p}: format is {meta.get('format') if isinstance(meta, dict) else None!r}, "
-                              f"expected {FORMAT!r}")
-    if meta.get("version") != VERSION:
-        raise CheckpointError(f"{p}: version {meta.get('version')!r} is not supported (expected {VERSION})")
-    step = meta.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"{p}: step must be an int >= 0, got {step!r}")
-    return meta
+    meta = _check_meta(p, meta)
+    if crc is None and meta["version"] >= 2:
+        raise CheckpointError(f"{path / TRAINER_FILE}: metadata {_JSON_CRC_KEY!r} (the CRC-32 of {TRAINER_JSON}) "
+                              "is missing")
+    unknown = sorted(set(tensors) - {_RNG})
+    if unknown:
+        raise CheckpointError(f"{path / TRAINER_FILE}: unexpected tensor {unknown[0]!r} (expected only {_RNG!r})")
+    return meta, tensors
 
+
+def _check_rng(path: Path, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    where = path / TRAINER_FILE
+    rng = tensors.get(_RNG)
+    if rng is None:
+        raise CheckpointError(f"{where}: no tensor {_RNG!r} (the RNG state)")
+    want = torch.get_rng_state()
+    if rng.dtype != torch.uint8 or rng.dim() != 1 or rng.numel() != want.numel():
+        raise CheckpointError(f"{where}: tensor {_RNG!r} is {rng.dtype} of shape {tuple(rng.shape)}, expected "
+                              f"uint8 of shape {tuple(want.shape)} (torch's CPU generator state)")
+    try:
+        torch.Generator().set_state(rng)
+    except RuntimeError as e:
+        raise CheckpointError(f"{where}: tensor {_RNG!r} is not a valid CPU generator state ({e})") from None
+    return rng
+
+
+# -- loading -----------------------------------------------------------------------
 
 def _check_copy(name: str, src: torch.Tensor, dst: torch.Tensor, where: str) -> None:
     if tuple(src.shape) != tuple(dst.shape):
@@ -339,11 +359,16 @@ def _check_copy(name: str, src: torch.Tensor, dst: torch.Tensor, where: str) -> 
 def _plan_model(path: Path, model: nn.Module, meta: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Validate the model file against ``model``; return (destination, source) pairs."""
     where = str(path / MODEL_FILE)
-    tensors, fmeta = _read(path / MODEL_FILE)
+    tensors, fmeta = read_tensors(path / MODEL_FILE)
     try:
         aliases = json.loads(fmeta.get(_ALIAS_KEY, "{}"))
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{where}: metadata {_ALIAS_KEY!r} is not valid JSON ({e})") from None
+    if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
+        raise CheckpointError(f"{where}: metadata {_ALIAS_KEY!r} must be an object of str -> str")
+    if aliases != meta["model"]["aliases"]:
+        raise CheckpointError(f"{path}: {TRAINER_JSON} field 'model.aliases' {meta['model']['aliases']} differs from "
+                              f"{MODEL_FILE}'s metadata {aliases}")
     expected = model.state_dict()
     missing = [n for n in expected if n not in tensors and aliases.get(n) not in tensors]
     if missing:
@@ -370,35 +395,30 @@ def _plan_model(path: Path, model: nn.Module, meta: dict) -> list[tuple[torch.Te
 def _plan_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict) -> dict:
     """Validate the optimizer part; return the state_dict to load."""
     where = str(path / OPTIMIZER_FILE)
-    om = meta.get("optimizer")
+    om = meta["optimizer"]
     if om is None:
         raise CheckpointError(f"{path}: the checkpoint has no optimizer state, but an optimizer was given "
                               "(pass optimizer=None to load the model only)")
-    if om.get("class") != type(optimizer).__name__:
-        raise CheckpointError(f"{path}: optimizer class is {om.get('class')!r} in the checkpoint, "
+    if om["class"] != type(optimizer).__name__:
+        raise CheckpointError(f"{path}: optimizer class is {om['class']!r} in the checkpoint, "
                               f"got a {type(optimizer).__name__}")
-    tensors, _ = _read(path / OPTIMIZER_FILE)
-    current = optimizer.state_dict()
-    groups = om.get("param_groups")
-    if not isinstance(groups, list) or len(groups) != len(current["param_groups"]):
-        raise CheckpointError(f"{path}: optimizer has {len(current['param_groups'])} param groups, the checkpoint "
-                              f"{len(groups) if isinstance(groups, list) else groups!r}")
+    tensors, _ = read_tensors(path / OPTIMIZER_FILE)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     names = _param_names(model, optimizer)
-    saved_names = om.get("param_names") or []
-    for g, (sg, cg) in enumerate(zip(groups, current["param_groups"])):
-        if len(sg.get("params", [])) != len(cg["params"]):
-            raise CheckpointError(f"{path}: optimizer param group {g} holds {len(cg['params'])} parameters, "
-                                  f"the checkpoint's {len(sg.get('params', []))}")
+    saved_names = om["param_names"]
+    if len(saved_names) != len(names):
+        raise CheckpointError(f"{path}: {TRAINER_JSON} field 'optimizer.param_names' lists {len(saved_names)} "
+                              f"parameters, the optimizer has {len(names)}")
     for i, (a, b) in enumerate(zip(saved_names, names)):
         if a != b:
             raise CheckpointError(f"{path}: optimizer parameter {i} is {b!r} in the model but {a!r} in the checkpoint")
     state: dict[int, dict] = {}
+    used: set[str] = set()
     for name, t in tensors.items():
         parts = name.split(".")
         if parts[0] == "param_groups":
             continue
-        if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit():
+        if len(parts) != 3 or parts[0] != "state" or not re.fullmatch(r"0|[1-9][0-9]*", parts[1]):
             raise CheckpointError(f"{where}: unexpected tensor {name!r} (expected state.<index>.<key>)")
         i = int(parts[1])
         if i >= len(params):
@@ -408,81 +428,134 @@ def _plan_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             raise CheckpointError(f"{where}: tensor {name!r} ({names[i]}) has shape {tuple(t.shape)} in the "
                                   f"checkpoint, the parameter has {tuple(p.shape)}")
         state.setdefault(i, {})[parts[2]] = t
-    for i, kv in (om.get("state") or {}).items():
-        if not i.isdigit() or int(i) >= len(params):
-            raise CheckpointError(f"{path}: optimizer non-tensor state for parameter {i!r} out of range")
+        used.add(name)
+    for i, kv in om["state"].items():
+        if int(i) >= len(params):
+            raise CheckpointError(f"{path}: optimizer non-tensor state for parameter {i!r} out of range "
+                                  f"(the optimizer has {len(params)})")
+        dup = sorted(set(kv) & set(state.get(int(i), {})))
+        if dup:
+            raise CheckpointError(f"{path}: optimizer state {i}.{dup[0]} is both a tensor and a {TRAINER_JSON} value")
         state.setdefault(int(i), {}).update(_from_json(kv))
     out_groups = []
-    for g, sg in enumerate(groups):
+    for g, sg in enumerate(om["param_groups"]):
         dg = {}
         for k, v in sg.items():
             if isinstance(v, dict) and set(v) == {"__tensor__"}:
                 if v["__tensor__"] not in tensors:
                     raise CheckpointError(f"{where}: missing tensor {v['__tensor__']!r}")
                 dg[k] = tensors[v["__tensor__"]]
+                used.add(v["__tensor__"])
             else:
                 dg[k] = _from_json(v)
         out_groups.append(dg)
-    return {"state": state, "param_groups": out_groups}
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise CheckpointError(f"{where}: unexpected tensor {unused[0]!r} (no param group refers to it)")
+    sd = {"state": state, "param_groups": out_groups}
+    check_optimizer_state(optimizer, sd, names, str(path))
+    return sd
+
+
+@dataclass
+class PendingLoad:
+    """A checkpoint read and checked against a model (and optimizer) by
+    :func:`prepare_load`; nothing is modified until :meth:`apply`."""
+    info: CheckpointInfo
+    model: nn.Module = field(repr=False)
+    optimizer: torch.optim.Optimizer | None = field(repr=False)
+    _pairs: list = field(repr=False)
+    _opt_sd: dict | None = field(repr=False)
+
+    def apply(self, *, restore_rng: bool = False) -> CheckpointInfo:
+        """Copy the weights into the model, load the optimizer state, and with
+        ``restore_rng=True`` set torch's CPU RNG state; return the :class:`CheckpointInfo`."""
+        before = self.optimizer.state_dict() if self._opt_sd is not None else None
+        if self._opt_sd is not None:
+            self.optimizer.load_state_dict(self._opt_sd)
+        try:
+            with torch.no_grad():
+                for dst, src in self._pairs:
+                    dst.copy_(src)
+        except BaseException:
+            if before is not None:       # keep the optimizer consistent with the model
+                self.optimizer.load_state_dict(before)
+            raise
+        if restore_rng:
+            torch.set_rng_state(self.info.rng_state)
+        return self.info
+
+
+def prepare_load(path_dir, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> PendingLoad:
+    """Read and check a checkpoint written by :func:`save_checkpoint` against ``model``
+    (and ``optimizer``) without modifying either; ``.apply()`` then restores them.
+
+    Checked: every field of trainer.json (types and ranges, no unknown field) and its
+    CRC-32; the tensors' CRC-32s; missing or unexpected tensors, shapes, dtypes (floating
+    casts are allowed) and ties of the weights; the optimizer's class, param groups,
+    parameter ids, the model name of each index, hyperparameters, and every
+    per-parameter state entry (:func:`attnlab.train.optim_state.check_optimizer_state`);
+    the RNG state's dtype, size and validity.  Any problem raises ``CheckpointError``
+    (a ``ValueError``) naming the file and the field or tensor.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: expected None or a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    safetensors_module()
+    path = recover(Path(path_dir), TRAINER_JSON)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    meta, trainer_tensors = _read_meta(path)
+    rng = _check_rng(path, trainer_tensors)
+    pairs = _plan_model(path, model, meta)
+    opt_sd = _plan_optimizer(path, model, optimizer, meta) if optimizer is not None else None
+    info = CheckpointInfo(path=path, step=meta["step"], extra=meta["extra"], rng_state=rng, meta=meta)
+    return PendingLoad(info, model, optimizer, pairs, opt_sd)
 
 
 def load_checkpoint(path_dir, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                     restore_rng: bool = False) -> CheckpointInfo:
     """Restore ``model`` (and ``optimizer``) from a folder written by :func:`save_checkpoint`.
 
-    Everything is read and checked first: missing or unexpected tensors, shapes, dtypes
-    (floating casts are allowed), CRC-32 checksums, and the optimizer's layout (class,
-    param groups, the model name of each parameter index, each state tensor's shape
-    against its parameter).  Any problem raises ``CheckpointError`` (a ``ValueError``)
-    naming the tensor, and nothing has been modified.  Tied parameters stay tied (values
-    are copied into the existing tensors).  ``restore_rng=True`` also calls
+    Everything is read and checked first (:func:`prepare_load` says what); any problem
+    raises ``CheckpointError`` (a ``ValueError``) naming the field or tensor, and then
+    neither the model nor the optimizer has been modified.  Tied parameters stay tied
+    (values are copied into the existing tensors).  ``restore_rng=True`` also calls
     ``torch.set_rng_state`` with the saved state; it is returned either way.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer: expected None or a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    _st()
-    path = Path(path_dir)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint folder")
-    meta = _read_meta(path)
-    pairs = _plan_model(path, model, meta)
-    opt_sd = _plan_optimizer(path, model, optimizer, meta) if optimizer is not None else None
-    rng = None
-    if (path / TRAINER_FILE).is_file():
-        tt, _ = _read(path / TRAINER_FILE)
-        rng = tt.get(_RNG)
-        if rng is not None and rng.dtype != torch.uint8:
-            raise CheckpointError(f"{path / TRAINER_FILE}: tensor {_RNG!r} must be uint8, got {rng.dtype}")
-    if restore_rng and rng is None:
-        raise CheckpointError(f"{path}: no RNG state saved ({_RNG!r} in {TRAINER_FILE})")
-    # -- everything checked: copy.
-    with torch.no_grad():
-        for dst, src in pairs:
-            dst.copy_(src)
-    if opt_sd is not None:
-        optimizer.load_state_dict(opt_sd)
-    if restore_rng:
-        torch.set_rng_state(rng)
-    return CheckpointInfo(path=path, step=meta["step"], extra=meta.get("extra") or {}, rng_state=rng, meta=meta)
+    return prepare_load(path_dir, model, optimizer).apply(restore_rng=restore_rng)
+
+
+def _saved_step(d: Path) -> int | None:
+    try:
+        step = json.loads((d / TRAINER_JSON).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if _nonneg_int(step) else None
 
 
 def latest_checkpoint(root) -> Path | None:
     """The checkpoint folder under ``root`` with the highest step (``trainer.json``'s
-    ``step``), or ``root`` itself if it is a checkpoint; ``None`` if there is none."""
+    ``step``), or ``root`` itself if it is a checkpoint; ``None`` if there is none.
+
+    A save interrupted while switching folders is undone first (see
+    :mod:`attnlab.train.atomic`), so a checkpoint that existed is always found."""
     root = Path(root)
-    if (root / TRAINER_JSON).is_file():
-        return root
+    found = recover(root, TRAINER_JSON)
+    if (found / TRAINER_JSON).is_file():
+        return root if found == root else found
     best, best_step = None, -1
     if root.is_dir():
-        for d in root.iterdir():
-            if d.name.startswith(".") or not (d / TRAINER_JSON).is_file():
-                continue
-            try:
-                step = json.loads((d / TRAINER_JSON).read_text()).get("step", -1)
-            except (OSError, ValueError):
-                continue
-            if isinstance(step, int) and step > best_step:
+        candidates = []
+        for d in sorted(root.iterdir()):
+            m = re.fullmatch(r"\.(.+)\.old", d.name)
+            if m and not os.path.lexists(root / m.group(1)):
+                candidates.append(recover(root / m.group(1), TRAINER_JSON))
+            elif not d.name.startswith("."):
+                candidates.append(d)
+        for d in candidates:
+            step = _saved_step(d) if (d / TRAINER_JSON).is_file() else None
+            if step is not None and step > best_step:
                 best, best_step = d, step
     return best

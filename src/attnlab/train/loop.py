@@ -21,7 +21,10 @@ One step::
   the end, in ``checkpoint_dir/step-0000010`` (10 = completed steps).  They hold the
   model, the optimizer, the RNG state and the number of batches consumed; ``train(...,
   resume=folder)`` with a *fresh* iterator built with the same arguments skips that many
-  batches and continues exactly where the run stopped.
+  batches and continues exactly where the run stopped.  The checkpoint is checked whole
+  before anything changes (:func:`attnlab.train.checkpoint.prepare_load`), and its data
+  position too: ``batches_consumed`` must equal the step (one batch per step), and only a
+  run with steps left skips, so resuming takes at most ``cfg.steps`` batches, never forever.
 
 >>> import torch
 >>> from attnlab.nn import Decoder, DecoderConfig
@@ -57,7 +60,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from attnlab.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from attnlab.train.atomic import check_writable_folder
+from attnlab.train.checkpoint import CheckpointError, latest_checkpoint, prepare_load, save_checkpoint
 
 __all__ = ["IGNORE_INDEX", "TrainConfig", "TrainResult", "StepInfo", "lr_at", "configure_optimizer", "train",
            "evaluate", "lm_loss"]
@@ -389,6 +393,26 @@ def _resume_path(resume) -> Path:
     return p
 
 
+def _resume_fields(info, path: Path) -> tuple[dict | None, int]:
+    """``(train_config, batches_consumed)`` of a checkpoint's ``extra``, checked: the
+    loop takes one batch per step, so ``batches_consumed`` must equal ``step``."""
+    extra = info.extra
+    where = f"{path}: trainer.json field"
+    saved_cfg = extra.get("train_config")
+    if saved_cfg is not None and not isinstance(saved_cfg, dict):
+        raise CheckpointError(f"{where} 'extra.train_config' is a {type(saved_cfg).__name__}, expected an object")
+    data = extra.get("data", {})
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{where} 'extra.data' is a {type(data).__name__}, expected an object")
+    consumed = data.get("batches_consumed", info.step)
+    if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
+        raise CheckpointError(f"{where} 'extra.data.batches_consumed' is {consumed!r}, expected an int >= 0")
+    if consumed != info.step:
+        raise CheckpointError(f"{where} 'extra.data.batches_consumed' is {consumed}, but the checkpoint is at step "
+                              f"{info.step} and the loop consumes one batch per step")
+    return saved_cfg, consumed
+
+
 def _compare_configs(saved: dict | None, cfg: TrainConfig, where: Path) -> None:
     if not saved:
         return
@@ -418,11 +442,15 @@ def train(model: nn.Module, batches: Iterable, cfg: TrainConfig, *, eval_batches
             stops the run.
         resume: a checkpoint folder, or a ``checkpoint_dir`` (its latest checkpoint):
             restores model, optimizer, RNG state and step, and skips the batches the
-            saved run consumed.  Pass a freshly built ``batches`` iterator.
+            saved run consumed.  Pass a freshly built ``batches`` iterator.  A damaged
+            checkpoint or data position raises ``CheckpointError`` (a ``ValueError``)
+            and a source that runs out while skipping a ``ValueError``, both before the
+            model is modified.
         progress: ``True`` (a tqdm bar on stderr), ``False``, or a file object for the
             bar.  Its postfix shows the loss, tokens/s and lr.
 
-    Raises ``FloatingPointError`` when the loss stops being finite.
+    Raises ``FloatingPointError`` when the loss stops being finite, and ``ValueError``
+    before the first step when ``cfg.checkpoint_dir`` cannot be created or written.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -430,6 +458,8 @@ def train(model: nn.Module, batches: Iterable, cfg: TrainConfig, *, eval_batches
         raise TypeError(f"cfg: expected a TrainConfig, got {type(cfg).__name__}")
     if callback is not None and not callable(callback):
         raise TypeError(f"callback: expected a callable, got {type(callback).__name__}")
+    if cfg.checkpoint_dir is not None:   # fail now, not at the first save after training ran
+        check_writable_folder(cfg.checkpoint_dir, "TrainConfig.checkpoint_dir")
     it: Iterator = iter(batches)
     eval_source = _eval_source(eval_batches)
     device = _model_device(model)
@@ -443,18 +473,22 @@ def train(model: nn.Module, batches: Iterable, cfg: TrainConfig, *, eval_batches
         step, consumed = 0, 0
         if resume is not None:
             path = _resume_path(resume)
-            info = load_checkpoint(path, model, optimizer)
-            _compare_configs(info.extra.get("train_config"), cfg, path)
+            pending = prepare_load(path, model, optimizer)       # everything checked; nothing modified yet
+            info = pending.info
+            saved_cfg, consumed = _resume_fields(info, path)
+            _compare_configs(saved_cfg, cfg, path)
             step = info.step
-            consumed = int(info.extra.get("data", {}).get("batches_consumed", step))
-            for k in range(consumed):
+            # Skip what the saved run consumed, before touching the model: a source that runs
+            # out leaves it as it was.  Only a run with steps left needs its data position, so
+            # the skip is bounded by cfg.steps (the run's own length), whatever the file says.
+            skip = consumed if step < cfg.steps else 0
+            for k in range(skip):
                 try:
                     next(it)
                 except StopIteration:
                     raise ValueError(f"resume: batches ran out after {k} batches while skipping the {consumed} "
                                      "the checkpointed run consumed") from None
-            if info.rng_state is None:
-                raise CheckpointError(f"{path}: no RNG state saved; cannot resume exactly")
+            pending.apply()
             torch.set_rng_state(info.rng_state)  # after skipping, in case the data touched the global RNG
         res.start_step = res.final_step = step
         bar = _progress(progress, cfg.steps, step)

@@ -14,6 +14,7 @@ import time
 import torch
 
 from attnlab.nn import Decoder, DecoderConfig
+from attnlab.train.atomic import check_writable_folder
 from attnlab.train.data import TokenStream, associative_recall, repeated_sequences
 from attnlab.train.loop import TrainConfig, train
 from attnlab.train.tokenizer import ByteBPE, stdlib_corpus
@@ -45,6 +46,11 @@ def build(task: str, *, vocab: int, seq_len: int, batch: int, seed: int, corpus_
 
 def main(task="induction", steps=300, layers=2, d_model=128, heads=4, positions="rope", seq_len=64, batch=16,
          lr=3e-3, vocab=None, seed=0, out=None, resume=False, attn_only=False) -> dict:
+    if resume and not out:
+        raise ValueError("--resume (resume=True) needs --out DIR (out=...): the folder whose latest checkpoint to "
+                         "continue from")
+    if out:   # before the tokenizer and the training run, not at the first save
+        check_writable_folder(out, "--out")
     vocab = vocab or (512 if task == "text" else 64)
     batches, evals, V, tok = build(task, vocab=vocab, seq_len=seq_len, batch=batch, seed=seed)
     if task == "recall":
@@ -56,7 +62,7 @@ def main(task="induction", steps=300, layers=2, d_model=128, heads=4, positions=
     tcfg = TrainConfig(steps=steps, batch_size=batch, seq_len=seq_len, lr=lr, warmup_steps=max(1, steps // 20),
                        seed=seed, eval_every=max(1, steps // 5), checkpoint_dir=out,
                        checkpoint_every=max(1, steps // 5) if out else None)
-    res = train(model, batches, tcfg, eval_batches=evals, resume=out if (resume and out) else None)
+    res = train(model, batches, tcfg, eval_batches=evals, resume=out if resume else None)
     first = sum(res.losses[:10]) / max(1, len(res.losses[:10]))
     last = sum(res.losses[-10:]) / max(1, len(res.losses[-10:]))
     summary = {"task": task, "steps": res.final_step, "params": sum(p.numel() for p in model.parameters()),
