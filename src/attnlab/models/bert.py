@@ -30,10 +30,13 @@ def config_from_hf(d, tensors, where: str = "config.json") -> EncoderConfig:
     act = f.d.get("hidden_act", "gelu")
     if not isinstance(act, str) or act not in _ACT:
         raise CheckpointError(f"{f.where}: bert: hidden_act {act!r} is not supported; expected one of {sorted(_ACT)}")
+    d_model, heads = f.int("hidden_size"), f.int("num_attention_heads")
+    if d_model % heads:
+        raise CheckpointError(f"{f.where}: field 'num_attention_heads': {heads} must divide hidden_size={d_model}")
     return build(
         EncoderConfig, f.where,
-        vocab_size=f.int("vocab_size"), d_model=f.int("hidden_size"), n_layers=f.int("num_hidden_layers"),
-        n_heads=f.int("num_attention_heads"), d_mlp=f.int("intermediate_size"),
+        vocab_size=f.int("vocab_size"), d_model=d_model, n_layers=f.int("num_hidden_layers"),
+        n_heads=heads, d_mlp=f.int("intermediate_size"),
         max_positions=f.int("max_position_embeddings", 512), type_vocab_size=f.int("type_vocab_size", 2, min=0),
         norm_eps=f.float("layer_norm_eps", 1e-12), act=_ACT[act],
         pad_token_id=f.int("pad_token_id", 0, min=0, none_is_absent=True),

@@ -112,7 +112,7 @@ def weight_files(folder: Path) -> list[Path]:
                                   f"{{tensor name: shard file}}, got {type(wm).__name__}")
         shards = {}
         for tensor, name in wm.items():
-            if name not in shards:
+            if not isinstance(name, str) or name not in shards:
                 shards[name] = shard_path(folder, name, index, tensor)
         return [shards[n] for n in sorted(shards)]
     for name in ("model.safetensors", "pytorch_model.bin"):

@@ -32,10 +32,12 @@ def config_from_hf(d, where: str = "config.json") -> DecoderConfig:
     act = f.d.get("activation_function", "gelu_new")
     if not isinstance(act, str) or act not in _ACT:
         raise CheckpointError(f"{f.where}: gpt2: activation_function {act!r} is not supported; expected one of {sorted(_ACT)}")
-    d_model = f.int("n_embd")
+    d_model, heads = f.int("n_embd"), f.int("n_head")
+    if d_model % heads:
+        raise CheckpointError(f"{f.where}: field 'n_head': {heads} must divide n_embd={d_model}")
     return build(
         DecoderConfig, f.where,
-        vocab_size=f.int("vocab_size"), d_model=d_model, n_layers=f.int("n_layer"), n_heads=f.int("n_head"),
+        vocab_size=f.int("vocab_size"), d_model=d_model, n_layers=f.int("n_layer"), n_heads=heads,
         d_mlp=f.int("n_inner", 4 * d_model, none_is_absent=True), max_positions=f.int("n_positions"),
         positions="learned", norm="layernorm", norm_eps=f.float("layer_norm_epsilon", 1e-5), mlp="mlp",
         act=_ACT[act], bias=True, tie_embeddings=f.bool("tie_word_embeddings", True))

@@ -55,6 +55,9 @@ def config_from_hf(d, where: str = "config.json") -> DecoderConfig:
         raise CheckpointError(f"{f.where}: hidden_size={hidden} // num_attention_heads={heads} is 0; "
                               "set head_dim")
     kv = f.int("num_key_value_heads", heads, none_is_absent=True)
+    if heads % kv:
+        raise CheckpointError(f"{f.where}: field 'num_key_value_heads': {kv} must divide "
+                              f"num_attention_heads={heads} (each kv head serves a group of query heads)")
     rope = _rope(f, d_head)
     attention_bias, mlp_bias = f.bool("attention_bias", False), f.bool("mlp_bias", False)
     if attention_bias != mlp_bias:

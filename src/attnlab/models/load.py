@@ -59,7 +59,7 @@ def load(name_or_path, *, dtype: torch.dtype = torch.float32, backend: str | Non
     model_type = fields.d.get("model_type")
     arch = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
-        raise CheckpointError(f"{folder}: model_type {model_type!r} is not supported; "
+        raise CheckpointError(f"{fields.where}: model_type {model_type!r} is not supported; "
                               f"supported: {sorted(ARCHITECTURES)}")
     files = weight_files(folder)
     # Phase 1: headers only (names, shapes, dtypes), against the model on the meta device.
