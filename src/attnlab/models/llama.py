@@ -23,15 +23,22 @@ def _rope(f: Fields, d_head: int):
     (0, 1], the scaling dict flat with finite numbers; then :func:`rope_from_hf`."""
     f.float("rope_theta", 10000.0)
     prf = f.float("partial_rotary_factor", 1.0, high=1.0)
+    f.int("original_max_position_embeddings", None, none_is_absent=True)
     for key in ("rope_parameters", "rope_scaling"):
         p = f.dict_or_none(key)
         if p:
             numbers_finite(p, f.where, key)
             sub = Fields(p, f"{f.where} [{key}]")
-            sub.float("factor", None)
-            sub.float("rope_theta", None)
-            sub.int("original_max_position_embeddings", None)
-            sub.float("partial_rotary_factor", None, high=1.0)
+            sub.str("rope_type", None)
+            sub.str("type", None)
+            for k in ("factor", "rope_theta", "beta_fast", "beta_slow", "attention_factor", "low_freq_factor",
+                      "high_freq_factor"):
+                sub.float(k, None, none_is_absent=True)
+            for k in ("mscale", "mscale_all_dim"):
+                sub.float(k, None, low_inclusive=True, none_is_absent=True)
+            sub.float("partial_rotary_factor", None, high=1.0, none_is_absent=True)
+            sub.int("original_max_position_embeddings", None, none_is_absent=True)
+            sub.bool("truncate", None, none_is_absent=True)
     if prf is not None and int(d_head * prf) % 2:
         raise CheckpointError(f"{f.where}: field 'partial_rotary_factor': {prf} x head_dim {d_head} must give an "
                               "even rotary dimension")
