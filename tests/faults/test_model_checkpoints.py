@@ -101,8 +101,9 @@ def write_index(folder: Path, index) -> None:
 #
 # One child process loads each hostile folder under an address-space cap (RLIMIT_AS) of
 # CAP_MB above its size after a warm-up load, and reports the growth of its peak resident
-# memory during each load (VmHWM, reset before each case; ru_maxrss where it cannot be).  Today's loader allocates the model the config
-# describes first (6.4 GB for vocab_size=1e8 at width 16) and so dies on the cap.
+# memory during each load (VmHWM, reset before each case; ru_maxrss where it cannot be).
+# Today's loader allocates the model the config describes first (6.4 GB for
+# vocab_size=1e8 at width 16) and so dies on the cap.
 
 CAP_MB = 256          # room far beyond a tiny load, far below what the hostile configs ask for
 GROWTH_LIMIT_MB = 64  # a refused load may touch a few MB (headers, the meta model's Python objects)

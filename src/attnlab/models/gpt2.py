@@ -31,7 +31,8 @@ def config_from_hf(d, where: str = "config.json") -> DecoderConfig:
         raise CheckpointError(f"{f.where}: gpt2: add_cross_attention=True is not supported")
     act = f.d.get("activation_function", "gelu_new")
     if not isinstance(act, str) or act not in _ACT:
-        raise CheckpointError(f"{f.where}: gpt2: activation_function {act!r} is not supported; expected one of {sorted(_ACT)}")
+        raise CheckpointError(f"{f.where}: gpt2: activation_function {act!r} is not supported; "
+                              f"expected one of {sorted(_ACT)}")
     d_model, heads = f.int("n_embd"), f.int("n_head")
     if d_model % heads:
         raise CheckpointError(f"{f.where}: field 'n_head': {heads} must divide n_embd={d_model}")

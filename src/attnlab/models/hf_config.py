@@ -10,13 +10,13 @@ JSON integers (``64``, not ``64.0`` or ``1e8``, never ``true``); floats may be a
 JSON number.  ``null`` counts as absent where transformers treats it so (``n_inner``,
 ``head_dim``, ``num_key_value_heads``, ``pad_token_id``).
 
->>> f = Fields({"n_embd": 64, "layer_norm_epsilon": float("nan")}, "ckpt/config.json")
+>>> f = Fields({"n_embd": 64, "eps": float("nan")}, "ckpt/config.json")
 >>> f.int("n_embd")
 64
->>> f.float("layer_norm_epsilon", 1e-5)
+>>> f.float("eps", 1e-5)
 Traceback (most recent call last):
 ...
-attnlab.models.checkpoint.CheckpointError: ckpt/config.json: field 'layer_norm_epsilon': expected a finite number > 0, got nan
+attnlab.models.checkpoint.CheckpointError: ckpt/config.json: field 'eps': expected a finite number > 0, got nan
 """
 
 from __future__ import annotations

@@ -76,8 +76,8 @@ def load(name_or_path, *, dtype: torch.dtype = torch.float32, backend: str | Non
     if tied:
         emb = headers.get(emb_name)
         if emb is not None and emb.shape != headers["lm_head.weight"].shape:
-            raise CheckpointError(f"{folder}: tie_word_embeddings is set but lm_head.weight {headers['lm_head.weight'].shape} "
-                                  f"differs in shape from {emb_name} {emb.shape}")
+            raise CheckpointError(f"{folder}: tie_word_embeddings is set but lm_head.weight "
+                                  f"{headers['lm_head.weight'].shape} differs in shape from {emb_name} {emb.shape}")
         headers = {k: v for k, v in headers.items() if k != "lm_head.weight"}
     plan = arch.plan(cfg, headers)
     with torch.device("meta"):
