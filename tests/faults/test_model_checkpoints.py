@@ -210,6 +210,25 @@ def test_hostile_config_error_names_field_and_shapes(hostile_results):
     assert "config.json: 1073741824 bytes" in hostile_results["config-1GiB"]["result"]
 
 
+@pytest.mark.parametrize("field,tensor", [("vocab_size", "wte.weight"), ("n_positions", "wpe.weight")])
+def test_config_beyond_int64_names_the_tensor(base, tmp_path, field, tensor):
+    # today: the model is built first and torch fails on a size it cannot even represent
+    folder = make(base, "gpt2", tmp_path / "ckpt", **{field: 10**30})
+    with pytest.raises(CheckpointError, match=rf"'{tensor}' has shape \(\d+, 16\), expected \(10{{30}}, 16\)"):
+        load(folder)
+
+
+def test_headers_that_declare_more_bytes_than_the_files_hold(tmp_path):
+    # the last guard of the header phase, for a file whose header lies about its data
+    from attnlab.models.checkpoint import Entry, Header, check_plan
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"\0" * 16)
+    headers = {"w": Header((2, 3), "F32", f), "b": Header((2,), "F32", f)}  # 32 bytes declared, 16 held
+    plan = {"weight": Entry([("w", (2, 3))]), "bias": Entry([("b", (2,))])}
+    with pytest.raises(CheckpointError, match=r"declare 32 bytes but the files hold only 16"):
+        check_plan(lambda: torch.nn.Linear(3, 2), headers, plan)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Every config field the loader reads is checked: type, range, known names.
 
@@ -279,6 +298,14 @@ def test_config_nested_too_deeply(base, tmp_path):
     folder = make(base, "gpt2", tmp_path / "ckpt")
     (folder / "config.json").write_text("[" * 200_000 + "]" * 200_000)
     with pytest.raises(CheckpointError, match=r"config\.json"):
+        load(folder)
+
+
+def test_config_with_an_int_of_5000_digits(base, tmp_path):
+    folder = make(base, "gpt2", tmp_path / "ckpt")
+    text = (folder / "config.json").read_text()
+    (folder / "config.json").write_text(text.replace('"n_layer": 2', '"n_layer": 1' + "0" * 5000))
+    with pytest.raises(CheckpointError, match=r"config\.json: not valid JSON"):
         load(folder)
 
 

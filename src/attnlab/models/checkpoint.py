@@ -57,7 +57,9 @@ def read_json_object(p: Path) -> dict:
         raise CheckpointError(f"{p}: {size} bytes is not a config or index file (at most {MAX_JSON_BYTES} bytes)")
     try:
         d = json.loads(p.read_bytes().decode("utf-8"), object_pairs_hook=_no_duplicate_keys(p))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except CheckpointError:
+        raise
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an int of more than 4300 digits
         raise CheckpointError(f"{p}: not valid JSON ({e})") from None
     except RecursionError:
         raise CheckpointError(f"{p}: JSON nested too deeply to be a config") from None
@@ -233,25 +235,30 @@ def strip_prefix(tensors: dict, prefixes: tuple[str, ...], *, where: str = "chec
     return out
 
 
-def _raise(where: str, model: torch.nn.Module, errors: list[str]) -> None:
+def _raise(where: str, what: str, errors: list[str]) -> None:
     if errors:
-        raise CheckpointError(f"{where}: cannot load {type(model).__name__}: " + "; ".join(errors[:8])
+        raise CheckpointError(f"{where}: cannot load {what}: " + "; ".join(errors[:8])
                               + (f"; and {len(errors) - 8} more problems" if len(errors) > 8 else ""))
 
 
-def check_plan(model: torch.nn.Module, headers: dict[str, Header], plan: dict[str, Entry], *,
-               ignore: Callable[[str], bool] = lambda n: False, where: str = "checkpoint") -> None:
-    """Every check of :func:`assign` that needs no data, against the tensor ``headers``
-    and ``model`` built on the meta device: missing, unexpected, misshapen or non-float
-    tensors, combined shapes, and the parameter count the config implies against the
-    count the headers declare.  Nothing is allocated or read."""
-    used, errors, n_ckpt = set(), [], 0
-    state = model.state_dict(keep_vars=True)
+def check_plan(build: Callable[[], torch.nn.Module], headers: dict[str, Header], plan: dict[str, Entry], *,
+               ignore: Callable[[str], bool] = lambda n: False, where: str = "checkpoint",
+               what: str = "model") -> None:
+    """Every check of :func:`assign` that needs no data; nothing is allocated or read.
+
+    First the plan against the tensor ``headers``: missing, unexpected, misshapen or
+    non-float tensors.  Only then is the model built, by ``build()`` on the meta device,
+    and compared: the combined shapes, and the parameter count the config implies
+    against the count the headers declare; the bytes the headers declare must fit in
+    the files.  Raises :class:`CheckpointError` naming the tensors and shapes.
+    """
+    used, errors, parts = set(), [], {}
     for ours, entry in plan.items():
-        parts = []
+        ok = True
         for name, shape in entry.sources:
             h = headers.get(name)
             used.add(name)
+            ok = False
             if h is None:
                 errors.append(f"missing tensor {name!r} (expected shape {tuple(shape)})")
             elif h.shape != tuple(shape):
@@ -259,27 +266,34 @@ def check_plan(model: torch.nn.Module, headers: dict[str, Header], plan: dict[st
             elif h.dtype not in FLOAT_DTYPES:
                 errors.append(f"tensor {name!r} has dtype {h.dtype}, expected a float dtype {sorted(FLOAT_DTYPES)}")
             else:
-                parts.append(torch.empty(h.shape, dtype=FLOAT_DTYPES[h.dtype], device="meta"))
-                n_ckpt += h.numel
-        if len(parts) != len(entry.sources):
-            continue
-        value = entry.combine(*parts) if entry.combine else parts[0]
+                ok = True
+        if ok:
+            parts[ours] = [headers[n] for n, _ in entry.sources]
+    unexpected = sorted(n for n in headers if n not in used and not ignore(n))
+    if unexpected:
+        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        errors.append(f"unexpected tensors {unexpected[:5]}{more}: the config does not describe them")
+    _raise(where, what, errors)
+    with torch.device("meta"):
+        model = build()
+    state = model.state_dict(keep_vars=True)
+    n_ckpt = 0
+    for ours, entry in plan.items():
+        metas = [torch.empty(h.shape, dtype=FLOAT_DTYPES[h.dtype], device="meta") for h in parts[ours]]
+        n_ckpt += sum(h.numel for h in parts[ours])
+        value = entry.combine(*metas) if entry.combine else metas[0]
         if ours not in state:
             raise RuntimeError(f"loader bug: {ours!r} is not a tensor of {type(model).__name__}")
         if tuple(value.shape) != tuple(state[ours].shape):
             errors.append(f"{[n for n, _ in entry.sources]} give shape {tuple(value.shape)} for {ours}, "
                           f"expected {tuple(state[ours].shape)}")
-    unexpected = sorted(n for n in headers if n not in used and not ignore(n))
-    if unexpected:
-        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
-        errors.append(f"unexpected tensors {unexpected[:5]}{more}: the config does not describe them")
-    _raise(where, model, errors)
+    _raise(where, what, errors)
     n_model = sum(t.numel() for t in {id(t): t for t in state.values()}.values())
     if n_model != n_ckpt:
         raise CheckpointError(f"{where}: the config implies {n_model} parameters ({4 * n_model} bytes in float32) "
                               f"but the checkpoint's headers declare {n_ckpt} for the tensors it maps")
-    declared, held = sum(h.nbytes for h in headers.values()), sum(os.path.getsize(f) for f in
-                                                                   {h.file for h in headers.values()})
+    declared = sum(h.nbytes for h in headers.values())
+    held = sum(os.path.getsize(f) for f in {h.file for h in headers.values()})
     if declared > held:
         raise CheckpointError(f"{where}: the tensor headers declare {declared} bytes but the files hold only {held}")
 
@@ -327,7 +341,7 @@ def assign(model: torch.nn.Module, tensors: dict[str, torch.Tensor], plan: dict[
     if unexpected:
         more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
         errors.append(f"unexpected tensors {unexpected[:5]}{more}: the config does not describe them")
-    _raise(where, model, errors)
+    _raise(where, type(model).__name__, errors)
     # Tensors the plan does not name: tied weights take their partner's new value
     # (same storage); anything else would stay as initialised, which is a loader bug.
     params = dict(model.named_parameters(remove_duplicate=False))

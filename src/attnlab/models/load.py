@@ -80,10 +80,7 @@ def load(name_or_path, *, dtype: torch.dtype = torch.float32, backend: str | Non
                                   f"{headers['lm_head.weight'].shape} differs in shape from {emb_name} {emb.shape}")
         headers = {k: v for k, v in headers.items() if k != "lm_head.weight"}
     plan = arch.plan(cfg, headers)
-    with torch.device("meta"):
-        meta_model = model_cls(cfg)
-    check_plan(meta_model, headers, plan, ignore=arch.ignore, where=where)
-    del meta_model
+    check_plan(lambda: model_cls(cfg), headers, plan, ignore=arch.ignore, where=where, what=model_cls.__name__)
     # Phase 2: the data, now bounded by what the files hold.
     tensors = strip_prefix(read_tensors(files), arch.PREFIXES, where=where)
     if tied:
