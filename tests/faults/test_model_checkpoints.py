@@ -332,7 +332,7 @@ def test_weight_map_not_an_object(base, tmp_path):
         load(folder)
 
 
-@pytest.mark.parametrize("bad", [1, None, ["model-00001-of-00002.safetensors"], ""])
+@pytest.mark.parametrize("bad", [1, None, ["model-00001-of-00002.safetensors"], "", "model\0.safetensors"])
 def test_shard_name_not_a_string(base, tmp_path, bad):
     folder, index = _sharded(base, tmp_path)
     first = sorted(index["weight_map"])[0]

@@ -88,7 +88,7 @@ def shard_path(folder: Path, name, index: Path, tensor: str) -> Path:
     resolve (through symlinks) outside the folder — except into the huggingface_hub
     cache's own ``blobs/``, where hub snapshots point."""
     where = f"{index}: weight_map[{tensor!r}]"
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str) or not name or "\0" in name:
         raise CheckpointError(f"{where}: expected a shard file name (a non-empty string), got {name!r}")
     pure = PurePosixPath(name)
     if pure.is_absolute() or PureWindowsPath(name).anchor or "\\" in name or ".." in pure.parts:
