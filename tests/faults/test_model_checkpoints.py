@@ -378,6 +378,23 @@ def test_shard_that_is_not_safetensors_is_refused(base, tmp_path):
         load(folder)
 
 
+@pytest.mark.parametrize("how", ["wrong-shard", "unlisted", "ghost"])
+def test_index_that_disagrees_with_its_shards_is_refused(base, tmp_path, how):
+    folder, index = _sharded(base, tmp_path)
+    wm = index["weight_map"]
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    name = next(k for k, v in sorted(wm.items()) if v == first)
+    if how == "wrong-shard":
+        wm[name] = second
+    elif how == "unlisted":
+        del wm[name]
+    else:
+        wm["transformer.h.9.ghost.weight"] = first
+    write_index(folder, index)
+    with pytest.raises(CheckpointError, match=r"index\.json: field 'weight_map' disagrees with the shards"):
+        load(folder)
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. Two names for one tensor after the prefix is dropped: refused, both named.
 

@@ -102,25 +102,51 @@ def shard_path(folder: Path, name, index: Path, tensor: str) -> Path:
     return Path(folder) / name
 
 
+def read_index(folder: Path) -> dict[str, Path] | None:
+    """``{tensor name: shard path}`` of ``model.safetensors.index.json`` (``None`` where the
+    folder has none), every shard name checked by :func:`shard_path`."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    wm = read_json_object(index).get("weight_map")
+    if not isinstance(wm, dict) or not wm:
+        raise CheckpointError(f"{index}: field 'weight_map': expected a non-empty JSON object "
+                              f"{{tensor name: shard file}}, got {type(wm).__name__}")
+    shards, out = {}, {}
+    for tensor, name in wm.items():
+        if not isinstance(name, str) or name not in shards:
+            shards[name] = shard_path(folder, name, index, tensor)
+        out[tensor] = shards[name]
+    return out
+
+
 def weight_files(folder: Path) -> list[Path]:
     """``model.safetensors``, the shards of ``model.safetensors.index.json``, or a
     ``pytorch_model.bin`` (read with ``weights_only=True``)."""
     folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        wm = read_json_object(index).get("weight_map")
-        if not isinstance(wm, dict) or not wm:
-            raise CheckpointError(f"{index}: field 'weight_map': expected a non-empty JSON object "
-                                  f"{{tensor name: shard file}}, got {type(wm).__name__}")
-        shards = {}
-        for tensor, name in wm.items():
-            if not isinstance(name, str) or name not in shards:
-                shards[name] = shard_path(folder, name, index, tensor)
-        return [shards[n] for n in sorted(shards)]
+    index = read_index(folder)
+    if index is not None:
+        return sorted(set(index.values()))
     for name in ("model.safetensors", "pytorch_model.bin"):
         if (folder / name).is_file():
             return [folder / name]
     raise CheckpointError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def check_index(index: dict[str, Path] | None, headers: dict, where: str) -> None:
+    """The shard index and the shards agree: every tensor the index names is in the shard it
+    names, and every tensor of a shard is in the index (an index that disagrees with its
+    shards is stale or tampered with; which of them is right is not for the loader to guess)."""
+    if index is None:
+        return
+    errors = [f"{n!r} is listed in {index[n].name} but found in {h.file.name}"
+              for n, h in headers.items() if n in index and index[n] != h.file]
+    errors += [f"{n!r} is in {h.file.name} but not in the index" for n, h in headers.items() if n not in index]
+    errors += [f"{n!r} is listed in {f.name}, which does not hold it" for n, f in index.items() if n not in headers]
+    if errors:
+        raise CheckpointError(f"{where}/model.safetensors.index.json: field 'weight_map' disagrees with the shards: "
+                              + "; ".join(errors[:5]) + (f"; and {len(errors) - 5} more" if len(errors) > 5 else ""))
 
 
 @dataclass(frozen=True)
