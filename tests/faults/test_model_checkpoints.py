@@ -206,7 +206,7 @@ def test_hostile_config_refused_before_allocating(hostile_results, case):
 
 def test_hostile_config_error_names_field_and_shapes(hostile_results):
     assert "'wte.weight' has shape (50, 16), expected (100000000, 16)" in hostile_results["gpt2-vocab-1e8"]["result"]
-    assert "20000 layers" in hostile_results["gpt2-n_layer-20000"]["result"]
+    assert "field 'n_layer': the config asks for 20000 layers" in hostile_results["gpt2-n_layer-20000"]["result"]
     assert "config.json: 1073741824 bytes" in hostile_results["config-1GiB"]["result"]
 
 

@@ -9,6 +9,7 @@ from attnlab.models.hf_config import Fields, build
 from attnlab.nn import EncoderConfig
 
 PREFIXES = ("bert.",)
+LAYERS_FIELD = "num_hidden_layers"
 _ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "relu": "relu", "silu": "silu"}
 
 

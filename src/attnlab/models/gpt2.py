@@ -12,6 +12,7 @@ from attnlab.models.hf_config import Fields, build
 from attnlab.nn import DecoderConfig
 
 PREFIXES = ("transformer.",)
+LAYERS_FIELD = "n_layer"
 _ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu", "silu": "silu"}
 
 

@@ -12,6 +12,7 @@ from attnlab.nn import DecoderConfig
 from attnlab.positions import rope_from_hf
 
 PREFIXES = ("model.",)
+LAYERS_FIELD = "num_hidden_layers"
 
 
 def ignore(name: str) -> bool:

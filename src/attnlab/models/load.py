@@ -71,8 +71,8 @@ def load(name_or_path, *, dtype: torch.dtype = torch.float32, backend: str | Non
     if backend is not None:
         cfg = cfg.replace(backend=backend)
     if cfg.n_layers > len(headers):  # every layer needs tensors: refuse before planning 10**9 layers
-        raise CheckpointError(f"{fields.where}: the config asks for {cfg.n_layers} layers but the checkpoint holds "
-                              f"only {len(headers)} tensors in all")
+        raise CheckpointError(f"{fields.where}: field {arch.LAYERS_FIELD!r}: the config asks for {cfg.n_layers} "
+                              f"layers but the checkpoint holds only {len(headers)} tensors in all")
     tied = getattr(cfg, "tie_embeddings", False) and "lm_head.weight" in headers
     emb_name = "embed_tokens.weight" if arch is llama else "wte.weight"
     if tied:
