@@ -122,3 +122,50 @@ def test_tied_checkpoint_with_different_head_is_refused(gpt2_dir):
     _rewrite(gpt2_dir, lambda t: t.__setitem__("lm_head.weight", torch.randn_like(t["transformer.wte.weight"])))
     with pytest.raises(CheckpointError, match="tie_word_embeddings is set but lm_head.weight differs"):
         load(gpt2_dir)
+
+
+def _shard_into(folder, files):
+    """Split model.safetensors over ``files`` (paths relative to ``folder``) plus an index."""
+    t = safetensors.load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names, wm = sorted(t), {}
+    for i, f in enumerate(files):
+        part = names[i::len(files)]
+        (folder / f).parent.mkdir(parents=True, exist_ok=True)
+        safetensors.save_file({n: t[n] for n in part}, str(folder / f), metadata={"format": "pt"})
+        wm.update({n: f for n in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    return t
+
+
+def test_sharded_checkpoint_loads(gpt2_dir):
+    ref, _ = load(gpt2_dir)
+    _shard_into(gpt2_dir, ["model-00001-of-00002.safetensors", "sub/./model-00002-of-00002.safetensors"])
+    model, _ = load(gpt2_dir)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_hub_cache_layout_with_symlinked_shards_loads(gpt2_dir, tmp_path):
+    # huggingface_hub: models--x--y/snapshots/<rev>/<file> -> ../../blobs/<sha>
+    ref, _ = load(gpt2_dir)
+    repo = tmp_path / "models--x--y"
+    snap, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    shutil.copytree(gpt2_dir, snap)
+    _shard_into(snap, ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"])
+    blobs.mkdir()
+    for i, f in enumerate(sorted(snap.iterdir())):
+        (f.rename(blobs / f"sha{i}"))
+        f.symlink_to(f"../../blobs/sha{i}")
+    model, _ = load(snap)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_legacy_bin_format_loads(gpt2_dir):
+    # torch's pre-zip format cannot be memory-mapped; the loader reads it whole
+    t = safetensors.load_file(str(gpt2_dir / "model.safetensors"))
+    (gpt2_dir / "model.safetensors").unlink()
+    torch.save(t, gpt2_dir / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    model, _ = load(gpt2_dir)
+    assert torch.equal(model.embed.weight, t["transformer.wte.weight"])

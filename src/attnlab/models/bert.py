@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 
 from attnlab.models.checkpoint import CheckpointError, Entry
+from attnlab.models.hf_config import Fields, build
 from attnlab.nn import EncoderConfig
 
 PREFIXES = ("bert.",)
+LAYERS_FIELD = "num_hidden_layers"
 _ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "relu": "relu", "silu": "silu"}
 
 
@@ -16,24 +18,30 @@ def ignore(name: str) -> bool:
     return name == "embeddings.position_ids" or name.startswith(("cls.", "classifier.", "qa_outputs."))
 
 
-def config_from_hf(d: dict, tensors: dict) -> EncoderConfig:
-    if d.get("position_embedding_type", "absolute") != "absolute":
-        raise CheckpointError(f"bert: position_embedding_type {d['position_embedding_type']!r} is not supported "
+def config_from_hf(d, tensors, where: str = "config.json") -> EncoderConfig:
+    """An :class:`EncoderConfig` from ``config.json`` (a dict or :class:`Fields`) and the
+    checkpoint's tensor names (``tensors``: any mapping; only membership is read)."""
+    f = d if isinstance(d, Fields) else Fields(d, where)
+    pet = f.d.get("position_embedding_type", "absolute")
+    if pet != "absolute":
+        raise CheckpointError(f"{f.where}: bert: position_embedding_type {pet!r} is not supported "
                               "(expected 'absolute')")
-    if d.get("is_decoder", False) or d.get("add_cross_attention", False):
-        raise CheckpointError("bert: decoder / cross-attention BERT variants are not supported")
-    act = d.get("hidden_act", "gelu")
-    if act not in _ACT:
-        raise CheckpointError(f"bert: hidden_act {act!r} is not supported; expected one of {sorted(_ACT)}")
-    try:
-        return EncoderConfig(
-            vocab_size=d["vocab_size"], d_model=d["hidden_size"], n_layers=d["num_hidden_layers"],
-            n_heads=d["num_attention_heads"], d_mlp=d["intermediate_size"],
-            max_positions=d.get("max_position_embeddings", 512), type_vocab_size=d.get("type_vocab_size", 2),
-            norm_eps=d.get("layer_norm_eps", 1e-12), act=_ACT[act], pad_token_id=d.get("pad_token_id") or 0,
-            pooler="pooler.dense.weight" in tensors)
-    except KeyError as e:
-        raise CheckpointError(f"bert: config.json lacks {e.args[0]!r}") from None
+    if f.bool("is_decoder", False) or f.bool("add_cross_attention", False):
+        raise CheckpointError(f"{f.where}: bert: decoder / cross-attention BERT variants are not supported")
+    act = f.d.get("hidden_act", "gelu")
+    if not isinstance(act, str) or act not in _ACT:
+        raise CheckpointError(f"{f.where}: bert: hidden_act {act!r} is not supported; expected one of {sorted(_ACT)}")
+    d_model, heads = f.int("hidden_size"), f.int("num_attention_heads")
+    if d_model % heads:
+        raise CheckpointError(f"{f.where}: field 'num_attention_heads': {heads} must divide hidden_size={d_model}")
+    return build(
+        EncoderConfig, f.where,
+        vocab_size=f.int("vocab_size"), d_model=d_model, n_layers=f.int("num_hidden_layers"),
+        n_heads=heads, d_mlp=f.int("intermediate_size"),
+        max_positions=f.int("max_position_embeddings", 512), type_vocab_size=f.int("type_vocab_size", 2, min=0),
+        norm_eps=f.float("layer_norm_eps", 1e-12), act=_ACT[act],
+        pad_token_id=f.int("pad_token_id", 0, min=0, none_is_absent=True),
+        pooler="pooler.dense.weight" in tensors)
 
 
 def plan(cfg: EncoderConfig, tensors: dict) -> dict[str, Entry]:

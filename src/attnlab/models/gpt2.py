@@ -8,9 +8,11 @@ contiguous inside each block, which is attnlab's fused QKV layout after a transp
 from __future__ import annotations
 
 from attnlab.models.checkpoint import CheckpointError, Entry
+from attnlab.models.hf_config import Fields, build
 from attnlab.nn import DecoderConfig
 
 PREFIXES = ("transformer.",)
+LAYERS_FIELD = "n_layer"
 _ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu", "silu": "silu"}
 
 
@@ -19,23 +21,28 @@ def ignore(name: str) -> bool:
     return name.endswith(".attn.bias") or name.endswith(".attn.masked_bias")
 
 
-def config_from_hf(d: dict) -> DecoderConfig:
-    if not d.get("scale_attn_weights", True) or d.get("scale_attn_by_inverse_layer_idx", False):
-        raise CheckpointError("gpt2: only the standard 1/sqrt(d_head) attention scale is supported "
+def config_from_hf(d, where: str = "config.json") -> DecoderConfig:
+    """A :class:`DecoderConfig` from ``config.json`` (a dict or :class:`Fields`), every
+    field it reads checked (:class:`CheckpointError` naming the field)."""
+    f = d if isinstance(d, Fields) else Fields(d, where)
+    if not f.bool("scale_attn_weights", True) or f.bool("scale_attn_by_inverse_layer_idx", False):
+        raise CheckpointError(f"{f.where}: gpt2: only the standard 1/sqrt(d_head) attention scale is supported "
                               "(scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False)")
-    if d.get("add_cross_attention", False):
-        raise CheckpointError("gpt2: add_cross_attention=True is not supported")
-    act = d.get("activation_function", "gelu_new")
-    if act not in _ACT:
-        raise CheckpointError(f"gpt2: activation_function {act!r} is not supported; expected one of {sorted(_ACT)}")
-    try:
-        return DecoderConfig(
-            vocab_size=d["vocab_size"], d_model=d["n_embd"], n_layers=d["n_layer"], n_heads=d["n_head"],
-            d_mlp=d.get("n_inner") or 4 * d["n_embd"], max_positions=d["n_positions"], positions="learned",
-            norm="layernorm", norm_eps=d.get("layer_norm_epsilon", 1e-5), mlp="mlp", act=_ACT[act], bias=True,
-            tie_embeddings=d.get("tie_word_embeddings", True))
-    except KeyError as e:
-        raise CheckpointError(f"gpt2: config.json lacks {e.args[0]!r}") from None
+    if f.bool("add_cross_attention", False):
+        raise CheckpointError(f"{f.where}: gpt2: add_cross_attention=True is not supported")
+    act = f.d.get("activation_function", "gelu_new")
+    if not isinstance(act, str) or act not in _ACT:
+        raise CheckpointError(f"{f.where}: gpt2: activation_function {act!r} is not supported; "
+                              f"expected one of {sorted(_ACT)}")
+    d_model, heads = f.int("n_embd"), f.int("n_head")
+    if d_model % heads:
+        raise CheckpointError(f"{f.where}: field 'n_head': {heads} must divide n_embd={d_model}")
+    return build(
+        DecoderConfig, f.where,
+        vocab_size=f.int("vocab_size"), d_model=d_model, n_layers=f.int("n_layer"), n_heads=heads,
+        d_mlp=f.int("n_inner", 4 * d_model, none_is_absent=True), max_positions=f.int("n_positions"),
+        positions="learned", norm="layernorm", norm_eps=f.float("layer_norm_epsilon", 1e-5), mlp="mlp",
+        act=_ACT[act], bias=True, tie_embeddings=f.bool("tie_word_embeddings", True))
 
 
 def plan(cfg: DecoderConfig, tensors: dict) -> dict[str, Entry]:

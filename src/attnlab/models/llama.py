@@ -7,34 +7,78 @@ from __future__ import annotations
 import torch
 
 from attnlab.models.checkpoint import CheckpointError, Entry
+from attnlab.models.hf_config import Fields, build, numbers_finite
 from attnlab.nn import DecoderConfig
 from attnlab.positions import rope_from_hf
 
 PREFIXES = ("model.",)
+LAYERS_FIELD = "num_hidden_layers"
 
 
 def ignore(name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq")
 
 
-def config_from_hf(d: dict) -> DecoderConfig:
-    if d.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"llama: hidden_act {d.get('hidden_act')!r} is not supported (expected 'silu')")
+def _rope(f: Fields, d_head: int):
+    """The RoPE fields, checked: ``rope_theta`` > 0 finite, ``partial_rotary_factor`` in
+    (0, 1], the scaling dict flat with finite numbers; then :func:`rope_from_hf`."""
+    f.float("rope_theta", 10000.0)
+    prf = f.float("partial_rotary_factor", 1.0, high=1.0)
+    f.int("original_max_position_embeddings", None, none_is_absent=True)
+    for key in ("rope_parameters", "rope_scaling"):
+        p = f.dict_or_none(key)
+        if p:
+            numbers_finite(p, f.where, key)
+            sub = Fields(p, f"{f.where} [{key}]")
+            sub.str("rope_type", None)
+            sub.str("type", None)
+            for k in ("factor", "rope_theta", "beta_fast", "beta_slow", "attention_factor", "low_freq_factor",
+                      "high_freq_factor"):
+                sub.float(k, None, none_is_absent=True)
+            for k in ("mscale", "mscale_all_dim"):
+                sub.float(k, None, low_inclusive=True, none_is_absent=True)
+            sub.float("partial_rotary_factor", None, high=1.0, none_is_absent=True)
+            sub.int("original_max_position_embeddings", None, none_is_absent=True)
+            sub.bool("truncate", None, none_is_absent=True)
+    if prf is not None and int(d_head * prf) % 2:
+        raise CheckpointError(f"{f.where}: field 'partial_rotary_factor': {prf} x head_dim {d_head} must give an "
+                              "even rotary dimension")
     try:
-        heads = d["num_attention_heads"]
-        d_head = d.get("head_dim") or d["hidden_size"] // heads
-        rope = rope_from_hf(d, d_head)
-        if d.get("attention_bias", False) != d.get("mlp_bias", False):
-            raise CheckpointError("llama: attention_bias and mlp_bias must agree (attnlab has one `bias` switch)")
-        return DecoderConfig(
-            vocab_size=d["vocab_size"], d_model=d["hidden_size"], n_layers=d["num_hidden_layers"], n_heads=heads,
-            n_kv_heads=d.get("num_key_value_heads") or heads, d_head=d_head, d_mlp=d["intermediate_size"],
-            max_positions=d.get("max_position_embeddings", 2048), positions="rope", norm="rmsnorm",
-            norm_eps=d.get("rms_norm_eps", 1e-6), mlp="swiglu", act="silu", bias=bool(d.get("attention_bias", False)),
-            tie_embeddings=d.get("tie_word_embeddings", False), rope_base=rope.base, rotary_dim=rope.rotary_dim,
-            rope_scaling=rope.scaling)
-    except KeyError as e:
-        raise CheckpointError(f"llama: config.json lacks {e.args[0]!r}") from None
+        return rope_from_hf(f.d, d_head)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{f.where}: {e}") from None
+
+
+def config_from_hf(d, where: str = "config.json") -> DecoderConfig:
+    """A :class:`DecoderConfig` from ``config.json`` (a dict or :class:`Fields`), every
+    field it reads checked (:class:`CheckpointError` naming the field)."""
+    f = d if isinstance(d, Fields) else Fields(d, where)
+    act = f.d.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{f.where}: llama: hidden_act {act!r} is not supported (expected 'silu')")
+    heads = f.int("num_attention_heads")
+    hidden = f.int("hidden_size")
+    d_head = f.int("head_dim", hidden // heads, none_is_absent=True)
+    if d_head < 1:
+        raise CheckpointError(f"{f.where}: hidden_size={hidden} // num_attention_heads={heads} is 0; "
+                              "set head_dim")
+    kv = f.int("num_key_value_heads", heads, none_is_absent=True)
+    if heads % kv:
+        raise CheckpointError(f"{f.where}: field 'num_key_value_heads': {kv} must divide "
+                              f"num_attention_heads={heads} (each kv head serves a group of query heads)")
+    rope = _rope(f, d_head)
+    attention_bias, mlp_bias = f.bool("attention_bias", False), f.bool("mlp_bias", False)
+    if attention_bias != mlp_bias:
+        raise CheckpointError(f"{f.where}: llama: attention_bias and mlp_bias must agree "
+                              "(attnlab has one `bias` switch)")
+    return build(
+        DecoderConfig, f.where,
+        vocab_size=f.int("vocab_size"), d_model=hidden, n_layers=f.int("num_hidden_layers"), n_heads=heads,
+        n_kv_heads=kv, d_head=d_head, d_mlp=f.int("intermediate_size"),
+        max_positions=f.int("max_position_embeddings", 2048), positions="rope", norm="rmsnorm",
+        norm_eps=f.float("rms_norm_eps", 1e-6), mlp="swiglu", act="silu", bias=attention_bias,
+        tie_embeddings=f.bool("tie_word_embeddings", False), rope_base=rope.base, rotary_dim=rope.rotary_dim,
+        rope_scaling=rope.scaling)
 
 
 def plan(cfg: DecoderConfig, tensors: dict) -> dict[str, Entry]:

@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 
 from attnlab.models import bert, gpt2, llama
-from attnlab.models.checkpoint import CheckpointError, assign, read_config, read_tensors, strip_prefix, weight_files
+from attnlab.models.checkpoint import (CheckpointError, assign, check_index, check_plan, read_config, read_headers,
+                                      read_index, read_tensors, strip_prefix, weight_files)
+from attnlab.models.hf_config import Fields
 from attnlab.models.tokenizer import Tokenizer
 from attnlab.nn import Decoder, Encoder
 
@@ -36,8 +38,12 @@ def load(name_or_path, *, dtype: torch.dtype = torch.float32, backend: str | Non
     :class:`Encoder`, ``gpt2`` / ``llama`` → :class:`Decoder`.  The tokenizer is the
     folder's ``tokenizer.json`` (``None`` if it has none).  The model is in eval mode.
 
-    Raises :class:`CheckpointError` (a ``ValueError``) naming the tensor and shapes
-    for a corrupt, truncated or mismatched checkpoint; nothing is half-loaded.
+    Raises :class:`CheckpointError` (a ``ValueError``) naming the file, field or tensor
+    (with shapes) for a corrupt, truncated, hostile or mismatched checkpoint; nothing is
+    half-loaded.  Every ``config.json`` field read is type- and range-checked, and the
+    model the config describes is built first on the meta device and compared, name by
+    name and shape by shape, with the tensor headers: a config that asks for more than
+    the files hold is refused before anything is allocated.
     """
     max_length = None
     if isinstance(name_or_path, str) and name_or_path in NAMES:
@@ -48,27 +54,44 @@ def load(name_or_path, *, dtype: torch.dtype = torch.float32, backend: str | Non
     else:
         raise ValueError(f"load: {name_or_path!r} is neither a known name {NAMES} nor a checkpoint folder; "
                          f"folders may hold model_type {sorted(ARCHITECTURES)}")
-    d = read_config(folder)
-    arch = ARCHITECTURES.get(d.get("model_type"))
+    where = str(folder)
+    fields = Fields(read_config(folder), folder / "config.json")
+    model_type = fields.d.get("model_type")
+    arch = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
-        raise CheckpointError(f"{folder}: model_type {d.get('model_type')!r} is not supported; "
+        raise CheckpointError(f"{fields.where}: model_type {model_type!r} is not supported; "
                               f"supported: {sorted(ARCHITECTURES)}")
-    tensors = strip_prefix(read_tensors(weight_files(folder)), arch.PREFIXES)
-    if arch is bert:
-        cfg = bert.config_from_hf(d, tensors)
-        model_cls = Encoder
-    else:
-        cfg = arch.config_from_hf(d)
-        model_cls = Decoder
+    files = weight_files(folder)
+    # Phase 1: headers only (names, shapes, dtypes), against the model on the meta device.
+    raw = read_headers(files)
+    check_index(read_index(folder), raw, where)
+    headers = strip_prefix(raw, arch.PREFIXES, where=where)
+    cfg = bert.config_from_hf(fields, headers) if arch is bert else arch.config_from_hf(fields)
+    model_cls = Encoder if arch is bert else Decoder
     if backend is not None:
         cfg = cfg.replace(backend=backend)
-    if getattr(cfg, "tie_embeddings", False) and "lm_head.weight" in tensors:
-        emb = tensors.get("embed_tokens.weight" if arch is llama else "wte.weight")
+    if cfg.n_layers > len(headers):  # every layer needs tensors: refuse before planning 10**9 layers
+        raise CheckpointError(f"{fields.where}: field {arch.LAYERS_FIELD!r}: the config asks for {cfg.n_layers} "
+                              f"layers but the checkpoint holds only {len(headers)} tensors in all")
+    tied = getattr(cfg, "tie_embeddings", False) and "lm_head.weight" in headers
+    emb_name = "embed_tokens.weight" if arch is llama else "wte.weight"
+    if tied:
+        emb = headers.get(emb_name)
+        if emb is not None and emb.shape != headers["lm_head.weight"].shape:
+            raise CheckpointError(f"{folder}: tie_word_embeddings is set but lm_head.weight "
+                                  f"{headers['lm_head.weight'].shape} differs in shape from {emb_name} {emb.shape}")
+        headers = {k: v for k, v in headers.items() if k != "lm_head.weight"}
+    plan = arch.plan(cfg, headers)
+    check_plan(lambda: model_cls(cfg), headers, plan, ignore=arch.ignore, where=where, what=model_cls.__name__)
+    # Phase 2: the data, now bounded by what the files hold.
+    tensors = strip_prefix(read_tensors(files), arch.PREFIXES, where=where)
+    if tied:
+        emb = tensors.get(emb_name)
         if emb is not None and not torch.equal(tensors["lm_head.weight"], emb):
             raise CheckpointError(f"{folder}: tie_word_embeddings is set but lm_head.weight differs from the "
                                   "token embedding")
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     model = model_cls(cfg)
-    assign(model, tensors, arch.plan(cfg, tensors), ignore=arch.ignore, where=str(folder))
+    assign(model, tensors, plan, ignore=arch.ignore, where=where)
     model = model.to(dtype).eval()
     return model, Tokenizer.from_folder(folder, max_length=max_length)
