@@ -184,5 +184,5 @@ def test_device_and_kept_bytes():
     _, cache = run_with_cache(model, ids, names_filter=lambda n: "resid" in n, device="cpu")
     assert isinstance(cache, ActivationCache) and len(cache) == 3 * L
     # resid_post of l IS resid_pre of l + 1 (one tensor, kept once): 1 + 2·L distinct (1, 5, D) float32 tensors
-    assert cache["resid_post", 0] is cache["resid_pre", 1]
+    assert cache["resid_post", 0].data_ptr() == cache["resid_pre", 1].data_ptr()
     assert cache.nbytes() == (1 + 2 * L) * 5 * D * 4
