@@ -276,3 +276,133 @@ def test_hooks_with_a_kv_cache_decode():
         ("blocks.0.attn.hook_pattern", lambda p, h: seen.update(p=p)), ("blocks.0.attn.hook_z", lambda z, h: None)])
     torch.testing.assert_close(step[:, -1], full[:, -1], atol=ATOL, rtol=0)
     assert seen["p"].shape == (1, H, 1, 6)
+
+
+# -- transformers models through the bridge -------------------------------------------------------
+
+def _hf(kind):
+    tr = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        return tr.GPT2LMHeadModel(tr.GPT2Config(vocab_size=V, n_positions=32, n_embd=D, n_layer=2, n_head=H,
+                                                bos_token_id=1, eos_token_id=2)).eval()
+    if kind == "llama":
+        return tr.LlamaForCausalLM(tr.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=H, num_key_value_heads=2)).eval()
+    if kind == "mistral":
+        return tr.MistralForCausalLM(tr.MistralConfig(vocab_size=V, hidden_size=D, intermediate_size=64,
+                                                      num_hidden_layers=2, num_attention_heads=H,
+                                                      num_key_value_heads=1)).eval()
+    return tr.BertModel(tr.BertConfig(vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=H, max_position_embeddings=32), add_pooling_layer=False).eval()
+
+
+def _no_torch_hooks(model):
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks, type(m).__name__
+        pts = m.__dict__.get("attnlab_points")
+        assert pts is None or not pts.active()
+
+
+HF_SHAPES = {  # per family: (Hkv, d_mlp, has pos_embed, has rot, has ln_final, has logits)
+    "gpt2": (H, 4 * D, True, False, True, True), "llama": (2, 64, False, True, True, True),
+    "mistral": (1, 64, False, True, True, True), "bert": (H, 64, True, False, False, False)}
+
+
+@pytest.mark.parametrize("kind", list(HF_SHAPES))
+def test_transformers_models_names_shapes_and_unchanged_outputs(kind):
+    model = _hf(kind)
+    impl = model.config._attn_implementation
+    ids = torch.randint(4, V, (2, 6))
+    with torch.no_grad():
+        out = model(ids)
+    want = out.logits if kind != "bert" else out.last_hidden_state
+    got, cache = run_with_cache(model, ids)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    assert model.config._attn_implementation == impl  # switched back after the call
+    Hkv, dm, pos, rot, lnf, logits = HF_SHAPES[kind]
+    names = hook_names(model)
+    assert ("hook_pos_embed" in names) == pos and ("blocks.0.attn.hook_rot_q" in names) == rot
+    assert ("ln_final.hook_scale" in names) == lnf and ("logits" in names) == logits
+    per = {"hook_resid_pre": (2, 6, D), "hook_resid_mid": (2, 6, D), "hook_resid_post": (2, 6, D),
+           "attn.hook_q": (2, 6, H, 8), "attn.hook_k": (2, 6, Hkv, 8), "attn.hook_v": (2, 6, Hkv, 8),
+           "attn.hook_rot_q": (2, 6, H, 8), "attn.hook_rot_k": (2, 6, Hkv, 8), "attn.hook_z": (2, 6, H, 8),
+           "attn.hook_attn_scores": (2, H, 6, 6), "attn.hook_pattern": (2, H, 6, 6), "attn.hook_result": (2, 6, H, D),
+           "hook_attn_out": (2, 6, D), "mlp.hook_pre": (2, 6, dm), "mlp.hook_pre_linear": (2, 6, dm),
+           "mlp.hook_post": (2, 6, dm), "hook_mlp_out": (2, 6, D), "ln1.hook_scale": (2, 6, 1),
+           "ln2.hook_scale": (2, 6, 1), "ln1.hook_normalized": (2, 6, D), "ln2.hook_normalized": (2, 6, D)}
+    top = {"hook_embed": (2, 6, D), "hook_pos_embed": (2, 6, D), "hook_token_type_embed": (2, 6, D),
+           "ln_final.hook_scale": (2, 6, 1), "ln_final.hook_normalized": (2, 6, D), "logits": (2, 6, V)}
+    for n in names:
+        assert tuple(cache[n].shape) == (top[n] if n in top else per[n.split(".", 2)[2]]), n
+    _no_torch_hooks(model)
+    # the stream is what the model's own hidden states say (transformers installs hooks of its own for these)
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+    for l in range(2):
+        torch.testing.assert_close(cache["resid_pre", l], hs[l], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
+def test_transformers_edits_propagate_like_zeroed_weights(kind):
+    model = _hf(kind)
+    ids = torch.randint(4, V, (2, 6))
+    got = run_with_hooks(model, ids, fwd_hooks=[("blocks.1.hook_attn_out", lambda x, h: torch.zeros_like(x))])
+    b = {"gpt2": lambda: model.transformer.h[1].attn.c_proj, "llama": lambda: model.model.layers[1].self_attn.o_proj,
+         "bert": lambda: model.encoder.layer[1].attention.output.dense}[kind]()
+    with torch.no_grad():
+        b.weight.zero_()
+        if b.bias is not None:
+            b.bias.zero_()
+        out = model(ids)
+    want = out.logits if kind != "bert" else out.last_hidden_state
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_transformers_resid_mid_replacement_reaches_both_branches(kind):
+    model = _hf(kind)
+    ids = torch.randint(4, V, (1, 5))
+    _, cache = run_with_cache(model, ids, fwd_hooks=[("blocks.0.hook_resid_mid", lambda x, h: torch.ones_like(x))])
+    blk = model.transformer.h[0] if kind == "gpt2" else model.model.layers[0]
+    ln2 = blk.ln_2 if kind == "gpt2" else blk.post_attention_layernorm
+    with torch.no_grad():
+        want = 1 + blk.mlp(ln2(torch.ones(1, 5, D)))
+    torch.testing.assert_close(cache["resid_post", 0], want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(cache["resid_mid", 0], torch.ones(1, 5, D))
+
+
+def test_transformers_patterns_and_z_edits_gqa():
+    model = _hf("llama")
+    ids = torch.randint(4, V, (2, 6))
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        ref = model(ids, output_attentions=True).attentions
+    _, cache = run_with_cache(model, ids)
+    for l in range(2):
+        torch.testing.assert_close(cache["pattern", l], ref[l], atol=1e-6, rtol=0)
+        torch.testing.assert_close(cache.pattern(-2 + l, heads=[-1])[:, 0], ref[l][:, -1], atol=1e-6, rtol=0)
+    # zeroing head 3's z equals zeroing its columns of o_proj; the result edit does the same
+    a = run_with_hooks(model, ids, fwd_hooks=[("blocks.0.attn.hook_z", lambda z, h: z.index_fill(2, torch.tensor([3]), 0))])
+    r = run_with_hooks(model, ids, fwd_hooks=[("blocks.0.attn.hook_result",
+                                               lambda r, h: r.index_fill(2, torch.tensor([3]), 0))])
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight[:, 24:32] = 0
+        want = model(ids).logits
+    torch.testing.assert_close(a, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(r, want, atol=ATOL, rtol=0)
+
+
+def test_transformers_hooks_removed_after_an_exception():
+    model = _hf("gpt2")
+    impl = model.config._attn_implementation
+    ids = torch.randint(4, V, (1, 5))
+
+    def boom(x, hook):
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        run_with_hooks(model, ids, fwd_hooks=[(lambda n: True, lambda x, h: None), ("blocks.1.hook_mlp_out", boom)])
+    with pytest.raises(RuntimeError, match="boom"):
+        run_with_hooks(model, ids, fwd_hooks=[("blocks.0.attn.hook_pattern", boom)])
+    _no_torch_hooks(model)
+    assert model.config._attn_implementation == impl

@@ -92,11 +92,14 @@ class AttentionPoints:
     """
     NAMES = ("hook_q", "hook_k", "hook_v", "hook_rot_q", "hook_rot_k", "hook_attn_scores", "hook_pattern",
              "hook_z", "hook_result")
-    __slots__ = NAMES
+    __slots__ = NAMES + ("bridge_stage",)
 
     def __init__(self):
         for n in self.NAMES:
             setattr(self, n, HookPoint())
+        #: transformers models: which of q/k/v ("qkv", no RoPE) or rot_q/rot_k ("rot") the bridge's
+        #: attention function runs (see attnlab.models.hf_points)
+        self.bridge_stage = "qkv"
 
     def __deepcopy__(self, memo):
         return AttentionPoints()
