@@ -22,6 +22,9 @@ TOL = dict(rtol=1e-9, atol=1e-9)      # float64 forward passes of a tiny model: 
 #: attribution patching must agree with real patching at least this well (Pearson r) on the
 #: induction circuit; measured 0.993 (heads) and 0.994 (residual stream × position)
 ATTRIBUTION_AGREEMENT = 0.9
+#: transformers' Llama computes RMSNorm and RoPE in float32 even for float64 inputs (attnlab keeps
+#: float64): its results agree to float32 roundoff only; GPT-2 stays in float64 throughout
+HF_TOL = {"gpt2": dict(rtol=1e-9, atol=1e-9), "llama-gqa": dict(rtol=1e-5, atol=1e-5)}
 
 
 def _model(**kw):
@@ -284,3 +287,39 @@ def test_minilm_head_patching_localises_the_changed_token():
     assert (resid.values.argmax(1) == p).all() and (resid.values[:, p] > 0.9).all()
     assert agreement(heads, res["heads_attribution"]) > ATTRIBUTION_AGREEMENT
     assert heads.top(1)[0][1] > 0.3                          # one head carries a large share (measured L5H11: 0.79)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama-gqa"])
+def test_transformers_models_patch_like_the_same_weights_in_attnlab(tmp_path, kind):
+    """Through the bridge's hook points a transformers model gives the same patching, attribution,
+    path patching and lens results as its weights loaded into attnlab (float64)."""
+    T = pytest.importorskip("transformers")
+    from attnlab.models import load
+    c = dict(vocab_size=29, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "gpt2":
+        hf = T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_head=4, n_embd=16, n_positions=16, **c))
+    else:
+        hf = T.LlamaForCausalLM(T.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              hidden_size=16, intermediate_size=24, max_position_embeddings=32, **c))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():                      # O(1), float32-representable weights (the loader goes via float32)
+        for name, p in hf.named_parameters():
+            base = 1.0 if p.dim() == 1 and "bias" not in name else 0.0
+            p.copy_(base + 0.3 * torch.randn(p.shape, generator=g))
+    hf = hf.to(D).eval()
+    hf.save_pretrained(tmp_path)
+    ours, _ = load(tmp_path, dtype=D)
+    clean, corrupted = _pair(9, B=2, N=6, V=29)
+    kw = dict(answer=3, wrong=4)
+    tol = HF_TOL[kind]
+    for site, by in (("resid_pre", None), ("mlp_out", None), ("z", "head"), ("k", "head")):
+        a = activation_patching(hf, clean, corrupted, site=site, by=by, progress=False, **kw)
+        b = activation_patching(ours, clean, corrupted, site=site, by=by, progress=False, **kw)
+        torch.testing.assert_close(a.values, b.values, **tol)
+    a = attribution_patching(hf, clean, corrupted, site="z", by="head", **kw)
+    torch.testing.assert_close(a.values, attribution_patching(ours, clean, corrupted, site="z", by="head",
+                                                              **kw).values, **tol)
+    a = path_patching(hf, clean, corrupted, receivers=[(1, 0), (1, 3)], receiver_input="k", progress=False, **kw)
+    b = path_patching(ours, clean, corrupted, receivers=[(1, 0), (1, 3)], receiver_input="k", progress=False, **kw)
+    torch.testing.assert_close(a.values, b.values, **tol)
+    torch.testing.assert_close(logit_lens(hf, clean).values, logit_lens(ours, clean).values, rtol=1e-6, atol=1e-6)
