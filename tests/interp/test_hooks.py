@@ -406,3 +406,14 @@ def test_transformers_hooks_removed_after_an_exception():
         run_with_hooks(model, ids, fwd_hooks=[("blocks.0.attn.hook_pattern", boom)])
     _no_torch_hooks(model)
     assert model.config._attn_implementation == impl
+
+
+def test_copied_and_pickled_models_start_without_hooks():
+    import copy
+    import pickle
+    model = _decoder("llama_gqa")
+    ids = torch.randint(0, V, (1, 5))
+    with hooks(model, [(lambda n: True, lambda x, h: None)]):
+        for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert all(not p.point.fns for p in hook_points(other).values())
+            torch.testing.assert_close(other(ids).logits, model(ids).logits, atol=0, rtol=0)

@@ -54,14 +54,8 @@ class HookPoint:
                 x = r
         return x
 
-    def __deepcopy__(self, memo):  # a copied model starts without hooks
-        return HookPoint()
-
-    def __getstate__(self):
-        return None
-
-    def __setstate__(self, state):
-        self.fns = []
+    def __reduce__(self):  # a copied or pickled model starts without hooks
+        return (HookPoint, ())
 
     def __repr__(self):
         return f"HookPoint({len(self.fns)} fns)"
@@ -101,14 +95,8 @@ class AttentionPoints:
         #: attention function runs (see attnlab.models.hf_points)
         self.bridge_stage = "qkv"
 
-    def __deepcopy__(self, memo):
-        return AttentionPoints()
-
-    def __getstate__(self):
-        return None
-
-    def __setstate__(self, state):
-        self.__init__()
+    def __reduce__(self):  # a copied or pickled model starts without hooks
+        return (AttentionPoints, ())
 
     def qkv_active(self) -> bool:
         return bool(self.hook_q.fns or self.hook_k.fns or self.hook_v.fns)
@@ -182,14 +170,8 @@ class NormPoints:
     def __init__(self):
         self.hook_scale, self.hook_normalized = HookPoint(), HookPoint()
 
-    def __deepcopy__(self, memo):
-        return NormPoints()
-
-    def __getstate__(self):
-        return None
-
-    def __setstate__(self, state):
-        self.__init__()
+    def __reduce__(self):  # a copied or pickled model starts without hooks
+        return (NormPoints, ())
 
     def __call__(self, norm, x):
         if not self.hook_scale.fns:
