@@ -406,3 +406,30 @@ def test_transformers_hooks_removed_after_an_exception():
         run_with_hooks(model, ids, fwd_hooks=[("blocks.0.attn.hook_pattern", boom)])
     _no_torch_hooks(model)
     assert model.config._attn_implementation == impl
+
+
+def test_copied_and_pickled_models_start_without_hooks():
+    import copy
+    import pickle
+    model = _decoder("llama_gqa")
+    ids = torch.randint(0, V, (1, 5))
+    with hooks(model, [(lambda n: True, lambda x, h: None)]):
+        for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert all(not p.point.fns for p in hook_points(other).values())
+            torch.testing.assert_close(other(ids).logits, model(ids).logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_transformers_scale_edit_recomputes_the_norm_and_the_cache_sees_it(kind):
+    model = _hf(kind)
+    ids = torch.randint(4, V, (1, 5))
+    _, base = run_with_cache(model, ids)
+    _, cache = run_with_cache(model, ids, fwd_hooks=[("blocks.1.ln2.hook_scale", lambda s, h: s * 2)])
+    norm = model.transformer.h[1].ln_2 if kind == "gpt2" else model.model.layers[1].post_attention_layernorm
+    bias = getattr(norm, "bias", None)
+    bias = 0 if bias is None else bias.detach()
+    torch.testing.assert_close(cache["scale", 1, "ln2"], base["scale", 1, "ln2"] * 2, atol=ATOL, rtol=0)
+    torch.testing.assert_close(cache["normalized", 1, "ln2"], (base["normalized", 1, "ln2"] - bias) / 2 + bias,
+                               atol=ATOL, rtol=0)
+    assert not torch.allclose(cache["logits"], base["logits"])
+    _no_torch_hooks(model)

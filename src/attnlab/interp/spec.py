@@ -35,7 +35,7 @@ def model_spec(model) -> ModelSpec:
     from attnlab.interp.hooks import is_attnlab_model
     if not is_attnlab_model(model):
         from attnlab.models.hf_points import hf_spec
-        return hf_spec(model)
+        return ModelSpec(**hf_spec(model))
     cfg = model.cfg
     decoder = hasattr(model, "lm_head")
     final = model.norm if decoder else model.final_norm

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnlab.nn.hooks import AttentionPoints, normalize
+from attnlab.nn.hooks import AttentionPoints, HookPoint, norm_scale, normalize
 
 __all__ = ["hf_points", "hf_spec", "family"]
 
@@ -123,29 +123,35 @@ class _In:
 
 
 class _Scale:
-    """``hook_scale`` of a norm module: computed from its input; an edit recomputes the norm's output."""
+    """``hook_scale`` of a norm module: computed from its input for the functions installed (one torch hook
+    per module runs them all, in order); an edit recomputes the norm's output from the edited scale."""
     lazy = False
 
     def __init__(self, norm):
         self.norm = norm
 
     def add(self, fn):
-        def hook(mod, args, out):
-            edited = []
-
-            def point(scale):
+        d = self.norm.__dict__
+        hp = d.get("attnlab_scale_point")
+        if hp is None:
+            hp = d["attnlab_scale_point"] = HookPoint()
+        if not hp.fns:
+            def hook(mod, args, out):
+                h, scale = norm_scale(mod, args[0])
                 v0 = scale._version
-                r = fn(scale)
-                if r is None and scale._version == v0:
-                    return scale
-                if r is not None and (not isinstance(r, torch.Tensor) or r.shape != scale.shape):
-                    raise ValueError(f"hook {fn!r}: must return None or a tensor of shape {tuple(scale.shape)}")
-                edited.append(True)
-                return scale if r is None else r
-            y = normalize(mod, args[0], point)
-            return y if edited else None
-        # prepend: the scale's functions run before those of hook_normalized (the same module's output)
-        return self.norm.register_forward_hook(hook, prepend=True).remove
+                s2 = hp(scale)
+                if s2 is scale and scale._version == v0:
+                    return None  # read only: the module's output stands
+                return normalize(mod, args[0], s2)
+            # prepend: the scale's functions run before those of hook_normalized (the same module's output)
+            d["attnlab_scale_handle"] = self.norm.register_forward_hook(hook, prepend=True)
+        hp.fns.append(fn)
+
+        def remove():
+            hp.fns.remove(fn)
+            if not hp.fns:
+                d.pop("attnlab_scale_handle").remove()
+        return remove
 
 
 class _Attn:
@@ -326,9 +332,8 @@ class _WithBatch:
         return remove
 
 
-def hf_spec(model):
-    """:class:`attnlab.interp.spec.ModelSpec` of a transformers GPT-2 / Llama / BERT model."""
-    from attnlab.interp.spec import ModelSpec
+def hf_spec(model) -> dict:
+    """The fields of :class:`attnlab.interp.spec.ModelSpec` for a transformers GPT-2 / Llama / BERT model."""
     fam, base = family(model)
     pts = hf_points(model)
     lm_head = getattr(model, "lm_head", None)
@@ -340,7 +345,7 @@ def hf_spec(model):
         layers, H, norm, final = base.encoder.layer, base.encoder.layer[0].attention.self.num_attention_heads, \
             "layernorm", None
     W = {l: pts[f"blocks.{l}.attn.hook_result"].W_O for l in range(len(layers))}
-    return ModelSpec(n_layers=len(layers), n_heads=H, norm=norm, additive_resid=fam != "bert", has_mlp=True,
+    return dict(n_layers=len(layers), n_heads=H, norm=norm, additive_resid=fam != "bert", has_mlp=True,
                      has_pos_embed="hook_pos_embed" in pts, has_ln_final=final is not None,
                      unembed=None if lm_head is None else lm_head.weight,
                      ln_final_weight=None if final is None else final.weight, W_O=lambda l: W[l]())

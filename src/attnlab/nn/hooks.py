@@ -54,14 +54,8 @@ class HookPoint:
                 x = r
         return x
 
-    def __deepcopy__(self, memo):  # a copied model starts without hooks
-        return HookPoint()
-
-    def __getstate__(self):
-        return None
-
-    def __setstate__(self, state):
-        self.fns = []
+    def __reduce__(self):  # a copied or pickled model starts without hooks
+        return (HookPoint, ())
 
     def __repr__(self):
         return f"HookPoint({len(self.fns)} fns)"
@@ -101,14 +95,8 @@ class AttentionPoints:
         #: attention function runs (see attnlab.models.hf_points)
         self.bridge_stage = "qkv"
 
-    def __deepcopy__(self, memo):
-        return AttentionPoints()
-
-    def __getstate__(self):
-        return None
-
-    def __setstate__(self, state):
-        self.__init__()
+    def __reduce__(self):  # a copied or pickled model starts without hooks
+        return (AttentionPoints, ())
 
     def qkv_active(self) -> bool:
         return bool(self.hook_q.fns or self.hook_k.fns or self.hook_v.fns)
@@ -182,50 +170,51 @@ class NormPoints:
     def __init__(self):
         self.hook_scale, self.hook_normalized = HookPoint(), HookPoint()
 
-    def __deepcopy__(self, memo):
-        return NormPoints()
-
-    def __getstate__(self):
-        return None
-
-    def __setstate__(self, state):
-        self.__init__()
+    def __reduce__(self):  # a copied or pickled model starts without hooks
+        return (NormPoints, ())
 
     def __call__(self, norm, x):
         if not self.hook_scale.fns:
             return self.hook_normalized(norm(x))
-        edited = []
-
-        def point(scale):
-            v0 = scale._version
-            s2 = self.hook_scale(scale)
-            if s2 is not scale or scale._version != v0:
-                edited.append(True)
-            return s2
-        y = normalize(norm, x, point)
-        # observed only: the module's own output (bit for bit what runs without hooks)
-        return self.hook_normalized(y if edited else norm(x))
+        return self.hook_normalized(scaled_norm(norm, x, self.hook_scale))
 
 
-def normalize(norm, x, scale_point=None):
-    """``norm(x)`` by hand (LayerNorm or RMSNorm), running ``scale_point`` on the scale ``(B, N, 1)``."""
+def norm_scale(norm, x):
+    """``(h, scale)``: the centred input (LayerNorm; RMSNorm: the input) in float32 (float64 stays) and the
+    scale ``(..., 1)`` the norm divides it by, for a torch LayerNorm, attnlab's RMSNorm or transformers' RMSNorms."""
+    h = x if x.dtype == torch.float64 else x.float()
     if hasattr(norm, "normalized_shape"):  # torch LayerNorm
-        h = x.float() if x.dtype != torch.float64 else x
         h = h - h.mean(-1, keepdim=True)
-        scale = (h.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()
-        if scale_point is not None:
-            scale = scale_point(scale)
-        y = (h / scale).to(x.dtype)
-        if norm.weight is not None:
-            y = y * norm.weight
-        if getattr(norm, "bias", None) is not None:
-            y = y + norm.bias
-        return y
-    eps = getattr(norm, "eps", None)
-    if eps is None:
-        eps = getattr(norm, "variance_epsilon")  # transformers' RMSNorms
-    h = x.float() if x.dtype != torch.float64 else x
-    scale = (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()
-    if scale_point is not None:
-        scale = scale_point(scale)
-    return norm.weight * (h / scale).to(x.dtype)
+        eps = norm.eps
+    else:
+        eps = getattr(norm, "eps", None)
+        if eps is None:
+            eps = getattr(norm, "variance_epsilon")  # transformers' RMSNorms
+    return h, (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+
+
+def normalize(norm, x, scale=None):
+    """``norm(x)`` by hand from the scale (default: its own, :func:`norm_scale`)."""
+    h, own = norm_scale(norm, x)
+    y = (h / (own if scale is None else scale)).to(x.dtype)
+    if getattr(norm, "weight", None) is not None:
+        y = norm.weight * y
+    if getattr(norm, "bias", None) is not None:
+        y = y + norm.bias
+    return y
+
+
+def scaled_norm(norm, x, point):
+    """Run ``point`` (a hook point, or any ``fn(scale) -> scale``) on the scale of ``norm`` at ``x``; returns
+    ``norm(x)`` itself when the scale was only read, else the norm recomputed from the edited scale."""
+    h, scale = norm_scale(norm, x)
+    v0 = scale._version
+    s2 = point(scale)
+    if s2 is scale and scale._version == v0:
+        return norm(x)  # observed only: the module's own output, bit for bit
+    y = (h / s2).to(x.dtype)
+    if getattr(norm, "weight", None) is not None:
+        y = norm.weight * y
+    if getattr(norm, "bias", None) is not None:
+        y = y + norm.bias
+    return y
