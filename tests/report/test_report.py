@@ -321,8 +321,10 @@ def test_bar_plot_svg():
 
 # -- errors name the argument -----------------------------------------------------------------
 @pytest.mark.parametrize("call, name", [
-    (lambda r: r.heatmaps(np.ones((1, 1, 1, 2, 2)), title="t"), "patterns"),
-    (lambda r: r.heatmaps([np.ones((1, 1, 2, 2))], title="t"), "patterns[0]"),
+    (lambda r: r.heatmaps(np.ones((1, 2, 1, 2, 2)), title="t"), "batch"),      # (L, B, H, N, N), B > 1: say which
+    (lambda r: r.heatmaps([np.ones((2, 1, 2, 2))], title="t"), "batch"),
+    (lambda r: r.heatmaps(np.ones((1, 2, 1, 2, 2)), title="t", batch=2), "batch"),
+    (lambda r: r.heatmaps(np.ones((1, 1, 1, 1, 2, 2)), title="t"), "patterns"),
     (lambda r: r.heatmaps(-np.ones((2, 2)), title="t"), "patterns"),
     (lambda r: r.heatmaps(np.full((2, 2), np.nan), title="t"), "patterns"),
     (lambda r: r.heatmaps([np.ones((1, 2, 2)), np.ones((1, 3, 3))], title="t"), "patterns"),

@@ -44,12 +44,15 @@ def _heads_by_layer(model, heads):
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
             raise ValueError(f"heads: expected (layer, head) pairs, got {item!r}")
         l, h = int(item[0]), int(item[1])
+        if -len(mods) <= l < 0:
+            l = sorted(mods)[l]                                  # Python's negative indices
         if l not in mods:
             raise ValueError(f"heads: layer {l} not in the model's layers {sorted(mods)}")
         m = mods[l][0]
         H = getattr(m, "n_heads", None) or getattr(getattr(m, "config", None), "num_attention_heads", None)
-        if H is not None and not 0 <= h < H:
+        if H is not None and not -H <= h < H:
             raise ValueError(f"heads: head {h} out of range for layer {l} with {H} heads")
+        h = h % H if H is not None else h
         by.setdefault(l, []).append(h)
     return mods, by
 
@@ -117,27 +120,86 @@ def ablate(model, heads, *, kind: str = "zero", reference=None, forward=None):
             lst.remove(hk)
 
 
-def lm_loss(model, ids) -> torch.Tensor:
-    """Mean next-token cross-entropy of a decoder on ``ids (B, N)``."""
+def _output(model, ids):
     out = model(ids)
-    logits = out.logits if hasattr(out, "logits") else out
+    if isinstance(out, torch.Tensor):
+        return out, None
+    logits = getattr(out, "logits", None)
+    hidden = getattr(out, "last_hidden_state", None)
+    if hidden is None and isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        hidden = out[0]
+    return logits, hidden
+
+
+def lm_loss(model, ids) -> torch.Tensor:
+    """Mean next-token cross-entropy of a decoder on ``ids (B, N)``; raises ``ValueError``
+    for a model without LM logits (an encoder: see :func:`hidden_change`)."""
+    logits, _ = _output(model, ids)
+    if logits is None:
+        raise ValueError(f"loss_fn: lm_loss needs next-token logits and {type(model).__name__} returns none "
+                         "(an encoder); use hidden_change(model, ids) or pass your own loss_fn(model, ids)")
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
-def ablation_effects(model, ids, *, kind: str = "zero", reference=None, loss_fn=lm_loss, layers=None,
+def hidden_change(model, ids):
+    """A loss for models without LM logits: ``fn(model, ids)`` = the mean over tokens of
+    ``‖h − h_clean‖ / ‖h_clean‖``, with ``h`` the final hidden states (``last_hidden_state``)
+    and ``h_clean`` those of ``model`` on ``ids`` now (clean, no ablation).  It is 0 on the
+    clean run, so an ablation's effect is how far (relatively) it moves the encoder's
+    output — the default of :func:`ablation_effects` for encoders, where no MLM head exists."""
+    with torch.no_grad():
+        _, h0 = _output(model, ids)
+    if h0 is None:
+        raise ValueError(f"model: {type(model).__name__} returns neither logits nor last_hidden_state")
+    h0 = h0.detach().float()
+    n0 = h0.norm(dim=-1).clamp(min=torch.finfo(h0.dtype).tiny)
+
+    def fn(m, x):
+        _, h = _output(m, x)
+        if h.shape != h0.shape:
+            raise ValueError(f"ids: hidden_change was set up for inputs {tuple(ids.shape)}, got {tuple(x.shape)}")
+        return ((h.float() - h0).norm(dim=-1) / n0).mean()
+    return fn
+
+
+def default_loss(model, ids):
+    """:func:`lm_loss` when ``model`` gives next-token logits, else :func:`hidden_change`."""
+    with torch.no_grad():
+        logits, _ = _output(model, ids)
+    return lm_loss if logits is not None else hidden_change(model, ids)
+
+
+def ablation_effects(model, ids, *, kind: str = "zero", reference=None, loss_fn=None, layers=None,
                      progress: bool = True) -> HeadScores:
     """``[layer, head]``: loss with that one head ablated minus the clean loss (positive =
-    the head helps).  One forward pass per head, with a progress bar."""
+    the head helps).  One forward pass per head, with a progress bar.
+
+    ``loss_fn(model, ids) -> scalar`` defaults to :func:`default_loss`: the next-token
+    cross-entropy for a decoder (:func:`lm_loss`), and for an encoder (attnlab ``Encoder``,
+    transformers ``BertModel``: no LM logits, and MiniLM ships no MLM head) the relative
+    change of the final hidden states (:func:`hidden_change`, 0 when clean; the scores'
+    name says which was used)."""
     mods = attention_modules(model)
     layers = [l for l, _, _ in mods] if layers is None else list(layers)
     n_heads = {l: (getattr(m, "n_heads", None) or m.config.num_attention_heads) for l, m, _ in mods}
+    L = len(mods)
+    bad = [l for l in layers if isinstance(l, bool) or not isinstance(l, int) or not -L <= l < L]
+    if bad:
+        raise ValueError(f"layers: expected ints in [-{L}, {L}) for a model with {L} attention layers, got {bad}")
+    layers = [[l for l, _, _ in mods][l] for l in layers]
+    name = f"{kind}-ablation Δloss"
+    forward = lambda m, x: loss_fn(m, x)  # noqa: E731  (reference runs go through the loss's own call)
+    if loss_fn is None:
+        loss_fn = default_loss(model, ids)
+        if loss_fn is not lm_loss:
+            name = f"{kind}-ablation Δhidden (relative)"
+            forward = _output
     with torch.no_grad():
         clean = float(loss_fn(model, ids))
         H = max(n_heads[l] for l in layers)
         out = torch.full((len(layers), H), float("nan"))
         todo = [(i, l, h) for i, l in enumerate(layers) for h in range(n_heads[l])]
         for i, l, h in tqdm(todo, desc=f"{kind} ablation", unit="head", disable=not progress, leave=False):
-            with ablate(model, [(l, h)], kind=kind, reference=reference,
-                        forward=lambda m, x: loss_fn(m, x)):
+            with ablate(model, [(l, h)], kind=kind, reference=reference, forward=forward):
                 out[i, h] = float(loss_fn(model, ids)) - clean
-    return HeadScores(f"{kind}-ablation Δloss", out, layers)
+    return HeadScores(name, out, layers)

@@ -68,8 +68,9 @@ class Capture:
     (with a KV cache, one call per decoding step: ``cap.calls(layer)`` has them all).
     """
 
-    def __init__(self, layers: list[int], heads, keep):
+    def __init__(self, layers: list[int], heads, keep, n_layers: int = 0):
         self.layers = layers
+        self._n_layers = n_layers
         self.heads = heads
         self.keep = keep
         self._calls: dict[int, list[AttentionCall]] = {l: [] for l in layers}
@@ -81,8 +82,7 @@ class Capture:
                                                 kv_offset=call.kv_offset, layer=layer))
 
     def calls(self, layer: int) -> list[AttentionCall]:
-        self._check_layer(layer)
-        return self._calls[layer]
+        return self._calls[self._check_layer(layer)]
 
     def __getitem__(self, layer: int) -> AttentionCall:
         c = self.calls(layer)
@@ -94,13 +94,16 @@ class Capture:
         return len(self.layers)
 
     def _check_layer(self, layer):
+        if isinstance(layer, int) and not isinstance(layer, bool) and layer < 0 and self._n_layers:
+            layer += self._n_layers  # Python's meaning: -1 is the model's last layer
         if layer not in self._calls:
             raise ValueError(f"layer: {layer!r} was not captured; captured layers are {self.layers}")
+        return layer
 
     def pattern(self, layer: int, heads=None) -> torch.Tensor:
         """``(B, h, Nq, Nk)`` float32 pattern of ``layer`` for the query ``heads`` (default: the
         capture's heads, else all), recomputed from the captured q and k."""
-        return self[layer].pattern(self.heads if heads is None else heads)
+        return self[layer].pattern(self.heads if heads is None else heads)  # negative heads: AttentionCall
 
     def patterns(self, heads=None) -> torch.Tensor:
         """``(L, B, h, Nq, Nk)``: :meth:`pattern` of every captured layer, stacked."""
@@ -120,7 +123,7 @@ def capture(model: nn.Module, layers=None, heads=None, *, keep=KEEP):
     """Record the attention calls of ``model`` (attnlab or transformers) inside a ``with``.
 
     Args:
-        layers: layer indices to record (default all).
+        layers: layer indices to record (default all); negative ones count from the end (-1: the last).
         heads: the query heads :meth:`Capture.pattern` returns by default (all by default).
         keep: which of ``"q", "k", "v", "z"`` to keep (q and k are always kept: patterns
             and statistics are recomputed from them).
@@ -141,14 +144,11 @@ def capture(model: nn.Module, layers=None, heads=None, *, keep=KEEP):
     if layers is None:
         layers = have
     else:
-        layers = [int(l) for l in ([layers] if isinstance(layers, int) else layers)]
-        missing = [l for l in layers if l not in have]
-        if missing:
-            raise ValueError(f"layers: {missing} not in the model's layers 0..{max(have)}")
-    cap = Capture(layers, heads, keep)
+        layers = normalize_layers(layers, have, "layers")
+    cap = Capture(layers, heads, keep, n_layers=len(have))
     installed, restore = [], None
     if any(kind == "hf" for _, _, kind in mods):
-        restore = _use_bridge(model)
+        restore = use_bridge(model)
     try:
         for l, m, kind in mods:
             if l not in layers:
@@ -165,7 +165,28 @@ def capture(model: nn.Module, layers=None, heads=None, *, keep=KEEP):
             restore()
 
 
-def _use_bridge(model) -> callable:
+def normalize_layers(layers, have: list[int], arg: str = "layers") -> list[int]:
+    """``layers`` (an int or a sequence of ints) as indices into ``have`` (the model's layers, 0..L-1);
+    negative indices count from the end, as in Python (-1 is the last layer)."""
+    items = [layers] if isinstance(layers, int) else layers
+    try:
+        items = list(items)
+    except TypeError:
+        raise TypeError(f"{arg}: expected an int or a sequence of ints, got {type(layers).__name__}") from None
+    L, out = len(have), []
+    for l in items:
+        if isinstance(l, bool) or not isinstance(l, (int, torch.Tensor)) or (
+                isinstance(l, torch.Tensor) and (l.numel() != 1 or l.is_floating_point())):
+            raise TypeError(f"{arg}: expected ints, got {l!r}")
+        l = int(l)
+        if not -L <= l < L:
+            raise ValueError(f"{arg}: {l} not in the model's layers (expected an int in [-{L}, {L}), "
+                             f"n_layers={L})")
+        out.append(have[l])
+    return out
+
+
+def use_bridge(model) -> callable:
     """Switch a transformers model to attnlab attention; return a function that switches back."""
     from attnlab.models import bridge
     name = bridge.register()
@@ -178,3 +199,6 @@ def _use_bridge(model) -> callable:
                         "set_attn_implementation(); pass the top-level transformers model")
     model.set_attn_implementation(name)
     return lambda: model.set_attn_implementation(before)
+
+
+_use_bridge = use_bridge  # the former private name

@@ -16,8 +16,11 @@ products are meaningful: ``W_Q M``, ``W_K M⁻ᵀ`` (and ``W_V M``, ``M⁻¹ W_O
 circuits and the same module for any invertible ``M`` (the gauge freedom; with RoPE only
 for ``M`` that commute with its rotations).
 
-Full circuits go through the token embedding ``W_E = model.embed.weight`` ``[vocab, d]`` and
-the unembedding ``W_U = model.lm_head.weight.T`` ``[d, vocab]``::
+Every function that takes a model reads it through :func:`attnlab.interp.weights.model_weights`:
+attnlab ``Decoder`` and ``Encoder``, transformers GPT-2, Llama / Mistral (GQA) and BERT models.
+Full circuits go through the token embedding ``W_E`` ``[vocab, d]`` (``model.embed.weight``)
+and the unembedding ``W_U`` ``[d, vocab]`` (``model.lm_head.weight.T``; for an encoder,
+which has no LM head, the tied ``W_Eᵀ`` of BERT's MLM decoder)::
 
     full QK = W_E W_QK W_Eᵀ   [H, vocab, vocab]      full OV = W_E W_OV W_U   [H, vocab, vocab]
 
@@ -47,12 +50,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from attnlab.interp.factored import FactoredMatrix, _r
+from attnlab.interp.weights import LayerWeights, ModelWeights, model_weights
 from attnlab.nn.attention import MultiHeadAttention
-from attnlab.nn.decoder import Decoder
-from attnlab.nn.norms import RMSNorm
 
 __all__ = ["FactoredMatrix", "kv_head_index", "qk_circuit", "ov_circuit", "RankReport", "rank_report",
            "full_qk_circuit", "full_ov_circuit", "copying_score", "eigenvalue_copying_score",
@@ -69,17 +70,8 @@ def _check_attn(attn, name="attn") -> MultiHeadAttention:
     return attn
 
 
-def _check_model(model, name="model") -> Decoder:
-    if not isinstance(model, Decoder):
-        raise TypeError(f"{name}: expected an attnlab.nn.Decoder, got {type(model).__name__}")
-    return model
-
-
-def _check_layer(model, layer) -> int:
-    L = len(model.blocks)
-    if isinstance(layer, bool) or not isinstance(layer, int) or not -L <= layer < L:
-        raise ValueError(f"layer: expected an int in [-{L}, {L}) for a model with n_layers={L}, got {layer!r}")
-    return layer % L
+def _weights(model, fold_ln=True) -> ModelWeights:
+    return model_weights(model, fold_ln=fold_ln)
 
 
 def _check_kind(kind) -> str:
@@ -89,90 +81,76 @@ def _check_kind(kind) -> str:
     return k
 
 
-def kv_head_index(attn: MultiHeadAttention) -> torch.Tensor:
-    """``(H,)`` LongTensor: the kv head ``h // (H // Hkv)`` that each query head reads."""
+def kv_head_index(attn) -> torch.Tensor:
+    """``(H,)`` LongTensor: the kv head ``h // (H // Hkv)`` that each query head reads
+    (of a :class:`MultiHeadAttention` or a :class:`~attnlab.interp.weights.LayerWeights`)."""
+    if isinstance(attn, LayerWeights):
+        return attn.kv_index
     attn = _check_attn(attn)
     G = attn.n_heads // attn.n_kv_heads
     return torch.arange(attn.n_heads, device=attn.qkv_weight.device) // G
 
 
-# -- norms folded into the reads ------------------------------------------------------
-def _fold(norm, W):
-    """``N W`` with ``N`` the linear part of ``norm`` (row-vector convention), or ``W``."""
-    if norm is None:
-        return W
-    gamma = getattr(norm, "weight", None)
-    G = W if gamma is None else gamma.to(W.dtype).unsqueeze(-1) * W
-    if isinstance(norm, nn.LayerNorm):
-        return G - G.mean(dim=-2, keepdim=True)               # (I - 11ᵀ/d) diag(γ) W
-    if isinstance(norm, RMSNorm):
-        return G
-    raise TypeError(f"fold_ln: cannot fold a {type(norm).__name__}; pass fold_ln=False")
+def _unembed(w: ModelWeights) -> torch.Tensor:
+    if w.W_U is None:
+        raise ValueError(f"model: this {w.source} has no unembedding W_U; full OV circuits need one")
+    return w.W_U if w.final_norm is None else w.final_norm.fold(w.W_U)
 
 
-def _read_norm(model, block, fold_ln):
-    if not fold_ln or block.attn_only or model.cfg.norm_position != "pre":
-        return None
-    return block.norm1
-
-
-def _unembed(model, fold_ln) -> torch.Tensor:
-    W_U = model.lm_head.weight.T                               # [d_model, vocab]
-    if fold_ln and model.norm is not None and model.cfg.norm_position == "pre":
-        W_U = _fold(model.norm, W_U)
-    return W_U
-
-
-def _rope_rotations(attn, query_pos, key_pos, dtype):
+def _rope_rotations(rope, query_pos, key_pos, dtype, device, d):
     """``R_i``, ``R_j`` ``[d_head, d_head]`` with ``rope(q, i) = q R_i`` (row vectors), from one
     call so a dynamic scaling sees one sequence whose last position is ``max(i, j)``."""
-    rope = attn.positions
     for name, p in (("query_pos", query_pos), ("key_pos", key_pos)):
         if isinstance(p, bool) or not isinstance(p, int) or p < 0:
             raise ValueError(f"{name}: expected a non-negative int position, got {p!r}")
-    d = attn.d_head
-    eye = torch.eye(d, dtype=dtype, device=attn.qkv_weight.device)
-    pos = torch.tensor([query_pos] * d + [key_pos] * d, device=eye.device)
+    eye = torch.eye(d, dtype=dtype, device=device)
+    pos = torch.tensor([query_pos] * d + [key_pos] * d, device=device)
     R = rope(torch.cat([eye, eye])[None, None], pos)[0, 0]
     return R[:d], R[d:]
 
 
 # -- per-layer circuits -----------------------------------------------------------------
-def _qk(attn, norm=None, query_pos=None, key_pos=None) -> FactoredMatrix:
-    idx = kv_head_index(attn)
-    WQ = _fold(norm, attn.W_Q)
-    WK = _fold(norm, attn.W_K)[idx]
+def _fold(norm, W):
+    return W if norm is None else norm.fold(W)
+
+
+def _qk(lw: LayerWeights, query_pos=None, key_pos=None) -> FactoredMatrix:
+    norm = lw.read_norm
+    WQ = _fold(norm, lw.W_Q)
+    WK = _fold(norm, lw.W_K)[lw.kv_index]
     if query_pos is not None or key_pos is not None:
-        if not hasattr(attn.positions, "cos_sin"):
+        if not hasattr(lw.positions, "cos_sin"):
             raise ValueError("query_pos/key_pos: only RoPE makes W_QK depend on positions; this attention has "
-                             f"positions={type(attn.positions).__name__}; leave them None")
+                             f"positions={type(lw.positions).__name__}; leave them None")
         if query_pos is None or key_pos is None:
             raise ValueError(f"query_pos/key_pos: give both or neither, got query_pos={query_pos!r}, "
                              f"key_pos={key_pos!r}")
-        Ri, Rj = _rope_rotations(attn, query_pos, key_pos, WQ.dtype)
+        Ri, Rj = _rope_rotations(lw.positions, query_pos, key_pos, WQ.dtype, WQ.device, lw.d_head)
         WQ, WK = WQ @ Ri, WK @ Rj
     return FactoredMatrix(WQ.clone() if norm is None else WQ, WK.mT)
 
 
-def _ov(attn, norm=None) -> FactoredMatrix:
-    WV = _fold(norm, attn.W_V)[kv_head_index(attn)]
-    return FactoredMatrix(WV, attn.W_O.clone())
+def _ov(lw: LayerWeights) -> FactoredMatrix:
+    WV = _fold(lw.read_norm, lw.W_V)[lw.kv_index]
+    return FactoredMatrix(WV, lw.W_O.clone())
 
 
 def _circuit(fn, obj, layer, fold_ln, **kw):
-    if isinstance(obj, MultiHeadAttention):
+    if isinstance(obj, (MultiHeadAttention, LayerWeights)):
         if layer is not None:
-            raise ValueError(f"layer: a MultiHeadAttention is one layer; got layer={layer!r}")
-        return fn(obj, None, **kw)
-    if not isinstance(obj, Decoder):
-        raise TypeError(f"attn: expected an attnlab.nn.MultiHeadAttention or an attnlab.nn.Decoder (with layer), "
-                        f"got {type(obj).__name__}")
-    model = obj
+            raise ValueError(f"layer: a {type(obj).__name__} is one layer; got layer={layer!r}")
+        return fn(LayerWeights.of(obj) if isinstance(obj, MultiHeadAttention) else obj, **kw)
+    try:
+        w = model_weights(obj, fold_ln=fold_ln)
+    except TypeError as e:
+        if not str(e).startswith("model: expected"):
+            raise
+        raise TypeError(f"attn: expected an attnlab.nn.MultiHeadAttention, or a model (attnlab Decoder / Encoder, "
+                        f"transformers GPT-2 / Llama / Mistral / BERT) with layer, got {type(obj).__name__}") from None
     if layer is None:
-        per = [fn(b.attn, _read_norm(model, b, fold_ln), **kw) for b in model.blocks]
+        per = [fn(lw, **kw) for lw in w.layers]
         return FactoredMatrix(torch.stack([c.A for c in per]), torch.stack([c.B for c in per]))
-    b = model.blocks[_check_layer(model, layer)]
-    return fn(b.attn, _read_norm(model, b, fold_ln), **kw)
+    return fn(w.layer(layer), **kw)
 
 
 def qk_circuit(attn, layer: int | None = None, *, fold_ln: bool = True, query_pos: int | None = None,
@@ -183,9 +161,12 @@ def qk_circuit(attn, layer: int | None = None, *, fold_ln: bool = True, query_po
     circuit excludes the softmax scale ``attn.scale`` and all biases.
 
     Args:
-        attn: a :class:`MultiHeadAttention`, or a :class:`Decoder` with ``layer`` (an int:
-            ``[H, d, d]``; ``None``: every layer stacked, ``[n_layers, H, d, d]``).
-        fold_ln: for a pre-norm Decoder, fold the norm in front of the attention into the
+        attn: a :class:`MultiHeadAttention`, or a model with ``layer`` (an int, negative
+            counting from the end: ``[H, d, d]``; ``None``: every layer stacked,
+            ``[n_layers, H, d, d]``).  Models: attnlab ``Decoder`` / ``Encoder``,
+            transformers GPT-2 / Llama / Mistral / BERT, or a
+            :class:`~attnlab.interp.weights.ModelWeights` (see :mod:`attnlab.interp.weights`).
+        fold_ln: for a pre-norm model, fold the norm in front of the attention into the
             reads (see the module docstring).
         query_pos, key_pos: with RoPE, the circuit between a query at absolute position
             ``query_pos`` and a key at ``key_pos``: ``W_Q R_i R_jᵀ W_Kᵀ`` (depends on
@@ -238,7 +219,7 @@ def rank_report(attn, layer: int | None = None, *, fold_ln: bool = True, atol: f
     """Check the rank bottleneck: numerical ranks of ``W_QK`` and ``W_OV`` per head (tolerance as
     :meth:`FactoredMatrix.matrix_rank`).  Arguments as in :func:`qk_circuit`."""
     qk, ov = qk_circuit(attn, layer, fold_ln=fold_ln), ov_circuit(attn, layer, fold_ln=fold_ln)
-    a = attn if isinstance(attn, MultiHeadAttention) else attn.blocks[0].attn
+    a = attn if isinstance(attn, (MultiHeadAttention, LayerWeights)) else _weights(attn, fold_ln).layers[0]
     with torch.no_grad():
         return RankReport(qk.matrix_rank(atol=atol, rtol=rtol), ov.matrix_rank(atol=atol, rtol=rtol),
                           a.d_head, a.d_model)
@@ -249,18 +230,18 @@ def full_qk_circuit(model, layer: int, *, fold_ln: bool = True) -> FactoredMatri
     """``W_E W_QK[h] W_Eᵀ`` ``[H, vocab, vocab]`` (factored, inner ``d_head``): entry
     ``[h, s, t]`` is the (unscaled) score a query token ``s`` gives a key token ``t``
     through the direct path (token embeddings only; positions and biases ignored)."""
-    model = _check_model(model)
-    c = qk_circuit(model, layer, fold_ln=fold_ln)
-    W_E = model.embed.weight
+    w = _weights(model, fold_ln)
+    c = qk_circuit(w, layer)
+    W_E = w.W_E
     return FactoredMatrix(W_E @ c.A, c.B @ W_E.T)
 
 
 def full_ov_circuit(model, layer: int, *, fold_ln: bool = True) -> FactoredMatrix:
     """``W_E W_OV[h] W_U`` ``[H, vocab, vocab]`` (factored, inner ``d_head``): row ``s`` is what
     attending to a token ``s`` adds to the logits through the direct path."""
-    model = _check_model(model)
-    c = ov_circuit(model, layer, fold_ln=fold_ln)
-    return FactoredMatrix(model.embed.weight @ c.A, c.B @ _unembed(model, fold_ln))
+    w = _weights(model, fold_ln)
+    c = ov_circuit(w, layer)
+    return FactoredMatrix(w.W_E @ c.A, c.B @ _unembed(w))
 
 
 def eigenvalue_copying_score(circuit: FactoredMatrix) -> torch.Tensor:
@@ -317,7 +298,7 @@ def head_composition_scores(earlier: MultiHeadAttention, later: MultiHeadAttenti
     Compare with :func:`composition_baseline`.
     """
     k = _check_kind(kind)
-    e, l = _check_attn(earlier, "earlier"), _check_attn(later, "later")
+    e, l = (x if isinstance(x, LayerWeights) else _check_attn(x, n) for x, n in ((earlier, "earlier"), (later, "later")))
     if e.d_model != l.d_model:
         raise ValueError(f"earlier/later: d_model differs ({e.d_model} vs {l.d_model})")
     left = ov_circuit(e)[:, None]
@@ -330,11 +311,11 @@ def composition_scores(model, kind: str, *, fold_ln: bool = True, fill: float = 
     formulas in :func:`head_composition_scores`; TransformerLens' ``all_composition_scores``
     layout.  Entries with ``l1 >= l2`` (no composition possible) are ``fill`` (0, as in
     TransformerLens; pass ``float('nan')`` to mark them undefined)."""
-    model = _check_model(model)
     k = _check_kind(kind)
-    qk, ov = qk_circuit(model, fold_ln=fold_ln), ov_circuit(model, fold_ln=fold_ln)
+    w = _weights(model, fold_ln)
+    qk, ov = qk_circuit(w), ov_circuit(w)
     s = composition_score(ov[:, :, None, None], _right(qk, ov, k)[None, None])
-    L = len(model.blocks)
+    L = w.n_layers
     ar = torch.arange(L, device=s.device)
     ok = (ar[:, None] < ar[None, :])[:, None, :, None]
     return torch.where(ok, s, torch.full((), fill, dtype=s.dtype, device=s.device))
@@ -346,7 +327,7 @@ class Baseline(NamedTuple):
     n: int
 
 
-def composition_baseline(d_model: int, d_head: int, *, n: int = 200, seed: int = 0,
+def composition_baseline(d_model, d_head: int | None = None, *, n: int = 200, seed: int = 0,
                          dtype: torch.dtype = torch.float64) -> Baseline:
     """Mean and std of the composition score for random heads of the same shapes: ``W_Q``,
     ``W_K``, ``W_V`` ``[d_model, d_head]`` and ``W_O`` ``[d_head, d_model]`` with i.i.d.
@@ -355,7 +336,13 @@ def composition_baseline(d_model: int, d_head: int, *, n: int = 200, seed: int =
     distribution.  ``n`` samples from ``torch.Generator().manual_seed(seed)`` (CPU).
 
     The mean comes out close to ``1/sqrt(d_model)`` (independent random subspaces), e.g.
-    0.124 for ``(64, 8)`` and 0.036 for ``(768, 64)``; the std shrinks as ``d_head`` grows."""
+    0.124 for ``(64, 8)`` and 0.036 for ``(768, 64)``; the std shrinks as ``d_head`` grows.
+
+    ``composition_baseline(model)`` (any model :func:`composition_scores` takes, ``d_head``
+    left out) reads both sizes from the model's first layer."""
+    if not isinstance(d_model, int) and d_head is None:
+        lw = _weights(d_model).layers[0]
+        d_model, d_head = lw.d_model, lw.d_head
     for name, v, lo in (("d_model", d_model, 1), ("d_head", d_head, 1), ("n", n, 2)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")

@@ -120,7 +120,6 @@ def inspect(text: str, *, model_name: str = "minilm", out: str = "out/inspect.ht
     """Score every head of a loaded model on ``text``, print the table, write the report."""
     from attnlab.interp import detectors as D
     from attnlab.interp.capture import capture
-    from attnlab.lab.sinks import tokens_of
     from attnlab.models import load
     from attnlab.report import Report
     if not isinstance(text, str) or not text.strip():
@@ -141,8 +140,10 @@ def inspect(text: str, *, model_name: str = "minilm", out: str = "out/inspect.ht
         fwd(model, ids)
     pats = torch.stack([cap.pattern(l)[0] for l in cap.layers])
     ent = torch.stack([cap.stats(l).per_head()["entropy"] for l in cap.layers])
-    toks = tokens_of(tok, ids[0])
-    lines = [f"{len(toks)} tokens, {pats.shape[0]} layers × {pats.shape[1]} heads",
+    toks = tok.to_str_tokens(ids[0])                  # special tokens ([CLS], [SEP]) visible
+    shown = " ".join(repr(t) for t in toks[:40]) + (" …" if len(toks) > 40 else "")
+    lines = [f"tokens: {shown}",
+             f"{len(toks)} tokens, {pats.shape[0]} layers × {pats.shape[1]} heads",
              f"{'detector':<22} top heads (score)"]
     for name, hs in scores.items():
         lines.append(f"{name:<22} " + ", ".join(f"L{l}H{h} {s:.2f}" for l, h, s in hs.top(4)))
@@ -150,6 +151,9 @@ def inspect(text: str, *, model_name: str = "minilm", out: str = "out/inspect.ht
     r = Report(f"attnlab inspect: {model_name}", subtitle=f"{len(toks)} tokens: {text[:200]}")
     r.section("Patterns")
     r.heatmaps(pats, toks, title="Attention patterns (all layers and heads)")
+    from attnlab.report.token_view import MAX_TOKENS
+    if len(toks) <= MAX_TOKENS:
+        r.head_view(pats, toks, title="Head view: token to token (every head of a layer)")
     r.head_grid(ent, title="Mean attention entropy per head (nats)")
     pages.detectors_section(r, scores, "Head detectors (raw and value-weighted)")
     path = r.write(out)

@@ -39,6 +39,9 @@ GQA runs natively (K/V keep their ``Hkv`` heads).  Differences from ``eager``:
   implementation.
 * hooks: a list ``module.attnlab_hooks`` on a transformers attention module is run
   like :attr:`attnlab.nn.MultiHeadAttention.hooks` (:mod:`attnlab.interp` installs it);
+  ``module.attnlab_points`` (an :class:`attnlab.nn.hooks.AttentionPoints`) runs the named
+  points hook_q/k/v (or hook_rot_q/k), hook_attn_scores, hook_pattern and hook_z
+  (:mod:`attnlab.models.hf_points`); nothing runs for points without functions;
 * unsupported and refused: paged caches (``cache=``) and per-token ``sinks=``.
 
 >>> import pytest; _ = pytest.importorskip("transformers")
@@ -117,6 +120,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     for opt in ("cache", "sinks"):
         if kwargs.get(opt) is not None:
             raise NotImplementedError(f"attnlab bridge: `{opt}=` ({type(kwargs[opt]).__name__}) is not supported")
+    pts = getattr(module, "attnlab_points", None)  # attnlab.interp's named hook points (models.hf_points)
+    if pts is not None and not pts.active():
+        pts = None
+    if pts is not None:
+        if pts.bridge_stage == "qkv" and pts.qkv_active():
+            query, key, value = pts.qkv(query, key, value)
+        elif pts.bridge_stage == "rot" and pts.rot_active():
+            query, key = pts.rot(query, key)
     B, H, Nq, _ = query.shape
     Nk = key.shape[2]
     if attention_mask is None:
@@ -143,11 +154,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     kw = dict(mask=mask, score_mod=score_mod, scale=None if scaling is None else float(scaling), q_offset=q_offset)
     res = attention(query, key, value, return_lse=s_aux is not None, backend=backend, **kw)
     hooks = getattr(module, "attnlab_hooks", None)
-    if hooks:  # attnlab.interp: capture / ablation on a transformers model (z before s_aux's gate)
+    if hooks or pts is not None:  # attnlab.interp: capture / ablation / hook points (z before s_aux's gate)
         from attnlab.nn.attention import AttentionCall, run_hooks
-        call = AttentionCall(module, query, key, value, res[0] if s_aux is not None else res,
-                             layer=getattr(module, "layer_idx", None), **kw)
-        z = run_hooks(hooks, call)
+        layer = getattr(module, "layer_idx", None)
+        z = res[0] if s_aux is not None else res
+        if pts is not None and pts.post_active():  # scores / pattern: recomputed from q and k
+            z = pts.scores_and_pattern(AttentionCall(module, query, key, value, z, layer=layer, **kw))
+        if hooks:
+            z = run_hooks(hooks, AttentionCall(module, query, key, value, z, layer=layer, **kw))
+        if pts is not None:
+            z = pts.z(z)
         res = (z, res[1]) if s_aux is not None else z
     weights = None
     if kwargs.get("output_attentions"):

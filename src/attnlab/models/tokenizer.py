@@ -14,6 +14,19 @@ from pathlib import Path
 import torch
 
 
+def _id_list(ids) -> list[int]:
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() > 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"ids: expected integer ids (N,), got a {tuple(ids.shape)} {ids.dtype} tensor")
+        return ids.tolist()
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"ids: expected a sequence of ints or an integer tensor, got {type(ids).__name__}")
+    out = list(ids)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in out):
+        raise TypeError(f"ids: expected ints, got {[type(i).__name__ for i in out if not isinstance(i, int)][:3]}")
+    return out
+
+
 class Tokenizer:
     def __init__(self, tok, *, max_length: int | None = None, pad_id: int = 0):
         self.tok = tok
@@ -46,8 +59,36 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
 
-    def decode(self, ids) -> str:
-        return self.tok.decode(list(map(int, ids)))
+    def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; special tokens (``[CLS]``, ``[SEP]``, ``[PAD]`` ...) are dropped
+        unless ``skip_special_tokens=False``."""
+        return self.tok.decode(_id_list(ids), skip_special_tokens=skip_special_tokens)
+
+    def to_str_tokens(self, text_or_ids) -> list:
+        """One display string per token, special tokens visible (TransformerLens' ``to_str_tokens``).
+
+        ``text_or_ids``: a ``str`` (encoded as :meth:`encode` does, so ``[CLS]``/``[SEP]`` are
+        included), a list of ids, or an integer tensor ``(N,)``; ``(B, N)`` gives one list per
+        row.  Each id is decoded alone with special tokens kept (``[CLS]``, ``##ing``, ``' the'``);
+        an id whose decoding is empty shows its vocabulary entry instead.
+        MiniLM: ``tok.to_str_tokens("unbelievably")`` is ``['[CLS]', 'un', '##bel', '##ie',
+        '##va', '##bly', '[SEP]']`` (``tok.decode([101])`` is ``''``).
+        """
+        if isinstance(text_or_ids, str):
+            ids = self.encode(text_or_ids)
+        elif isinstance(text_or_ids, torch.Tensor) and text_or_ids.dim() == 2:
+            return [self.to_str_tokens(row) for row in text_or_ids]
+        else:
+            ids = _id_list(text_or_ids)
+        n = self.vocab_size
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"text_or_ids: ids must be in [0, {n}) (vocab_size={n}); got {bad[:5]}")
+        out = []
+        for i in ids:
+            s = self.tok.decode([i], skip_special_tokens=False)
+            out.append(s if s else (self.tok.id_to_token(i) or ""))
+        return out
 
     def __call__(self, texts) -> dict[str, torch.Tensor]:
         if isinstance(texts, str):

@@ -51,6 +51,8 @@ from torch import nn
 
 from attnlab import masks
 from attnlab.ops.dispatch import BACKENDS, attention, attention_probs
+from attnlab.ops.reference import index_grids
+from attnlab.nn.hooks import AttentionPoints
 from attnlab.ops.sdpa import is_causal_mask
 from attnlab.nn.validate import head_shape, positive_int, probability
 from attnlab.scores import compose
@@ -81,12 +83,14 @@ class AttentionCall:
 
     def pattern(self, heads=None) -> torch.Tensor:
         """The attention pattern ``(B, len(heads), Nq, Nk)`` (float32), recomputed from q and k
-        for the query heads asked (default all); GQA-correct, head-dependent masks and
+        for the query heads asked (default all; negative indices count from the end); GQA-correct, head-dependent masks and
         score mods (ALiBi) see the original head indices."""
         H, Hkv = self.q.shape[1], self.k.shape[1]
         idx = torch.arange(H) if heads is None else torch.as_tensor(heads, dtype=torch.long).reshape(-1)
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= H):
-            raise ValueError(f"heads: expected query-head indices in [0, {H}), got {idx.tolist()}")
+        if idx.numel() and (int(idx.min()) < -H or int(idx.max()) >= H):
+            raise ValueError(f"heads: expected query-head indices in [-{H}, {H}) (negative: from the end), "
+                             f"got {idx.tolist()}")
+        idx = idx % H  # Python's meaning of negative indices
         kv = idx // (H // Hkv)  # the kv head each chosen query head reads
         mask, mod = self.mask, self.score_mod
         if hasattr(mask, "plan"):  # a BlockMask: its predicate
@@ -97,6 +101,26 @@ class AttentionCall:
             mod = None if mod is None else (lambda s, b, h, qp, kp, f=mod: f(s, b, dev[h], qp, kp))
         return attention_probs(self.q[:, idx], self.k[:, kv], mask=mask, score_mod=mod, scale=self.scale,
                                q_offset=self.q_offset, kv_offset=self.kv_offset)
+
+    def scores(self) -> torch.Tensor:
+        """The scores ``scale·q kᵀ + score mods`` ``(B, H, Nq, Nk)`` in float32 (float64 for float64),
+        ``-inf`` where the mask hides a key: the pattern is their softmax (TransformerLens'
+        ``hook_attn_scores``).  GQA-correct; positions as the op saw them."""
+        q, k = self.q, self.k
+        B, H, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        kr = k.repeat_interleave(H // Hkv, dim=1) if H != Hkv else k
+        scale = 1.0 / math.sqrt(D) if self.scale is None else self.scale
+        s = torch.matmul(q.to(acc), kr.to(acc).transpose(-1, -2)) * scale
+        q_off = self.kv_offset + Nk - Nq if self.q_offset is None else self.q_offset
+        b, h, qp, kp = index_grids(B, H, Nq, Nk, q_off, self.kv_offset, q.device)
+        if self.score_mod is not None:
+            s = self.score_mod(s, b, h, qp, kp)
+        mask = self.mask.mask if hasattr(self.mask, "plan") else self.mask
+        if mask is not None:
+            s = s.masked_fill(~torch.as_tensor(mask(b, h, qp, kp), device=q.device), float("-inf"))
+        return s
 
 
 def run_hooks(hooks, call: AttentionCall) -> torch.Tensor:
@@ -173,6 +197,9 @@ class MultiHeadAttention(nn.Module):
         #: a returned tensor ``(B, H, Nq, d_head)`` replaces z (ablation, patching).
         #: See :mod:`attnlab.interp`.  Not part of the state dict.
         self.hooks: list = []
+        #: TransformerLens-style hook points (hook_q ... hook_result), empty unless
+        #: :mod:`attnlab.interp` installs functions; see :mod:`attnlab.nn.hooks`.
+        self.attnlab_points = AttentionPoints()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -257,13 +284,16 @@ class MultiHeadAttention(nn.Module):
                                  "build the module with positions=None or ALiBi")
         B, N, _ = x.shape
         q, k, v = self.project(x, context)
+        pts = self.attnlab_points
+        if pts.qkv_active():
+            q, k, v = pts.qkv(q, k, v)
         rope = self.positions if hasattr(self.positions, "cos_sin") else None
         mod = self._alibi
         if score_mod is not None:
             mod = score_mod if mod is None else compose(mod, score_mod)
         cp = self.context_parallel
         if cp is not None:
-            if (cache is not None or context is not None or need_weights or self.hooks
+            if (cache is not None or context is not None or need_weights or self.hooks or pts.active()
                     or (self.training and self.dropout > 0)):
                 raise ValueError("context_parallel: runs self-attention only, without cache, context, need_weights, "
                                  "hooks or attention dropout")
@@ -277,10 +307,12 @@ class MultiHeadAttention(nn.Module):
             if rope is not None and not getattr(cache, "rotates_keys", False):
                 p = _positions(cache.seen, N) if pos is None else pos
                 q, k = rope(q, p), rope(k, p)
+                if pts.rot_active():
+                    q, k = pts.rot(q, k)
             kv = cache.update(k, v)
             if rope is not None and getattr(cache, "rotates_keys", False):
                 q = rope(q, kv.q_positions)  # the cache stores keys unrotated and rotates them at read
-            if self.training and self.dropout > 0 or need_weights or self.hooks:
+            if self.training and self.dropout > 0 or need_weights or self.hooks or pts.active():
                 kv = kv.dense()
                 k, v = kv.k, kv.v
                 kw = dict(mask=mask, score_mod=mod, scale=self.scale, q_offset=kv.q_offset, kv_offset=kv.kv_offset)
@@ -291,6 +323,8 @@ class MultiHeadAttention(nn.Module):
             if rope is not None:
                 p = 0 if pos is None else pos
                 q, k = rope(q, p), rope(k, p)
+                if pts.rot_active():
+                    q, k = pts.rot(q, k)
             q_offset = 0 if context is not None else None
             kw = dict(mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset, kv_offset=0)
         weights = None
@@ -298,9 +332,14 @@ class MultiHeadAttention(nn.Module):
             z, weights = self._dropout_attention(q, k, v, **kw)
         else:
             z = attention(q, k, v, backend=self.backend, **kw)
+        if pts.post_active():  # scores / pattern asked for: recomputed from q and k
+            z = pts.scores_and_pattern(AttentionCall(self, q, k, v, z, **kw))
         if self.hooks:
             z = run_hooks(self.hooks, AttentionCall(self, q, k, v, z, **kw))
-        out = self._out(z, B, N)
+        z = pts.z(z)
+        out = pts.result(z, self.W_O, self.out_bias) if pts.hook_result.fns else None
+        if out is None:
+            out = self._out(z, B, N)
         if need_weights:
             if weights is None:
                 weights = attention_probs(q, k, **kw)

@@ -8,12 +8,24 @@
 from ``cfg.mixer``: softmax attention (default), linear attention or a selective SSM.
 The attribute keeps the name ``attn`` whatever the mixer, so code and checkpoints that
 address ``blocks.i.attn`` keep working.
+
+Hook points (:mod:`attnlab.nn.hooks`; names given by :func:`attnlab.interp.hook_names`)::
+
+    pre-norm:   resid_pre ─┬─ ln1 ─ attn ─ attn_out ─(+)─ resid_mid ─┬─ ln2 ─ mlp ─ mlp_out ─(+)─ resid_post
+                           └──────────────────────────┘               └──────────────────────────┘
+    post-norm:  resid_pre ─ attn ─ attn_out ─(+ resid_pre)─ resid_mid ─ ln1 ─ mlp ─ mlp_out ─(+)─ resid_post ─ ln2
+                (TransformerLens' BERT: resid_mid and resid_post are *before* their norm; the
+                block's output, the next resid_pre, is ``ln2.hook_normalized``)
+
+``attn_out`` and ``mlp_out`` are what is added to the stream (after dropout).  An
+attention-only block has resid_pre, attn_out and resid_post.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from attnlab.nn.hooks import HookPoint, NormPoints
 from attnlab.nn.mixers import make_mixer
 from attnlab.nn.mlp import MLP, SwiGLU
 from attnlab.nn.norms import make_norm
@@ -26,9 +38,13 @@ class Block(nn.Module):
         self.attn_only = attn_only
         self.attn = make_mixer(cfg, positions)
         self.drop = nn.Dropout(cfg.dropout)
+        self.hook_resid_pre, self.hook_attn_out, self.hook_resid_post = HookPoint(), HookPoint(), HookPoint()
         if attn_only:
             self.norm1 = self.norm2 = self.mlp = None
+            self.hook_resid_mid = self.hook_mlp_out = self.ln1_points = self.ln2_points = None
             return
+        self.hook_resid_mid, self.hook_mlp_out = HookPoint(), HookPoint()
+        self.ln1_points, self.ln2_points = NormPoints(), NormPoints()
         self.norm1 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias)
         self.norm2 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias)
         kind = SwiGLU if cfg.mlp == "swiglu" else MLP
@@ -36,16 +52,19 @@ class Block(nn.Module):
 
     def forward(self, x, *, mask=None, pos=None, cache=None, need_weights=False):
         """``x (B, N, d_model)`` -> same; with ``need_weights`` also the pattern ``(B, H, N, M)``."""
+        x = self.hook_resid_pre(x)
         if self.attn_only:
             a = self.attn(x, mask=mask, pos=pos, cache=cache, need_weights=need_weights)
             a, w = a if need_weights else (a, None)
-            return x + self.drop(a), w
+            return self.hook_resid_post(x + self.hook_attn_out(self.drop(a))), w
         if self.post:
             a = self.attn(x, mask=mask, pos=pos, cache=cache, need_weights=need_weights)
             a, w = a if need_weights else (a, None)
-            x = self.norm1(x + self.drop(a))
-            return self.norm2(x + self.drop(self.mlp(x))), w
-        a = self.attn(self.norm1(x), mask=mask, pos=pos, cache=cache, need_weights=need_weights)
+            x = self.ln1_points(self.norm1, self.hook_resid_mid(x + self.hook_attn_out(self.drop(a))))
+            x = self.hook_resid_post(x + self.hook_mlp_out(self.drop(self.mlp(x))))
+            return self.ln2_points(self.norm2, x), w
+        a = self.attn(self.ln1_points(self.norm1, x), mask=mask, pos=pos, cache=cache, need_weights=need_weights)
         a, w = a if need_weights else (a, None)
-        x = x + self.drop(a)
-        return x + self.drop(self.mlp(self.norm2(x))), w
+        x = self.hook_resid_mid(x + self.hook_attn_out(self.drop(a)))
+        x = x + self.hook_mlp_out(self.drop(self.mlp(self.ln2_points(self.norm2, x))))
+        return self.hook_resid_post(x), w

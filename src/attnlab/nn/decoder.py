@@ -20,6 +20,7 @@ from attnlab import masks
 from attnlab import positions as P
 from attnlab.nn.block import Block
 from attnlab.nn.config import DecoderConfig
+from attnlab.nn.hooks import HookPoint, NormPoints
 from attnlab.nn.norms import make_norm
 
 
@@ -91,6 +92,9 @@ class Decoder(nn.Module):
         init_weights(self, cfg.n_layers)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        # hook points (attnlab.nn.hooks): hook_embed, hook_pos_embed, ln_final, logits
+        self.hook_embed, self.hook_pos_embed, self.hook_logits = HookPoint(), HookPoint(), HookPoint()
+        self.ln_final_points = NormPoints()
 
     def forward(self, input_ids, *, attention_mask=None, pos=None, cache=None, mask=None,
                 output_attentions: bool = False, output_hidden_states: bool = False) -> ModelOutput:
@@ -113,10 +117,10 @@ class Decoder(nn.Module):
         if cache is not None and len(cache) != len(self.blocks):
             raise ValueError(f"cache: expected {len(self.blocks)} per-layer caches, got {len(cache)}")
         start = 0 if cache is None else cache[0].seen
-        x = self.embed(ids)
+        x = self.hook_embed(self.embed(ids))
         tpos = token_positions(pos, B, N, start, ids.device)
         if self.pos_embed is not None:
-            x = x + self.pos_embed(tpos)
+            x = x + self.hook_pos_embed(self.pos_embed(tpos).expand(B, N, -1))  # a view: (B, N, d_model)
         x = self.drop(x)
         mask = _CAUSAL if mask is None else mask
         if attention_mask is not None:
@@ -132,10 +136,10 @@ class Decoder(nn.Module):
             if attns is not None:
                 attns.append(w)
         if self.norm is not None:
-            x = self.norm(x)
+            x = self.ln_final_points(self.norm, x)
         if hidden is not None:
             hidden.append(x)
-        return ModelOutput(self.lm_head(x), x, hidden, attns)
+        return ModelOutput(self.hook_logits(self.lm_head(x)), x, hidden, attns)
 
     def extra_repr(self):
         c = self.cfg

@@ -20,6 +20,7 @@ from attnlab.nn.block import Block
 from attnlab.nn.config import EncoderConfig
 from attnlab.nn.decoder import (ModelOutput, _check_ids, _check_keep, absolute_positions, init_weights,
                                 attention_positions, token_positions)
+from attnlab.nn.hooks import HookPoint, NormPoints
 from attnlab.nn.norms import make_norm
 
 
@@ -39,6 +40,9 @@ class Encoder(nn.Module):
         self.final_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias) if cfg.norm_position == "pre" else None
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model) if cfg.pooler else None
         init_weights(self, cfg.n_layers)
+        # hook points (attnlab.nn.hooks): word / position / token-type embeddings, ln_final (pre-norm only)
+        self.hook_embed, self.hook_pos_embed, self.hook_token_type_embed = HookPoint(), HookPoint(), HookPoint()
+        self.ln_final_points = NormPoints()
 
     def forward(self, input_ids, *, attention_mask=None, token_type_ids=None, pos=None,
                 output_attentions: bool = False, output_hidden_states: bool = False) -> ModelOutput:
@@ -49,15 +53,15 @@ class Encoder(nn.Module):
         """
         ids = _check_ids(input_ids, self.cfg.vocab_size)
         B, N = ids.shape
-        x = self.embed(ids)
+        x = self.hook_embed(self.embed(ids))
         if self.pos_embed is not None:
-            x = x + self.pos_embed(token_positions(pos, B, N, 0, ids.device))
+            x = x + self.hook_pos_embed(self.pos_embed(token_positions(pos, B, N, 0, ids.device)).expand(B, N, -1))
         if self.type_embed is not None:
             if token_type_ids is None:
                 token_type_ids = torch.zeros_like(ids)
             elif token_type_ids.shape != ids.shape:
                 raise ValueError(f"token_type_ids: expected {tuple(ids.shape)}, got {tuple(token_type_ids.shape)}")
-            x = x + self.type_embed(token_type_ids)
+            x = x + self.hook_token_type_embed(self.type_embed(token_type_ids))
         x = self.drop(self.embed_norm(x))
         mask = None if attention_mask is None else masks.key_padding(_check_keep(attention_mask, B, N))
         hidden, attns = ([] if output_hidden_states else None), ([] if output_attentions else None)
@@ -69,7 +73,7 @@ class Encoder(nn.Module):
             if attns is not None:
                 attns.append(w)
         if self.final_norm is not None:
-            x = self.final_norm(x)
+            x = self.ln_final_points(self.final_norm, x)
         if hidden is not None:
             hidden.append(x)
         pooled = torch.tanh(self.pooler(x[:, 0])) if self.pooler is not None else None

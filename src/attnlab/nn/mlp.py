@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnlab.nn.hooks import HookPoint
 from attnlab.nn.validate import choice, positive_int
 
 ACTIVATIONS = {
@@ -31,9 +32,10 @@ class MLP(nn.Module):
         self.act = choice(act, "act", ACTIVATIONS)
         self.fc_in = nn.Linear(positive_int(d_model, "d_model"), positive_int(d_mlp, "d_mlp"), bias=bias)
         self.fc_out = nn.Linear(d_mlp, d_model, bias=bias)
+        self.hook_pre, self.hook_post = HookPoint(), HookPoint()  # (B, N, d_mlp): before / after act
 
     def forward(self, x):
-        return self.fc_out(ACTIVATIONS[self.act](self.fc_in(x)))
+        return self.fc_out(self.hook_post(ACTIVATIONS[self.act](self.hook_pre(self.fc_in(x)))))
 
 
 class SwiGLU(nn.Module):
@@ -43,7 +45,10 @@ class SwiGLU(nn.Module):
         self.d_mlp = positive_int(d_mlp, "d_mlp")
         self.gate_up = nn.Linear(positive_int(d_model, "d_model"), 2 * d_mlp, bias=bias)
         self.down = nn.Linear(d_mlp, d_model, bias=bias)
+        #: (B, N, d_mlp) each: the gate before its activation, the up projection, act(gate) ⊙ up
+        #: (TransformerLens' gated MLP: hook_pre, hook_pre_linear, hook_post)
+        self.hook_pre, self.hook_pre_linear, self.hook_post = HookPoint(), HookPoint(), HookPoint()
 
     def forward(self, x):
         gate, up = self.gate_up(x).split(self.d_mlp, dim=-1)
-        return self.down(ACTIVATIONS[self.act](gate) * up)
+        return self.down(self.hook_post(ACTIVATIONS[self.act](self.hook_pre(gate)) * self.hook_pre_linear(up)))

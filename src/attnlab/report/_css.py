@@ -80,6 +80,11 @@ code { font: 0.9em ui-monospace, SFMono-Regular, Menlo, Consolas, "DejaVu Sans M
 .al-thumb:hover { border-color: var(--accent); }
 .al-thumb.al-on { border-color: #D55E00; box-shadow: 0 0 0 1px #D55E00; color: var(--fg); }
 .al-fallback { display: block; width: min(100%, 512px); image-rendering: pixelated; border: 1px solid var(--line); }
+.al-tv-wrap { position: relative; overflow-x: auto; margin-top: 6px; }
+.al-tv-canvas { display: block; }
+.al-tv-legend { display: flex; flex-wrap: wrap; gap: 4px 12px; margin-top: 6px; font-size: 12.5px; color: var(--muted); }
+.al-tv-key { border-left: 12px solid #999; padding-left: 4px; }
+.al-tip-tok { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; white-space: pre; }
 .al-footer { color: var(--muted); font-size: 12.5px; padding-top: 8px; padding-bottom: 40px; }
 @media print { html { background: #fff; } .al-section { box-shadow: none; break-inside: avoid-page; } }
 """

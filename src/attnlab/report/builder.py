@@ -23,10 +23,13 @@ from pathlib import Path
 
 from attnlab.report._css import CSS
 from attnlab.report._heatmap_js import JS as HEATMAP_JS
+from attnlab.report._token_view_js import JS as TOKEN_VIEW_JS
 from attnlab.report._html import esc, inline_markup, page, slug
 from attnlab.report.heatmap import heatmap_html
+from attnlab.report.inputs import as_patterns, as_scores
 from attnlab.report.plots import bar_plot_svg, line_plot_svg
 from attnlab.report.tables import head_grid_html, table_html
+from attnlab.report.token_view import token_view_html
 
 __all__ = ["Report"]
 
@@ -56,6 +59,7 @@ class Report:
         self._sections: list[tuple[str, str, list[str]]] = []  # (id, title, blocks)
         self._ids: set[str] = set()
         self._has_heatmap = False
+        self._has_token_view = False
 
     # -- structure ---------------------------------------------------------------------
     def _add(self, block: str) -> Report:
@@ -101,20 +105,26 @@ class Report:
                   fmt: str = ".2f", vmin: float | None = None, vmax: float | None = None) -> Report:
         """A ``[L, H]`` tensor/array (e.g. a detector's score per head) as a coloured grid.
 
+        Also takes a :class:`~attnlab.interp.detectors.HeadScores` or a result with named axes
+        (``.values``/``.axes``, e.g. head patching) as it comes (:func:`attnlab.report.inputs.as_scores`).
+
         The colour scale spans the data (or ``vmin``..``vmax``); signed data get a diverging
         scale centred on 0.  Each cell shows its value with ``fmt``; NaN cells are grey.
         """
-        return self._add(head_grid_html(scores, title=_title(title, "title"), row_label=row_label,
+        return self._add(head_grid_html(as_scores(scores), title=_title(title, "title"), row_label=row_label,
                                         col_label=col_label, fmt=fmt, vmin=vmin, vmax=vmax,
                                         fig_id=self._fig_id(title)))
 
     # -- heatmaps ----------------------------------------------------------------------
     def heatmaps(self, patterns, tokens_q=None, tokens_k=None, *, title: str, labels=None,
-                 floor: float = 1e-5, color: str = "sqrt", pool: str = "max") -> Report:
+                 floor: float = 1e-5, color: str = "sqrt", pool: str = "max", batch: int | None = None) -> Report:
         """Attention patterns as an interactive canvas heatmap with a layer/head selector.
 
         ``patterns``: ``[L, H, Nq, Nk]`` (or ``[H, Nq, Nk]``, ``[Nq, Nk]``, or a list of
-        per-layer ``[H, Nq, Nk]``), non-negative and finite.  ``tokens_q``: ``Nq`` strings
+        per-layer ``[H, Nq, Nk]``), non-negative and finite; or straight from
+        :mod:`attnlab.interp`: a ``Capture``, an activation cache, ``(L, B, H, Nq, Nk)`` or a
+        list of per-layer ``(B, H, Nq, Nk)``, with ``batch`` choosing the sequence
+        (:func:`attnlab.report.inputs.as_patterns`).  ``tokens_q``: ``Nq`` strings
         (``None``: positions); ``tokens_k``: ``Nk`` strings, defaults to ``tokens_q``.
         ``labels``: a ``{(layer, head): text}`` dict or ``[L][H]`` nested list naming heads.
         ``floor``: weights below ``floor × the head's max`` are stored as 0 (the log-scale
@@ -123,8 +133,30 @@ class Report:
         for views larger than the canvas.  All are switchable in the page.
         """
         self._has_heatmap = True
-        return self._add(heatmap_html(patterns, tokens_q, tokens_k, title=_title(title, "title"), labels=labels,
+        return self._add(heatmap_html(as_patterns(patterns, batch), tokens_q, tokens_k, title=_title(title, "title"), labels=labels,
                                       floor=floor, color=color, pool=pool, fig_id=self._fig_id(title)))
+
+    def token_view(self, patterns, tokens_q, tokens_k=None, *, title: str, layer: int = 0, head=0, labels=None,
+                   batch: int | None = None) -> Report:
+        """bertviz-style token-to-token view: queries left, keys right, a line per pair with
+        opacity = weight, for the selected layer and head (selectors in the page, hover a
+        token to isolate its lines and list its strongest partners).
+
+        ``patterns`` and ``batch`` as in :meth:`heatmaps` (weights in [0, 1]); ``tokens_q``:
+        ``Nq`` strings (``tok.to_str_tokens(ids)``), ``tokens_k`` when ``Nk ≠ Nq``.  ``head``:
+        an int, or ``"all"`` to overlay every head of the layer in its own colour (the head
+        view).  Up to :data:`attnlab.report.token_view.MAX_TOKENS` tokens.
+        """
+        self._has_token_view = True
+        return self._add(token_view_html(as_patterns(patterns, batch), tokens_q, tokens_k, title=_title(title, "title"),
+                                         fig_id=self._fig_id(title), layer=layer, head=head, labels=labels))
+
+    def head_view(self, patterns, tokens_q, tokens_k=None, *, title: str, layer: int = 0, labels=None,
+                  batch: int | None = None) -> Report:
+        """bertviz's head view: :meth:`token_view` with every head of ``layer`` overlaid,
+        one colour per head (pick one head in the page)."""
+        return self.token_view(patterns, tokens_q, tokens_k, title=title, layer=layer, head="all", labels=labels,
+                               batch=batch)
 
     # -- plots -------------------------------------------------------------------------
     def line_plot(self, series, *, title: str, x_label: str, y_label: str, log_y: bool = False, x=None,
@@ -165,7 +197,8 @@ class Report:
             links = "".join(f'<li><a href="#{sid}">{esc(t)}</a></li>' for sid, t, _ in self._sections)
             toc = f'<nav class="al-toc" aria-label="Contents"><ol>{links}</ol></nav>\n'
         return page(title=self.title, subtitle=self.subtitle, toc=toc, body="\n".join(body), css=CSS,
-                    scripts=[HEATMAP_JS] if self._has_heatmap else [], generator=f"attnlab {__version__}")
+                    scripts=([HEATMAP_JS] if self._has_heatmap else []) + ([TOKEN_VIEW_JS] if self._has_token_view else []),
+                    generator=f"attnlab {__version__}")
 
     def write(self, path: str | os.PathLike) -> Path:
         """Write the page to ``path`` (UTF-8; parent folders are created) and return the path."""

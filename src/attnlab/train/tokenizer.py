@@ -172,6 +172,30 @@ class _Base:
             ) from None
         return b"".join(parts).decode("utf-8", errors="replace")
 
+    def to_str_tokens(self, text_or_ids, *, allow_special: bool = True) -> list:
+        """One display string per token (TransformerLens' ``to_str_tokens``): the token's
+        bytes as UTF-8, bytes that are not complete UTF-8 on their own shown as ``\\xNN``
+        escapes, the special token as ``<|endoftext|>``.
+
+        ``text_or_ids``: a ``str`` (encoded with ``allow_special``, so ``<|endoftext|>`` in
+        the text is the special token by default), a sequence of ids, or an integer tensor
+        ``(N,)``; ``(B, N)`` gives one list per row.
+
+        >>> ByteTokenizer().to_str_tokens("hé<|endoftext|>")
+        ['h', '\\\\xc3', '\\\\xa9', '<|endoftext|>']
+        """
+        if isinstance(text_or_ids, str):
+            ids = self.encode(text_or_ids, allow_special=allow_special)
+        elif hasattr(text_or_ids, "dim") and text_or_ids.dim() == 2:
+            return [self.to_str_tokens(row) for row in text_or_ids]
+        else:
+            ids = _as_id_list(text_or_ids)
+        eot = self.eot_id
+        bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= eot), None)
+        if bad is not None:
+            raise ValueError(f"text_or_ids: ids must be ints in [0, {self.vocab_size}); got {bad!r}")
+        return [EOT if i == eot else self._bytes[i].decode("utf-8", errors="backslashreplace") for i in ids]
+
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:  # pragma: no cover
         raise NotImplementedError
 
