@@ -300,18 +300,24 @@ def _call(rank, world, kw):
 
 
 def mismatch_group(rank, world, names, same):
+    """Every equal-problem case (first: they must pass on any version), then every
+    mismatch case; after a mismatch error the group must still serve the next case."""
     res = {}
+    for name in same:
+        try:
+            res[name] = ("ok", _call(rank, world, SAME[name][rank]))
+        except Exception as e:  # noqa: BLE001
+            res[name] = (type(e).__name__, str(e))
     for name in names:
         try:
             _call(rank, world, MISMATCHES[name][rank])
             res[name] = ("no error", "")
         except Exception as e:  # noqa: BLE001 - the test inspects it
             res[name] = (type(e).__name__, str(e))
-    for name in same:
-        try:
-            res[name] = ("ok", _call(rank, world, SAME[name][rank]))
-        except Exception as e:  # noqa: BLE001
-            res[name] = (type(e).__name__, str(e))
+    try:
+        res["__after__"] = ("ok", _call(rank, world, {}))
+    except Exception as e:  # noqa: BLE001
+        res["__after__"] = (type(e).__name__, str(e))
     try:
         res["__fp__"] = _fp()
     except Exception as e:  # noqa: BLE001 - (no fingerprint module in old versions)
@@ -346,6 +352,12 @@ def test_equal_problems_built_apart_pass_the_handshake(mismatches, name):
         kind, out = mismatches[r][name]
         assert kind == "ok", (name, r, kind, out)
         assert out.shape == (B, H, N // 2, DH) and torch.isfinite(out).all()
+
+
+def test_after_mismatch_errors_the_group_still_works(mismatches):
+    # every rank raised the same error at the same point: no message is left half-sent
+    for r in (0, 1):
+        assert mismatches[r]["__after__"][0] == "ok", mismatches[r]["__after__"]
 
 
 def test_the_fingerprint_does_not_depend_on_the_process_hash_seed(mismatches):

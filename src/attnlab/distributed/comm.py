@@ -52,8 +52,8 @@ class Comm:
 
     def start(self, sends, recvs) -> "Pending":
         """Post ``sends`` and ``recvs`` — lists of ``(name, tensor, group_peer, tag, what)``,
-        ``what`` naming the message and the step (``"the K/V shard of rank 0 (forward step
-        0)"``) — as one batch; returns a :class:`Pending` to wait on by name.
+        ``what`` naming the message, or ``(message, step)`` (``("the K/V shard of rank 0",
+        "forward step 0")``) — as one batch; returns a :class:`Pending` to wait on by name.
 
         On NCCL the batch is one ``batch_isend_irecv`` (coalesced: a ring of sends and
         receives cannot deadlock); elsewhere (gloo, where ``batch_isend_irecv`` is a loop
@@ -66,16 +66,19 @@ class Comm:
                 key = ("send " if kind is dist.isend else "recv ") + name
                 if any(m[0] == key for m in meta):
                     raise AssertionError(f"two messages named {key!r} in one batch")  # internal invariant
-                waits = f"rank {peer} to take {what}" if kind is dist.isend else f"{what} from rank {peer}"
-                meta.append((key, peer, waits, t, what))
+                what, step = what if isinstance(what, tuple) else (what, None)
+                step = f" ({step})" if step else ""
+                waits = f"rank {peer} to take {what}{step}" if kind is dist.isend else f"{what} from rank {peer}{step}"
+                posting = f"the send of {what} to rank {peer}{step}" if kind is dist.isend else \
+                    f"the receive of {what} from rank {peer}{step}"
+                meta.append((key, peer, waits, t, posting))
                 if kind is dist.isend:
                     self.bytes_sent += t.numel() * t.element_size()
                 else:
                     self.bytes_received += t.numel() * t.element_size()
         if not ops:
             return Pending(self, [], [])
-        posting = [f"the send of {m[4]} to rank {m[1]}" if m[0].startswith("send") else
-                   f"the receive of {m[4]} from rank {m[1]}" for m in meta]
+        posting = [m[4] for m in meta]
         if self.coalesce:
             peers = sorted({m[1] for m in meta})
             works = self.post(lambda: dist.batch_isend_irecv(ops), peer=peers[0] if len(peers) == 1 else None,

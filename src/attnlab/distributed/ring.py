@@ -119,12 +119,12 @@ def _kv_messages(plan, t, k_cur, v_cur, k_shape, v_shape, dtype, device, step_na
     P, r = plan.world, plan.rank
     sends, recvs, k_next, v_next = [], [], None, None
     if plan.sends_kv(t):
-        what = f"the K/V shard of rank {plan.origin(t)} ({step_name} {t})"
+        what = (f"the K/V shard of rank {plan.origin(t)}", f"{step_name} {t}")
         sends += [("k", k_cur, (r + 1) % P, TAG_KV, what), ("v", v_cur, (r + 1) % P, TAG_V, what)]
     if plan.recvs_kv(t):
         k_next = torch.empty(k_shape, dtype=dtype, device=device)
         v_next = torch.empty(v_shape, dtype=dtype, device=device)
-        what = f"the K/V shard of rank {(r - t - 1) % P} ({step_name} {t}, for step {t + 1})"
+        what = (f"the K/V shard of rank {(r - t - 1) % P}", f"{step_name} {t}, for step {t + 1}")
         recvs += [("k_in", k_next, (r - 1) % P, TAG_KV, what), ("v_in", v_next, (r - 1) % P, TAG_V, what)]
     return sends, recvs, k_next, v_next
 
@@ -187,10 +187,10 @@ def ring_backward(plan: RingPlan, comm: Comm, q, k, v, out, lse, dout, dlse, sco
         if recv_acc:
             acc_in = torch.empty(n, dtype=acc, device=q.device)
             recvs.append(("dkv_in", acc_in, (r - 1) % P, TAG_DKV,
-                          f"the dK/dV accumulator of rank {plan.origin(t)}'s shard (backward step {t})"))
+                          (f"the dK/dV accumulator of rank {plan.origin(t)}'s shard", f"backward step {t}")))
         if src is not None:
             fin = torch.empty(n, dtype=acc, device=q.device)
-            recvs.append(("final", fin, src, TAG_FINAL, f"rank {r}'s finished dK/dV (backward step {t})"))
+            recvs.append(("final", fin, src, TAG_FINAL, (f"rank {r}'s finished dK/dV", f"backward step {t}")))
         pend = comm.start(sends, recvs)
         if holds:
             dk_s = dv_s = None
@@ -220,7 +220,7 @@ def ring_backward(plan: RingPlan, comm: Comm, q, k, v, out, lse, dout, dlse, sco
             else:
                 peer, tag = dest
                 what = (f"the dK/dV accumulator of rank {plan.origin(t)}'s shard" if tag == TAG_DKV
-                        else f"rank {peer}'s finished dK/dV") + f" (backward step {t + 1})"
+                        else f"rank {peer}'s finished dK/dV", f"backward step {t + 1}")
                 pending = ("dkv" if tag == TAG_DKV else "final", a, peer, tag, what)
         with timer.wait():
             pend.wait_all()
