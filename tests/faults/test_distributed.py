@@ -170,12 +170,14 @@ def _check_survivor(res, name, step_text):
     assert took < BOUND, f"{name}: took {took:.1f} s"
     op = "ulysses_attention" if "ulysses" in name else "ring_attention"
     assert msg.startswith(f"{op}: rank {grank} "), f"{name}: {msg}"
-    assert f"rank {dead}" in msg, f"{name}: the dead peer is not named: {msg}"
+    named = (f"lost the connection to rank {dead} ", f"cannot reach rank {dead} ", f"and rank {dead} never answered",
+             f": rank {dead} did not answer")
+    assert any(x in msg for x in named), f"{name}: the dead peer is not named: {msg}"
     assert step_text in msg, f"{name}: expected {step_text!r} in: {msg}"
 
 
-def _by(prefix, after=None):
-    return [c for c in DEATHS if c[0].startswith(prefix) and (after is None or c[5] == after)]
+def _by(prefix):
+    return [c for c in DEATHS if c[0].startswith(prefix)]
 
 
 @pytest.mark.parametrize("layout", ["ring", "zigzag"])
@@ -188,7 +190,6 @@ def test_a_rank_dying_with_its_messages_in_flight_is_reported_with_the_step(deat
     # after posting step t, the partner may fail waiting on step t or posting step t+1
     for name, _m, _l, _f, index, _a in _by("ring-after-posting-"):
         _check_survivor(deaths[name], name, "step")
-        assert re.search(r"\((forward|backward) step \d", deaths[name][1]), deaths[name][1]
         phase = "backward" if index >= 2 else "(forward|backward)"
         assert re.search(rf"\({phase} step \d", deaths[name][1]), deaths[name][1]
 

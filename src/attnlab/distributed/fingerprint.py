@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import numbers
 import types
 
 import torch
@@ -52,7 +53,7 @@ FIELDS = ("function", "q.shape", "k.shape", "v.shape", "q.dtype", "k.dtype", "v.
 _MAX_VALUES = 16  # tensors with at most this many elements are shown by value
 _MAX_TEXT = 240  # characters of one leaf's text
 _MAX_DEPTH = 8
-_MAX_LEAVES = 256
+_MAX_LEAVES = 256  # leaves shown one by one; the rest are compared by one digest
 
 # the built-ins' classes (attnlab.masks / attnlab.scores) by the public name that builds them
 _NAMES = {"_Causal": "causal", "_SlidingWindow": "sliding_window", "_PrefixLM": "prefix_lm",
@@ -67,7 +68,8 @@ def _clip(s: str) -> str:
     """``s``, or its start and a digest of all of it: still exact, never long."""
     if len(s) <= _MAX_TEXT:
         return s
-    return s[:_MAX_TEXT - 24] + "… #" + hashlib.blake2b(s.encode("utf-8", "backslashreplace"), digest_size=8).hexdigest()
+    digest = hashlib.blake2b(s.encode("utf-8", "backslashreplace"), digest_size=8).hexdigest()
+    return s[:_MAX_TEXT - 24] + "… #" + digest
 
 
 def _tensor_text(t: torch.Tensor) -> str:
@@ -128,14 +130,14 @@ def _fn_text(fn) -> str:
 
 
 def _walk(obj, path: str, out: dict, depth: int, seen: set) -> None:
-    if len(out) >= _MAX_LEAVES:
-        out.setdefault("…", "more leaves not compared")
-        return
     if obj is None or isinstance(obj, (bool, int, str)):
         out[path] = _clip(repr(obj))
         return
     if isinstance(obj, float):
         out[path] = repr(obj) if math.isfinite(obj) else str(obj)
+        return
+    if isinstance(obj, numbers.Number):  # numpy scalars, fractions, complex
+        out[path] = _clip(f"{type(obj).__name__}({obj!r})")
         return
     if isinstance(obj, torch.Tensor):
         out[path] = _tensor_text(obj)
@@ -192,7 +194,7 @@ def _walk(obj, path: str, out: dict, depth: int, seen: set) -> None:
 
 def _simple(x) -> bool:
     """Values a closure captures that say what a function computes (not modules, objects)."""
-    if x is None or isinstance(x, (bool, int, float, str, torch.Tensor)):
+    if x is None or isinstance(x, (numbers.Number, str, torch.Tensor)):
         return True
     if isinstance(x, (list, tuple)) and len(x) <= _MAX_VALUES:
         return all(_simple(y) for y in x)
@@ -203,6 +205,12 @@ def leaves(obj, root: str) -> dict:
     """The flat ``{path: text}`` description of ``obj`` (a mask, score mod or value)."""
     out: dict = {}
     _walk(obj, root, out, 0, set())
+    if len(out) > _MAX_LEAVES:  # keep the texts short, but compare every leaf
+        items = list(out.items())
+        rest = "\n".join(f"{p}={t}" for p, t in items[_MAX_LEAVES:])
+        out = dict(items[:_MAX_LEAVES])
+        out[f"{root}[…]"] = _clip(f"{len(items) - _MAX_LEAVES} more leaves #" + hashlib.blake2b(
+            rest.encode("utf-8", "backslashreplace"), digest_size=8).hexdigest())
     return out
 
 
@@ -285,7 +293,8 @@ def _ranks_text(ranks: list[int]) -> str:
     return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(runs)
 
 
-_MAX_LINES = 12
+_MAX_LINES = 12  # groups of ranks listed
+_MAX_PATHS = 10  # leaves that differ, listed
 
 
 def diff_message(op: str, per_rank: list[dict], names: list[str]) -> str:
@@ -297,6 +306,8 @@ def diff_message(op: str, per_rank: list[dict], names: list[str]) -> str:
             for p in d.get(n, {}):
                 if p not in paths and len({r.get(n, {}).get(p, "(absent)") for r in per_rank}) > 1:
                     paths.append(p)
+    more = len(paths) - _MAX_PATHS
+    paths = paths[:_MAX_PATHS]
     groups: dict = {}
     for r, d in enumerate(per_rank):
         key = tuple(_lookup(d, p) for p in paths)
@@ -306,7 +317,7 @@ def diff_message(op: str, per_rank: list[dict], names: list[str]) -> str:
         lines.append(f"{_ranks_text(ranks)}: " + ", ".join(f"{p}={t}" for p, t in zip(paths, key)))
     if len(lines) > _MAX_LINES:
         lines = lines[:_MAX_LINES] + [f"... and {len(groups) - _MAX_LINES} more groups of ranks"]
-    differs = ", ".join(paths) if paths else ", ".join(names)
+    differs = (", ".join(paths) if paths else ", ".join(names)) + (f" and {more} more" if more > 0 else "")
     if "function" in names:  # ranks that called different functions: name them all, in rank order
         op = "/".join(dict.fromkeys(d["function"].get("function", "?") for d in per_rank))
     return (f"{op}: the ranks called with different arguments (differs: {differs}); every rank must pass shards "

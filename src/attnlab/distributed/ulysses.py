@@ -91,9 +91,9 @@ def ulysses_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=N
         kv_idx, _ = kv_heads_for(q.shape[1], k.shape[1], P, r)  # raises for H % P != 0
     except (ValueError, TypeError) as e:  # every rank learns of it in the handshake, not by a timeout
         error = e
+    params = mod_params(score_mod) if error is None else ()
     handshake(comm, "ulysses_attention", q, k, v, seq_len=N, layout=layout, mask=mask, score_mod=score_mod,
-              scale=scale, return_lse=return_lse, backend=backend, params=mod_params(score_mod) if error is None else (),
-              error=error)
+              scale=scale, return_lse=return_lse, backend=backend, params=params, error=error)
     B, H, C, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     Hl, nkv = H // P, len(kv_idx)
