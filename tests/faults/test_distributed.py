@@ -81,7 +81,7 @@ DEATHS = [
     ("ulysses-before-backward-output-all-to-all", "ulysses", "zigzag", "all_to_all", 4, False),
     ("ulysses-before-backward-qkv-all-to-all", "ulysses", "zigzag", "all_to_all", 5, False),
 ]
-PAIRS_PER_GROUP = 4  # 8 processes per spawned group: 4 groups in all
+PAIRS_PER_GROUP = 8  # 16 processes per spawned group: 2 groups in all
 
 # Where the survivor reports the death: the first step at or after the dying rank's at
 # which the survivor communicates (ring, P = 2, no skipped sends: it posts nothing at

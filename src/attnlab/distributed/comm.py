@@ -40,8 +40,9 @@ class Comm:
             raise ValueError(f"{op}: group: this process is not a member of the group it was given")
         self.timeout_s = resolve_timeout(timeout)
         # NCCL coalesces a batch of point-to-point operations (and needs to, or a ring of
-        # blocking sends could deadlock); gloo runs each on its I/O thread
-        self.coalesce = dist.get_backend(group) == "nccl"
+        # blocking sends could deadlock); gloo runs each on its I/O thread.  Anything but
+        # a plain gloo group ("nccl", "cpu:gloo,cuda:nccl", ...) keeps batch_isend_irecv.
+        self.coalesce = str(dist.get_backend(group)) != "gloo"
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -55,10 +56,11 @@ class Comm:
         ``what`` naming the message, or ``(message, step)`` (``("the K/V shard of rank 0",
         "forward step 0")``) — as one batch; returns a :class:`Pending` to wait on by name.
 
-        On NCCL the batch is one ``batch_isend_irecv`` (coalesced: a ring of sends and
-        receives cannot deadlock); elsewhere (gloo, where ``batch_isend_irecv`` is a loop
-        over ``isend``/``irecv`` anyway) each message is posted on its own, so an error
-        names the exact message and peer.  Posting is guarded like waiting."""
+        On gloo (where ``batch_isend_irecv`` is a loop over ``isend``/``irecv`` anyway)
+        each message is posted on its own, so an error names the exact message and peer;
+        on any other backend (NCCL) the batch is one ``batch_isend_irecv`` (coalesced: a
+        ring of sends and receives cannot deadlock) and an error names all its messages.
+        Posting is guarded like waiting."""
         ops, meta = [], []
         for kind, items in ((dist.isend, sends), (dist.irecv, recvs)):
             for name, t, peer, tag, what in items:
