@@ -1,7 +1,7 @@
 """Faults across processes (issue 13, `attnlab.distributed`): real gloo ranks that die,
 and ranks that call with different arguments.
 
-* **Deaths.** One spawned group of many ranks, split into pairs (subgroups); in each
+* **Deaths.** Two spawned groups of 16 ranks, split into pairs (subgroups); in each
   pair one rank kills itself (``os._exit`` or ``SIGKILL``) at one point of ring,
   zigzag-ring or Ulysses attention — before it posts the messages of a forward or
   backward ring step, right after posting them, before a collective — while its
@@ -39,7 +39,7 @@ import attnlab.distributed as D  # noqa: E402
 from attnlab import masks, scores  # noqa: E402
 
 T = 6.0  # seconds: the timeout of every call here (a death is noticed at once; this bounds a miss)
-BOUND = 25.0  # seconds a survivor may take to report (T plus slack for ~40 processes on 2 cores)
+BOUND = 25.0  # seconds a survivor may take to report (T plus slack for 16 processes on 2 busy cores)
 DELAY = 0.4  # seconds the survivor is held back before the point where its partner dies
 N, B, H, HKV, DH = 16, 1, 2, 1, 8
 
