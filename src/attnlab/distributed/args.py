@@ -1,21 +1,20 @@
 """Argument checks shared by ring and Ulysses attention, and the cross-rank handshake.
 
-The handshake all-gathers a few integers that describe the call (shapes, dtype,
-sequence length, layout, mask kind) before any data moves: ranks that disagree get a
-``ValueError`` that shows every rank's view, instead of mismatched messages later; a
-rank that never calls makes the others raise :class:`PeerTimeoutError` here.
+The handshake all-gathers the fingerprint of the call (:mod:`attnlab.distributed.fingerprint`:
+shapes, dtypes, sequence length, layout, the mask and the score mod with all their
+parameters, scale, ...) before any data moves: ranks that disagree all get the same
+``ValueError``, naming what differs and each rank's value, instead of different
+problems computed silently or mismatched messages later; a rank that never calls
+makes the others raise :class:`PeerTimeoutError` here.
 """
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 
-from attnlab.distributed.layouts import LAYOUTS, check_layout, shard_len
+from attnlab.distributed.fingerprint import FIELDS, call_fields, decode, diff_message, digests, encode
+from attnlab.distributed.layouts import check_layout, shard_len
 from attnlab.ops.dispatch import _check_score_mod, _check_tensors, _scale_arg
-
-_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 
 def check_call(op, q, k, v, *, mask, score_mod, scale, layout, seq_len, return_lse, world):
@@ -51,26 +50,37 @@ def check_call(op, q, k, v, *, mask, score_mod, scale, layout, seq_len, return_l
     return _scale_arg(scale, D), seq_len
 
 
-def _mask_code(mask) -> int:
-    return 0 if mask is None else zlib.crc32(type(mask).__name__.encode()) & 0x7FFFFFFF
+def handshake(comm, op, q, k, v, *, seq_len, layout, mask, score_mod, scale, return_lse, backend="-", params=(),
+              error: BaseException | None = None):
+    """All ranks agree on the call, or all raise the same ``ValueError``.
 
-
-def handshake(comm, op, q, k, v, *, seq_len, layout, mask, score_mod, extra=()):
-    """All ranks agree on the call, or all raise ``ValueError`` (one small all-gather)."""
+    One all-gather of a fixed-size int64 tensor (one digest per field of
+    :data:`attnlab.distributed.fingerprint.FIELDS`); only when the digests differ, two
+    more all-gathers exchange the texts of the fields that differ, so that every rank
+    builds the same message from the same data.  ``error`` is this rank's own argument
+    error (from :func:`check_call`), if any: when every rank has the same one it is
+    raised as it is; when the ranks disagree, every rank raises the mismatch (a rank
+    that refused its arguments does not leave the others waiting)."""
     if comm.world == 1:
+        if error is not None:
+            raise error
         return
-    sig = [*q.shape, *k.shape, v.shape[-1], _DTYPES.index(q.dtype), seq_len, LAYOUTS.index(layout),
-           _mask_code(mask), int(score_mod is not None), *extra]
-    mine = torch.tensor(sig, dtype=torch.int64, device=q.device)
-    allsig = comm.all_gather(mine, f"the handshake of {op} (every rank's shapes)").cpu()
-    if not bool((allsig == allsig[0]).all()):
-        names = ["B", "H", "C", "D", "B_k", "Hkv", "C_k", "D_k", "Dv", "dtype", "seq_len", "layout", "mask",
-                 "score_mod"]
-        rows = []
-        for r, row in enumerate(allsig.tolist()):
-            d = dict(zip(names, row))
-            d["dtype"] = str(_DTYPES[d["dtype"]]).replace("torch.", "")
-            d["layout"] = LAYOUTS[d["layout"]]
-            rows.append(f"rank {r}: " + ", ".join(f"{n}={d[n]}" for n in names if n in d))
-        raise ValueError(f"{op}: the ranks called with different arguments; every rank must pass shards of one "
-                         "problem (same shapes, dtype, seq_len, layout and mask kind):\n  " + "\n  ".join(rows))
+    fields = call_fields(op, q, k, v, seq_len=seq_len, layout=layout, mask=mask, score_mod=score_mod, scale=scale,
+                         return_lse=return_lse, backend=backend, params=params, error=error)
+    device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    mine = torch.tensor(digests(fields), dtype=torch.int64, device=device)
+    allsig = comm.all_gather(mine, f"the handshake of {op} (every rank's call fingerprint)").cpu()
+    same = (allsig == allsig[0]).all(0).tolist()
+    if all(same):
+        if error is not None:
+            raise error
+        return
+    names = list(FIELDS) if not same[0] else [n for n, s in zip(FIELDS, same[1:]) if not s]
+    payload = encode(fields, names)
+    lens = comm.all_gather(torch.tensor([len(payload)], dtype=torch.int64, device=device),
+                           f"the handshake of {op} (the lengths of the fields that differ)").cpu().view(-1)
+    buf = torch.zeros(max(1, int(lens.max())), dtype=torch.uint8)
+    buf[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else buf[:0]
+    allbuf = comm.all_gather(buf.to(device), f"the handshake of {op} (the fields that differ)").cpu()
+    per_rank = [decode(allbuf[r, :int(lens[r])].numpy().tobytes(), names) for r in range(comm.world)]
+    raise ValueError(diff_message(op, per_rank, names)) from error

@@ -6,7 +6,12 @@
 * ``all_to_all_single``, ``all_gather_into_tensor`` and ``all_reduce`` for Ulysses,
   gathering sequences and the argument handshake.
 
-Every wait goes through :func:`attnlab.distributed.failure.guarded_wait`.
+Every call that posts an operation goes through
+:func:`attnlab.distributed.failure.guarded_post` and every wait through
+:func:`~attnlab.distributed.failure.guarded_wait`: whatever the backend raises (a peer
+that died, a timeout) becomes a :class:`~attnlab.distributed.PeerFailureError` /
+:class:`~attnlab.distributed.PeerTimeoutError` naming this rank, the peer and the
+message or collective (with its ring step).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from attnlab.distributed.failure import guarded_wait, resolve_timeout
+from attnlab.distributed.failure import guarded_post, guarded_wait, resolve_timeout
 
 __all__ = ["Comm", "Pending"]
 
@@ -34,6 +39,10 @@ class Comm:
         if self.rank < 0:
             raise ValueError(f"{op}: group: this process is not a member of the group it was given")
         self.timeout_s = resolve_timeout(timeout)
+        # NCCL coalesces a batch of point-to-point operations (and needs to, or a ring of
+        # blocking sends could deadlock); gloo runs each on its I/O thread.  Anything but
+        # a plain gloo group ("nccl", "cpu:gloo,cuda:nccl", ...) keeps batch_isend_irecv.
+        self.coalesce = str(dist.get_backend(group)) != "gloo"
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -43,8 +52,15 @@ class Comm:
         return dist.get_global_rank(self.group, group_rank)
 
     def start(self, sends, recvs) -> "Pending":
-        """Post ``sends`` and ``recvs`` — lists of ``(name, tensor, group_peer, tag, what)`` —
-        as one batch; returns a :class:`Pending` to wait on by name."""
+        """Post ``sends`` and ``recvs`` — lists of ``(name, tensor, group_peer, tag, what)``,
+        ``what`` naming the message, or ``(message, step)`` (``("the K/V shard of rank 0",
+        "forward step 0")``) — as one batch; returns a :class:`Pending` to wait on by name.
+
+        On gloo (where ``batch_isend_irecv`` is a loop over ``isend``/``irecv`` anyway)
+        each message is posted on its own, so an error names the exact message and peer;
+        on any other backend (NCCL) the batch is one ``batch_isend_irecv`` (coalesced: a
+        ring of sends and receives cannot deadlock) and an error names all its messages.
+        Posting is guarded like waiting."""
         ops, meta = [], []
         for kind, items in ((dist.isend, sends), (dist.irecv, recvs)):
             for name, t, peer, tag, what in items:
@@ -52,20 +68,48 @@ class Comm:
                 key = ("send " if kind is dist.isend else "recv ") + name
                 if any(m[0] == key for m in meta):
                     raise AssertionError(f"two messages named {key!r} in one batch")  # internal invariant
-                meta.append((key, peer, what, t))
+                what, step = what if isinstance(what, tuple) else (what, None)
+                step = f" ({step})" if step else ""
+                waits = f"rank {peer} to take {what}{step}" if kind is dist.isend else f"{what} from rank {peer}{step}"
+                posting = f"the send of {what} to rank {peer}{step}" if kind is dist.isend else \
+                    f"the receive of {what} from rank {peer}{step}"
+                meta.append((key, peer, waits, t, posting))
                 if kind is dist.isend:
                     self.bytes_sent += t.numel() * t.element_size()
                 else:
                     self.bytes_received += t.numel() * t.element_size()
-        works = dist.batch_isend_irecv(ops) if ops else []
+        if not ops:
+            return Pending(self, [], [])
+        posting = [m[4] for m in meta]
+        if self.coalesce:
+            peers = sorted({m[1] for m in meta})
+            works = self.post(lambda: dist.batch_isend_irecv(ops), peer=peers[0] if len(peers) == 1 else None,
+                              what="; ".join(posting))
+            return Pending(self, works, meta)
+        works = []
+        for p2p, m, what in zip(ops, meta, posting):
+            # (if one fails, the works already posted are dropped with the exception: gloo
+            # cancels them, and the group is unusable anyway)
+            works.append(self.post(lambda p2p=p2p: p2p.op(p2p.tensor, p2p.peer, p2p.group, p2p.tag), peer=m[1],
+                                   what=what))
         return Pending(self, works, meta)
 
+    def _peer(self, peer):
+        # a collective of two ranks has one peer: name it
+        return 1 - self.rank if peer is None and self.world == 2 else peer
+
+    def post(self, fn, *, peer, what):
+        """``fn()`` (it starts a communication), its backend errors translated."""
+        return guarded_post(fn, timeout_s=self.timeout_s, op=self.op, rank=self.rank, peer=self._peer(peer),
+                            what=what)
+
     def wait(self, work, *, peer, what):
-        guarded_wait(work, timeout_s=self.timeout_s, op=self.op, rank=self.rank, peer=peer, what=what)
+        guarded_wait(work, timeout_s=self.timeout_s, op=self.op, rank=self.rank, peer=self._peer(peer), what=what)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> torch.Tensor:
         """Equal-split ``all_to_all_single`` along dim 0 (``out`` is filled and returned)."""
-        work = dist.all_to_all_single(out, inp, group=self.group, async_op=True)
+        work = self.post(lambda: dist.all_to_all_single(out, inp, group=self.group, async_op=True), peer=None,
+                         what=what)
         self.bytes_sent += inp.numel() * inp.element_size() * (self.world - 1) // max(1, self.world)
         self.wait(work, peer=None, what=what)
         return out
@@ -75,12 +119,12 @@ class Comm:
         flat = inp.contiguous().view(-1)
         out = torch.empty(self.world * flat.numel(), dtype=inp.dtype, device=inp.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = gather(out, flat, group=self.group, async_op=True)
+        work = self.post(lambda: gather(out, flat, group=self.group, async_op=True), peer=None, what=what)
         self.wait(work, peer=None, what=what)
         return out.view(self.world, *inp.shape)
 
     def all_reduce(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        work = dist.all_reduce(t, group=self.group, async_op=True)
+        work = self.post(lambda: dist.all_reduce(t, group=self.group, async_op=True), peer=None, what=what)
         self.wait(work, peer=None, what=what)
         return t
 
@@ -112,7 +156,7 @@ class Pending:
             name = "recv " + name
         item = self.works.pop(name, None)
         if item is not None:
-            w, (_, peer, what, _t) = item
+            w, (_, peer, what, _t, _n) = item
             self.comm.wait(w, peer=peer, what=what)
 
     def wait_all(self) -> None:

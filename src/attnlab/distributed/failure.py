@@ -1,6 +1,7 @@
 """Failure and timeout handling: no distributed attention call waits forever.
 
-Every wait on a send, a receive or a collective goes through :func:`guarded_wait`,
+Every call that posts a send, a receive or a collective goes through
+:func:`guarded_post`, and every wait on one through :func:`guarded_wait`,
 with a timeout (seconds) taken from the call's ``timeout=`` or, when that is
 ``None``, from :func:`set_timeout` (default 300 s, or the environment variable
 ``ATTNLAB_DIST_TIMEOUT``).  What the backend raises is turned into one of:
@@ -30,7 +31,7 @@ import numbers
 import os
 
 __all__ = ["DistributedAttentionError", "PeerTimeoutError", "PeerFailureError", "set_timeout", "get_timeout",
-           "resolve_timeout", "guarded_wait"]
+           "resolve_timeout", "guarded_wait", "guarded_post"]
 
 
 class DistributedAttentionError(RuntimeError):
@@ -90,8 +91,10 @@ _TIMED_OUT = ("timed out", "timeout", "deadline")
 
 
 def translate(exc: BaseException, *, op: str, rank: int, peer: int | None, what: str,
-              timeout_s: float) -> DistributedAttentionError:
-    """The error to raise for ``exc``, caught while ``rank`` waited on ``what``."""
+              timeout_s: float, posting: bool = False) -> DistributedAttentionError:
+    """The error to raise for ``exc``, caught while ``rank`` waited on ``what`` (or, with
+    ``posting``, while it posted the operation: started a send, a receive or a collective)."""
+    while_ = f"posting {what}" if posting else f"waiting for {what}"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     low = text.lower()
     who = f"rank {peer}" if peer is not None else "a rank of the group"
@@ -99,18 +102,34 @@ def translate(exc: BaseException, *, op: str, rank: int, peer: int | None, what:
             "destroy the process group before retrying.")
     if "pair closure" in low:  # gloo closes a connection after a timeout on it
         return PeerTimeoutError(
-            f"{op}: rank {rank} cannot reach {who} while waiting for {what}: an earlier timeout closed the "
+            f"{op}: rank {rank} cannot reach {who} while {while_}: an earlier timeout closed the "
             f"connection, so this process group is unusable; destroy the process group and start a new one. "
             f"(backend: {text})")
     if any(s in low for s in _TIMED_OUT):
+        if posting:
+            return PeerTimeoutError(
+                f"{op}: rank {rank} timed out while {while_}: {who} did not answer. {hint} (backend: {text})")
         return PeerTimeoutError(
             f"{op}: rank {rank} waited {timeout_s:g} s for {what} and {who} never answered: it hung, is busy "
             f"elsewhere, or did not call {op} with the same arguments. {hint} (backend: {text})")
     if any(s in low for s in _CLOSED):
         return PeerFailureError(
-            f"{op}: rank {rank} lost the connection to {who} while waiting for {what}: that process exited or "
+            f"{op}: rank {rank} lost the connection to {who} while {while_}: that process exited or "
             f"crashed. {hint} (backend: {text})")
-    return DistributedAttentionError(f"{op}: rank {rank} failed while waiting for {what}: {text}. {hint}")
+    return DistributedAttentionError(f"{op}: rank {rank} failed while {while_}: {text}. {hint}")
+
+
+def guarded_post(post, *, timeout_s: float, op: str, rank: int, peer: int | None, what: str):
+    """``post()`` — the call that starts a send, a receive or a collective (``isend``,
+    ``irecv``, ``all_to_all_single(..., async_op=True)``, ...) — with the backend's
+    errors turned into :class:`DistributedAttentionError`\\ s, as :func:`guarded_wait`
+    does for the wait: gloo raises at once when the peer's connection is already gone."""
+    try:
+        return post()
+    except DistributedAttentionError:
+        raise
+    except Exception as e:  # the backend's RuntimeError / DistBackendError
+        raise translate(e, op=op, rank=rank, peer=peer, what=what, timeout_s=timeout_s, posting=True) from e
 
 
 def guarded_wait(work, *, timeout_s: float, op: str, rank: int, peer: int | None, what: str) -> None:

@@ -114,16 +114,17 @@ def _unpack(x, sa, sb):
 
 def _kv_messages(plan, t, k_cur, v_cur, k_shape, v_shape, dtype, device, step_name):
     """The K/V sends and receives of step ``t``: ``(sends, recvs, k_next, v_next)``.
-    K and V travel as two messages (no packing copy)."""
+    K and V travel as two messages (no packing copy).  Each message's text names the
+    step it is posted at (and travels during), which every error about it repeats."""
     P, r = plan.world, plan.rank
     sends, recvs, k_next, v_next = [], [], None, None
     if plan.sends_kv(t):
-        what = f"rank {(r + 1) % P} to take the K/V shard of rank {plan.origin(t)} ({step_name} {t})"
+        what = (f"the K/V shard of rank {plan.origin(t)}", f"{step_name} {t}")
         sends += [("k", k_cur, (r + 1) % P, TAG_KV, what), ("v", v_cur, (r + 1) % P, TAG_V, what)]
     if plan.recvs_kv(t):
         k_next = torch.empty(k_shape, dtype=dtype, device=device)
         v_next = torch.empty(v_shape, dtype=dtype, device=device)
-        what = f"the K/V shard of rank {(r - t - 1) % P} from rank {(r - 1) % P} ({step_name} {t + 1})"
+        what = (f"the K/V shard of rank {(r - t - 1) % P}", f"{step_name} {t}, for step {t + 1}")
         recvs += [("k_in", k_next, (r - 1) % P, TAG_KV, what), ("v_in", v_next, (r - 1) % P, TAG_V, what)]
     return sends, recvs, k_next, v_next
 
@@ -138,7 +139,7 @@ def ring_forward(plan: RingPlan, comm: Comm, q, k, v, score_mod, scale):
         timer = Timer("ring fwd", t, plan.computes(t))
         b0 = comm.bytes_sent
         sends, recvs, k_next, v_next = _kv_messages(plan, t, k_cur, v_cur, k.shape, v.shape, k.dtype, q.device,
-                                                    "step")
+                                                    "forward step")
         pend = comm.start(sends, recvs)  # the next shard is in flight ...
         if plan.computes(t):  # ... while this one is used
             with timer.compute():
@@ -185,11 +186,11 @@ def ring_backward(plan: RingPlan, comm: Comm, q, k, v, out, lse, dout, dlse, sco
         acc_in = fin = None
         if recv_acc:
             acc_in = torch.empty(n, dtype=acc, device=q.device)
-            recvs.append(("dkv_in", acc_in, (r - 1) % P, TAG_DKV, f"the dK/dV accumulator of rank {plan.origin(t)}'s "
-                                                                  f"shard from rank {(r - 1) % P} (backward step {t})"))
+            recvs.append(("dkv_in", acc_in, (r - 1) % P, TAG_DKV,
+                          (f"the dK/dV accumulator of rank {plan.origin(t)}'s shard", f"backward step {t}")))
         if src is not None:
             fin = torch.empty(n, dtype=acc, device=q.device)
-            recvs.append(("final", fin, src, TAG_FINAL, f"this rank's dK/dV from rank {src}"))
+            recvs.append(("final", fin, src, TAG_FINAL, (f"rank {r}'s finished dK/dV", f"backward step {t}")))
         pend = comm.start(sends, recvs)
         if holds:
             dk_s = dv_s = None
@@ -218,8 +219,8 @@ def ring_backward(plan: RingPlan, comm: Comm, q, k, v, out, lse, dout, dlse, sco
                 own = a
             else:
                 peer, tag = dest
-                what = (f"rank {peer} to take the dK/dV accumulator of rank {plan.origin(t)}'s shard"
-                        if tag == TAG_DKV else f"rank {peer} to take its dK/dV")
+                what = (f"the dK/dV accumulator of rank {plan.origin(t)}'s shard" if tag == TAG_DKV
+                        else f"rank {peer}'s finished dK/dV", f"backward step {t + 1}")
                 pending = ("dkv" if tag == TAG_DKV else "final", a, peer, tag, what)
         with timer.wait():
             pend.wait_all()
@@ -274,16 +275,25 @@ def ring_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=None
             a rank that died or never calls makes the others raise
             :class:`attnlab.distributed.PeerFailureError` / :class:`PeerTimeoutError`.
 
-    Every rank of the group must call it with shards of the same problem (checked by a
-    handshake) and, when training, run its backward: the backward is a ring too.
+    Every rank of the group must call it with shards of the same problem and, when
+    training, run its backward: the backward is a ring too.  A handshake compares the
+    whole call's fingerprint (:mod:`attnlab.distributed.fingerprint`: shapes, dtypes,
+    layout, ``seq_len``, the mask and score mod with their parameters, scale, ...) and
+    every rank raises the same ``ValueError`` naming what differs; an argument error on
+    some ranks only is reported to all of them the same way.
     Gradients of a score mod's parameters are this rank's share; sum them over the
     ranks as for every other replicated weight (DDP/FSDP over the group does).
     """
     comm = Comm(group, timeout, "ring_attention")
-    scale, seq_len = check_call("ring_attention", q, k, v, mask=mask, score_mod=score_mod, scale=scale,
-                                layout=layout, seq_len=seq_len, return_lse=return_lse, world=comm.world)
-    handshake(comm, "ring_attention", q, k, v, seq_len=seq_len, layout=layout, mask=mask, score_mod=score_mod)
+    error, params = None, []
+    try:
+        scale, seq_len = check_call("ring_attention", q, k, v, mask=mask, score_mod=score_mod, scale=scale,
+                                    layout=layout, seq_len=seq_len, return_lse=return_lse, world=comm.world)
+        params = mod_params(score_mod)
+    except (ValueError, TypeError) as e:  # every rank learns of it in the handshake, not by a timeout
+        error = e
+    handshake(comm, "ring_attention", q, k, v, seq_len=seq_len, layout=layout, mask=mask, score_mod=score_mod,
+              scale=scale, return_lse=return_lse, params=params, error=error)
     plan = RingPlan(comm.world, comm.rank, seq_len, layout, mask, q.shape[0], q.shape[1], device=q.device)
-    params = mod_params(score_mod)
     out, lse = _RingFn.apply(plan, comm, score_mod, scale, q, k, v, *params)
     return (out, lse) if return_lse else out

@@ -25,6 +25,7 @@ import torch
 from attnlab.distributed.args import check_call, handshake
 from attnlab.distributed.comm import Comm
 from attnlab.distributed.layouts import padded_len, shard_positions
+from attnlab.distributed.local import mod_params
 from attnlab.distributed.profile import Timer
 from attnlab.distributed.views import HeadScoreMod, HeadView
 from attnlab.masks import Mask
@@ -58,7 +59,8 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.comm.all_to_all(torch.empty_like(g), g.contiguous(), f"the gradients of {ctx.what}"), None, None
+        what = f"the gradients of {ctx.what}".replace(", forward)", ", backward)")
+        return ctx.comm.all_to_all(torch.empty_like(g), g.contiguous(), what), None, None
 
 
 def _head_free(mask) -> bool:
@@ -80,14 +82,20 @@ def ulysses_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=N
     """
     comm = Comm(group, timeout, "ulysses_attention")
     P, r = comm.world, comm.rank
-    scale, N = check_call("ulysses_attention", q, k, v, mask=mask, score_mod=score_mod, scale=scale,
-                          layout=layout, seq_len=seq_len, return_lse=return_lse, world=P)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    error, N = None, seq_len
+    try:
+        scale, N = check_call("ulysses_attention", q, k, v, mask=mask, score_mod=score_mod, scale=scale,
+                              layout=layout, seq_len=seq_len, return_lse=return_lse, world=P)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        kv_idx, _ = kv_heads_for(q.shape[1], k.shape[1], P, r)  # raises for H % P != 0
+    except (ValueError, TypeError) as e:  # every rank learns of it in the handshake, not by a timeout
+        error = e
+    params = mod_params(score_mod) if error is None else ()
+    handshake(comm, "ulysses_attention", q, k, v, seq_len=N, layout=layout, mask=mask, score_mod=score_mod,
+              scale=scale, return_lse=return_lse, backend=backend, params=params, error=error)
     B, H, C, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
-    kv_idx, _ = kv_heads_for(H, Hkv, P, r)  # raises for H % P != 0, on every rank alike
-    handshake(comm, "ulysses_attention", q, k, v, seq_len=N, layout=layout, mask=mask, score_mod=score_mod)
     Hl, nkv = H // P, len(kv_idx)
     timer = Timer("ulysses", 0, True)
     b0 = comm.bytes_sent
@@ -99,7 +107,7 @@ def ulysses_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=N
             idx = torch.tensor(kv_heads_for(H, Hkv, P, dst)[0], device=q.device)
             parts += [q[:, dst * Hl:(dst + 1) * Hl].reshape(-1), k.index_select(1, idx).reshape(-1),
                       v.index_select(1, idx).reshape(-1)]
-        got = _AllToAll.apply(torch.cat(parts), comm, "the q/k/v all-to-all (sequence to heads)")
+        got = _AllToAll.apply(torch.cat(parts), comm, "the q/k/v all-to-all (sequence to heads, forward)")
         nq, nk, nv = B * Hl * C * D, B * nkv * C * D, B * nkv * C * Dv
         got = got.view(P, nq + nk + nv)
         qs = got[:, :nq].reshape(P, B, Hl, C, D)
@@ -131,11 +139,11 @@ def ulysses_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=N
         return x.reshape(x.shape[0], x.shape[1], P, C, *x.shape[3:]).movedim(2, 0).reshape(-1)
 
     with timer.wait():
-        back = _AllToAll.apply(to_shards(out, 0), comm, "the output all-to-all (heads to sequence)")
+        back = _AllToAll.apply(to_shards(out, 0), comm, "the output all-to-all (heads to sequence, forward)")
         o = back.view(P, B, Hl, C, Dv).permute(1, 0, 2, 3, 4).reshape(B, H, C, Dv)
         if return_lse:
             lb = _AllToAll.apply(to_shards(lse.unsqueeze(-1), float("-inf")), comm,
-                                 "the LSE all-to-all (heads to sequence)")
+                                 "the LSE all-to-all (heads to sequence, forward)")
             lse = lb.view(P, B, Hl, C).permute(1, 0, 2, 3).reshape(B, H, C)
     timer.done(comm.bytes_sent - b0)
     return (o, lse) if return_lse else o
