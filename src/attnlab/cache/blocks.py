@@ -38,6 +38,8 @@ from collections import OrderedDict
 
 import torch
 
+from attnlab.validate import integer
+
 
 class CacheFullError(RuntimeError):
     """The paged cache has no block left for a write; the write did not happen."""
@@ -74,7 +76,7 @@ def token_list(tokens, name: str) -> list:
 class SeqState:
     """One sequence: its block table and what the blocks hold."""
 
-    __slots__ = ("table", "lens", "start", "tokens", "hashes", "n_reg")
+    __slots__ = ("table", "lens", "start", "tokens", "hashes", "n_reg", "generation")
 
     def __init__(self, n_layers: int):
         self.table: list = []          # block ids, oldest first
@@ -83,11 +85,14 @@ class SeqState:
         self.tokens: list = []         # known token ids from position 0 (prompt, extend_tokens)
         self.hashes: list = []         # chain hashes of the full blocks of `tokens`
         self.n_reg = 0                 # absolute blocks < n_reg were offered to the prefix cache
+        self.generation = 0            # bumped whenever blocks are released (free, evict, truncate):
+        #                                views taken before then may read blocks reused by others
 
     def clone(self) -> "SeqState":
         c = SeqState.__new__(SeqState)
         c.table, c.lens, c.start = list(self.table), list(self.lens), self.start
         c.tokens, c.hashes, c.n_reg = list(self.tokens), list(self.hashes), self.n_reg
+        c.generation = 0
         return c
 
     def hash_at(self, j: int, block_size: int) -> bytes | None:
@@ -105,6 +110,7 @@ class BlockAllocator:
     def __init__(self, n_blocks: int):
         if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 1:
             raise ValueError(f"BlockAllocator: n_blocks must be an int >= 1, got {n_blocks!r}")
+        integer(n_blocks, "BlockAllocator: n_blocks")
         self.n_blocks = n_blocks
         self.reset()
 
