@@ -140,7 +140,9 @@ class Mask:
         kv_lo = (torch.arange(nkb) * bk + kv_offset).view(1, -1)
         kv_hi = (torch.clamp(torch.arange(1, nkb + 1) * bk, max=Nk) - 1 + kv_offset).view(1, -1)
         states = None if nqb == 0 or nkb == 0 else self.classify(B, H, q_lo, q_hi, kv_lo, kv_hi)
-        if states is None:
+        if nqb == 0 or nkb == 0:  # no tile at all
+            states = torch.zeros(1, 1, nqb, nkb, dtype=torch.int8)
+        elif states is None:
             states = self._classify_by_eval(B, H, Nq, Nk, q_offset, kv_offset, bq, bk)
         states = _as_4d(states.to(torch.int8))
         Bm = B if states.shape[0] != 1 else 1

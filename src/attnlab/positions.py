@@ -168,7 +168,9 @@ class _Checked:
         for name, lo, inclusive in self._rules:
             if name != "attention_factor" or self.attention_factor is not None:
                 hint = f" (must exceed {lo})" if isinstance(lo, str) else ""
-                _num(w, name, getattr(self, name), getattr(self, lo) if hint else lo, strict=not inclusive, hint=hint)
+                f = _num(w, name, getattr(self, name), getattr(self, lo) if hint else lo, strict=not inclusive,
+                         hint=hint)
+                object.__setattr__(self, name, f)  # a float: an int such as 10**30 would overflow in torch
 
 
 @dataclass(frozen=True)
