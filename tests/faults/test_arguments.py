@@ -13,11 +13,20 @@ tests.
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import signal
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/ops/triton/conftest.py: triton runs on CPU tensors
 
 import pytest
 import torch
+
+_ROOT = Path(__file__).resolve().parents[2]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
 
 import attnlab
 from attnlab import masks, scores
@@ -25,6 +34,8 @@ from attnlab import positions as P
 from attnlab.cache import DynamicCache, H2OCache, PagedCache, QuantizedCache, StaticCache, StreamingCache
 from attnlab.cache.blocks import BlockAllocator
 from attnlab.nn import DecoderConfig, EncoderConfig
+from attnlab.ops.sdpa import sdpa_dense_mask
+from tests.helpers import assert_close_rule
 
 NAN, INF = float("nan"), float("inf")
 VALUES = {"nan": NAN, "inf": INF, "-inf": -INF, "0": 0, "neg": -3, "bool": True, "float": 2.0,
@@ -273,3 +284,122 @@ def _check(build, value, expect, words):
 def test_constructor_validates_numbers(case):
     _, build, value, expect, words = case
     check(build, value, expect, words)
+
+
+# ----------------------------------------------------------------------------- custom mask results
+# masks.custom(fn): any bool result that broadcasts to the position grids, on every backend.
+CB, CH, CNQ, CNK, CD = 2, 2, 5, 7, 8
+Q_OFF = CNK - CNQ  # the default, bottom-right
+_G = torch.Generator().manual_seed(13)
+DENSE = torch.rand(CB, CH, CNQ, CNK, generator=_G) < 0.6
+DENSE[..., 0] = True  # every row sees a key (the dense SDPA path needs it)
+
+# result of rank r: the pattern of the trailing r dims of (B, H, Nq, Nk), the others size 1
+RANKED = {
+    0: (lambda b, h, q, kv: torch.tensor(True), torch.ones(1, 1, 1, 1, dtype=torch.bool)),
+    1: (lambda b, h, q, kv: DENSE[0, 0, 0][kv.reshape(-1)], DENSE[:1, :1, :1]),
+    2: (lambda b, h, q, kv: DENSE[0, 0][(q - Q_OFF).view(-1, 1), kv.view(1, -1)], DENSE[:1, :1]),
+    3: (lambda b, h, q, kv: DENSE[0][h.view(-1, 1, 1), (q - Q_OFF).view(1, -1, 1), kv.view(1, 1, -1)], DENSE[:1]),
+    4: (lambda b, h, q, kv: DENSE[b, h, q - Q_OFF, kv], DENSE),
+    "python bool": (lambda b, h, q, kv: True, torch.ones(1, 1, 1, 1, dtype=torch.bool)),
+}
+
+
+def _triton_ok():
+    from attnlab.ops.triton import available, interpreting
+    return available() and interpreting()
+
+
+BACKENDS = ["reference", "flash", "auto", "sdpa (dense mask)",
+            pytest.param("triton", marks=pytest.mark.skipif("not _triton_ok()", reason="triton interpreter"))]
+
+
+def _run(mask, q, k, v, backend):
+    if backend == "sdpa (dense mask)":  # what auto does for small inference problems
+        out = sdpa_dense_mask(q, k, v, mask, scale=CD ** -0.5, q_offset=Q_OFF, kv_offset=0)
+        assert out is not None
+        return out
+    return attnlab.attention(q, k, v, mask=mask, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rank", list(RANKED), ids=lambda r: f"rank{r}" if isinstance(r, int) else "bool")
+def test_custom_mask_results_of_any_rank_match_the_dense_mask(rank, backend):
+    fn, pattern = RANKED[rank]
+    dense = pattern.expand(CB, CH, CNQ, CNK)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(CB, CH, n, CD, generator=g) for n in (CNQ, CNK, CNK))
+    got = _run(masks.custom(fn), q, k, v, backend)
+    exact = masks.custom(lambda b, h, qp, kv: dense[b, h, qp - Q_OFF, kv])
+    same = attnlab.attention(q, k, v, mask=exact, backend="reference")
+    oracle = attnlab.attention(q.double(), k.double(), v.double(), mask=exact, backend="reference")
+    assert_close_rule(got, same, oracle, torch.float32)
+
+
+@pytest.mark.parametrize("rank", [0, 2, 3])
+def test_custom_mask_block_classifier_sees_the_full_shape(rank):
+    fn, pattern = RANKED[rank]
+    bm = masks.custom(fn).block_mask(CB, CH, CNQ, CNK, block=(2, 4))
+    full = pattern.expand(CB, CH, CNQ, CNK)
+    # tile (0, 0): rows 0..1, keys 0..3 of every (b, h)
+    tile = full[:, :, :2, :4]
+    st = bm.states.expand(CB, CH, -1, -1)[:, :, 0, 0]
+    assert torch.equal(st == 2, tile.flatten(2).all(-1)) and torch.equal(st == 0, ~tile.flatten(2).any(-1))
+
+
+@pytest.mark.parametrize("backend", ["reference", "flash", "auto"])
+def test_custom_mask_result_that_cannot_broadcast_names_the_mask_and_both_shapes(backend):
+    def three_keys(b, h, q, kv):
+        return torch.ones(3, dtype=torch.bool)
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError) as e:
+        attnlab.attention(q, q, q, mask=masks.custom(three_keys), backend=backend)
+    msg = str(e.value)
+    assert "three_keys" in msg and "(3,)" in msg and "(1, 2, 4, 4)" in msg
+
+
+def test_custom_mask_non_bool_result_is_a_type_error():
+    # a regression test (the old code refused it too): Python bools and 0-d bool tensors are
+    # fine, other dtypes are a TypeError, never silently cast
+    m = masks.custom(lambda b, h, q, kv: torch.ones(1))
+    q = torch.randn(1, 1, 3, 4)
+    for backend in ("reference", "flash"):
+        with pytest.raises(TypeError, match="bool"):
+            attnlab.attention(q, q, q, mask=m, backend=backend)
+
+
+# ----------------------------------------------------------------------------- positions near 2**63
+@pytest.mark.parametrize("backend", ["reference", "flash"])
+@pytest.mark.parametrize("mask", [masks.causal, lambda: masks.sliding_window(3)], ids=["causal", "window"])
+def test_offsets_near_int64_limit_are_refused_not_wrapped(mask, backend):
+    q = torch.randn(1, 1, 4, 8)
+    big = 2 ** 63 - 8
+    with pytest.raises(ValueError, match="2\\*\\*62"):
+        attnlab.attention(q, q, q, mask=mask(), q_offset=big, kv_offset=big - 2, backend=backend)
+    with pytest.raises(ValueError, match="2\\*\\*62"):
+        attnlab.attention(q, q, q, mask=mask(), q_offset=2 ** 62, kv_offset=-2 ** 62, backend=backend)
+
+
+def test_large_offsets_inside_the_bound_agree_with_small_ones():
+    q, k = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 6, 8)
+    off = 2 ** 62 - 16  # positions and their differences stay inside int64
+    for m in (masks.causal(), masks.sliding_window(3), masks.sink_window(0, 2)):
+        want = attnlab.attention(q, k, k, mask=m, q_offset=2, kv_offset=0, backend="reference")
+        for backend in ("reference", "flash"):
+            got = attnlab.attention(q, k, k, mask=m, q_offset=off + 2, kv_offset=off, backend=backend)
+            torch.testing.assert_close(got, want)
+        bm = m.block_mask(1, 1, 4, 6, q_offset=off + 2, kv_offset=off, block=(2, 2))
+        assert torch.equal(bm.states, m.block_mask(1, 1, 4, 6, q_offset=2, kv_offset=0, block=(2, 2)).states)
+
+
+def test_user_mask_subclass_validate_gets_the_position_bound():
+    class Everything(masks.Mask):
+        def predicate(self, b, h, q, kv):
+            return kv >= kv
+
+        def validate(self, B, H, Nq, Nk, q_offset, kv_offset):
+            pass
+
+    q = torch.randn(1, 1, 2, 4)
+    with pytest.raises(ValueError, match="q_offset"):
+        attnlab.attention(q, q, q, mask=Everything(), q_offset=2 ** 63 - 1, backend="flash")
