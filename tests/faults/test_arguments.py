@@ -403,3 +403,9 @@ def test_user_mask_subclass_validate_gets_the_position_bound():
     q = torch.randn(1, 1, 2, 4)
     with pytest.raises(ValueError, match="q_offset"):
         attnlab.attention(q, q, q, mask=Everything(), q_offset=2 ** 63 - 1, backend="flash")
+
+
+@pytest.mark.parametrize("w", [0, -3])
+def test_sliding_window_below_one_says_must_be_at_least_one(w):
+    with pytest.raises(ValueError, match=r"sliding_window\(w\): w must be >= 1, got " + str(w)):
+        masks.sliding_window(w)
