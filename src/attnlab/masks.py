@@ -66,7 +66,7 @@ def _checks_positions(validate):
     """Wrap a subclass's ``validate`` so that the problem's positions are bounded first."""
     @functools.wraps(validate)
     def checked(self, B, H, Nq, Nk, q_offset, kv_offset):
-        problem_positions(Nq, Nk, q_offset, kv_offset, where=f"mask {self!r}")
+        problem_positions(Nq, Nk, q_offset, kv_offset, where=lambda: f"mask {self!r}")
         return validate(self, B, H, Nq, Nk, q_offset, kv_offset)
     checked.checks_positions = True
     return checked
@@ -108,7 +108,7 @@ class Mask:
 
     def validate(self, B: int, H: int, Nq: int, Nk: int, q_offset: int, kv_offset: int) -> None:
         """Raise ``ValueError`` if this mask cannot describe that problem."""
-        problem_positions(Nq, Nk, q_offset, kv_offset, where=f"mask {self!r}")
+        problem_positions(Nq, Nk, q_offset, kv_offset, where=lambda: f"mask {self!r}")
 
     validate.checks_positions = True
 

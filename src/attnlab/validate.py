@@ -101,10 +101,17 @@ def finite_tensor(t: torch.Tensor, name: str, *, allow_neg_inf: bool = False) ->
     return t
 
 
-def problem_positions(Nq: int, Nk: int, q_offset: int, kv_offset: int, where: str = "mask") -> None:
+def problem_positions(Nq: int, Nk: int, q_offset: int, kv_offset: int, where="mask") -> None:
     """The absolute positions of a ``(Nq, Nk)`` problem, ``q_offset .. q_offset + Nq - 1``
-    and ``kv_offset .. kv_offset + Nk - 1``, lie in ``[-2**62, 2**62]``, so that positions
-    and their differences are exact in int64 (no wrap-around in a predicate or classifier)."""
+    and ``kv_offset .. kv_offset + Nk - 1``, lie in ``[-2**62, 2**62)``, so that positions
+    and their differences are exact in int64 (no wrap-around in a predicate or classifier).
+    ``where`` (a string, or a callable giving one: only called to word an error) names the
+    caller.  Costs a few comparisons when everything is in range (it runs on every call)."""
+    ints = (Nq, Nk, q_offset, kv_offset)
+    if all(type(x) is int for x in ints) and Nq >= 0 and Nk >= 0 and -MAX_INT <= q_offset \
+            and q_offset + Nq <= MAX_INT and -MAX_INT <= kv_offset and kv_offset + Nk <= MAX_INT:
+        return
+    where = where() if callable(where) else where
     for name, n in (("Nq", Nq), ("Nk", Nk)):
         integer(n, f"{where}: {name}", lo=0)
     for name, off, n in (("q_offset", q_offset, Nq), ("kv_offset", kv_offset, Nk)):
