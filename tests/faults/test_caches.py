@@ -118,3 +118,12 @@ def test_paged_view_stays_valid_while_its_blocks_are_held():
     c.free(b)
     c.select([a]).update(0, *kv(1, seed=5))
     torch.testing.assert_close(view.attend(q), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("token", [2 ** 63, 10 ** 30])
+def test_paged_prefix_tokens_beyond_int64_are_refused_up_front(token):
+    # they are hashed as int64 once their block is full: array('q') raised a bare OverflowError
+    c = PagedCache(1, 4, 2, 4, block_size=2)
+    with pytest.raises(ValueError, match="token ids"):
+        a, _ = c.add_sequence([1, token, 3])
+        c.select([a]).update(0, *kv(3))

@@ -38,7 +38,7 @@ from collections import OrderedDict
 
 import torch
 
-from attnlab.validate import integer
+from attnlab.validate import MAX_INT, integer
 
 
 class CacheFullError(RuntimeError):
@@ -68,8 +68,9 @@ def token_list(tokens, name: str) -> list:
         out = [operator.index(t) for t in tokens]
     except TypeError:
         raise TypeError(f"{name}: expected a sequence of int token ids, got {tokens!r:.80}") from None
-    if any(t < 0 for t in out):
-        raise ValueError(f"{name}: token ids must be >= 0")
+    if any(t < 0 or t > MAX_INT for t in out):
+        raise ValueError(f"{name}: token ids must be ints in [0, 2**62] (they are hashed as int64), got "
+                         f"{next(t for t in out if t < 0 or t > MAX_INT)}")
     return out
 
 
