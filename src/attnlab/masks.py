@@ -31,12 +31,14 @@ on full ones.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Callable
 
 import torch
 
 from attnlab.ops.blockmask import EMPTY, FULL, PARTIAL, BlockMask
+from attnlab.validate import MAX_INT, ArgumentTypeError, integer, problem_positions
 
 __all__ = [
     "Mask", "BlockMask", "causal", "sliding_window", "prefix_lm", "document", "padding",
@@ -60,13 +62,33 @@ def _as_4d(s: torch.Tensor) -> torch.Tensor:
     return s
 
 
+def _checks_positions(validate):
+    """Wrap a subclass's ``validate`` so that the problem's positions are bounded first."""
+    @functools.wraps(validate)
+    def checked(self, B, H, Nq, Nk, q_offset, kv_offset):
+        problem_positions(Nq, Nk, q_offset, kv_offset, where=lambda: f"mask {self!r}")
+        return validate(self, B, H, Nq, Nk, q_offset, kv_offset)
+    checked.checks_positions = True
+    return checked
+
+
 class Mask:
     """Base class.  Subclasses implement :meth:`predicate` and, when they can,
-    :meth:`classify`; they may override :meth:`validate` to check a problem shape."""
+    :meth:`classify`; they may override :meth:`validate` to check a problem shape.
+
+    Every ``validate`` (the base one and any override) first checks that the problem's
+    absolute positions lie in ``[-2**62, 2**62)``, so that positions and their differences
+    are exact in int64: offsets near ``2**63`` raise ``ValueError`` instead of wrapping."""
 
     #: True when :meth:`classify` is exact and costs O(tiles), so the flash backend
     #: may classify several candidate tilings and keep the cheapest.
     cheap_classify = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        v = cls.__dict__.get("validate")
+        if v is not None and not getattr(v, "checks_positions", False):
+            cls.validate = _checks_positions(v)
 
     def predicate(self, b, h, q_pos, kv_pos) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -86,6 +108,9 @@ class Mask:
 
     def validate(self, B: int, H: int, Nq: int, Nk: int, q_offset: int, kv_offset: int) -> None:
         """Raise ``ValueError`` if this mask cannot describe that problem."""
+        problem_positions(Nq, Nk, q_offset, kv_offset, where=lambda: f"mask {self!r}")
+
+    validate.checks_positions = True
 
     def block_mask(self, B: int, H: int, Nq: int, Nk: int, *, q_offset: int | None = None,
                    kv_offset: int = 0, block: tuple[int, int] = (128, 512)) -> BlockMask:
@@ -94,11 +119,15 @@ class Mask:
         ``q_offset`` defaults to ``kv_offset + Nk - Nq`` (bottom-right), as in
         :func:`attnlab.attention`.
         """
+        B, H = integer(B, "block_mask(B)", lo=1), integer(H, "block_mask(H)", lo=1)
+        Nq, Nk = integer(Nq, "block_mask(Nq)", lo=0), integer(Nk, "block_mask(Nk)", lo=0)
+        kv_offset = integer(kv_offset, "block_mask(kv_offset)", lo=-MAX_INT)
         if q_offset is None:
             q_offset = kv_offset + Nk - Nq
-        bq, bk = int(block[0]), int(block[1])
-        if bq <= 0 or bk <= 0:
-            raise ValueError(f"block: tile sizes must be positive, got {block}")
+        q_offset = integer(q_offset, "block_mask(q_offset)", lo=-MAX_INT)
+        if not isinstance(block, (tuple, list)) or len(block) != 2:
+            raise ArgumentTypeError(f"block: expected a pair (block_q, block_k) of ints, got {block!r}")
+        bq, bk = (integer(x, f"block: tile size {x!r}", lo=1, hi=1 << 30) for x in block)
         key = (B, H, Nq, Nk, q_offset, kv_offset, bq, bk)
         cache = self.__dict__.setdefault("_bm_cache", OrderedDict())
         if key in cache:
@@ -111,7 +140,9 @@ class Mask:
         kv_lo = (torch.arange(nkb) * bk + kv_offset).view(1, -1)
         kv_hi = (torch.clamp(torch.arange(1, nkb + 1) * bk, max=Nk) - 1 + kv_offset).view(1, -1)
         states = None if nqb == 0 or nkb == 0 else self.classify(B, H, q_lo, q_hi, kv_lo, kv_hi)
-        if states is None:
+        if nqb == 0 or nkb == 0:  # no tile at all
+            states = torch.zeros(1, 1, nqb, nkb, dtype=torch.int8)
+        elif states is None:
             states = self._classify_by_eval(B, H, Nq, Nk, q_offset, kv_offset, bq, bk)
         states = _as_4d(states.to(torch.int8))
         Bm = B if states.shape[0] != 1 else 1
@@ -241,11 +272,7 @@ def causal() -> Mask:
 
 
 def _nonneg_int(x, name):
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
-    if x < 0:
-        raise ValueError(f"{name}: must be >= 0, got {x}")
-    return x
+    return integer(x, name, lo=0)
 
 
 class _SlidingWindow(Mask):
@@ -266,8 +293,9 @@ class _SlidingWindow(Mask):
 
 def sliding_window(w: int) -> Mask:
     """Causal window of ``w`` tokens including the query itself: ``q_pos - w < kv_pos <= q_pos``."""
-    if _nonneg_int(w, "sliding_window(w)") == 0:
-        raise ValueError("sliding_window(w): w must be >= 1 (w=0 masks everything)")
+    w = integer(w, "sliding_window(w)")
+    if w < 1:
+        raise ValueError(f"sliding_window(w): w must be >= 1, got {w} (w <= 0 masks everything)")
     return _SlidingWindow(w)
 
 
@@ -313,17 +341,27 @@ class _SinkWindow(Mask):
 def sink_window(sinks: int, window: int) -> Mask:
     """StreamingLLM's pattern: causal, and either one of the first ``sinks`` positions or
     within the last ``window`` tokens (query included)."""
-    _nonneg_int(sinks, "sink_window(sinks)")
-    if _nonneg_int(window, "sink_window(window)") == 0 and sinks == 0:
+    sinks = _nonneg_int(sinks, "sink_window(sinks)")
+    if (window := _nonneg_int(window, "sink_window(window)")) == 0 and sinks == 0:
         raise ValueError("sink_window: sinks=0 and window=0 masks everything")
     return _SinkWindow(sinks, window)
 
 
-def _ids_tensor(x, name):
+def _int_tensor(x, name, what):
+    """``x`` as a tensor of integers (not bool, float or complex); a Python value too large
+    for int64 raises ``ValueError`` naming ``name``."""
     if not isinstance(x, torch.Tensor):
-        x = torch.as_tensor(x)
+        try:
+            x = torch.as_tensor(x)
+        except (OverflowError, RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"{name}: expected {what} that fit in int64, got {x!r:.80} ({e})") from None
     if x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
-        raise TypeError(f"{name}: expected integer ids, got dtype {x.dtype}")
+        raise ArgumentTypeError(f"{name}: expected integer {what}, got dtype {x.dtype}")
+    return x
+
+
+def _ids_tensor(x, name):
+    x = _int_tensor(x, name, "ids")
     if x.dim() not in (1, 2):
         raise ValueError(f"{name}: expected shape (N,) or (B, N), got {tuple(x.shape)}")
     x = x.to(torch.long)
@@ -423,9 +461,7 @@ def padding(kv_lengths) -> Mask:
     length may exceed the keys of one call (a KV shard or a split of the cache sees
     only part of the sequence).
     """
-    t = torch.as_tensor(kv_lengths)
-    if t.dtype.is_floating_point or t.dtype == torch.bool:
-        raise TypeError(f"padding(kv_lengths): expected integer lengths, got dtype {t.dtype}")
+    t = _int_tensor(kv_lengths, "padding(kv_lengths)", "lengths")
     if t.dim() != 1:
         raise ValueError(f"padding(kv_lengths): expected shape (B,), got {tuple(t.shape)}")
     if (t < 0).any():
@@ -522,12 +558,12 @@ def tree(parents, prefix_len: int = 0) -> Mask:
     attends every prefix position and its own ancestors (itself included); positions
     before ``prefix_len`` are causal.  Tiles are classified by evaluation (exact).
     """
-    p = torch.as_tensor(parents)
+    p = parents if isinstance(parents, torch.Tensor) else torch.as_tensor(parents)
     if p.numel() == 0 and p.dim() == 1:
         p = p.long()  # an empty tree: only the causal prefix
-    if p.dtype.is_floating_point or p.dim() != 1:
-        raise ValueError(f"tree(parents): expected a 1-D integer tensor, got {p.dtype} {tuple(p.shape)}")
-    _nonneg_int(prefix_len, "tree(prefix_len)")
+    if p.dtype.is_floating_point or p.dtype == torch.bool or p.is_complex() or p.dim() != 1:
+        raise ArgumentTypeError(f"tree(parents): expected a 1-D integer tensor, got {p.dtype} {tuple(p.shape)}")
+    prefix_len = _nonneg_int(prefix_len, "tree(prefix_len)")
     T = p.numel()
     idx = torch.arange(T)
     if ((p >= idx) | (p < -1)).any():
@@ -546,9 +582,25 @@ class _Custom(Mask):
 
     def predicate(self, b, h, q, kv):
         out = self.fn(b, h, q, kv)
+        if isinstance(out, bool):
+            out = torch.tensor(out, device=q.device if isinstance(q, torch.Tensor) else None)
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
-            raise TypeError(f"custom mask {self.name}: fn must return a bool tensor, got "
+            raise TypeError(f"custom mask {self.name}: fn must return a bool tensor (or a Python bool), got "
                             f"{type(out).__name__ if not isinstance(out, torch.Tensor) else out.dtype}")
+        # every consumer (flash tiles, classifier, dense SDPA mask, reference) gets the grids' full shape
+        grid = torch.broadcast_shapes(*(torch.as_tensor(t).shape for t in (b, h, q, kv)))
+        if tuple(out.shape) != tuple(grid):
+            try:
+                ok = torch.broadcast_shapes(out.shape, grid) == grid
+            except RuntimeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"custom mask {self.name}: fn returned shape {tuple(out.shape)}, which does not "
+                                 f"broadcast to the position grids' shape {tuple(grid)} (B, H, Nq, Nk); return a "
+                                 "bool tensor broadcastable to it, e.g. computed from b, h, q_pos and kv_pos")
+            # leading dims of size 1, as broadcasting reads them; size-1 batch/head dims are
+            # kept (a view), as the built-ins return them, so no consumer pays B·H times
+            out = out.reshape((1,) * (len(grid) - out.dim()) + tuple(out.shape))
         return out
 
     def __repr__(self):
@@ -557,6 +609,20 @@ class _Custom(Mask):
 
 def custom(fn: Callable) -> Mask:
     """Any predicate ``fn(b, h, q_pos, kv_pos) -> bool tensor`` (True = may attend).
+
+    The result may be any bool tensor that broadcasts to the shape of the position grids
+    (``(B, H, Nq, Nk)`` for a whole problem, a tile's shape inside a kernel): a 0-d
+    ``torch.tensor(True)`` (FlexAttention's ``noop_mask``) or a Python ``bool`` included;
+    it is reshaped (a view) to the grids' rank with leading size-1 dims, as broadcasting
+    reads it, so every backend sees the same mask.
+    A result that does not broadcast raises ``ValueError`` naming both shapes; a result
+    of another dtype (int, float) raises ``TypeError``.
+
+    >>> import torch
+    >>> m = custom(lambda b, h, q, kv: torch.tensor(True))
+    >>> m(torch.zeros(2, 1, 1, 1, dtype=torch.long), torch.zeros(1, 3, 1, 1, dtype=torch.long),
+    ...   torch.arange(4).view(1, 1, 4, 1), torch.arange(5).view(1, 1, 1, 5)).shape
+    torch.Size([1, 1, 1, 1])
 
     Tiles are classified by evaluating ``fn`` over the whole problem once per shape
     (cached), as FlexAttention's ``create_block_mask`` does.

@@ -17,6 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from attnlab import scores
+from attnlab.validate import MAX_INT, boolean, finite_tensor, integer, real
+
+#: The most heads ``alibi_slopes`` builds (a Python list; a typo such as ``2**40`` would
+#: otherwise run for hours): far beyond any model's head count.
+MAX_HEADS = 1 << 16
 
 __all__ = ["alibi_slopes", "sinusoidal", "SinusoidalEmbedding", "LearnedEmbedding", "LinearScaling",
            "NTKScaling", "DynamicNTKScaling", "YaRNScaling", "Llama3Scaling", "RoPE", "ALiBi", "rope_from_hf"]
@@ -29,8 +34,7 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
     Otherwise, as in the paper's reference code: the slopes of the largest power of two
     ``p < n``, then every other slope of ``2p`` for the remaining ``n - p`` heads.
     """
-    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
-        raise ValueError(f"alibi_slopes(n_heads): expected an int >= 1, got {n_heads!r}")
+    n_heads = integer(n_heads, "alibi_slopes(n_heads)", lo=1, hi=MAX_HEADS)
 
     def pow2(n):
         start = 2.0 ** (-8.0 / n)
@@ -46,16 +50,14 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- validation
 def _int(where, name, v, lo):
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{where}: {name} must be an int >= {lo}, got {v!r}")
-    return v
+    return integer(v, f"{where}: {name}", lo=lo)
 
 
 def _num(where, name, v, lo, *, strict=True, hint=""):
-    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-    if not ok or (v <= lo if strict else v < lo):
+    f = real(v, f"{where}: {name}")
+    if f <= lo if strict else f < lo:
         raise ValueError(f"{where}: {name} must be a finite number {'>' if strict else '>='} {lo}, got {v!r}{hint}")
-    return float(v)
+    return f
 
 
 def _positions(where, positions, alt=""):
@@ -161,10 +163,14 @@ class _Checked:
         w = type(self).__name__
         if hasattr(self, "original_max_positions"):
             _int(w, "original_max_positions", self.original_max_positions, 1)
+        if hasattr(self, "truncate"):
+            boolean(self.truncate, f"{w}: truncate")
         for name, lo, inclusive in self._rules:
             if name != "attention_factor" or self.attention_factor is not None:
                 hint = f" (must exceed {lo})" if isinstance(lo, str) else ""
-                _num(w, name, getattr(self, name), getattr(self, lo) if hint else lo, strict=not inclusive, hint=hint)
+                f = _num(w, name, getattr(self, name), getattr(self, lo) if hint else lo, strict=not inclusive,
+                         hint=hint)
+                object.__setattr__(self, name, f)  # a float: an int such as 10**30 would overflow in torch
 
 
 @dataclass(frozen=True)
@@ -290,14 +296,23 @@ class RoPE(torch.nn.Module):
                             f"got {type(scaling).__name__}")
         if isinstance(scaling, (NTKScaling, DynamicNTKScaling)) and rd <= 2:
             raise ValueError(f"RoPE: {type(scaling).__name__} needs rotary_dim > 2, got {rd}")
-        self.rotary_dim, self.interleaved, self.scaling = rd, bool(interleaved), scaling
+        self.rotary_dim, self.interleaved, self.scaling = rd, boolean(interleaved, "RoPE: interleaved"), scaling
         self.attention_factor = 1.0
         if isinstance(scaling, YaRNScaling):
             af = scaling.attention_factor
             self.attention_factor = float(af) if af is not None else (
                 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0)
         # CPU master copies; the buffers are derived from them (see _apply)
-        self._masters = {dt: self._static_freqs(dt) for dt in (torch.float32, torch.float64)}
+        try:
+            self._masters = {dt: self._static_freqs(dt) for dt in (torch.float32, torch.float64)}
+        except OverflowError:
+            self._masters = {torch.float32: torch.tensor([math.nan])}
+        probe = self._masters[torch.float32]
+        if isinstance(scaling, DynamicNTKScaling):  # the base it reaches at a long context
+            probe = self._dynamic_freqs_at(1 << 24, probe)
+        if not bool(torch.isfinite(probe).all() & (probe > 0).all()):
+            raise ValueError(f"RoPE: base={self.base:g} with scaling={scaling} gives frequencies that are not finite "
+                             "positive float32 numbers (0, inf or nan); use a smaller base or scaling factor")
         self.register_buffer("inv_freq", self._masters[torch.float32].clone(), persistent=False)
         self._freq64 = self._masters[torch.float64]
 
@@ -319,6 +334,14 @@ class RoPE(torch.nn.Module):
         self.inv_freq = self._masters[torch.float32].to(dev, copy=True)
         self._freq64 = self._masters[torch.float64].to(dev, copy=True)
         return self
+
+    def _dynamic_freqs_at(self, seq_len: int, default: torch.Tensor) -> torch.Tensor:
+        s, r = self.scaling, self.rotary_dim
+        if not isinstance(s, DynamicNTKScaling):
+            return default
+        seq = torch.tensor(max(seq_len, s.original_max_positions), dtype=torch.float32)
+        b = self.base * (s.factor * seq / s.original_max_positions - (s.factor - 1)) ** (r / (r - 2))
+        return _default_freqs(b, r, torch.float32)
 
     def inv_freq_at(self, seq_len, *, dtype=torch.float32) -> torch.Tensor:
         """The ``(rotary_dim/2,)`` frequencies in use when the largest position is ``seq_len - 1``
@@ -365,6 +388,7 @@ class RoPE(torch.nn.Module):
         if isinstance(positions, int) and not isinstance(positions, bool):
             if positions < 0:
                 raise ValueError(f"RoPE: an int positions offset must be >= 0, got {positions}")
+            integer(positions, "RoPE: positions offset", hi=MAX_INT - N)
             pos = torch.arange(positions, positions + N, device=x.device)
         else:
             pos = _positions("RoPE", positions, " (or an int offset)")
@@ -412,7 +436,7 @@ class ALiBi:
         if not slopes.dtype.is_floating_point or tuple(slopes.shape) != (n_heads,):
             raise ValueError(f"ALiBi: slopes must be a float tensor of shape (n_heads,)=({n_heads},), "
                              f"got {slopes.dtype} {tuple(slopes.shape)}")
-        self.slopes = slopes
+        self.slopes = finite_tensor(slopes, "ALiBi: slopes")
 
     def score_mod(self) -> scores.ScoreMod:
         return scores.alibi(self.slopes, symmetric=self.symmetric)
@@ -475,5 +499,8 @@ def rope_from_hf(config_dict: dict, d_head: int) -> RoPE:
     else:
         raise ValueError(f"rope_from_hf: unsupported rope_type {kind!r}; supported: {', '.join(_HF_TYPES)}")
     theta = need("rope_theta", p.get("rope_theta"), c.get("rope_theta"), 10000.0)
+    theta = real(theta, "rope_from_hf: rope_theta", gt=1.0)
     prf = need("partial_rotary_factor", p.get("partial_rotary_factor"), c.get("partial_rotary_factor"), 1.0)
-    return RoPE(d_head, base=float(theta), rotary_dim=int(d_head * prf), scaling=scaling)
+    prf = real(prf, "rope_from_hf: partial_rotary_factor", gt=0.0, le=1.0)
+    d_head = integer(d_head, "rope_from_hf: d_head", lo=1)
+    return RoPE(d_head, base=theta, rotary_dim=int(d_head * prf), scaling=scaling)

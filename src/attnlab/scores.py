@@ -24,6 +24,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from attnlab.validate import ArgumentTypeError, boolean, finite_tensor, real
+
 __all__ = ["ScoreMod", "alibi", "softcap", "relative_bias", "custom", "compose"]
 
 
@@ -75,7 +77,8 @@ def alibi(slopes, symmetric: bool = False) -> ScoreMod:
     s = torch.as_tensor(slopes)
     if not s.dtype.is_floating_point or s.dim() != 1:
         raise ValueError(f"alibi(slopes): expected a 1-D float tensor (H,), got {s.dtype} {tuple(s.shape)}")
-    return _Alibi(s, bool(symmetric))
+    finite_tensor(s, "alibi(slopes)")
+    return _Alibi(s, boolean(symmetric, "alibi(symmetric)"))
 
 
 class _Softcap(ScoreMod):
@@ -90,10 +93,9 @@ class _Softcap(ScoreMod):
 
 
 def softcap(c: float) -> ScoreMod:
-    """Gemma-2 / Grok logit soft-capping: ``c * tanh(score / c)``."""
-    if isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0:
-        raise ValueError(f"softcap(c): c must be a positive number, got {c!r}")
-    return _Softcap(float(c))
+    """Gemma-2 / Grok logit soft-capping: ``c * tanh(score / c)``; ``c`` a finite number > 0
+    (``inf`` would give ``inf * tanh(0) = nan``: no cap is ``score_mod=None``)."""
+    return _Softcap(real(c, "softcap(c)", gt=0.0))
 
 
 class _RelativeBias(ScoreMod):
@@ -127,6 +129,7 @@ def relative_bias(table: torch.Tensor) -> ScoreMod:
                          f"{getattr(table, 'dtype', type(table).__name__)} {tuple(getattr(table, 'shape', ()))}")
     if table.shape[1] % 2 != 1:
         raise ValueError(f"relative_bias(table): the second dim must be odd (2*R+1), got {table.shape[1]}")
+    finite_tensor(table, "relative_bias(table)")
     return _RelativeBias(table, table.shape[1] // 2)
 
 

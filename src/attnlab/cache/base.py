@@ -27,6 +27,31 @@ from __future__ import annotations
 import torch
 
 from attnlab.ops.dispatch import attention, attention_probs
+from attnlab.validate import ArgumentTypeError, integer
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def float_dtype(dtype, where: str) -> torch.dtype:
+    """``dtype`` when it is a floating torch dtype a cache can hold."""
+    if dtype not in _FLOATS:
+        raise ArgumentTypeError(f"{where}: dtype must be one of {_FLOATS}, got {dtype!r}")
+    return dtype
+
+
+def check_write(where: str, layer: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, device) -> None:
+    """A write must not change what it stores: ``k``/``v`` have the cache's dtype and device.
+
+    A cast on write could lose precision or range silently (float64 or float32 ``1e6``
+    into float16 is ``inf``), so every cache refuses any dtype that differs from the
+    one it holds (what :class:`PagedCache` always did) instead of casting; the caller
+    casts, or builds the cache with the model's dtype."""
+    if k.dtype != dtype or v.dtype != dtype:
+        raise TypeError(f"{where}: layer {layer}: k/v dtypes {k.dtype}/{v.dtype} differ from the cache's {dtype}; a "
+                        "cast on write could lose precision or range (1e6 in float16 is inf), so none is made: "
+                        f"cast k and v to {dtype}, or build the cache with dtype={k.dtype}")
+    if device is not None and (k.device != torch.device(device) or v.device != torch.device(device)):
+        raise ValueError(f"{where}: layer {layer}: k/v on {k.device}/{v.device}, the cache on {device}")
 
 
 class KV:
@@ -67,9 +92,7 @@ class Cache:
     rotates_keys = False  # True: keys are stored before RoPE and rotated at read (StreamingCache)
 
     def __init__(self, n_layers: int):
-        if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
-            raise ValueError(f"n_layers: expected an int >= 1, got {n_layers!r}")
-        self.n_layers = n_layers
+        self.n_layers = integer(n_layers, "n_layers", lo=1)
 
     # -- the interface ------------------------------------------------------------
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KV:
@@ -112,6 +135,12 @@ class Cache:
                 or k.shape[:3] != v.shape[:3]:
             raise ValueError(f"update: expected k (B, Hkv, n, D) and v (B, Hkv, n, Dv), got "
                              f"{tuple(getattr(k, 'shape', ()))}, {tuple(getattr(v, 'shape', ()))}")
+
+    def _check_continues(self, layer, k, v, K):
+        """Caches that concatenate: a later write keeps the first write's dtype and device
+        (``torch.cat`` would promote the whole cache instead)."""
+        if K is not None:
+            check_write(type(self).__name__ + ".update", layer, k, v, K.dtype, K.device)
 
 
 class LayerCache:

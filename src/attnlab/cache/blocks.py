@@ -38,6 +38,8 @@ from collections import OrderedDict
 
 import torch
 
+from attnlab.validate import MAX_INT, integer
+
 
 class CacheFullError(RuntimeError):
     """The paged cache has no block left for a write; the write did not happen."""
@@ -66,15 +68,16 @@ def token_list(tokens, name: str) -> list:
         out = [operator.index(t) for t in tokens]
     except TypeError:
         raise TypeError(f"{name}: expected a sequence of int token ids, got {tokens!r:.80}") from None
-    if any(t < 0 for t in out):
-        raise ValueError(f"{name}: token ids must be >= 0")
+    if any(t < 0 or t > MAX_INT for t in out):
+        raise ValueError(f"{name}: token ids must be ints in [0, 2**62] (they are hashed as int64), got "
+                         f"{next(t for t in out if t < 0 or t > MAX_INT)}")
     return out
 
 
 class SeqState:
     """One sequence: its block table and what the blocks hold."""
 
-    __slots__ = ("table", "lens", "start", "tokens", "hashes", "n_reg")
+    __slots__ = ("table", "lens", "start", "tokens", "hashes", "n_reg", "generation")
 
     def __init__(self, n_layers: int):
         self.table: list = []          # block ids, oldest first
@@ -83,11 +86,14 @@ class SeqState:
         self.tokens: list = []         # known token ids from position 0 (prompt, extend_tokens)
         self.hashes: list = []         # chain hashes of the full blocks of `tokens`
         self.n_reg = 0                 # absolute blocks < n_reg were offered to the prefix cache
+        self.generation = 0            # bumped whenever blocks are released (free, evict, truncate):
+        #                                views taken before then may read blocks reused by others
 
     def clone(self) -> "SeqState":
         c = SeqState.__new__(SeqState)
         c.table, c.lens, c.start = list(self.table), list(self.lens), self.start
         c.tokens, c.hashes, c.n_reg = list(self.tokens), list(self.hashes), self.n_reg
+        c.generation = 0
         return c
 
     def hash_at(self, j: int, block_size: int) -> bytes | None:
@@ -105,6 +111,7 @@ class BlockAllocator:
     def __init__(self, n_blocks: int):
         if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 1:
             raise ValueError(f"BlockAllocator: n_blocks must be an int >= 1, got {n_blocks!r}")
+        integer(n_blocks, "BlockAllocator: n_blocks")
         self.n_blocks = n_blocks
         self.reset()
 

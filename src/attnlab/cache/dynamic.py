@@ -38,6 +38,7 @@ class DynamicCache(Cache):
     def update(self, layer, k, v):
         self._check_layer(layer, k, v)
         K, V = self.k[layer], self.v[layer]
+        self._check_continues(layer, k, v, K)
         if K is None:
             K, V = k, v
         else:

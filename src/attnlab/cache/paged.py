@@ -81,21 +81,27 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.cache.base import KV, Cache, DenseKV
+from attnlab.cache.base import KV, Cache, DenseKV, check_write, float_dtype
 from attnlab.cache.blocks import BlockAllocator, CacheFullError, SeqState, token_list
 from attnlab.masks import Mask
 from attnlab.ops.blockmask import EMPTY, FULL, PARTIAL
 from attnlab.ops.decode import split_kv_attention
 from attnlab.ops.merge import merge_states
 from attnlab.scores import ScoreMod
+from attnlab.validate import integer
 
-__all__ = ["PagedCache", "PagedKV", "CacheFullError"]
+__all__ = ["PagedCache", "PagedKV", "CacheFullError", "StaleViewError"]
+
+
+class StaleViewError(ValueError):
+    """A :class:`PagedKV` was used after its sequence released blocks (``free``, ``evict``,
+    ``truncate``, ``reset``): those blocks may now hold another sequence's keys."""
 
 
 def _pos_int(x, name):
     if isinstance(x, bool) or not isinstance(x, int) or x < 1:
         raise ValueError(f"PagedCache: {name} must be an int >= 1, got {x!r}")
-    return x
+    return integer(x, f"PagedCache: {name}")
 
 
 def _tile_state(mask, H, Nq, Nk, q_offset, kv_offset):
@@ -158,15 +164,19 @@ class PagedKV(KV):
     """One layer's view after :meth:`PagedCache.update`: per row, the block table, the first
     held position, and the held length before/after the update.  Reads the pools in place."""
 
-    def __init__(self, cache, layer, rows):
+    def __init__(self, cache, layer, rows, states=(), seqs=()):
         self.cache, self.layer, self.rows = cache, layer, rows  # rows: [(table, start, before, after)]
+        # the sequences' states and generations now: a release of blocks after this makes the view stale
+        self._stamp = [(q, s, s.generation) for q, s in zip(seqs, states)]
         starts = {start + before for _, start, before, _ in rows}
         self.q_offset = starts.pop() if len(starts) == 1 else None  # None: ragged (see q_offsets)
         self.q_offsets = [start + before for _, start, before, _ in rows]
 
     def pieces(self, row: int) -> list:
         """``(k, v, kv_offset)`` per run of adjacent blocks of ``row``: views of the pools,
-        ``k (1, Hkv, n, D)``, ``v (1, Hkv, n, Dv)``, keys at ``kv_offset .. kv_offset+n-1``."""
+        ``k (1, Hkv, n, D)``, ``v (1, Hkv, n, Dv)``, keys at ``kv_offset .. kv_offset+n-1``.
+        Raises :class:`StaleViewError` once the sequence has released blocks since the view."""
+        self.check_fresh()
         table, start, _, L = self.rows[row]
         K, V = self.cache.k_pool[self.layer], self.cache.v_pool[self.layer]
         Hkv, _, bs, D = K.shape
@@ -184,7 +194,18 @@ class PagedKV(KV):
             i = j
         return out
 
+    def check_fresh(self) -> None:
+        """Raise :class:`StaleViewError` if a selected sequence was freed, evicted, truncated
+        or reset since this view was made (its blocks may hold another sequence's keys now)."""
+        for q, s, gen in self._stamp:
+            if s.generation != gen:
+                raise StaleViewError(
+                    f"PagedKV: this view of layer {self.layer} was made before sequence {q} released blocks "
+                    "(free, evict, truncate or reset); they may now hold another sequence's keys.  Take a new "
+                    "view (cache.select(...).update(...)) after changing the cache")
+
     def attend(self, q, *, mask=None, score_mod=None, scale=None, backend="auto", return_lse=False):
+        self.check_fresh()
         B = len(self.rows)
         if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != B:
             raise ValueError(f"PagedKV.attend: expected q (B={B}, H, Nq, D) for the {B} selected sequences, got "
@@ -226,6 +247,7 @@ class PagedKV(KV):
         """The same keys as dense tensors (a copy, for ``need_weights`` and checks).  Needs
         one ``q_offset`` and ``kv_offset`` for the batch: the selected sequences must hold
         the same positions; a ragged selection raises."""
+        self.check_fresh()
         shapes = {(start, before, after) for _, start, before, after in self.rows}
         if len(shapes) != 1:
             raise ValueError(
@@ -258,6 +280,7 @@ class PagedCache(Cache):
                         ("block_size", block_size)):
             _pos_int(x, name)
         d_v = d_head if d_v is None else _pos_int(d_v, "d_v")
+        float_dtype(dtype, "PagedCache")
         self.n_blocks, self.block_size = n_blocks, block_size
         shape = (n_kv_heads, n_blocks, block_size)
         self.k_pool = [torch.zeros(*shape, d_head, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -343,6 +366,7 @@ class PagedCache(Cache):
             self.reset()
             return
         s = self._get(seq, "free")
+        s.generation += 1
         del self._seqs[seq]
         for b in s.table:
             self.allocator.decref(b)
@@ -358,6 +382,7 @@ class PagedCache(Cache):
         if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or not 0 <= n_blocks <= full:
             raise ValueError(f"PagedCache.evict: n_blocks must be an int in [0, {full}] (the full blocks sequence "
                              f"{seq} holds), got {n_blocks!r}")
+        s.generation += 1
         for b in s.table[:n_blocks]:
             self.allocator.decref(b)
         del s.table[:n_blocks]
@@ -372,6 +397,7 @@ class PagedCache(Cache):
             raise ValueError(f"PagedCache.truncate: length must be an int in [{s.start}, {hi}] for sequence "
                              f"{seq}, got {length!r}")
         bs = self.block_size
+        s.generation += 1
         s.lens = [min(L, length - s.start) for L in s.lens]
         keep = -(-max(s.lens) // bs)
         for b in s.table[keep:]:
@@ -383,6 +409,8 @@ class PagedCache(Cache):
 
     def reset(self) -> None:
         """Drop every sequence and the prefix cache; the pools are kept."""
+        for s in getattr(self, "_seqs", {}).values():
+            s.generation += 1
         self.allocator.reset()
         self._seqs, self._sel, self._wrapped = {}, [], {}
 
@@ -452,10 +480,7 @@ class PagedCache(Cache):
             raise ValueError(f"PagedCache.update: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit {len(rows)} "
                              f"selected sequences and pools (Hkv, n_blocks, block_size, D) = {tuple(K.shape)} / "
                              f"{tuple(V.shape)}")
-        if k.dtype != K.dtype or v.dtype != V.dtype:
-            raise TypeError(f"PagedCache.update: k/v dtypes {k.dtype}/{v.dtype} differ from the pools' {K.dtype}")
-        if k.device != K.device or v.device != K.device:
-            raise ValueError(f"PagedCache.update: k/v on {k.device}/{v.device}, the pools on {K.device}")
+        check_write("PagedCache.update", layer, k, v, K.dtype, K.device)
         if layer == 0:
             for q, s in zip(self._sel, rows):
                 self._synced(q, s, "update")
@@ -481,7 +506,8 @@ class PagedCache(Cache):
             if layer == self.n_layers - 1:
                 for s in rows:
                     self._register(s)
-        return PagedKV(self, layer, [(tuple(s.table), s.start, b, s.lens[layer]) for s, b in zip(rows, before)])
+        return PagedKV(self, layer, [(tuple(s.table), s.start, b, s.lens[layer]) for s, b in zip(rows, before)],
+                       rows, self._sel)
 
     def _make_room(self, rows, n):
         """Blocks for ``n`` more tokens of each row, copying shared blocks about to be written.

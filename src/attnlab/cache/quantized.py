@@ -55,6 +55,7 @@ from attnlab.cache.base import KV, Cache, DenseKV
 from attnlab.cache.quant import BITS, SCALE_DTYPES, dequantize, pack, packed_size, quantize, unpack
 from attnlab.ops.decode import split_kv_attention
 from attnlab.ops.dispatch import attention
+from attnlab.validate import integer
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _STORE = ("kc", "ks", "kz", "vc", "vs", "vz")
@@ -63,7 +64,7 @@ _STORE = ("kc", "ks", "kz", "vc", "vs", "vz")
 def _int(x, name, lo):
     if isinstance(x, bool) or not isinstance(x, int) or x < lo:
         raise ValueError(f"QuantizedCache: {name} must be an int >= {lo}, got {x!r}")
-    return x
+    return integer(x, f"QuantizedCache: {name}")
 
 
 def _append(buf, new, used):
@@ -181,7 +182,7 @@ class QuantizedCache(Cache):
     def __init__(self, n_layers: int, *, bits: int = 4, group_size: int = 32, residual: int | None = None,
                  value_group: int | None = None, scale_dtype: torch.dtype = torch.float16, piece_tokens: int = 512):
         super().__init__(n_layers)
-        if isinstance(bits, bool) or bits not in BITS:
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
             raise ValueError(f"QuantizedCache: bits must be one of {BITS}, got {bits!r}")
         self.bits = bits
         self.group_size = _int(group_size, "group_size", 1)

@@ -32,6 +32,7 @@ import torch
 from attnlab.cache.base import Cache, DenseKV
 from attnlab.ops.dispatch import attention
 from attnlab.ops.sdpa import is_causal_mask
+from attnlab.validate import integer
 
 _ROWS = 256  # query rows scored at a time (prompt scoring memory: _ROWS x keys per head)
 
@@ -64,7 +65,7 @@ class H2OCache(Cache):
             raise ValueError(f"H2OCache: budget must be an int >= 1, got {budget!r}")
         if isinstance(recent, bool) or not isinstance(recent, int) or not 0 <= recent < budget:
             raise ValueError(f"H2OCache: recent must be an int in [0, budget={budget}), got {recent!r}")
-        self.budget, self.recent = budget, recent
+        self.budget, self.recent = integer(budget, "H2OCache: budget"), recent
         self.reset()
 
     def reset(self):
@@ -82,6 +83,10 @@ class H2OCache(Cache):
 
     def update(self, layer, k, v):
         self._check_layer(layer, k, v)
+        self._check_continues(layer, k, v, self.k[layer])
+        if self.k[layer] is not None and k.shape[:2] != self.k[layer].shape[:2]:
+            raise ValueError(f"H2OCache.update: new k {tuple(k.shape)} does not continue the cached "
+                             f"k {tuple(self.k[layer].shape)}")
         B, Hkv, n, _ = k.shape
         start = self.total[layer]
         pos = torch.arange(start, start + n, device=k.device).expand(B, Hkv, n)

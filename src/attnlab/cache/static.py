@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.cache.base import Cache, DenseKV
+from attnlab.cache.base import Cache, DenseKV, check_write, float_dtype
+from attnlab.validate import integer
 
 EVICT = (None, "window")
 
@@ -31,11 +32,11 @@ class StaticCache(Cache):
         super().__init__(n_layers)
         for name, x in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads), ("d_head", d_head),
                         ("capacity", capacity)):
-            if isinstance(x, bool) or not isinstance(x, int) or x < 1:
-                raise ValueError(f"StaticCache: {name} must be an int >= 1, got {x!r}")
+            integer(x, f"StaticCache: {name}", lo=1)
         if evict not in EVICT:
             raise ValueError(f"StaticCache: evict must be one of {EVICT}, got {evict!r}")
-        d_v = d_head if d_v is None else d_v
+        d_v = d_head if d_v is None else integer(d_v, "StaticCache: d_v", lo=1)
+        float_dtype(dtype, "StaticCache")
         self.capacity, self.evict = capacity, evict
         shape = (batch_size, n_kv_heads, capacity)
         self.k = [torch.zeros(*shape, d_head, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -68,6 +69,7 @@ class StaticCache(Cache):
         if k.shape[0] != K.shape[0] or k.shape[1] != K.shape[1] or k.shape[3] != K.shape[3] or v.shape[3] != V.shape[3]:
             raise ValueError(f"StaticCache.update: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit buffers of "
                              f"(B, Hkv, capacity, D) = {tuple(K.shape)} / {tuple(V.shape)}")
+        check_write("StaticCache.update", layer, k, v, K.dtype, K.device)
         L, n = self.lengths[layer], k.shape[2]
         start = self.seen_at(layer)
         if L + n > self.capacity:

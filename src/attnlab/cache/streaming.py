@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 
 from attnlab.cache.base import Cache, DenseKV
+from attnlab.validate import integer
 
 
 class StreamingCache(Cache):
@@ -58,6 +59,7 @@ class StreamingCache(Cache):
             raise ValueError(f"StreamingCache: sinks must be an int >= 0, got {sinks!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"StreamingCache: window must be an int >= 1, got {window!r}")
+        integer(sinks, "StreamingCache: sinks"), integer(window, "StreamingCache: window")
         if rope is not None and not hasattr(rope, "cos_sin"):
             raise TypeError(f"StreamingCache: rope must be a positions.RoPE or None, got {type(rope).__name__}")
         self.sinks, self.window, self.rope = sinks, window, rope
@@ -94,6 +96,7 @@ class StreamingCache(Cache):
         if K is not None and (k.shape[:2] != K.shape[:2] or k.shape[3] != K.shape[3] or v.shape[3] != V.shape[3]):
             raise ValueError(f"update: new k {tuple(k.shape)} / v {tuple(v.shape)} do not continue the cached "
                              f"k {tuple(K.shape)} / v {tuple(V.shape)}")
+        self._check_continues(layer, k, v, K)
         L = 0 if K is None else K.shape[2]
         n = k.shape[2]
         if n > 1 and L + n > self.capacity + 1:

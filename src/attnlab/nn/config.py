@@ -19,6 +19,7 @@ from attnlab.nn.mlp import ACTIVATIONS
 from attnlab.nn.norms import NORMS
 from attnlab.nn.validate import choice, nonneg_int, positive_float, positive_int, probability
 from attnlab.ops.dispatch import BACKENDS
+from attnlab.validate import real
 
 _SCALINGS = {c.__name__: c for c in (P.LinearScaling, P.NTKScaling, P.DynamicNTKScaling, P.YaRNScaling,
                                      P.Llama3Scaling)}
@@ -85,7 +86,7 @@ class _Common:
         choice(self.act, f"{name}.act", ACTIVATIONS)
         choice(self.backend, f"{name}.backend", BACKENDS)
         positive_float(self.norm_eps, f"{name}.norm_eps")
-        positive_float(self.rope_base, f"{name}.rope_base")
+        real(self.rope_base, f"{name}.rope_base", gt=1.0)  # what RoPE needs (base ** (-2i/d) decreasing)
         probability(self.dropout, f"{name}.dropout")
         probability(self.attn_dropout, f"{name}.attn_dropout")
         rd = self.rotary_dim

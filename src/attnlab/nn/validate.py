@@ -2,32 +2,32 @@
 
 from __future__ import annotations
 
-import math
 import numbers
+
+from attnlab.validate import ArgumentTypeError, integer, real
 
 
 def positive_int(x, name: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {x!r}")
-    return int(x)
+    """An int in ``[1, 2**62]`` (:func:`attnlab.validate.integer`)."""
+    return integer(x, name, lo=1)
 
 
 def nonneg_int(x, name: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0:
-        raise ValueError(f"{name}: expected an int >= 0, got {x!r}")
-    return int(x)
+    """An int in ``[0, 2**62]``."""
+    return integer(x, name, lo=0)
 
 
 def probability(x, name: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not (0.0 <= x < 1.0):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise ArgumentTypeError(f"{name}: expected a probability in [0, 1), got {type(x).__name__} {x!r:.60}")
+    if not (0.0 <= x < 1.0):
         raise ValueError(f"{name}: expected a probability in [0, 1), got {x!r}")
     return float(x)
 
 
 def positive_float(x, name: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x <= 0:
-        raise ValueError(f"{name}: expected a finite number > 0, got {x!r}")
-    return float(x)
+    """A finite number > 0."""
+    return real(x, name, gt=0.0)
 
 
 def choice(x, name: str, options) -> str:
