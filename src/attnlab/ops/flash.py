@@ -25,7 +25,7 @@ from collections import OrderedDict
 import torch
 
 from attnlab.ops.finite import all_finite, zmm
-from attnlab.ops.modparams import score_mod_params
+from attnlab.ops.modparams import check_tile_graph, marker, score_mod_params
 from attnlab.ops.reference import acc_dtype
 from attnlab.ops.tiles import choose_tiles, tile_candidates
 
@@ -54,6 +54,8 @@ class _Problem:
         self.bq, self.bk = bq, bk
         self.fused_ok = True  # |scale·q·k| <= FUSED_MAX: the fused fast path is exact enough
         self.mod_clone = False  # the mod writes into its input: hand it a copy under autograd
+        self.check_graph = None  # the params handed to autograd: the forward's first modded tile checks
+        # under autograd that the mod reads no other tensor requiring grad (it would lose its gradient)
         nqb, nkb = -(-Nq // bq), -(-Nk // bk)
         if block_mask is None:
             self.plan = [[(j, False) for j in range(nkb)] for _ in range(nqb)]
@@ -121,11 +123,19 @@ def _score_tile(pb, S, b, h, qs, qe, ks, ke, needs_mask, acc, B, H, with_grad=Fa
         mo = pb.block_mask.masked_out(b, h, qs, qe, ks, ke)
         X4 = X4.masked_fill(mo & ~torch.isfinite(X4), 0.0)
     if pb.score_mod is not None:
-        if with_grad:
+        check = pb.check_graph is not None and not with_grad
+        if with_grad or check:
             leaf = X4.requires_grad_(True)
+            before = marker(X4.device) if check else None
             with torch.enable_grad():
                 mod_out = _call_mod_under_grad(pb, leaf, b, h, qp, kp)
-            Y = mod_out.detach().clone()  # later in-place ops must not touch the graph's tensors
+            Y = mod_out
+            if isinstance(mod_out, torch.Tensor):
+                Y = mod_out.detach().clone()  # later in-place ops must not touch the graph's tensors
+                if check:
+                    check_tile_graph(pb.score_mod, mod_out, leaf, pb.check_graph, before)
+            if check:
+                pb.check_graph = leaf = mod_out = None
         else:
             Y = pb.score_mod(X4, b, h, qp, kp)
         if not isinstance(Y, torch.Tensor) or Y.shape != (B, H, n, m):
@@ -144,7 +154,7 @@ def _call_mod_under_grad(pb, leaf, b, h, qp, kp):
         try:
             return pb.score_mod(leaf, b, h, qp, kp)
         except RuntimeError as e:
-            if "in-place" not in str(e):
+            if "in-place" not in str(e) and "inplace" not in str(e):
                 raise
             pb.mod_clone = True
     return pb.score_mod(leaf.clone(), b, h, qp, kp)
@@ -368,6 +378,8 @@ def make_problem(q, k, *, mask, score_mod, scale, q_offset, kv_offset, block=Non
         params = []
     pb = _Problem(block_mask, score_mod, scale, q_offset, kv_offset, Nq, Nk, *block)
     pb.fused_ok = _fused_ok(q, k, scale)
+    if score_mod is not None and torch.is_grad_enabled():
+        pb.check_graph = params
     return pb, params
 
 

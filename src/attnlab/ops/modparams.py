@@ -105,26 +105,17 @@ def _seq(node) -> int | None:
     return f() if callable(f) else None
 
 
-def score_mod_params(score_mod, *, dtype, device, q_offset: int = 0, kv_offset: int = 0) -> list[torch.Tensor]:
-    """The tensors requiring grad that ``score_mod`` reads (each once), declared or captured.
+def _marker(device) -> int | None:
+    """The autograd sequence number now: nodes with a smaller one existed before."""
+    return _seq((torch.zeros((), device=device, requires_grad=True) * 1).grad_fn)
 
-    ``dtype``/``device``: those of the score tiles the mod will see.  Raises ``ValueError``
-    when the mod reads a tensor requiring grad that cannot be routed (see module doc)."""
-    cands = _discover(score_mod)
-    x = torch.zeros((1, 1, 1, 1), dtype=dtype, device=device, requires_grad=True)
-    z = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=device)
-    before = _seq((torch.zeros((), device=device, requires_grad=True) * 1).grad_fn)
-    try:
-        with torch.enable_grad():
-            out = score_mod(x.clone(), z, z, z + q_offset, z + kv_offset)
-    except Exception:  # the kernels will report a mod that cannot run on a tile
-        return cands
-    if not isinstance(out, torch.Tensor) or not out.requires_grad or out.grad_fn is None:
-        return [] if isinstance(out, torch.Tensor) else cands
-    used = torch.autograd.grad(out.sum(), cands, allow_unused=True, retain_graph=True) if cands else []
-    keep = [t for t, g in zip(cands, used) if g is not None]
-    stops = {id(t.grad_fn) for t in keep if t.grad_fn is not None}
-    leaves = {id(t) for t in keep if t.grad_fn is None} | {id(x)}
+
+def _walk(out, known: list[torch.Tensor], input_leaf, before):
+    """The leaves requiring grad that ``out`` depends on beyond ``known``/``input_leaf``,
+    and whether its graph reaches a pre-existing non-leaf that is not in ``known``."""
+    stops = {id(t.grad_fn) for t in known if t.grad_fn is not None}
+    leaves = {id(t) for t in known if t.grad_fn is None} | {id(input_leaf)}
+    new, foreign = [], False
     todo, visited = [out.grad_fn], set()
     while todo:
         node = todo.pop()
@@ -134,14 +125,61 @@ def score_mod_params(score_mod, *, dtype, device, q_offset: int = 0, kv_offset: 
         var = getattr(node, "variable", None)
         if var is not None:  # AccumulateGrad: a leaf tensor
             if id(var) not in leaves:
-                keep.append(var)
+                new.append(var)
                 leaves.add(id(var))
             continue
         s = _seq(node)
         if before is not None and s is not None and s < before:
-            raise ValueError(
-                f"score_mod {score_mod!r}: it reads a tensor that requires grad and was computed outside the mod, "
-                "which attnlab cannot find to route its gradient; pass it explicitly with "
-                "scores.custom(fn, params=[tensor, ...])")
+            foreign = True
+            continue
         todo.extend(n for n, _ in node.next_functions)
-    return keep
+    return new, foreign
+
+
+def _refusal(score_mod) -> ValueError:
+    return ValueError(
+        f"score_mod {score_mod!r}: it reads a tensor that requires grad which attnlab cannot route to the tiled "
+        "backward (computed outside the mod and not reachable from it); pass it explicitly with "
+        "scores.custom(fn, params=[tensor, ...])")
+
+
+def score_mod_params(score_mod, *, dtype, device, q_offset: int = 0, kv_offset: int = 0) -> list[torch.Tensor]:
+    """The tensors requiring grad that ``score_mod`` reads (each once), declared or captured.
+
+    ``dtype``/``device``: those of the score tiles the mod will see.  When the walk finds
+    candidates, one probe call on a 1×1 score keeps those the output depends on (and adds
+    leaves it reaches); a mod with none is not called.  Raises ``ValueError`` when the
+    mod reads a tensor requiring grad that cannot be routed (see module doc)."""
+    cands = _discover(score_mod)
+    if not cands:
+        return []
+    x = torch.zeros((1, 1, 1, 1), dtype=dtype, device=device, requires_grad=True)
+    z = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=device)
+    before = _marker(device)
+    try:
+        with torch.enable_grad():
+            out = score_mod(x.clone(), z, z, z + q_offset, z + kv_offset)
+    except Exception:  # the kernels will report a mod that cannot run on a tile
+        return cands
+    if not isinstance(out, torch.Tensor) or not out.requires_grad or out.grad_fn is None:
+        return cands
+    used = torch.autograd.grad(out.sum(), cands, allow_unused=True, retain_graph=True)
+    keep = [t for t, g in zip(cands, used) if g is not None]
+    new, foreign = _walk(out, keep, x, before)
+    if foreign:
+        raise _refusal(score_mod)
+    return keep + new
+
+
+def check_tile_graph(score_mod, mod_out, leaf, params, before) -> None:
+    """Raise ``ValueError`` when a score mod's output on a tile depends on a tensor requiring
+    grad that is not among ``params`` (its gradient would be lost).  ``before``:
+    :func:`_marker` taken just before the mod ran."""
+    if mod_out.grad_fn is None:
+        return
+    new, foreign = _walk(mod_out, list(params), leaf, before)
+    if new or foreign:
+        raise _refusal(score_mod)
+
+
+marker = _marker
