@@ -55,7 +55,8 @@ def merge_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
     lse = torch.where(inf_row, torch.full_like(lse, float("inf")), lse)
     wn = w / s_safe
     # a part with no visible key (LSE -inf) or outweighed by +inf parts contributes nothing,
-    # whatever its output holds: where(), not 0·out (0·NaN would be NaN)
-    out = sum(torch.where(w[i].unsqueeze(-1) == 0, torch.zeros((), dtype=acc, device=L.device),
-                          wn[i].unsqueeze(-1) * outs[i].to(acc)) for i in range(len(outs)))
+    # whatever its output holds: where(), not 0·out (0·NaN would be NaN, forward and backward)
+    zero = torch.zeros((), dtype=acc, device=L.device)
+    out = sum(wn[i].unsqueeze(-1) * torch.where(w[i].unsqueeze(-1) == 0, zero, outs[i].to(acc))
+              for i in range(len(outs)))
     return out.to(outs[0].dtype), lse
