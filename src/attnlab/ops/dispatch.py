@@ -52,6 +52,11 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
         return_lse: also return the log-sum-exp of each row's scaled, modded, masked
             scores.  A row with no visible key gives ``out = 0``, ``lse = -inf`` and zero
             gradients, never NaN.
+
+    Non-finite inputs (:mod:`attnlab.ops.finite`, docs/reliability/numerics.md): a key
+    a row cannot see has no effect on it even when it holds NaN/inf; NaN/inf a row can
+    see propagates (IEEE), the same on every backend (``"sdpa"`` hands such inputs to
+    the flash path).
         backend: ``"reference"`` (materialized oracle), ``"flash"`` (tiled online
             softmax, skips empty tiles), ``"sdpa"`` (torch SDPA, only where it means
             the same), ``"triton"`` (GPU kernels, :mod:`attnlab.ops.triton`; CUDA tensors,

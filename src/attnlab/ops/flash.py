@@ -15,7 +15,14 @@ Backward recomputes ``P = exp(S − LSE)`` tile by tile from the saved LSE and u
 ``Nq × Nk`` matrix is never held: the working set is one tile.  GQA folds the
 ``G = H / Hkv`` query heads that share a kv head into the rows of one matmul, so
 K/V are never repeated.  A score mod is differentiated tile by tile with autograd,
-so gradients reach its parameters.
+so gradients reach its parameters, declared or captured (:mod:`attnlab.ops.modparams`).
+
+Non-finite inputs (:mod:`attnlab.ops.finite`): a q-block whose result is not finite is
+recomputed *careful* — hidden entries (final score ``-inf``) are exact zeros in every
+product (``zmm``), so a NaN in a key or value the row cannot see has no effect — and so
+is a backward whose gradients are not finite.  The all-finite path pays one check of
+its output per q-block and of its gradients per call.  The fused fast path runs only
+while ``|scale·q·k| <= FUSED_MAX`` (huge scales take the exact path).
 """
 
 from __future__ import annotations
