@@ -27,8 +27,10 @@ _INF = float("inf")
 
 
 def all_finite(*ts: torch.Tensor) -> bool:
-    """True when every tensor holds only finite values (one pass each and a host sync)."""
-    return all(bool(torch.isfinite(t).all()) for t in ts)
+    """True when every tensor holds only finite values (one pass each, one host sync)."""
+    with torch.no_grad():
+        flags = [torch.isfinite(t).all() for t in ts if t.numel()]
+        return not flags or bool(torch.stack(flags).all())
 
 
 def maybe_nonfinite(*ts: torch.Tensor) -> bool:
@@ -36,10 +38,11 @@ def maybe_nonfinite(*ts: torch.Tensor) -> bool:
     accumulator) and one host sync.  A finite tensor whose sum overflows answers True
     (a false alarm only costs the caller its careful path)."""
     tot = None
-    for t in ts:
-        s = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
-        tot = s if tot is None else tot + s.to(tot.dtype)
-    return tot is not None and not bool(torch.isfinite(tot))
+    with torch.no_grad():
+        for t in ts:
+            s = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+            tot = s if tot is None else tot + s.to(tot.dtype)
+        return tot is not None and not bool(torch.isfinite(tot))
 
 
 def zmm(A: torch.Tensor, B: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

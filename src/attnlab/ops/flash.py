@@ -396,9 +396,10 @@ def _fused_ok(q, k, scale) -> bool:
     if q.numel() == 0 or k.numel() == 0:
         return True
     f = torch.float64 if q.dtype == torch.float64 else torch.float32
-    nq = torch.linalg.vector_norm(q, dim=-1, dtype=f).amax()
-    nk = torch.linalg.vector_norm(k, dim=-1, dtype=f).amax()
-    return bool(nq * nk * abs(scale) <= FUSED_MAX)
+    with torch.no_grad():
+        nq = torch.linalg.vector_norm(q, dim=-1, dtype=f).amax()
+        nk = torch.linalg.vector_norm(k, dim=-1, dtype=f).amax()
+        return bool(nq * nk * abs(scale) <= FUSED_MAX)
 
 
 def _pick_block_mask(mask, dtype, B, H, Nq, Nk, D, q_offset, kv_offset, block, device):

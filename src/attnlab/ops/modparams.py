@@ -10,11 +10,13 @@ them all and keeps those the mod's output really depends on:
 
 1. *discover*: walk the mod (recursively, a few levels deep) through those routes and
    collect every tensor with ``requires_grad``;
-2. *probe*: call the mod once on a 1×1 score under autograd and keep the candidates its
-   output depends on; a leaf tensor the walk missed (it appears in the probe's graph)
-   is added; a tensor computed outside the mod and not found by the walk cannot be
-   routed, so the call is refused with a ``ValueError`` that says to pass it with
-   ``scores.custom(fn, params=[...])``.
+2. *probe* (only when the walk found candidates): call the mod once on a 1×1 score
+   under autograd and keep the candidates its output depends on (declared ones always);
+   a leaf tensor the walk missed (it appears in the probe's graph) is added;
+3. *check*: the flash forward runs the mod on its first tile under autograd and refuses,
+   with a ``ValueError`` that says to pass ``scores.custom(fn, params=[...])``, a mod
+   whose graph reaches a tensor requiring grad that is not routed (a non-leaf computed
+   outside the mod that the walk did not find, or a leaf it missed).
 
 Only run when gradients are wanted (``torch.is_grad_enabled()``).
 """
@@ -92,6 +94,18 @@ def _discover(mod) -> list[torch.Tensor]:
     return found
 
 
+def _declared(mod) -> list[torch.Tensor]:
+    """What the mod lists itself (``parameters()`` of an attnlab ScoreMod or an nn.Module):
+    kept whatever the probe shows, as before discovery existed."""
+    f = getattr(mod, "parameters", None)
+    if not callable(f):
+        return []
+    try:
+        return [t for t in f() if isinstance(t, torch.Tensor) and t.requires_grad]
+    except TypeError:
+        return []
+
+
 def _global_names(code) -> set[str]:
     names = set(code.co_names)
     for c in code.co_consts:
@@ -153,6 +167,7 @@ def score_mod_params(score_mod, *, dtype, device, q_offset: int = 0, kv_offset: 
     cands = _discover(score_mod)
     if not cands:
         return []
+    declared = _declared(score_mod)
     x = torch.zeros((1, 1, 1, 1), dtype=dtype, device=device, requires_grad=True)
     z = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=device)
     before = _marker(device)
@@ -164,7 +179,7 @@ def score_mod_params(score_mod, *, dtype, device, q_offset: int = 0, kv_offset: 
     if not isinstance(out, torch.Tensor) or not out.requires_grad or out.grad_fn is None:
         return cands
     used = torch.autograd.grad(out.sum(), cands, allow_unused=True, retain_graph=True)
-    keep = [t for t, g in zip(cands, used) if g is not None]
+    keep = [t for t, g in zip(cands, used) if g is not None or any(t is d for d in declared)]
     new, foreign = _walk(out, keep, x, before)
     if foreign:
         raise _refusal(score_mod)
