@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 _ROOT = Path(__file__).resolve().parents[2]
 if str(_ROOT) not in sys.path:
@@ -251,3 +253,51 @@ def test_split_kv_decoding_over_a_cache_with_unwritten_slots(backend):
     out = split_kv_attention(q, pieces, mask=masks.causal(), q_offset=11, backend=backend)
     want = attnlab.attention(q, k[:, :, :12], v[:, :, :12], q_offset=11, backend="reference")
     assert max_err(out, want) <= FLOOR[torch.float64]
+
+
+# --------------------------------------------------------------------------- property
+_MASKS = {
+    "causal": lambda n: masks.causal(),
+    "sliding_window": lambda n: masks.sliding_window(max(1, n // 3)),
+    "padding": lambda n: masks.padding([max(0, n - 5)]),
+    "document": lambda n: masks.document(torch.arange(n) // 7),
+}
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_property_poisoned_slots_change_nothing_for_the_rows_that_cannot_see_them(data):
+    """Any mask of the family, any lengths, NaN/±inf written into any key and value slots:
+    every row that sees none of them is the clean problem's row; if no row sees them,
+    the gradients are the clean ones too and those slots' gradients are 0."""
+    from tests.helpers import mask_dense
+
+    backend = data.draw(st.sampled_from(["reference", "flash", "auto"]), label="backend")
+    Nk = data.draw(st.integers(2, 40), label="Nk")
+    Nq = data.draw(st.integers(1, Nk), label="Nq")
+    name = data.draw(st.sampled_from(sorted(_MASKS)), label="mask")
+    mask = _MASKS[name](Nk)
+    qo = Nk - Nq
+    seen = mask_dense(mask, B, H, Nq, Nk, qo, 0)  # (B, H, Nq, Nk)
+    hidden_from_all = [j for j in range(Nk) if not seen[..., j].any()]
+    slots = data.draw(st.lists(st.integers(0, Nk - 1), min_size=1, max_size=4, unique=True), label="slots")
+    if hidden_from_all and data.draw(st.booleans(), label="only slots no row sees"):
+        slots = hidden_from_all[: len(slots)]
+    value = data.draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]), label="value")
+    q, k, v = _qkv(data.draw(st.integers(0, 99), label="seed"), Nq=Nq, Nk=Nk)
+    kb, vb = _poison(k, slots, value), _poison(v, slots, value)
+    clean_rows = ~seen[..., slots].any(-1)  # (B, H, Nq): rows that see no poisoned slot
+    w = torch.randn(B, H, Nq, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grad = bool(clean_rows.all())
+    out, g = _run(q.float(), kb.float(), vb.float(), backend, grad=grad, w=w, mask=mask)
+    ref, rg = _run(q.float(), k.float(), v.float(), "reference", grad=grad, w=w, mask=mask)
+    oracle, og = _run(q, k, v, "reference", grad=grad, w=w, mask=mask)
+    rows = clean_rows.unsqueeze(-1).expand_as(out)
+    assert_close_rule(out[rows], ref[rows], oracle[rows], F32, what=f"{backend}/{name}: clean rows")
+    if grad:
+        keep = torch.ones(Nk, dtype=torch.bool)
+        keep[slots] = False
+        for name_, a, r, o in zip(("dq", "dk", "dv"), g, rg, og):
+            sel = (slice(None),) * 2 + ((slice(None),) if name_ == "dq" else (keep,))
+            assert_close_rule(a[sel], r[sel], o[sel], F32, factor=3.0, what=f"{backend}/{name}: {name_}")
+        assert (g[1][:, :, slots] == 0).all() and (g[2][:, :, slots] == 0).all(), "poisoned slots' grads must be 0"
