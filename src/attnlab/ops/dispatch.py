@@ -7,6 +7,7 @@ import numbers
 
 import torch
 
+from attnlab.ops.finite import maybe_nonfinite
 from attnlab.ops.flash import flash_attention
 from attnlab.ops.reference import reference_attention, reference_probs
 from attnlab.ops.sdpa import is_causal_mask, sdpa_attention, sdpa_dense_mask, sdpa_unsupported
@@ -51,6 +52,11 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
         return_lse: also return the log-sum-exp of each row's scaled, modded, masked
             scores.  A row with no visible key gives ``out = 0``, ``lse = -inf`` and zero
             gradients, never NaN.
+
+    Non-finite inputs (:mod:`attnlab.ops.finite`, docs/reliability/numerics.md): a key
+    a row cannot see has no effect on it even when it holds NaN/inf; NaN/inf a row can
+    see propagates (IEEE), the same on every backend (``"sdpa"`` hands such inputs to
+    the flash path).
         backend: ``"reference"`` (materialized oracle), ``"flash"`` (tiled online
             softmax, skips empty tiles), ``"sdpa"`` (torch SDPA, only where it means
             the same), ``"triton"`` (GPU kernels, :mod:`attnlab.ops.triton`; CUDA tensors,
@@ -92,12 +98,17 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
     elif backend == "auto":
         backend = _auto(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=v)
         if backend == "flash" and mask is not None and score_mod is None and not return_lse \
-                and B * H * Nq * Nk <= _DENSE_MASK_MAX and not _wants_grad(q, k, v):
+                and B * H * Nq * Nk <= _DENSE_MASK_MAX and not _wants_grad(q, k, v) \
+                and not maybe_nonfinite(q, k, v):
             out = sdpa_dense_mask(q, k, v, mask, scale=scale, q_offset=q_offset, kv_offset=kv_offset)
             if out is not None:
                 return out
     if Nq == 0 or Nk == 0:
         backend = "flash"  # every backend's answer for empty problems: out 0, lse -inf
+    elif backend == "sdpa" and maybe_nonfinite(q, k, v):
+        # torch SDPA's NaN/inf handling is not attnlab's (a NaN query gives 0 on the CPU, a
+        # hidden NaN value poisons every row): the flash path keeps the contract
+        backend = "flash"
     kw = dict(mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset)
     if backend == "sdpa":
         return sdpa_attention(q, k, v, **kw)

@@ -15,7 +15,14 @@ Backward recomputes ``P = exp(S − LSE)`` tile by tile from the saved LSE and u
 ``Nq × Nk`` matrix is never held: the working set is one tile.  GQA folds the
 ``G = H / Hkv`` query heads that share a kv head into the rows of one matmul, so
 K/V are never repeated.  A score mod is differentiated tile by tile with autograd,
-so gradients reach its parameters.
+so gradients reach its parameters, declared or captured (:mod:`attnlab.ops.modparams`).
+
+Non-finite inputs (:mod:`attnlab.ops.finite`): a q-block whose result is not finite is
+recomputed *careful* — hidden entries (final score ``-inf``) are exact zeros in every
+product (``zmm``), so a NaN in a key or value the row cannot see has no effect — and so
+is a backward whose gradients are not finite.  The all-finite path pays one check of
+its output per q-block and of its gradients per call.  The fused fast path runs only
+while ``|scale·q·k| <= FUSED_MAX`` (huge scales take the exact path).
 """
 
 from __future__ import annotations
@@ -24,12 +31,18 @@ from collections import OrderedDict
 
 import torch
 
+from attnlab.ops.finite import all_finite, zmm
+from attnlab.ops.modparams import check_tile_graph, marker, score_mod_params
 from attnlab.ops.reference import acc_dtype
 from attnlab.ops.tiles import choose_tiles, tile_candidates
 
 _NEG_INF = float("-inf")
 _PICKS_KEPT = 8  # tile choices remembered per mask (one per problem shape)
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x·log2 e), and exp2 is the cheaper kernel
+# The fused ``scale·x − m`` of the fast path rounds once more than ``x·scale − m`` and can
+# land above 0 by about ulp(|m|); past this bound on |scale·q·k| (where ulp(|m|) reaches
+# 2^-4) the exact unfused path runs, so a huge finite ``scale`` cannot overflow exp2.
+FUSED_MAX = float(2**19)
 
 
 def _mm_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -46,6 +59,10 @@ class _Problem:
         self.block_mask, self.score_mod = block_mask, score_mod
         self.scale, self.q_offset, self.kv_offset = scale, q_offset, kv_offset
         self.bq, self.bk = bq, bk
+        self.fused_ok = True  # |scale·q·k| <= FUSED_MAX: the fused fast path is exact enough
+        self.mod_clone = False  # the mod writes into its input: hand it a copy under autograd
+        self.check_graph = None  # the params handed to autograd: the forward's first modded tile checks
+        # under autograd that the mod reads no other tensor requiring grad (it would lose its gradient)
         nqb, nkb = -(-Nq // bq), -(-Nk // bk)
         if block_mask is None:
             self.plan = [[(j, False) for j in range(nkb)] for _ in range(nqb)]
@@ -78,7 +95,7 @@ def _rows(xf, qs, qe, dtype):
 
 
 def _fast(pb, needs_mask) -> bool:
-    return pb.score_mod is None and not needs_mask and pb.scale > 0
+    return pb.score_mod is None and not needs_mask and pb.scale > 0 and getattr(pb, "fused_ok", True)
 
 
 def _exp_shifted_fast(pb, X, shift):
@@ -91,12 +108,15 @@ def _exp_shifted_fast(pb, X, shift):
     return torch.add(shift.neg(), X, alpha=pb.scale, out=X).mul_(LOG2E).exp2_()
 
 
-def _score_tile(pb, S, b, h, qs, qe, ks, ke, needs_mask, acc, B, H, with_grad=False):
+def _score_tile(pb, S, b, h, qs, qe, ks, ke, needs_mask, acc, B, H, with_grad=False, careful=False):
     """The exact score tile ``mask(mod(scale · S))`` as ``(B*Hkv, G*n, m)`` in ``acc``;
     ``S`` is the raw ``Q_i K_jᵀ`` tile, already in ``acc`` and consumed (overwritten).
 
     Returns ``(X, leaf, mod_out)``; with ``with_grad`` the score mod runs under
-    autograd and ``leaf``/``mod_out`` carry its graph.
+    autograd and ``leaf``/``mod_out`` carry its graph (``mod_out`` may not require grad:
+    a mod that ignores its input).  With ``careful`` (non-finite inputs) a masked score
+    that is not finite reaches the mod as 0: its output there is discarded, and its
+    gradients stay finite.
     """
     n, m = qe - qs, ke - ks
     leaf = mod_out = None
@@ -105,12 +125,24 @@ def _score_tile(pb, S, b, h, qs, qe, ks, ke, needs_mask, acc, B, H, with_grad=Fa
     dev = X.device
     qp = (torch.arange(qs, qe, device=dev) + pb.q_offset).view(1, 1, n, 1)
     kp = (torch.arange(ks, ke, device=dev) + pb.kv_offset).view(1, 1, 1, m)
+    mo = None
+    if careful and needs_mask and pb.score_mod is not None:
+        mo = pb.block_mask.masked_out(b, h, qs, qe, ks, ke)
+        X4 = X4.masked_fill(mo & ~torch.isfinite(X4), 0.0)
     if pb.score_mod is not None:
-        if with_grad:
+        check = pb.check_graph is not None and not with_grad
+        if with_grad or check:
             leaf = X4.requires_grad_(True)
+            before = marker(X4.device) if check else None
             with torch.enable_grad():
-                mod_out = pb.score_mod(leaf, b, h, qp, kp)
-            Y = mod_out.detach().clone()  # later in-place ops must not touch the graph's tensors
+                mod_out = _call_mod_under_grad(pb, leaf, b, h, qp, kp)
+            Y = mod_out
+            if isinstance(mod_out, torch.Tensor):
+                Y = mod_out.detach().clone()  # later in-place ops must not touch the graph's tensors
+                if check:
+                    check_tile_graph(pb.score_mod, mod_out, leaf, pb.check_graph, before)
+            if check:
+                pb.check_graph = leaf = mod_out = None
         else:
             Y = pb.score_mod(X4, b, h, qp, kp)
         if not isinstance(Y, torch.Tensor) or Y.shape != (B, H, n, m):
@@ -118,12 +150,28 @@ def _score_tile(pb, S, b, h, qs, qe, ks, ke, needs_mask, acc, B, H, with_grad=Fa
                              f"{(B, H, n, m)}; a score mod must be elementwise")
         X4 = Y.to(acc) if Y.dtype != acc else Y
     if needs_mask:
-        X4 = X4.masked_fill_(pb.block_mask.masked_out(b, h, qs, qe, ks, ke), _NEG_INF)
+        X4 = X4.masked_fill_(pb.block_mask.masked_out(b, h, qs, qe, ks, ke) if mo is None else mo, _NEG_INF)
     return X4.reshape(S.shape), leaf, mod_out
 
 
-def _forward_row(pb, i, qf, kT, vf, outf, lsef, b, h, Nq, Nk, acc, mmd, B, H):
-    """One q-block row of the forward: online softmax over its visited kv-blocks."""
+def _call_mod_under_grad(pb, leaf, b, h, qp, kp):
+    """The mod on a leaf that requires grad; a mod that writes into its input gets a copy
+    (autograd refuses in-place writes to a leaf), remembered for the later tiles."""
+    if not pb.mod_clone:
+        try:
+            return pb.score_mod(leaf, b, h, qp, kp)
+        except RuntimeError as e:
+            if "in-place" not in str(e) and "inplace" not in str(e):
+                raise
+            pb.mod_clone = True
+    return pb.score_mod(leaf.clone(), b, h, qp, kp)
+
+
+def _forward_row(pb, i, qf, kT, vf, outf, lsef, b, h, Nq, Nk, acc, mmd, B, H, careful=False):
+    """One q-block row of the forward: online softmax over its visited kv-blocks.
+
+    A non-finite result (``0·NaN`` from a hidden key's value, or a visible NaN) makes the
+    row run again ``careful``: ``P·V`` skips the hidden entries exactly (:func:`zmm`)."""
     BH, G, _, _ = qf.shape
     Dv = vf.shape[-1]
     row = pb.plan[i]
@@ -142,19 +190,25 @@ def _forward_row(pb, i, qf, kT, vf, outf, lsef, b, h, Nq, Nk, acc, mmd, B, H):
         ks, ke = j * pb.bk, min(Nk, (j + 1) * pb.bk)
         S = torch.bmm(Qi, kT[:, :, ks:ke])
         X = S.to(acc) if S.dtype != acc else S
+        hidden = None
         if _fast(pb, needs_mask):
             m_new = torch.maximum(m, X.amax(-1, keepdim=True).mul_(pb.scale))
             m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
             P = _exp_shifted_fast(pb, X, m_safe)
         else:
-            X, _, _ = _score_tile(pb, X, b, h, qs, qe, ks, ke, needs_mask, acc, B, H)
+            X, _, _ = _score_tile(pb, X, b, h, qs, qe, ks, ke, needs_mask, acc, B, H, careful=careful)
+            if careful:
+                hidden = X == _NEG_INF
             m_new = torch.maximum(m, X.amax(-1, keepdim=True))
             m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
             P = X.sub_(m_safe).mul_(LOG2E).exp2_()
         alpha = torch.exp(m - m_safe)
         l.mul_(alpha).add_(P.sum(-1, keepdim=True))
-        o.mul_(alpha).add_(torch.bmm(P.to(mmd), vf[:, ks:ke]))
+        Vj = vf[:, ks:ke]
+        o.mul_(alpha).add_(torch.bmm(P.to(mmd), Vj) if hidden is None else zmm(P.to(mmd), Vj, hidden).to(acc))
         m = m_new
+    if not careful and not bool(torch.isfinite(o).all()):
+        return _forward_row(pb, i, qf, kT, vf, outf, lsef, b, h, Nq, Nk, acc, mmd, B, H, careful=True)
     empty = l == 0
     l_safe = l.masked_fill(empty, 1.0)
     outf[:, :, qs:qe] = (o / l_safe).view(BH, G, n, Dv).to(outf.dtype)
@@ -179,7 +233,9 @@ def _forward(pb: _Problem, q, k, v):
     return out, lse
 
 
-def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params):
+def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params, careful=False):
+    """The tiled backward; a non-finite gradient makes it run again ``careful``: hidden
+    entries of P and dS are exact zeros in every product (:func:`zmm`)."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
@@ -213,28 +269,52 @@ def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params):
             ks, ke = j * pb.bk, min(Nk, (j + 1) * pb.bk)
             S = torch.bmm(Qi, kT[:, :, ks:ke])
             X = S.to(acc) if S.dtype != acc else S
-            leaf = None
+            leaf = hidden = None
             if _fast(pb, needs_mask):
                 P = _exp_shifted_fast(pb, X, L_safe)
             else:
                 X, leaf, mod_out = _score_tile(pb, X, b, h, qs, qe, ks, ke, needs_mask, acc, B, H,
-                                               with_grad=pb.score_mod is not None)
+                                               with_grad=pb.score_mod is not None, careful=careful)
+                if careful:
+                    hidden = X == _NEG_INF
                 P = X.sub_(L_safe).mul_(LOG2E).exp2_()
-            dv[:, ks:ke] += torch.bmm(P.to(mmd).transpose(1, 2), dOi)
+            if hidden is None:
+                dv[:, ks:ke] += torch.bmm(P.to(mmd).transpose(1, 2), dOi)
+            else:
+                dv[:, ks:ke] += zmm(P.to(mmd).transpose(1, 2), dOi, hidden.transpose(1, 2))
             dP = torch.bmm(dOi, vT[:, :, ks:ke])
             dS = P.mul_(dP.to(acc).sub_(Di))  # P is dead after this: reuse its storage
+            if hidden is not None:
+                dS.masked_fill_(hidden, 0.0)
             if leaf is not None:
-                grads = torch.autograd.grad(mod_out, [leaf, *params], dS.view(mod_out.shape), allow_unused=True)
-                dS = grads[0].reshape(P.shape)
-                for t, g in zip(dparams, grads[1:]):
-                    if g is not None:
-                        t += g
+                dS = _mod_backward(mod_out, leaf, params, dparams, dS)
+                if hidden is not None:
+                    dS.masked_fill_(hidden, 0.0)
             dSm = dS.mul_(pb.scale).to(mmd)
-            dQi += torch.bmm(dSm, kf[:, ks:ke])
-            dk[:, ks:ke] += torch.bmm(dSm.transpose(1, 2), Qi)
+            if hidden is None:
+                dQi += torch.bmm(dSm, kf[:, ks:ke])
+                dk[:, ks:ke] += torch.bmm(dSm.transpose(1, 2), Qi)
+            else:
+                dQi += zmm(dSm, kf[:, ks:ke], hidden)
+                dk[:, ks:ke] += zmm(dSm.transpose(1, 2), Qi, hidden.transpose(1, 2))
         dq[:, :, qs:qe] = dQi.view(BH, G, n, D)
+    if not careful and not all_finite(dq, dk, dv, *dparams):
+        return _backward(pb, q, k, v, out, lse, dout, dlse, params, careful=True)
     return (dq.view(B, H, Nq, D).to(q.dtype), dk.view(B, Hkv, Nk, D).to(k.dtype),
             dv.view(B, Hkv, Nk, Dv).to(v.dtype), dparams)
+
+
+def _mod_backward(mod_out, leaf, params, dparams, dS):
+    """dL/d(scaled score) from dL/d(modded score) ``dS`` through the tile's mod graph;
+    the params' gradients are added to ``dparams``.  A mod whose output does not depend
+    on its input (or on anything requiring grad) passes no gradient: zeros."""
+    if not mod_out.requires_grad:
+        return torch.zeros_like(dS)
+    grads = torch.autograd.grad(mod_out, [leaf, *params], dS.view(mod_out.shape), allow_unused=True)
+    for t, g in zip(dparams, grads[1:]):
+        if g is not None:
+            t += g
+    return torch.zeros_like(dS) if grads[0] is None else grads[0].reshape(dS.shape)
 
 
 def tiled_function(fwd, bwd, name: str) -> type:
@@ -264,6 +344,7 @@ def tiled_function(fwd, bwd, name: str) -> type:
 
 
 _FlashFn = tiled_function(_forward, _backward, "_FlashFn")
+flash_forward, flash_backward = _forward, _backward  # the kernel pair, for backends that fall back on it
 
 
 def flash_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, block=None):
@@ -273,6 +354,15 @@ def flash_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_o
     overrides the measured tile sizes ``(block_q, block_k)`` (a BlockMask's own
     sizes win).
     """
+    pb, params = make_problem(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
+                              kv_offset=kv_offset, block=block)
+    return _FlashFn.apply(pb, q, k, v, *params)
+
+
+def make_problem(q, k, *, mask, score_mod, scale, q_offset, kv_offset, block=None, params=None):
+    """The flash kernel's plan and the score mod's tensors requiring grad (``params``
+    given: used as they are).  Other kernels fall back on it (the Triton backend, for
+    non-finite inputs)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     if mask is not None and hasattr(mask, "plan"):
@@ -284,13 +374,32 @@ def flash_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_o
     else:
         block_mask = None
         block = block or choose_tiles(q.dtype, D, B * H, q.device)
-    params = []
-    if score_mod is not None and hasattr(score_mod, "parameters"):
-        for p in score_mod.parameters():  # a tensor listed twice must get its gradient once
-            if not any(p is x for x in params):
-                params.append(p)
+    if params is not None:
+        pass
+    elif score_mod is not None and torch.is_grad_enabled():
+        # declared (mod.parameters()) or captured (closure, bound self, module, partial):
+        # every tensor requiring grad that the mod reads must be an input of the Function
+        params = score_mod_params(score_mod, dtype=acc_dtype(q.dtype), device=q.device, q_offset=q_offset,
+                                  kv_offset=kv_offset)
+    else:
+        params = []
     pb = _Problem(block_mask, score_mod, scale, q_offset, kv_offset, Nq, Nk, *block)
-    return _FlashFn.apply(pb, q, k, v, *params)
+    pb.fused_ok = _fused_ok(q, k, scale)
+    if score_mod is not None and torch.is_grad_enabled():
+        pb.check_graph = params
+    return pb, params
+
+
+def _fused_ok(q, k, scale) -> bool:
+    """``|scale·q·k| <= FUSED_MAX`` for every pair (Cauchy-Schwarz on the row norms); one
+    pass over q and k.  False for non-finite q/k, which then take the exact path too."""
+    if q.numel() == 0 or k.numel() == 0:
+        return True
+    f = torch.float64 if q.dtype == torch.float64 else torch.float32
+    with torch.no_grad():
+        nq = torch.linalg.vector_norm(q, dim=-1, dtype=f).amax()
+        nk = torch.linalg.vector_norm(k, dim=-1, dtype=f).amax()
+        return bool(nq * nk * abs(scale) <= FUSED_MAX)
 
 
 def _pick_block_mask(mask, dtype, B, H, Nq, Nk, D, q_offset, kv_offset, block, device):

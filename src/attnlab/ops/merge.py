@@ -13,8 +13,12 @@ def merge_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
     ``outs[i]``: ``(..., N, Dv)``; ``lses[i]``: ``(..., N)``, natural-log LSE.  With
     ``M = max_i L_i`` (per row): ``L = M + log Σ exp(L_i − M)`` and
     ``O = Σ exp(L_i − L)·O_i``, computed in float32 (float64 for float64 inputs).
-    Parts with ``L_i = -inf`` (no visible key) contribute nothing; if every part is
-    empty the row gives ``O = 0`` and ``L = -inf``.  Differentiable.
+    Parts with ``L_i = -inf`` (no visible key) contribute nothing, even where their
+    output holds NaN/inf; if every part is empty the row gives ``O = 0`` and ``L = -inf``.
+    Parts with ``L_i = +inf`` dominate (the limit of the formula): the row gives
+    ``L = +inf`` and ``O`` = the mean of those parts' outputs.  A NaN ``L_i`` gives NaN
+    (out and LSE), as does NaN in the output of a part that carries weight.
+    Differentiable.
 
     >>> import torch, attnlab
     >>> q, k, v = torch.randn(1, 1, 3, 8), torch.randn(1, 1, 10, 8), torch.randn(1, 1, 10, 8)
@@ -41,12 +45,18 @@ def merge_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
     acc = torch.float64 if outs[0].dtype == torch.float64 or lses[0].dtype == torch.float64 else torch.float32
     L = torch.stack([l.to(acc) for l in lses])  # (P, ..., N)
     M = L.amax(0)
-    M_safe = torch.where(M == float("-inf"), torch.zeros_like(M), M)
-    w = torch.exp(L - M_safe)
+    inf_row = M == float("inf")  # some part has LSE +inf: those parts dominate, averaged
+    M_safe = torch.where((M == float("-inf")) | inf_row, torch.zeros_like(M), M)
+    w = torch.where(inf_row, (L == float("inf")).to(acc), torch.exp(L - M_safe))
     s = w.sum(0)
     empty = s == 0
     s_safe = torch.where(empty, torch.ones_like(s), s)
     lse = torch.where(empty, torch.full_like(s, float("-inf")), M_safe + torch.log(s_safe))
+    lse = torch.where(inf_row, torch.full_like(lse, float("inf")), lse)
     wn = w / s_safe
-    out = sum(wn[i].unsqueeze(-1) * outs[i].to(acc) for i in range(len(outs)))
+    # a part with no visible key (LSE -inf) or outweighed by +inf parts contributes nothing,
+    # whatever its output holds: where(), not 0·out (0·NaN would be NaN, forward and backward)
+    zero = torch.zeros((), dtype=acc, device=L.device)
+    out = sum(wn[i].unsqueeze(-1) * torch.where(w[i].unsqueeze(-1) == 0, zero, outs[i].to(acc))
+              for i in range(len(outs)))
     return out.to(outs[0].dtype), lse

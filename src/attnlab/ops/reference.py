@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from attnlab.ops.finite import all_finite, hidden_matmul, hidden_scores
+
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulator dtype: float64 stays float64, everything else accumulates in float32."""
@@ -27,25 +29,35 @@ def index_grids(B, H, Nq, Nk, q_offset, kv_offset, device):
     return b, h, qp, kp
 
 
-def reference_probs(q, k, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0):
+def reference_probs(q, k, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, holder=None):
     """The attention probabilities ``(B, H, Nq, Nk)`` in float32 (float64 for float64)
-    and the LSE ``(B, H, Nq)``; inputs already validated.  Fully masked rows are 0."""
+    and the LSE ``(B, H, Nq)``; inputs already validated.  Fully masked rows are 0.
+
+    With ``holder`` (a dict; the path for non-finite inputs, see :mod:`attnlab.ops.finite`)
+    the scores' backward skips hidden pairs, a masked score that is not finite reaches the
+    score mod as 0 (its output there is discarded anyway), and ``holder["hidden"]`` is set
+    to the bool ``(B, H, Nq, Nk)`` map of final scores equal to ``-inf``."""
     B, H, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = H // Hkv
     acc = acc_dtype(q.dtype)
     kr = k.repeat_interleave(G, dim=1) if G > 1 else k
-    s = torch.matmul(q, kr.transpose(-1, -2)).to(acc) * scale
+    raw = torch.matmul(q, kr.transpose(-1, -2)) if holder is None else hidden_scores(q, kr, holder)
+    s = raw.to(acc) * scale
     b, h, qp, kp = index_grids(B, H, Nq, Nk, q_offset, kv_offset, q.device)
+    allowed = None if mask is None else torch.as_tensor(mask(b, h, qp, kp), device=q.device)
     if score_mod is not None:
         shape = s.shape
+        if holder is not None and allowed is not None:
+            s = torch.where(~allowed & ~torch.isfinite(s), torch.zeros_like(s), s)
         s = score_mod(s, b, h, qp, kp)
         if not isinstance(s, torch.Tensor) or s.shape != shape:
             raise ValueError(f"score_mod: returned {tuple(getattr(s, 'shape', ()))} for a score matrix of shape "
                              f"{tuple(shape)}; a score mod must be elementwise")
-    if mask is not None:
-        allowed = torch.as_tensor(mask(b, h, qp, kp), device=q.device)
+    if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
+    if holder is not None:
+        holder["hidden"] = (s == float("-inf")).detach()
     m = s.amax(-1, keepdim=True) if Nk else s.new_full((*s.shape[:-1], 1), float("-inf"))
     m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
     e = torch.exp(s - m_safe)
@@ -62,9 +74,15 @@ def reference_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, 
 
     ``mask`` is an attnlab Mask (or None); ``score_mod`` a callable (or None).
     Fully masked rows give ``out = 0`` and ``lse = -inf`` with zero, finite gradients.
+    Keys a row cannot see have no effect on it even when they hold NaN/inf; NaN/inf a
+    row can see propagates (:mod:`attnlab.ops.finite`).  That path runs only when q, k
+    or v holds a non-finite value (one check of the inputs per call).
     """
     G = q.shape[1] // k.shape[1]
+    holder = None if all_finite(q, k, v) else {}
     p, lse = reference_probs(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
-                             kv_offset=kv_offset)
+                             kv_offset=kv_offset, holder=holder)
     vr = v.repeat_interleave(G, dim=1) if G > 1 else v
-    return torch.matmul(p.to(v.dtype), vr), lse
+    if holder is None:
+        return torch.matmul(p.to(v.dtype), vr), lse
+    return hidden_matmul(p.to(v.dtype), vr, holder["hidden"]), lse

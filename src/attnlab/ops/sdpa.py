@@ -6,6 +6,9 @@ SDPA's ``is_causal`` is top-left aligned (row ``i`` sees columns ``<= i``); attn
 cache (``q_offset > kv_offset``, every row sees a key) goes to SDPA with an explicit
 boolean mask when ``Nq·Nk`` is small (``_DENSE_CAUSAL_MAX``).  SDPA returns no LSE and
 takes no score mod.  :func:`sdpa_unsupported` says why a request does not map.
+SDPA's handling of NaN/inf is not attnlab's (on the CPU a NaN query row can come back as
+zeros; a NaN in a hidden value poisons every row), so :func:`attnlab.attention` checks
+for non-finite inputs first and hands those requests to the flash path.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from attnlab.ops.flash import tiled_function
+from attnlab.ops.finite import all_finite
+from attnlab.ops.flash import flash_backward, flash_forward, make_problem, tiled_function
 from attnlab.ops.triton import config
 from attnlab.ops.triton.backward import attn_bwd_delta, attn_bwd_dkdv, attn_bwd_dq
 from attnlab.ops.triton.forward import attn_fwd
@@ -73,6 +74,14 @@ class _Problem:
         self.dummy_i = torch.zeros(1, dtype=torch.int32, device=q.device)
         self.dummy_f = torch.zeros(1, dtype=torch.float32, device=q.device)
         self.mod_kw = self._mod_args()
+        self.score_mod, self._flash = None, None  # the mod itself, for the flash fallback
+
+    def flash(self, q, k):
+        """The flash kernel's plan for this problem: the fallback for non-finite inputs."""
+        if self._flash is None:
+            self._flash, _ = make_problem(q, k, mask=self.mask, score_mod=self.score_mod, scale=self.scale,
+                                          q_offset=self.q_offset, kv_offset=self.kv_offset, params=[])
+        return self._flash
 
     def plan(self, kernel):
         if self.mask is None:
@@ -138,6 +147,10 @@ def _forward(pb: _Problem, q, k, v):
     BM, BN, kw = pb.common("fwd", "kv")
     _launch("fwd", (_cdiv(Nq, BM), B * H), Q=q, K=k, V=v, O=out, LSE=lse,
             **_strides("sq", q), **_strides("sk", k), **_strides("sv", v), **_strides("so", out), **kw)
+    if not bool(torch.isfinite(out).all()):
+        # 0·NaN in P·V from a hidden key's value (or a visible NaN): the flash kernel's careful
+        # path skips hidden entries exactly (attnlab.ops.finite); one check per call otherwise
+        return flash_forward(pb.flash(q, k), q, k, v)
     return out, lse
 
 
@@ -188,6 +201,8 @@ def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params):
         else:
             g = torch.zeros_like(p)
         dparams.append(g.to(device=p.device, dtype=p.dtype))
+    if not all_finite(dq, dk, dv, *dparams):
+        return flash_backward(pb.flash(q, k), q, k, v, out, lse, dout, dlse, params)
     return dq, dk, dv, dparams
 
 
@@ -213,4 +228,5 @@ def triton_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_
                                kv_offset=kv_offset)
     mod = lower_score_mod(score_mod)
     pb = _Problem(q, k, v, mask, mod, scale, q_offset, kv_offset, block)
+    pb.score_mod = score_mod
     return _TritonAttention.apply(pb, q, k, v, *mod.params)
