@@ -186,3 +186,18 @@ def test_device_and_kept_bytes():
     # resid_post of l IS resid_pre of l + 1 (one tensor, kept once): 1 + 2·L distinct (1, 5, D) float32 tensors
     assert cache["resid_post", 0].data_ptr() == cache["resid_pre", 1].data_ptr()
     assert cache.nbytes() == (1 + 2 * L) * 5 * D * 4
+
+
+def test_the_cache_holds_what_a_hook_in_the_same_pass_edited():
+    model = _decoder()
+    ids = torch.randint(0, V, (1, 6))
+    uni = torch.ones(6, 6).tril()
+    uni = uni / uni.sum(-1, keepdim=True)
+    _, cache = run_with_cache(model, ids, fwd_hooks=[("blocks.1.attn.hook_pattern", lambda p, h: uni.expand_as(p).clone()),
+                                                    ("blocks.0.attn.hook_z", lambda z, h: z * 0)])
+    torch.testing.assert_close(cache["pattern", 1], uni.expand(1, H, 6, 6))
+    torch.testing.assert_close(cache.pattern(1, heads=[-1]), uni.expand(1, 1, 6, 6))
+    assert not torch.allclose(cache["pattern", 0], uni.expand(1, H, 6, 6))  # layer 0 untouched (lazy)
+    assert float(cache["z", 0].abs().max()) == 0.0
+    torch.testing.assert_close(cache["result", 0], torch.zeros(1, 6, H, D))
+    torch.testing.assert_close(cache["attn_out", 0], model.blocks[0].attn.b_O.detach().expand(1, 6, D))

@@ -40,7 +40,7 @@ from contextlib import ExitStack
 
 import torch
 
-from attnlab.interp.hooks import hook_points, hooks, model_outputs
+from attnlab.interp.hooks import select_points, hook_points, hooks, model_outputs
 from attnlab.interp.spec import model_spec
 
 __all__ = ["ActivationCache", "run_with_cache", "get_act_name"]
@@ -167,11 +167,19 @@ class ActivationCache:
         if isinstance(layer, bool) or not isinstance(layer, int) or not -L <= layer < L:
             raise ValueError(f"layer: expected an int in [-{L}, {L}), got {layer!r}")
         layer %= L
+        name = f"blocks.{layer}.attn.hook_pattern"
+        if name in self._store:  # formed already (read, or edited by a hook in the pass)
+            p = self._store[name]
+            if heads is None:
+                return p
+            idx = torch.as_tensor(heads, dtype=torch.long).reshape(-1)
+            H = p.shape[1]
+            if idx.numel() and (int(idx.min()) < -H or int(idx.max()) >= H):
+                raise ValueError(f"heads: expected query-head indices in [-{H}, {H}), got {idx.tolist()}")
+            return p[:, idx % H]
         if layer not in self._calls:
             raise KeyError(f"layer {layer}: its pattern was not cached (names_filter excluded "
                            f"blocks.{layer}.attn.hook_pattern, or the layer has no softmax attention)")
-        if heads is None and f"blocks.{layer}.attn.hook_pattern" in self._store:
-            return self._store[f"blocks.{layer}.attn.hook_pattern"]
         return self._calls[layer].pattern(heads)
 
     def nbytes(self) -> int:
@@ -383,8 +391,12 @@ def run_with_cache(model, tokens, *, names_filter=None, fwd_hooks=(), device=Non
             store[name] = x.detach() if device is None else x.detach().to(device)
         return fn
 
-    eager = [n for n in names if not points[n].lazy]
-    lazy_names = [n for n in names if points[n].lazy]
+    touched = set()  # points the caller's hooks run on: a lazy one is then formed in the pass, kept as edited
+    for i, item in enumerate(fwd_hooks):
+        if isinstance(item, (tuple, list)) and len(item) == 2:
+            touched.update(select_points(points, item[0], f"fwd_hooks[{i}]"))
+    eager = [n for n in names if not points[n].lazy or n in touched]
+    lazy_names = [n for n in names if points[n].lazy and n not in touched]
     pattern_layers = sorted({int(n.split(".")[1]) for n in lazy_names if not n.endswith("hook_result")})
     result_layers = sorted({int(n.split(".")[1]) for n in lazy_names if n.endswith("hook_result")})
     extra = []
