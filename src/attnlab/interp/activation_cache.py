@@ -297,6 +297,48 @@ class ActivationCache:
             out = self.apply_ln_to_stack(out, layer, pos_slice=pos_slice)
         return (out, labels) if return_labels else out
 
+    def get_full_resid_decomposition(self, layer=None, mlp_input: bool = False, apply_ln: bool = False,
+                                     pos_slice=None, return_labels: bool = False):
+        """The stream entering ``layer`` as every head's result (``L{l}H{h}``), each MLP's output, ``embed``,
+        ``pos_embed`` and ``bias`` (the attention output biases): ``[components, B, N, d_model]``, summing to
+        resid_pre of ``layer`` (resid_mid with ``mlp_input``, whose heads of ``layer`` are then included).
+        TransformerLens' method without ``expand_neurons``."""
+        self._additive("get_full_resid_decomposition")
+        layer = self._resid_position(layer)
+        if mlp_input and layer == self.spec.n_layers:
+            raise ValueError("mlp_input: the final residual stream enters no MLP; give a layer < n_layers")
+        upto = layer + 1 if mlp_input else layer
+        comps, labels = [], []
+        if upto:
+            heads, labels = self.stack_head_results(upto, pos_slice=pos_slice, return_labels=True)
+            comps.append(heads)
+        if self.spec.has_mlp and layer:
+            mlp, mlp_labels = self.decompose_resid(layer, mode="mlp", incl_embeds=False, pos_slice=pos_slice,
+                                                   return_labels=True)
+            comps.append(mlp)
+            labels += mlp_labels
+        emb = [("embed", "hook_embed")] + ([("pos_embed", "hook_pos_embed")] if self.spec.has_pos_embed else [])
+        for label, name in emb:
+            comps.append(_positions_apply(self[name], pos_slice, -2)[None])
+            labels.append(label)
+        shape = torch.broadcast_shapes(*(c.shape[1:] for c in comps))
+        bias = torch.zeros(shape[-1], dtype=comps[0].dtype, device=comps[0].device)
+        for l in range(upto):
+            b = self.spec.b_O(l)
+            if b is not None:
+                bias = bias + b.detach().to(bias)
+        comps.append(bias.expand(1, *shape))
+        labels.append("bias")
+        out = torch.cat([c.expand(c.shape[0], *shape) for c in comps])
+        if apply_ln:
+            out = self.apply_ln_to_stack(out, layer, mlp_input=mlp_input, pos_slice=pos_slice)
+        return (out, labels) if return_labels else out
+
+    def stack_activation(self, name: str, layer=-1, sublayer_type: str | None = None) -> torch.Tensor:
+        """``cache[name, l]`` of the layers before ``layer`` (-1 / None: all), stacked: ``[layers, ...]``."""
+        layer = self._resid_position(layer)
+        return torch.stack([self[name, l, sublayer_type] if sublayer_type else self[name, l] for l in range(layer)])
+
     def apply_ln_to_stack(self, residual_stack: torch.Tensor, layer=None, mlp_input: bool = False, pos_slice=None,
                           batch_slice=None, has_batch_dim: bool = True) -> torch.Tensor:
         """``residual_stack [..., B, N, d_model]`` through the norm that reads the stream at ``layer``
