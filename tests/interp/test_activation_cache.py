@@ -176,6 +176,8 @@ def test_transformers_gpt2_decompose_and_logit_attrs():
     torch.testing.assert_close(cache.logit_attrs(parts, tok).sum(0), want.detach(), atol=ATOL, rtol=0)
     heads = cache.stack_head_results(incl_remainder=True)
     torch.testing.assert_close(heads.sum(0), cache["resid_post", -1], atol=ATOL, rtol=0)
+    full = cache.get_full_resid_decomposition()  # heads through c_proj, biases of c_proj, MLPs, embeddings
+    torch.testing.assert_close(full.sum(0), cache["resid_post", -1], atol=ATOL, rtol=0)
 
 
 def test_device_and_kept_bytes():
@@ -186,3 +188,38 @@ def test_device_and_kept_bytes():
     # resid_post of l IS resid_pre of l + 1 (one tensor, kept once): 1 + 2·L distinct (1, 5, D) float32 tensors
     assert cache["resid_post", 0].data_ptr() == cache["resid_pre", 1].data_ptr()
     assert cache.nbytes() == (1 + 2 * L) * 5 * D * 4
+
+
+def test_the_cache_holds_what_a_hook_in_the_same_pass_edited():
+    model = _decoder()
+    ids = torch.randint(0, V, (1, 6))
+    uni = torch.ones(6, 6).tril()
+    uni = uni / uni.sum(-1, keepdim=True)
+    _, cache = run_with_cache(model, ids, fwd_hooks=[("blocks.1.attn.hook_pattern", lambda p, h: uni.expand_as(p).clone()),
+                                                    ("blocks.0.attn.hook_z", lambda z, h: z * 0)])
+    torch.testing.assert_close(cache["pattern", 1], uni.expand(1, H, 6, 6))
+    torch.testing.assert_close(cache.pattern(1, heads=[-1]), uni.expand(1, 1, 6, 6))
+    assert not torch.allclose(cache["pattern", 0], uni.expand(1, H, 6, 6))  # layer 0 untouched (lazy)
+    assert float(cache["z", 0].abs().max()) == 0.0
+    torch.testing.assert_close(cache["result", 0], torch.zeros(1, 6, H, D))
+    torch.testing.assert_close(cache["attn_out", 0], model.blocks[0].attn.b_O.detach().expand(1, 6, D))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_full_resid_decomposition_and_stack_activation(kind):
+    model = _decoder(kind)
+    ids = torch.randint(0, V, (2, 6))
+    logits, cache = run_with_cache(model, ids)
+    parts, labels = cache.get_full_resid_decomposition(return_labels=True)
+    assert labels[:2] == ["L0H0", "L0H1"] and labels[-1] == "bias" and f"{L - 1}_mlp_out" in labels
+    assert parts.shape == (L * H + L + (2 if kind == "gpt2" else 1) + 1, 2, 6, D)
+    torch.testing.assert_close(parts.sum(0), cache["resid_post", -1], atol=ATOL, rtol=0)
+    mid = cache.get_full_resid_decomposition(1, mlp_input=True)
+    torch.testing.assert_close(mid.sum(0), cache["resid_mid", 1], atol=ATOL, rtol=0)
+    # per-head direct logit attribution sums to the logit (minus ln_final's bias term), as decompose_resid's
+    tok = torch.randint(0, V, (2, 6))
+    torch.testing.assert_close(cache.logit_attrs(parts, tok).sum(0), cache.logit_attrs(cache.decompose_resid(), tok).sum(0),
+                               atol=ATOL, rtol=0)
+    st = cache.stack_activation("pattern")
+    assert st.shape == (L, 2, H, 6, 6) and torch.equal(st[1], cache["pattern", 1])
+    assert cache.stack_activation("scale", 2, "ln1").shape == (2, 2, 6, 1)

@@ -433,3 +433,29 @@ def test_transformers_scale_edit_recomputes_the_norm_and_the_cache_sees_it(kind)
                                atol=ATOL, rtol=0)
     assert not torch.allclose(cache["logits"], base["logits"])
     _no_torch_hooks(model)
+
+
+def test_transformers_fast_path_stays_on_and_patterns_are_lazy(monkeypatch):
+    model = _hf("gpt2")
+    ids = torch.randint(4, V, (1, 6))
+
+    def forbidden(*a, **k):
+        raise AssertionError("a pattern was materialised")
+    monkeypatch.setattr(attn_mod, "attention_probs", forbidden)
+    _, cache = run_with_cache(model, ids)  # every name, patterns included: kept lazily
+    with pytest.raises(AssertionError, match="materialised"):
+        cache["pattern", 0]
+
+
+def test_bert_padding_mask_reaches_the_patterns():
+    model = _hf("bert")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 0, 0]])
+    keep = (ids != 0).long()
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        ref = model(ids, attention_mask=keep, output_attentions=True)
+    out, cache = run_with_cache(model, ids, attention_mask=keep)
+    torch.testing.assert_close(out, ref.last_hidden_state, atol=ATOL, rtol=0)
+    for l in range(2):
+        torch.testing.assert_close(cache["pattern", l], ref.attentions[l], atol=1e-6, rtol=0)
+    assert float(cache["pattern", 0][1, :, :, 4:].abs().max()) == 0.0  # padded keys get no weight

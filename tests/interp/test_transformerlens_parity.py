@@ -10,7 +10,7 @@ import torch
 tl_bridge = pytest.importorskip("transformer_lens.model_bridge", reason="needs the interp-parity extra")
 transformers = pytest.importorskip("transformers")
 
-from attnlab.interp import hook_names, run_with_cache  # noqa: E402
+from attnlab.interp import hook_names, run_with_cache, run_with_hooks  # noqa: E402
 
 # float32 on both sides; the two run different kernels (TL forces eager attention, attnlab runs its
 # own op), so they agree to rounding: the bound.
@@ -93,3 +93,27 @@ def test_every_shared_hook_name_holds_the_same_activation(kind, tmp_path, offlin
     if kind == "llama":
         assert {"blocks.0.attn.hook_rot_q", "blocks.0.attn.hook_rot_k", "blocks.0.mlp.hook_pre_linear"} <= set(shared)
         assert "hook_pos_embed" not in names and cache["k", 0].shape == (2, 7, 2, 8)
+    # the same edits give the same logits in both: a head's z zeroed, a position of the stream replaced,
+    # the pattern of a layer made uniform
+    N = ids.shape[1]
+    uniform = torch.ones(N, N).tril()
+    uniform = uniform / uniform.sum(-1, keepdim=True)
+    edits = [("blocks.0.attn.hook_z", lambda z, hook: z.index_fill(2, torch.tensor([1]), 0.0)),
+             ("blocks.1.hook_resid_pre", lambda x, hook: x.index_fill(1, torch.tensor([3]), 0.5)),
+             ("blocks.0.hook_mlp_out", lambda x, hook: x * 2),
+             ("blocks.1.attn.hook_pattern", lambda p, hook: uniform.expand_as(p).to(p.dtype).clone())]
+    for edit in edits:
+        want = bridge.run_with_hooks(ids, fwd_hooks=[edit])
+        got = run_with_hooks(ours, ids, fwd_hooks=[edit])
+        assert not torch.allclose(got, hf_logits, atol=1e-4), edit[0]  # the edit does something
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=edit[0])
+    # where they differ: a replaced resid_mid reaches only ln2's input in TL 4.3.0's bridge (its hook sits on
+    # ln2's input), while here it is the stream (ln2's input and the residual branch), as HookedTransformer had
+    edit = ("blocks.1.hook_resid_mid", lambda x, hook: x.index_fill(1, torch.tensor([3]), 0.5))
+    ln2 = ours.transformer.h[1].ln_2 if kind == "gpt2" else ours.model.layers[1].post_attention_layernorm
+    h = ln2.register_forward_pre_hook(lambda mod, args: (args[0].index_fill(1, torch.tensor([3]), 0.5),))
+    with torch.no_grad():
+        ln2_only = ours(ids).logits
+    h.remove()
+    torch.testing.assert_close(bridge.run_with_hooks(ids, fwd_hooks=[edit]), ln2_only, atol=ATOL, rtol=0)
+    assert not torch.allclose(run_with_hooks(ours, ids, fwd_hooks=[edit]), ln2_only, atol=1e-3)

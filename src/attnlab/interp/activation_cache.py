@@ -40,7 +40,7 @@ from contextlib import ExitStack
 
 import torch
 
-from attnlab.interp.hooks import hook_points, hooks, model_outputs
+from attnlab.interp.hooks import select_points, hook_points, hooks, model_outputs
 from attnlab.interp.spec import model_spec
 
 __all__ = ["ActivationCache", "run_with_cache", "get_act_name"]
@@ -167,11 +167,19 @@ class ActivationCache:
         if isinstance(layer, bool) or not isinstance(layer, int) or not -L <= layer < L:
             raise ValueError(f"layer: expected an int in [-{L}, {L}), got {layer!r}")
         layer %= L
+        name = f"blocks.{layer}.attn.hook_pattern"
+        if name in self._store:  # formed already (read, or edited by a hook in the pass)
+            p = self._store[name]
+            if heads is None:
+                return p
+            idx = torch.as_tensor(heads, dtype=torch.long).reshape(-1)
+            H = p.shape[1]
+            if idx.numel() and (int(idx.min()) < -H or int(idx.max()) >= H):
+                raise ValueError(f"heads: expected query-head indices in [-{H}, {H}), got {idx.tolist()}")
+            return p[:, idx % H]
         if layer not in self._calls:
             raise KeyError(f"layer {layer}: its pattern was not cached (names_filter excluded "
                            f"blocks.{layer}.attn.hook_pattern, or the layer has no softmax attention)")
-        if heads is None and f"blocks.{layer}.attn.hook_pattern" in self._store:
-            return self._store[f"blocks.{layer}.attn.hook_pattern"]
         return self._calls[layer].pattern(heads)
 
     def nbytes(self) -> int:
@@ -289,6 +297,48 @@ class ActivationCache:
             out = self.apply_ln_to_stack(out, layer, pos_slice=pos_slice)
         return (out, labels) if return_labels else out
 
+    def get_full_resid_decomposition(self, layer=None, mlp_input: bool = False, apply_ln: bool = False,
+                                     pos_slice=None, return_labels: bool = False):
+        """The stream entering ``layer`` as every head's result (``L{l}H{h}``), each MLP's output, ``embed``,
+        ``pos_embed`` and ``bias`` (the attention output biases): ``[components, B, N, d_model]``, summing to
+        resid_pre of ``layer`` (resid_mid with ``mlp_input``, whose heads of ``layer`` are then included).
+        TransformerLens' method without ``expand_neurons``."""
+        self._additive("get_full_resid_decomposition")
+        layer = self._resid_position(layer)
+        if mlp_input and layer == self.spec.n_layers:
+            raise ValueError("mlp_input: the final residual stream enters no MLP; give a layer < n_layers")
+        upto = layer + 1 if mlp_input else layer
+        comps, labels = [], []
+        if upto:
+            heads, labels = self.stack_head_results(upto, pos_slice=pos_slice, return_labels=True)
+            comps.append(heads)
+        if self.spec.has_mlp and layer:
+            mlp, mlp_labels = self.decompose_resid(layer, mode="mlp", incl_embeds=False, pos_slice=pos_slice,
+                                                   return_labels=True)
+            comps.append(mlp)
+            labels += mlp_labels
+        emb = [("embed", "hook_embed")] + ([("pos_embed", "hook_pos_embed")] if self.spec.has_pos_embed else [])
+        for label, name in emb:
+            comps.append(_positions_apply(self[name], pos_slice, -2)[None])
+            labels.append(label)
+        shape = torch.broadcast_shapes(*(c.shape[1:] for c in comps))
+        bias = torch.zeros(shape[-1], dtype=comps[0].dtype, device=comps[0].device)
+        for l in range(upto):
+            b = self.spec.b_O(l)
+            if b is not None:
+                bias = bias + b.detach().to(bias)
+        comps.append(bias.expand(1, *shape))
+        labels.append("bias")
+        out = torch.cat([c.expand(c.shape[0], *shape) for c in comps])
+        if apply_ln:
+            out = self.apply_ln_to_stack(out, layer, mlp_input=mlp_input, pos_slice=pos_slice)
+        return (out, labels) if return_labels else out
+
+    def stack_activation(self, name: str, layer=-1, sublayer_type: str | None = None) -> torch.Tensor:
+        """``cache[name, l]`` of the layers before ``layer`` (-1 / None: all), stacked: ``[layers, ...]``."""
+        layer = self._resid_position(layer)
+        return torch.stack([self[name, l, sublayer_type] if sublayer_type else self[name, l] for l in range(layer)])
+
     def apply_ln_to_stack(self, residual_stack: torch.Tensor, layer=None, mlp_input: bool = False, pos_slice=None,
                           batch_slice=None, has_batch_dim: bool = True) -> torch.Tensor:
         """``residual_stack [..., B, N, d_model]`` through the norm that reads the stream at ``layer``
@@ -383,8 +433,12 @@ def run_with_cache(model, tokens, *, names_filter=None, fwd_hooks=(), device=Non
             store[name] = x.detach() if device is None else x.detach().to(device)
         return fn
 
-    eager = [n for n in names if not points[n].lazy]
-    lazy_names = [n for n in names if points[n].lazy]
+    touched = set()  # points the caller's hooks run on: a lazy one is then formed in the pass, kept as edited
+    for i, item in enumerate(fwd_hooks):
+        if isinstance(item, (tuple, list)) and len(item) == 2:
+            touched.update(select_points(points, item[0], f"fwd_hooks[{i}]"))
+    eager = [n for n in names if not points[n].lazy or n in touched]
+    lazy_names = [n for n in names if points[n].lazy and n not in touched]
     pattern_layers = sorted({int(n.split(".")[1]) for n in lazy_names if not n.endswith("hook_result")})
     result_layers = sorted({int(n.split(".")[1]) for n in lazy_names if n.endswith("hook_result")})
     extra = []

@@ -166,7 +166,7 @@ def hook_names(model: nn.Module) -> list[str]:
     return list(hook_points(model))
 
 
-def _select(points: dict, name_or_filter, arg: str) -> list[str]:
+def select_points(points: dict, name_or_filter, arg: str) -> list[str]:
     if isinstance(name_or_filter, str):
         if name_or_filter not in points:
             near = [n for n in points if n.split(".")[-1] == name_or_filter.split(".")[-1]][:4]
@@ -192,7 +192,7 @@ def hooks(model: nn.Module, fwd_hooks=()):
     for i, item in enumerate(fwd_hooks):
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and callable(item[1])):
             raise TypeError(f"fwd_hooks[{i}]: expected a pair (name_or_filter, fn(activation, hook)), got {item!r}")
-        for n in _select(points, item[0], f"fwd_hooks[{i}]"):
+        for n in select_points(points, item[0], f"fwd_hooks[{i}]"):
             pairs.append((n, item[1]))
     removers, restore = [], None
     try:

@@ -18,7 +18,8 @@ __all__ = ["ModelSpec", "model_spec"]
 class ModelSpec:
     """``norm``: "layernorm", "rmsnorm" or None (no norms); ``additive_resid``: the residual stream is the
     sum of the embeddings and the sublayer outputs (pre-norm, no embedding norm); ``unembed``: ``(vocab,
-    d_model)`` or None; ``ln_final_weight``: ``(d_model,)`` or None; ``W_O(l)``: ``[H, d_head, d_model]``."""
+    d_model)`` or None; ``ln_final_weight``: ``(d_model,)`` or None; ``W_O(l)``: ``[H, d_head, d_model]``;
+    ``b_O(l)``: ``(d_model,)`` or None."""
     n_layers: int
     n_heads: int
     norm: str | None
@@ -29,6 +30,7 @@ class ModelSpec:
     unembed: torch.Tensor | None
     ln_final_weight: torch.Tensor | None
     W_O: Callable[[int], torch.Tensor]
+    b_O: Callable[[int], torch.Tensor | None] = lambda l: None  # (d_model,) or None
 
 
 def model_spec(model) -> ModelSpec:
@@ -47,4 +49,4 @@ def model_spec(model) -> ModelSpec:
         has_mlp=not attn_only, has_pos_embed=model.pos_embed is not None, has_ln_final=final is not None,
         unembed=model.lm_head.weight if decoder else None,
         ln_final_weight=None if final is None else getattr(final, "weight", None),
-        W_O=lambda l: model.blocks[l].attn.W_O)
+        W_O=lambda l: model.blocks[l].attn.W_O, b_O=lambda l: getattr(model.blocks[l].attn, "out_bias", None))

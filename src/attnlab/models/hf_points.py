@@ -348,4 +348,5 @@ def hf_spec(model) -> dict:
     return dict(n_layers=len(layers), n_heads=H, norm=norm, additive_resid=fam != "bert", has_mlp=True,
                      has_pos_embed="hook_pos_embed" in pts, has_ln_final=final is not None,
                      unembed=None if lm_head is None else lm_head.weight,
-                     ln_final_weight=None if final is None else final.weight, W_O=lambda l: W[l]())
+                     ln_final_weight=None if final is None else final.weight, W_O=lambda l: W[l](),
+                     b_O=lambda l: pts[f"blocks.{l}.attn.hook_result"].b_O())

@@ -181,7 +181,7 @@ class NormPoints:
 
 def norm_scale(norm, x):
     """``(h, scale)``: the centred input (LayerNorm; RMSNorm: the input) in float32 (float64 stays) and the
-    scale ``(..., 1)`` the norm divides it by, for a torch LayerNorm, attnlab's RMSNorm or transformers' RMSNorms."""
+    scale ``(..., 1)`` (float32 likewise) the norm divides it by, for a torch LayerNorm, attnlab's RMSNorm or transformers' RMSNorms."""
     h = x if x.dtype == torch.float64 else x.float()
     if hasattr(norm, "normalized_shape"):  # torch LayerNorm
         h = h - h.mean(-1, keepdim=True)
@@ -212,9 +212,4 @@ def scaled_norm(norm, x, point):
     s2 = point(scale)
     if s2 is scale and scale._version == v0:
         return norm(x)  # observed only: the module's own output, bit for bit
-    y = (h / s2).to(x.dtype)
-    if getattr(norm, "weight", None) is not None:
-        y = norm.weight * y
-    if getattr(norm, "bias", None) is not None:
-        y = y + norm.bias
-    return y
+    return normalize(norm, x, s2)
