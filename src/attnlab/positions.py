@@ -302,14 +302,18 @@ class RoPE(torch.nn.Module):
             af = scaling.attention_factor
             self.attention_factor = float(af) if af is not None else (
                 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0)
-        # CPU master copies; the buffers are derived from them (see _apply)
-        try:
-            self._masters = {dt: self._static_freqs(dt) for dt in (torch.float32, torch.float64)}
-        except OverflowError:
-            self._masters = {torch.float32: torch.tensor([math.nan])}
+        # CPU master copies; the buffers are derived from them (see _apply).  Built on the CPU
+        # even under a ``torch.device("meta")`` context (a loader sizing a model before it
+        # allocates): the frequency check below must read real values.
+        with torch.device("cpu"):
+            try:
+                self._masters = {dt: self._static_freqs(dt) for dt in (torch.float32, torch.float64)}
+            except OverflowError:
+                self._masters = {torch.float32: torch.tensor([math.nan])}
         probe = self._masters[torch.float32]
         if isinstance(scaling, DynamicNTKScaling):  # the base it reaches at a long context
-            probe = self._dynamic_freqs_at(1 << 24, probe)
+            with torch.device("cpu"):
+                probe = self._dynamic_freqs_at(1 << 24, probe)
         if not bool(torch.isfinite(probe).all() & (probe > 0).all()):
             raise ValueError(f"RoPE: base={self.base:g} with scaling={scaling} gives frequencies that are not finite "
                              "positive float32 numbers (0, inf or nan); use a smaller base or scaling factor")
