@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from attnlab.ops.blockmask import EMPTY, FULL, PARTIAL, BlockMask
-from attnlab.validate import MAX_INT, ArgumentTypeError, integer, problem_positions
+from attnlab.validate import MAX_INT, ArgumentTypeError, integer, problem_positions, tensor_check
 
 __all__ = [
     "Mask", "BlockMask", "causal", "sliding_window", "prefix_lm", "document", "padding",
@@ -469,7 +469,7 @@ def padding(kv_lengths) -> Mask:
     t = _int_tensor(kv_lengths, "padding(kv_lengths)", "lengths")
     if t.dim() != 1:
         raise ValueError(f"padding(kv_lengths): expected shape (B,), got {tuple(t.shape)}")
-    if (t < 0).any():
+    if not tensor_check((t >= 0).all(), "padding(kv_lengths): lengths must be >= 0"):
         raise ValueError(f"padding(kv_lengths): lengths must be >= 0, got {t.tolist()}")
     return _Padding(t.to(torch.long))
 
@@ -524,7 +524,7 @@ def key_padding(keep) -> Mask:
     if t.dtype != torch.bool:
         if t.dtype.is_floating_point or t.is_complex():
             raise TypeError(f"key_padding(keep): expected a bool or 0/1 integer tensor, got dtype {t.dtype}")
-        if ((t != 0) & (t != 1)).any():
+        if not tensor_check(((t == 0) | (t == 1)).all(), "key_padding(keep): integer masks must hold only 0 and 1"):
             raise ValueError("key_padding(keep): integer masks must hold only 0 and 1")
         t = t.bool()
     if t.dim() != 2:
