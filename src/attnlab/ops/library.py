@@ -31,15 +31,11 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from attnlab.ops.flash import flash_backward, flash_forward, make_problem
+from attnlab.ops.flash import DOUBLE_BACKWARD, DoubleBackwardError, flash_backward, flash_forward, make_problem, refuse_double_backward
 from attnlab.ops.reference import acc_dtype
 
 _KEEP = 32  # masks rebuilt from keys, kept with their classified tiles
 _rebuilt: OrderedDict = OrderedDict()
-
-
-class DoubleBackwardError(RuntimeError):
-    """A second derivative through the flash kernel was asked for."""
 
 
 def _tensor_id(t: Tensor):
@@ -162,10 +158,7 @@ def _backward(ctx, dout, dlse):
     mask_tensors, mod_tensors = rest[:ctx.n_mask], rest[ctx.n_mask:]
     mask_spec, mod_spec, ints, scale, q_offset, kv_offset, block = ctx.args
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (dout, dlse, q, k, v, *mod_tensors)):
-        raise DoubleBackwardError(
-            "attnlab flash backend: double backward (create_graph=True, gradgradcheck, grad of grad) is not "
-            "implemented by the tiled kernel; use backend='reference' (materialized, differentiable any number of "
-            "times) for second derivatives")
+        raise DoubleBackwardError(DOUBLE_BACKWARD.format("flash backend"))
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv, dmod = torch.ops.attnlab.flash_bwd(dout, dlse, q, k, v, out, lse, mask_spec, list(mask_tensors),
@@ -236,11 +229,47 @@ def op_args(q, k, mask, score_mod, q_offset, kv_offset, block=None):
             [] if block is None else [int(block[0]), int(block[1])])
 
 
+class _FlashOp(torch.autograd.Function):
+    """The two operators as one autograd.Function (``setup_context``, generated vmap rule:
+    it runs the forward under vmap, where the operators' own vmap rules apply), so
+    ``torch.func.grad``/``vmap`` compose with it: a custom op's ``register_autograd`` alone
+    is not seen by torch.func.  ``meta`` holds the non-tensor arguments; the tensors are
+    ``q, k, v, *mask_tensors, *mod_tensors``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(meta, q, k, v, *tensors):
+        mask_spec, mod_spec, n_mask, ints, scale, q_offset, kv_offset, block = meta
+        with torch.no_grad():  # this Function is the autograd (torch.func sees it, not the op's)
+            return torch.ops.attnlab.flash_fwd(q, k, v, mask_spec, list(tensors[:n_mask]), mod_spec,
+                                               list(tensors[n_mask:]), ints, scale, q_offset, kv_offset, block)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        meta, q, k, v, *tensors = inputs
+        ctx.meta = meta
+        ctx.save_for_backward(q, k, v, *output, *tensors)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        mask_spec, mod_spec, n_mask, ints, scale, q_offset, kv_offset, block = ctx.meta
+        if dout is None:
+            dout = torch.zeros_like(out)
+        with torch.no_grad():
+            dq, dk, dv, dmod = torch.ops.attnlab.flash_bwd(dout, dlse, q, k, v, out, lse, mask_spec,
+                                                           list(tensors[:n_mask]), mod_spec, list(tensors[n_mask:]),
+                                                           ints, scale, q_offset, kv_offset, block)
+        grads = refuse_double_backward("flash backend", (q, k, v, dout, dlse, *tensors), [dq, dk, dv, *dmod])
+        return (None, *grads[:3], *([None] * n_mask), *grads[3:])
+
+
 def flash_op(q, k, v, args, scale):
     """``(out, lse)`` through ``torch.ops.attnlab.flash_fwd``; ``args`` from :func:`op_args`."""
     mask_spec, mask_tensors, mod_spec, mod_tensors, ints, q_offset, kv_offset, block = args
-    return torch.ops.attnlab.flash_fwd(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, float(scale),
-                                       q_offset, kv_offset, block)
+    meta = (mask_spec, mod_spec, len(mask_tensors), ints, float(scale), q_offset, kv_offset, block)
+    return _FlashOp.apply(meta, q, k, v, *mask_tensors, *mod_tensors)
 
 
 __all__ = ["flash_fwd", "flash_bwd", "flash_op", "op_args", "DoubleBackwardError"]
