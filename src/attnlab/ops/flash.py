@@ -350,8 +350,8 @@ def refuse_double_backward(name, anchors, grads):
     """``grads`` unchanged, but marked so that differentiating them raises
     :class:`DoubleBackwardError` naming ``backend='reference'`` (only when a graph is being
     recorded: ``create_graph=True`` or a torch.func transform)."""
-    if not torch.is_grad_enabled():
-        return grads
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # (compiled backwards are never
+        return grads                                                     # differentiated again: torch refuses)
     anchors = [t for t in anchors if t is not None and t.requires_grad]
     live = [i for i, g in enumerate(grads) if g is not None]
     if not anchors or not live:

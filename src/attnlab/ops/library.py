@@ -268,6 +268,11 @@ class _FlashOp(torch.autograd.Function):
 def flash_op(q, k, v, args, scale):
     """``(out, lse)`` through ``torch.ops.attnlab.flash_fwd``; ``args`` from :func:`op_args`."""
     mask_spec, mask_tensors, mod_spec, mod_tensors, ints, q_offset, kv_offset, block = args
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *mod_tensors))):
+        # no gradient wanted: the operator itself (dynamo mis-inlines a setup_context-style
+        # Function whose inputs need no grad)
+        return torch.ops.attnlab.flash_fwd(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints,
+                                           float(scale), q_offset, kv_offset, block)
     meta = (mask_spec, mod_spec, len(mask_tensors), ints, float(scale), q_offset, kv_offset, block)
     return _FlashOp.apply(meta, q, k, v, *mask_tensors, *mod_tensors)
 
