@@ -51,8 +51,10 @@ def interpreting() -> bool:
     return type(forward.attn_fwd).__name__ == "InterpretedFunction"
 
 
-def unsupported(q, k, v, mask, score_mod, q_offset, kv_offset) -> str | None:
-    """``None`` if the Triton kernels can run this (already validated) request, else why not."""
+def unsupported(q, k, v, mask, score_mod, q_offset, kv_offset, dropout=None) -> str | None:
+    """``None`` if the Triton kernels can run this (already validated) request, else why not.
+
+    (``dropout``, an :class:`attnlab.ops.dropout.Dropout`, runs on every request that does.)"""
     if not available():
         return "the triton package is not installed (pip install 'attnlab[triton]')"
     dev = q.device.type
