@@ -163,3 +163,18 @@ def test_bad_tensor_argument_built_inside_compiled_code_still_raises(data):
     f(q, k, v, torch.tensor([3, 8]))
     with pytest.raises(RuntimeError, match="padding"):
         f(q, k, v, torch.tensor([-1, 8]))
+
+
+def test_dropout_with_an_int_seed_compiles_fullgraph_and_matches_eager(data):
+    """The flash op carries dropout_p and the seed; q passed as q, k and v (one tensor thrice) too."""
+    q = data[0].clone().requires_grad_()
+
+    def f(q, seed):
+        return attnlab.attention(q, q, q, mask=masks.causal(), dropout_p=0.3, dropout_seed=seed, backend="flash")
+
+    dynamo.reset()
+    cf = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got, want = cf(q, 7), f(q, 7)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), q)[0], torch.autograd.grad(want.sum(), q)[0],
+                               atol=1e-12, rtol=0)

@@ -295,7 +295,11 @@ def flash_op(q, k, v, args, scale, dropout=None):
         return torch.ops.attnlab.flash_fwd(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints,
                                            float(scale), q_offset, kv_offset, block, dp, ds)
     meta = (mask_spec, mod_spec, len(mask_tensors), ints, float(scale), q_offset, kv_offset, block, dp, ds)
-    return _FlashOp.apply(meta, q, k, v, *mask_tensors, *mod_tensors)
+    ts = [q, k, v, *mask_tensors, *mod_tensors]
+    for i in range(1, len(ts)):  # one tensor passed twice (q, q, q): distinct views (dynamo refuses duplicates)
+        if any(ts[i] is t for t in ts[:i]):
+            ts[i] = ts[i].view_as(ts[i])
+    return _FlashOp.apply(meta, *ts)
 
 
 __all__ = ["flash_fwd", "flash_bwd", "flash_op", "op_args", "DoubleBackwardError"]
