@@ -178,3 +178,16 @@ def test_dropout_with_an_int_seed_compiles_fullgraph_and_matches_eager(data):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     torch.testing.assert_close(torch.autograd.grad(got.sum(), q)[0], torch.autograd.grad(want.sum(), q)[0],
                                atol=1e-12, rtol=0)
+
+
+def test_the_custom_ops_pass_torch_library_opcheck():
+    """Schema, fake implementation (non-contiguous q, as after a projection), autograd
+    registration and AOT dispatch with dynamic shapes (inductor checks the fake's strides)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 8, 2, 4, dtype=F64, generator=g).transpose(1, 2).requires_grad_()
+    k = torch.randn(1, 1, 8, 4, dtype=F64, generator=g, requires_grad=True)
+    v = torch.randn(1, 1, 8, 3, dtype=F64, generator=g, requires_grad=True)
+    slopes = torch.tensor([0.5, 0.25], dtype=F64, requires_grad=True)
+    args = (q, k, v, "sliding_window(i0)", [], "alibi(t0,0)", [slopes], [3], 0.5, 0, 0, [], 0.0, 0)
+    res = torch.library.opcheck(torch.ops.attnlab.flash_fwd.default, args)
+    assert set(res.values()) == {"SUCCESS"}, res

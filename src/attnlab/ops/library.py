@@ -17,7 +17,7 @@ kernel rebuilds the mask from the key (cached per key, so classified tiles are r
 Schema (``ints`` are the mask's; a mod's floats are written into its spec)::
 
     flash_fwd(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints,
-              scale, q_offset, kv_offset, block) -> (out, lse)
+              scale, q_offset, kv_offset, block, dropout_p, dropout_seed) -> (out, lse)
     flash_bwd(dout, dlse?, q, k, v, out, lse, <same>) -> (dq, dk, dv, dmod_tensors)
 
 Double backward (``create_graph=True`` through ``flash_bwd``) is refused with an error
@@ -118,18 +118,19 @@ class _autograd_inside:
 @torch.library.custom_op("attnlab::flash_fwd", mutates_args=())
 def flash_fwd(q: Tensor, k: Tensor, v: Tensor, mask_spec: str, mask_tensors: list[Tensor], mod_spec: str,
               mod_tensors: list[Tensor], ints: list[int], scale: float, q_offset: int, kv_offset: int,
-              block: list[int], dropout_p: float = 0.0, dropout_seed: int = 0) -> tuple[Tensor, Tensor]:
+              block: list[int], dropout_p: float, dropout_seed: int) -> tuple[Tensor, Tensor]:
     """Tiled forward: ``(out (B, H, Nq, Dv), lse (B, H, Nq) float32/64)``."""
     with torch.no_grad():
         pb = _problem(q, k, mask_spec, mask_tensors, ints, _mod(mod_spec, mod_tensors), scale, q_offset,
                       kv_offset, block, [])
         pb.dropout = _dropout(dropout_p, dropout_seed)
-        return flash_forward(pb, q, k, v)
+        out, lse = flash_forward(pb, q, k, v)
+        return out.contiguous(), lse.contiguous()
 
 
 @flash_fwd.register_fake
 def _flash_fwd_fake(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale, q_offset, kv_offset,
-                    block, dropout_p=0.0, dropout_seed=0):
+                    block, dropout_p, dropout_seed):
     B, H, Nq, _ = q.shape
     return q.new_empty((B, H, Nq, v.shape[-1])), q.new_empty((B, H, Nq), dtype=acc_dtype(q.dtype))
 
@@ -137,8 +138,8 @@ def _flash_fwd_fake(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, int
 @torch.library.custom_op("attnlab::flash_bwd", mutates_args=())
 def flash_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               mask_spec: str, mask_tensors: list[Tensor], mod_spec: str, mod_tensors: list[Tensor], ints: list[int],
-              scale: float, q_offset: int, kv_offset: int, block: list[int], dropout_p: float = 0.0,
-              dropout_seed: int = 0) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+              scale: float, q_offset: int, kv_offset: int, block: list[int], dropout_p: float,
+              dropout_seed: int) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """Tiled backward: ``(dq, dk, dv, [d mod_tensors[i]])`` (zeros for a tensor the mod
     does not differentiate)."""
     leaves = [t.detach().requires_grad_(t.dtype.is_floating_point) for t in mod_tensors]
@@ -152,14 +153,16 @@ def flash_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor
     with _autograd_inside():  # only the mod's leaves require grad: nothing else records a graph
         dq, dk, dv, dparams = flash_backward(pb, q, k, v, out, lse, dout, dlse, params)
     it = iter(dparams)
-    dmod = [next(it).detach() if t.requires_grad else torch.zeros_like(t) for t in leaves]
-    return dq, dk, dv, dmod
+    dmod = [next(it).detach().contiguous() if t.requires_grad else t.new_zeros(t.shape) for t in leaves]
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dmod
 
 
 @flash_bwd.register_fake
 def _flash_bwd_fake(dout, dlse, q, k, v, out, lse, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale,
-                    q_offset, kv_offset, block, dropout_p=0.0, dropout_seed=0):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), [torch.empty_like(t) for t in mod_tensors]
+                    q_offset, kv_offset, block, dropout_p, dropout_seed):
+    # contiguous, as the kernel returns them (inductor checks the strides against the fake's)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            [t.new_empty(t.shape) for t in mod_tensors])
 
 
 def _setup_context(ctx, inputs, output):
