@@ -7,6 +7,8 @@
 # Environment (all optional):
 #   PYTHON        interpreter with torch + transformers==5.23.0 + pytest (default: python)
 #   WORK          scratch folder, never committed (default: <repo>/scratch/transformers_tests)
+#   ATTNLAB_SRC   attnlab source folder put first on PYTHONPATH (default: <repo>/src)
+#   RESULTS       results folder (default: $WORK/results); compare.py reads stock from it too
 #   MODES         "stock attnlab" (default), or one of them
 #   TIMEOUT       per-test timeout in s when pytest-timeout is installed (default 300)
 #   MARKERS       pytest -m expression (default: deselect the multi-process FSDP / tensor- / expert-parallel
@@ -21,7 +23,7 @@
 #   * the files the sdist lacks (tests/causal_lm_tester.py, tests/generation/test_utils.py,
 #     tests/exporters/test_export.py, tests/utils/test_configuration_utils.py and the five
 #     tests/models/<m>/test_modeling_<m>.py) from vendor/, copied unchanged from upstream tag v5.15.0.
-# Results: $WORK/results/<model>-<mode>.xml (JUnit), .log, and calls-<model>.json (attnlab calls per module).
+# Results: $RESULTS/<model>-<mode>.xml (JUnit), .log, and calls-<model>.json (attnlab calls per module).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -29,6 +31,8 @@ REPO="$(cd "$HERE/../.." && pwd)"
 PYTHON="${PYTHON:-python}"
 WORK="${WORK:-$REPO/scratch/transformers_tests}"
 MODES="${MODES:-stock attnlab}"
+ATTNLAB_SRC="${ATTNLAB_SRC:-$REPO/src}"
+RESULTS="${RESULTS:-$WORK/results}"
 TIMEOUT="${TIMEOUT:-300}"
 TF_VERSION="${TF_VERSION:-5.23.0}"
 MARKERS="${MARKERS:-not is_fsdp_test and not is_tensor_parallel_test and not is_expert_parallel_test}"
@@ -38,7 +42,7 @@ MODELS=("$@")
 have=$("$PYTHON" -c "import transformers; print(transformers.__version__)")
 [ "$have" = "$TF_VERSION" ] || echo "warning: transformers $have installed, test mixins taken from $TF_VERSION" >&2
 
-mkdir -p "$WORK/sdist" "$WORK/results"
+mkdir -p "$WORK/sdist" "$RESULTS"
 sdist="$WORK/sdist/transformers-$TF_VERSION.tar.gz"
 if [ ! -f "$sdist" ]; then
   "$PYTHON" -m pip download "transformers==$TF_VERSION" --no-binary :all: --no-deps -d "$WORK/sdist"
@@ -106,21 +110,21 @@ for m in "${MODELS[@]}"; do
   f="tests/models/$m/test_modeling_$m.py"
   for mode in $MODES; do
     plugin=()
-    pp="$REPO/src:$DEPS"
+    pp="$ATTNLAB_SRC:$DEPS"
     eager=0
     if [ "$mode" = attnlab ]; then
       plugin=(-p attnlab_plugin)
-      pp="$REPO/src:$DEPS:$HERE"
+      pp="$ATTNLAB_SRC:$DEPS:$HERE"
       [ "$m" = gemma2 ] && eager=1   # Gemma-2 has _supports_sdpa = False: route "eager" too
     fi
     echo "== $m $mode"
     set +e
     PYTHONPATH="$pp${PYTHONPATH:+:$PYTHONPATH}" ATTNLAB_ROUTE_EAGER=$eager \
-      ATTNLAB_CALLS_JSON="$WORK/results/calls-$m.json" \
+      ATTNLAB_CALLS_JSON="$RESULTS/calls-$m.json" \
       "$PYTHON" -m pytest "$f" -p no:cacheprovider -q -rfE "${plugin[@]}" "${timeout_args[@]}" -m "$MARKERS" \
-      --junitxml="$WORK/results/$m-$mode.xml" "${extra[@]}" > "$WORK/results/$m-$mode.log" 2>&1
-    echo "   exit $?; $(tail -n 1 "$WORK/results/$m-$mode.log")"
+      --junitxml="$RESULTS/$m-$mode.xml" "${extra[@]}" > "$RESULTS/$m-$mode.log" 2>&1
+    echo "   exit $?; $(tail -n 1 "$RESULTS/$m-$mode.log")"
     set -e
   done
 done
-"$PYTHON" "$HERE/compare.py" "$WORK/results" "${MODELS[@]}"
+"$PYTHON" "$HERE/compare.py" "$RESULTS" "${MODELS[@]}"
