@@ -190,16 +190,17 @@ def test_output_attentions_returns_weights():
         assert (g.transpose(1, 2)[~real] == 0).all()  # fully masked rows: zeros, not eager's uniform
 
 
-def test_training_with_attention_dropout_is_refused():
+def test_training_with_attention_dropout_runs_it():
+    """(Was refused with NotImplementedError; tests/models/test_bridge_dropout.py covers it.)"""
     torch.manual_seed(0)
-    m = T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=V, attn_pdrop=0.1))
+    m = T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=V, attn_pdrop=0.5,
+                                       embd_pdrop=0.0, resid_pdrop=0.0))
     m.set_attn_implementation("attnlab")
     ids = torch.randint(1, V, (1, 5))
     m.eval()
-    m(input_ids=ids)  # dropout is off in eval mode
+    assert torch.equal(m(input_ids=ids).logits, m(input_ids=ids).logits)  # dropout is off in eval mode
     m.train()
-    with pytest.raises(NotImplementedError, match="dropout"):
-        m(input_ids=ids)
+    assert not torch.equal(m(input_ids=ids).logits, m(input_ids=ids).logits)  # on in training
 
 
 def test_register_names_and_backend():

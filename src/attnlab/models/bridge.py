@@ -29,8 +29,13 @@ GQA runs natively (K/V keep their ``Hkv`` heads).  Differences from ``eager``:
 
 * fully masked query rows (e.g. left-padded positions) give zeros, where eager's
   ``finfo.min`` mask gives a uniform average; both are ignored downstream;
-* attention dropout is not implemented: a *training* module with ``dropout > 0``
-  raises ``NotImplementedError`` (eval mode, or dropout 0, is fine);
+* attention dropout (``dropout=`` from a *training* module: GPT-2's ``attn_pdrop``,
+  BERT's ``attention_probs_dropout_prob``, ``attention_dropout``) runs as the op's
+  ``dropout_p`` (:mod:`attnlab.ops.dropout`): its own counter-based mask, seeded from
+  torch's default generator (``torch.manual_seed`` reproduces a run; the masks are not
+  eager's ``nn.Dropout`` draws), on the flash path (``register(backend="sdpa")``
+  refuses it).  Eval mode (or dropout 0) is the no-dropout path exactly.  Weights for
+  ``output_attentions`` are the undropped pattern;
 * weights are returned (as ``attnlab.attention_probs``, float32 softmax cast to the
   query dtype) only when ``output_attentions=True`` reaches the function as a keyword
   — it does for models whose attention forwards ``**kwargs`` (Llama, Mistral, Gemma 2,
@@ -112,11 +117,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     ``query (B, H, Nq, D)``, ``key``/``value (B, Hkv, Nk, D)``; returns
     ``(out (B, Nq, H, Dv) contiguous, weights (B, H, Nq, Nk) or None)``.
     """
-    if dropout and getattr(module, "training", False):
-        raise NotImplementedError(
-            f"attnlab attention has no attention dropout, but {type(module).__name__} is training with "
-            f"dropout={dropout}.  Set the config's attention-dropout option (attention_dropout / attn_pdrop / "
-            "attention_probs_dropout_prob) to 0.0, or call model.eval()")
+    dropout_p = float(dropout) if dropout and getattr(module, "training", False) else 0.0
     for opt in ("cache", "sinks"):
         if kwargs.get(opt) is not None:
             raise NotImplementedError(f"attnlab bridge: `{opt}=` ({type(kwargs[opt]).__name__}) is not supported")
@@ -152,7 +153,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                             B, H, Nq, Nk), q_offset))
     score_mod = None if not mods else mods[0] if len(mods) == 1 else scores.compose(*mods)
     kw = dict(mask=mask, score_mod=score_mod, scale=None if scaling is None else float(scaling), q_offset=q_offset)
-    res = attention(query, key, value, return_lse=s_aux is not None, backend=backend, **kw)
+    res = attention(query, key, value, return_lse=s_aux is not None, backend=backend, dropout_p=dropout_p, **kw)
     hooks = getattr(module, "attnlab_hooks", None)
     if hooks or pts is not None:  # attnlab.interp: capture / ablation / hook points (z before s_aux's gate)
         from attnlab.nn.attention import AttentionCall, run_hooks

@@ -53,7 +53,6 @@ from attnlab import masks
 from attnlab.ops.dispatch import BACKENDS, attention, attention_probs
 from attnlab.ops.reference import index_grids
 from attnlab.nn.hooks import AttentionPoints
-from attnlab.ops.sdpa import is_causal_mask
 from attnlab.nn.validate import head_shape, positive_int, probability
 from attnlab.scores import compose
 
@@ -151,9 +150,13 @@ class MultiHeadAttention(nn.Module):
         n_kv_heads: key/value heads ``Hkv`` (default ``H``); ``H % Hkv == 0``.
         d_head: per-head width (default ``d_model // n_heads``).
         bias: biases on Q, K, V and O.
-        dropout: attention-probability dropout while training.  The op itself has no
-            dropout: with ``dropout > 0`` in training mode the call runs torch SDPA's
-            dropout where the mask maps onto it, else the materialized pattern.
+        dropout: attention-probability dropout while training: the op's
+            ``dropout_p`` (:mod:`attnlab.ops.dropout`: a counter-based keep-mask that the
+            flash backward regenerates per tile, any mask or score mod), with the seed
+            drawn from torch's default generator per call (``torch.manual_seed`` makes a
+            training run reproducible).  Off in eval mode.  With dropout, ``backend``
+            ``"sdpa"`` is refused by the op; ``"auto"`` runs the flash path.
+            ``need_weights`` returns the undropped pattern.
         positions: ``None``, a :class:`attnlab.positions.RoPE` (rotates q and k at their
             absolute positions) or an :class:`attnlab.positions.ALiBi` (a score mod).
         backend: passed to :func:`attnlab.attention`.
@@ -329,7 +332,7 @@ class MultiHeadAttention(nn.Module):
             kw = dict(mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset, kv_offset=0)
         weights = None
         if self.training and self.dropout > 0:
-            z, weights = self._dropout_attention(q, k, v, **kw)
+            z = attention(q, k, v, backend=self.backend, dropout_p=self.dropout, **kw)
         else:
             z = attention(q, k, v, backend=self.backend, **kw)
         if pts.post_active():  # scores / pattern asked for: recomputed from q and k
@@ -348,20 +351,6 @@ class MultiHeadAttention(nn.Module):
 
     def _out(self, z, B, N):
         return F.linear(z.transpose(1, 2).reshape(B, N, self.n_heads * self.d_head), self.out_weight, self.out_bias)
-
-    def _dropout_attention(self, q, k, v, *, mask, score_mod, scale, q_offset, kv_offset):
-        Nq, Nk = q.shape[2], k.shape[2]
-        q_off = kv_offset + Nk - Nq if q_offset is None else q_offset
-        simple = score_mod is None and (mask is None or (is_causal_mask(mask) and q_off == kv_offset))
-        if simple:
-            z = F.scaled_dot_product_attention(q, k, v, is_causal=mask is not None, scale=scale,
-                                               dropout_p=self.dropout, enable_gqa=q.shape[1] != k.shape[1])
-            return z, None
-        p = attention_probs(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
-                            kv_offset=kv_offset)
-        G = q.shape[1] // k.shape[1]
-        vr = v.repeat_interleave(G, dim=1) if G > 1 else v
-        return torch.matmul(F.dropout(p, self.dropout).to(v.dtype), vr), p
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "

@@ -7,6 +7,7 @@ import numbers
 
 import torch
 
+from attnlab.ops.dropout import check_dropout, make_dropout
 from attnlab.ops.finite import maybe_nonfinite
 from attnlab.ops.flash import flash_attention
 from attnlab.ops.reference import reference_attention, reference_probs
@@ -17,7 +18,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, kv_offset=0,
-              return_lse=False, backend="auto"):
+              return_lse=False, backend="auto", dropout_p=0.0, dropout_seed=None):
     """Scaled dot-product attention: ``softmax(scale·q kᵀ + score_mod, masked) v``.
 
     Shapes::
@@ -52,6 +53,20 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
         return_lse: also return the log-sum-exp of each row's scaled, modded, masked
             scores.  A row with no visible key gives ``out = 0``, ``lse = -inf`` and zero
             gradients, never NaN.
+        dropout_p: drop attention probabilities with this probability after the softmax
+            and scale the kept ones by ``1/(1 − p)`` (inverted dropout; the op has no
+            train/eval state: pass 0 in eval, which is exactly the no-dropout path).
+            The keep-mask is a hash of ``(seed, b, h, q_pos, kv_pos)``
+            (:mod:`attnlab.ops.dropout`): every backend and tiling gives the same mask
+            and the backward regenerates it; :func:`attnlab.ops.dropout.dropout_mask`
+            returns it.  The LSE stays that of the *undropped* scores; fully masked
+            rows stay 0.  Runs on ``"reference"``, ``"flash"`` and ``"triton"``;
+            ``"auto"`` routes it there; ``"sdpa"`` refuses it (torch's SDPA dropout
+            draws a different mask, which no backward here could regenerate).
+        dropout_seed: an int (same seed, same mask), a ``torch.Generator`` to draw the
+            seed from, or ``None``: one int64 drawn from torch's default CPU generator,
+            so ``torch.manual_seed`` makes runs reproducible and each call gets a fresh
+            mask.
 
     Non-finite inputs (:mod:`attnlab.ops.finite`, docs/reliability/numerics.md): a key
     a row cannot see has no effect on it even when it holds NaN/inf; NaN/inf a row can
@@ -82,6 +97,10 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     _check_mask(mask, B, H, Nq, Nk, q_offset, kv_offset)
     _check_score_mod(score_mod, B, H)
+    dropout_p, dropout_seed = check_dropout(dropout_p, dropout_seed)
+    if dropout_p:
+        return _dropout_attention(q, k, v, mask, score_mod, scale, q_offset, kv_offset, return_lse, backend,
+                                  make_dropout(dropout_p, dropout_seed))
     if mask is not None and Nk and is_causal_mask(mask) and q_offset >= kv_offset + Nk - 1:
         mask = None  # every key sits at or before the first query: causal() hides nothing (decoding)
 
@@ -114,6 +133,32 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
         return sdpa_attention(q, k, v, **kw)
     if backend == "reference":
         if hasattr(mask, "plan"):  # a BlockMask: the reference reads its predicate
+            kw["mask"] = mask.mask
+        out, lse = reference_attention(q, k, v, **kw)
+    elif backend == "triton":
+        from attnlab.ops.triton import triton_attention
+        out, lse = triton_attention(q, k, v, **kw)
+    else:
+        out, lse = flash_attention(q, k, v, **kw)
+    return (out, lse) if return_lse else out
+
+
+def _dropout_attention(q, k, v, mask, score_mod, scale, q_offset, kv_offset, return_lse, backend, dropout):
+    """``attention`` with dropout (inputs validated): reference, flash or triton."""
+    if backend == "sdpa":
+        raise ValueError(f"backend='sdpa' with dropout_p={dropout.p}: torch SDPA's dropout draws its own mask, "
+                         "which attnlab cannot regenerate or reproduce; use backend='flash' or 'auto' (the "
+                         "counter-based dropout of attnlab.ops.dropout)")
+    if backend in ("auto", "triton") and q.shape[2] and k.shape[2]:
+        from attnlab.ops.triton import unsupported as triton_unsupported
+        if backend == "triton" or q.device.type == "cuda":
+            why = triton_unsupported(q, k, v, mask, score_mod, q_offset, kv_offset, dropout=dropout)
+            if why is not None and backend == "triton":
+                raise ValueError(f"backend='triton': {why}; use backend='flash' or 'auto'")
+            backend = "triton" if why is None else "flash"
+    kw = dict(mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset, dropout=dropout)
+    if backend == "reference" and q.shape[2] and k.shape[2]:
+        if hasattr(mask, "plan"):
             kw["mask"] = mask.mask
         out, lse = reference_attention(q, k, v, **kw)
     elif backend == "triton":

@@ -63,6 +63,7 @@ class _Problem:
         self.mod_clone = False  # the mod writes into its input: hand it a copy under autograd
         self.check_graph = None  # the params handed to autograd: the forward's first modded tile checks
         # under autograd that the mod reads no other tensor requiring grad (it would lose its gradient)
+        self.dropout = None  # an attnlab.ops.dropout.Dropout: its keep-mask is regenerated per tile
         nqb, nkb = -(-Nq // bq), -(-Nk // bk)
         if block_mask is None:
             self.plan = [[(j, False) for j in range(nkb)] for _ in range(nqb)]
@@ -154,6 +155,14 @@ def _score_tile(pb, S, b, h, qs, qe, ks, ke, needs_mask, acc, B, H, with_grad=Fa
     return X4.reshape(S.shape), leaf, mod_out
 
 
+def _drop_tile(pb, B, H, qs, qe, ks, ke, acc, shape, dev):
+    """The dropout tile ``Z / (1 − p)`` in the kernel's ``(B*Hkv, G*n, m)`` layout, from the
+    counters (b, h, q_pos, kv_pos): the same bits whatever the tiling, forward or backward."""
+    qp = torch.arange(qs, qe, device=dev) + pb.q_offset
+    kp = torch.arange(ks, ke, device=dev) + pb.kv_offset
+    return pb.dropout.scale_tile(B, H, qp, kp, acc).view(shape)
+
+
 def _call_mod_under_grad(pb, leaf, b, h, qp, kp):
     """The mod on a leaf that requires grad; a mod that writes into its input gets a copy
     (autograd refuses in-place writes to a leaf), remembered for the later tiles."""
@@ -203,7 +212,9 @@ def _forward_row(pb, i, qf, kT, vf, outf, lsef, b, h, Nq, Nk, acc, mmd, B, H, ca
             m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
             P = X.sub_(m_safe).mul_(LOG2E).exp2_()
         alpha = torch.exp(m - m_safe)
-        l.mul_(alpha).add_(P.sum(-1, keepdim=True))
+        l.mul_(alpha).add_(P.sum(-1, keepdim=True))  # the LSE is of the undropped probabilities
+        if pb.dropout is not None:
+            P.mul_(_drop_tile(pb, B, H, qs, qe, ks, ke, acc, P.shape, dev))
         Vj = vf[:, ks:ke]
         o.mul_(alpha).add_(torch.bmm(P.to(mmd), Vj) if hidden is None else zmm(P.to(mmd), Vj, hidden).to(acc))
         m = m_new
@@ -278,12 +289,19 @@ def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params, careful=False
                 if careful:
                     hidden = X == _NEG_INF
                 P = X.sub_(L_safe).mul_(LOG2E).exp2_()
+            Zs = Pv = None
+            if pb.dropout is not None:  # out = (P∘Zs)V: dV = (P∘Zs)ᵀdO, dP = Zs∘(dO Vᵀ), Δ unchanged
+                Zs = _drop_tile(pb, B, H, qs, qe, ks, ke, acc, P.shape, q.device)
+                Pv = P * Zs
+            Pv = P if Pv is None else Pv
             if hidden is None:
-                dv[:, ks:ke] += torch.bmm(P.to(mmd).transpose(1, 2), dOi)
+                dv[:, ks:ke] += torch.bmm(Pv.to(mmd).transpose(1, 2), dOi)
             else:
-                dv[:, ks:ke] += zmm(P.to(mmd).transpose(1, 2), dOi, hidden.transpose(1, 2))
-            dP = torch.bmm(dOi, vT[:, :, ks:ke])
-            dS = P.mul_(dP.to(acc).sub_(Di))  # P is dead after this: reuse its storage
+                dv[:, ks:ke] += zmm(Pv.to(mmd).transpose(1, 2), dOi, hidden.transpose(1, 2))
+            dP = torch.bmm(dOi, vT[:, :, ks:ke]).to(acc)
+            if Zs is not None:
+                dP = dP.mul_(Zs)
+            dS = P.mul_(dP.sub_(Di))  # P is dead after this: reuse its storage
             if hidden is not None:
                 dS.masked_fill_(hidden, 0.0)
             if leaf is not None:
@@ -347,19 +365,21 @@ _FlashFn = tiled_function(_forward, _backward, "_FlashFn")
 flash_forward, flash_backward = _forward, _backward  # the kernel pair, for backends that fall back on it
 
 
-def flash_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, block=None):
+def flash_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, block=None,
+                    dropout=None):
     """Tiled attention, forward and backward.  Returns ``(out, lse)``; inputs already validated.
 
     ``mask`` is an attnlab Mask, a BlockMask built for this shape, or None.  ``block``
     overrides the measured tile sizes ``(block_q, block_k)`` (a BlockMask's own
-    sizes win).
+    sizes win).  ``dropout`` (an :class:`attnlab.ops.dropout.Dropout` or None): each
+    visited tile's keep-mask is regenerated from its counters, forward and backward.
     """
     pb, params = make_problem(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
-                              kv_offset=kv_offset, block=block)
+                              kv_offset=kv_offset, block=block, dropout=dropout)
     return _FlashFn.apply(pb, q, k, v, *params)
 
 
-def make_problem(q, k, *, mask, score_mod, scale, q_offset, kv_offset, block=None, params=None):
+def make_problem(q, k, *, mask, score_mod, scale, q_offset, kv_offset, block=None, params=None, dropout=None):
     """The flash kernel's plan and the score mod's tensors requiring grad (``params``
     given: used as they are).  Other kernels fall back on it (the Triton backend, for
     non-finite inputs)."""
@@ -385,6 +405,7 @@ def make_problem(q, k, *, mask, score_mod, scale, q_offset, kv_offset, block=Non
         params = []
     pb = _Problem(block_mask, score_mod, scale, q_offset, kv_offset, Nq, Nk, *block)
     pb.fused_ok = _fused_ok(q, k, scale)
+    pb.dropout = dropout
     if score_mod is not None and torch.is_grad_enabled():
         pb.check_graph = params
     return pb, params

@@ -69,7 +69,7 @@ def reference_probs(q, k, *, mask=None, score_mod=None, scale, q_offset, kv_offs
     return p, lse
 
 
-def reference_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0):
+def reference_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, dropout=None):
     """Materialized attention.  Returns ``(out, lse)``; inputs already validated.
 
     ``mask`` is an attnlab Mask (or None); ``score_mod`` a callable (or None).
@@ -83,6 +83,12 @@ def reference_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, 
     p, lse = reference_probs(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
                              kv_offset=kv_offset, holder=holder)
     vr = v.repeat_interleave(G, dim=1) if G > 1 else v
+    if dropout is not None:
+        B, H, Nq, _ = q.shape
+        Nk = k.shape[2]
+        qp = torch.arange(Nq, device=q.device) + q_offset
+        kp = torch.arange(Nk, device=q.device) + kv_offset
+        p = p * dropout.scale_tile(B, H, qp, kp, p.dtype)
     if holder is None:
         return torch.matmul(p.to(v.dtype), vr), lse
     return hidden_matmul(p.to(v.dtype), vr, holder["hidden"]), lse

@@ -51,7 +51,7 @@ def interpreting() -> bool:
     return type(forward.attn_fwd).__name__ == "InterpretedFunction"
 
 
-def unsupported(q, k, v, mask, score_mod, q_offset, kv_offset) -> str | None:
+def unsupported(q, k, v, mask, score_mod, q_offset, kv_offset, dropout=None) -> str | None:
     """``None`` if the Triton kernels can run this (already validated) request, else why not."""
     if not available():
         return "the triton package is not installed (pip install 'attnlab[triton]')"
@@ -77,6 +77,8 @@ def unsupported(q, k, v, mask, score_mod, q_offset, kv_offset) -> str | None:
     mod = lower_score_mod(score_mod)
     if isinstance(mod, str):
         return mod
+    if dropout is not None:
+        return "dropout is not implemented in the Triton kernels"
     return None
 
 
