@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from attnlab.ops.blockmask import EMPTY, FULL, PARTIAL, BlockMask
-from attnlab.validate import MAX_INT, ArgumentTypeError, integer, problem_positions
+from attnlab.validate import MAX_INT, ArgumentTypeError, integer, problem_positions, tensor_check
 
 __all__ = [
     "Mask", "BlockMask", "causal", "sliding_window", "prefix_lm", "document", "padding",
@@ -95,6 +95,11 @@ class Mask:
 
     def __call__(self, b, h, q_pos, kv_pos) -> torch.Tensor:
         return self.predicate(b, h, q_pos, kv_pos)
+
+    def key(self):
+        """``(spec, tensors, ints)``: this mask by structure and parameters, what compiled code
+        and the ``attnlab::flash_*`` custom ops read (:func:`mask_key`); None for ``custom``."""
+        return mask_key(self)
 
     # -- tile classification -------------------------------------------------------
     def classify(self, B, H, q_lo, q_hi, kv_lo, kv_hi):
@@ -464,7 +469,7 @@ def padding(kv_lengths) -> Mask:
     t = _int_tensor(kv_lengths, "padding(kv_lengths)", "lengths")
     if t.dim() != 1:
         raise ValueError(f"padding(kv_lengths): expected shape (B,), got {tuple(t.shape)}")
-    if (t < 0).any():
+    if not tensor_check((t >= 0).all(), "padding(kv_lengths): lengths must be >= 0"):
         raise ValueError(f"padding(kv_lengths): lengths must be >= 0, got {t.tolist()}")
     return _Padding(t.to(torch.long))
 
@@ -519,7 +524,7 @@ def key_padding(keep) -> Mask:
     if t.dtype != torch.bool:
         if t.dtype.is_floating_point or t.is_complex():
             raise TypeError(f"key_padding(keep): expected a bool or 0/1 integer tensor, got dtype {t.dtype}")
-        if ((t != 0) & (t != 1)).any():
+        if not tensor_check(((t == 0) | (t == 1)).all(), "key_padding(keep): integer masks must hold only 0 and 1"):
             raise ValueError("key_padding(keep): integer masks must hold only 0 and 1")
         t = t.bool()
     if t.dim() != 2:
@@ -630,3 +635,166 @@ def custom(fn: Callable) -> Mask:
     if not callable(fn):
         raise TypeError(f"custom(fn): fn must be callable, got {type(fn).__name__}")
     return _Custom(fn, getattr(fn, "__name__", "fn"))
+
+
+# ----------------------------------------------------------------------------- structural keys
+# A built-in mask is described to compiled code (torch.compile, torch.export, the
+# ``attnlab::flash_*`` custom ops of :mod:`attnlab.ops.library`) by its *structure*: a
+# string such as ``and(causal,sliding_window(i0))`` plus the tensors (``t0``, ``t1``, ...)
+# and ints (``i0``, ...) it reads.  Ints travel as op inputs (SymInts under dynamic
+# shapes), so a new window size is a new input, not a new string: dynamo guards on the
+# structure, never on the object's identity or its caches.
+
+
+class KeyBuilder:
+    """Collects the tensors and ints of a structural key (see :meth:`Mask.key`)."""
+
+    def __init__(self):
+        self.tensors: list[torch.Tensor] = []
+        self.ints: list = []
+
+    def tensor(self, t: torch.Tensor) -> str:
+        for j, x in enumerate(self.tensors):
+            if x is t:
+                return f"t{j}"
+        self.tensors.append(t)
+        return f"t{len(self.tensors) - 1}"
+
+    def int(self, x) -> str:
+        self.ints.append(x)
+        return f"i{len(self.ints) - 1}"
+
+
+def _key_into(mask, kb: KeyBuilder) -> str | None:
+    """The structural key of ``mask`` (tensors/ints added to ``kb``), or None for a mask
+    that has none (``custom``, or a user subclass of :class:`Mask`)."""
+    t = type(mask)
+    if t is _Causal:
+        return "causal"
+    if t is _SlidingWindow:
+        return f"sliding_window({kb.int(mask.w)})"
+    if t is _PrefixLM:
+        return f"prefix_lm({kb.int(mask.n)})"
+    if t is _SinkWindow:
+        return f"sink_window({kb.int(mask.sinks)},{kb.int(mask.window)})"
+    if t is _Document:
+        return f"document({kb.tensor(mask.q_ids)},{kb.tensor(mask.kv_ids)})"
+    if t is _Padding:
+        return f"padding({kb.tensor(mask.lengths)})"
+    if t is _KeyPadding:
+        return f"key_padding({kb.tensor(mask.keep)})"
+    if t is _Tree:
+        return f"tree({kb.tensor(mask.anc)},{kb.int(mask.prefix_len)})"
+    if t is _DenseBool:
+        return f"dense({kb.tensor(mask.allowed)},{kb.int(mask.q_offset)},{kb.int(mask.kv_offset)})"
+    if t in (_And, _Or):
+        a, b = _key_into(mask.a, kb), _key_into(mask.b, kb)
+        if a is None or b is None:
+            return None
+        return f"{'and' if t is _And else 'or'}({a},{b})"
+    if t is _Not:
+        a = _key_into(mask.a, kb)
+        return None if a is None else f"not({a})"
+    return None
+
+
+def mask_key(mask):
+    """``(spec, tensors, ints)`` describing ``mask`` by structure and parameters, or None
+    (a ``custom`` mask: a Python callable has no key).  :func:`mask_from_key` rebuilds an
+    equal mask from it."""
+    kb = KeyBuilder()
+    spec = _key_into(mask, kb)
+    return None if spec is None else (spec, kb.tensors, kb.ints)
+
+
+def parse_key(spec: str):
+    """``"and(causal,sliding_window(i0))"`` -> ``("and", ["causal", ("sliding_window", ["i0"])])``:
+    a call is ``(name, [args])``, anything without arguments a string."""
+    pos = 0
+
+    def term():
+        nonlocal pos
+        start = pos
+        while pos < len(spec) and spec[pos] not in "(),":
+            pos += 1
+        name = spec[start:pos]
+        args = []
+        if pos < len(spec) and spec[pos] == "(":
+            pos += 1
+            while True:
+                args.append(term())
+                if spec[pos] == ",":
+                    pos += 1
+                    continue
+                if spec[pos] == ")":
+                    pos += 1
+                    break
+            return (name, args)
+        return name  # a leaf: t<j>, i<j>, a number, or a name without arguments
+
+    out = term()
+    if pos != len(spec):
+        raise ValueError(f"structural key {spec!r}: trailing text at {pos}")
+    return out
+
+
+def mask_from_key(spec: str, tensors, ints) -> "Mask":
+    """The mask :func:`mask_key` described (no validation: the original was validated)."""
+    def leaf(x):
+        if x[0] == "t":
+            return tensors[int(x[1:])]
+        if x[0] == "i":
+            return ints[int(x[1:])]
+        raise ValueError(f"structural key: bad leaf {x!r}")
+
+    def build(node):
+        name, args = (node, []) if isinstance(node, str) else node
+        if name == "causal":
+            return _Causal()
+        if name in ("and", "or"):
+            a, b = build(args[0]), build(args[1])
+            return _And(a, b) if name == "and" else _Or(a, b)
+        if name == "not":
+            return _Not(build(args[0]))
+        vals = [leaf(a) for a in args]
+        ctor = {"sliding_window": _SlidingWindow, "prefix_lm": _PrefixLM, "sink_window": _SinkWindow,
+                "document": _Document, "padding": _Padding, "key_padding": _KeyPadding, "tree": _Tree,
+                "dense": _DenseBool}.get(name)
+        if ctor is None:
+            raise ValueError(f"structural key: unknown mask {name!r}")
+        return ctor(*vals)
+
+    return build(parse_key(spec))
+
+
+class _DenseBool(Mask):
+    """A custom mask evaluated once over the whole problem (what compiled code passes to the
+    flash op in place of a Python predicate): ``allowed`` broadcastable to ``(B, H, Nq, Nk)``,
+    indexed by row/column (absolute positions minus the problem's offsets)."""
+
+    def __init__(self, allowed, q_offset, kv_offset):
+        self.allowed, self.q_offset, self.kv_offset = allowed, q_offset, kv_offset
+
+    def predicate(self, b, h, q, kv):
+        a = self.allowed
+        bi = b if a.shape[0] > 1 else torch.zeros_like(b)
+        hi = h if a.shape[1] > 1 else torch.zeros_like(h)
+        qi = q - self.q_offset if a.shape[2] > 1 else torch.zeros_like(q)
+        ki = kv - self.kv_offset if a.shape[3] > 1 else torch.zeros_like(kv)
+        return a[bi, hi, qi, ki]
+
+    def __repr__(self):
+        return f"dense(<{tuple(self.allowed.shape)}>)"
+
+
+def dense_mask(mask, B, H, Nq, Nk, q_offset, kv_offset, device) -> "Mask":
+    """``mask`` evaluated on the whole ``(B, H, Nq, Nk)`` problem (bool, broadcast dims kept
+    at 1) as a mask with a structural key: O(Nq·Nk) memory, traced by ``torch.compile``."""
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = torch.arange(H, device=device).view(1, H, 1, 1)
+    qp = (torch.arange(Nq, device=device) + q_offset).view(1, 1, Nq, 1)
+    kp = (torch.arange(Nk, device=device) + kv_offset).view(1, 1, 1, Nk)
+    a = torch.as_tensor(mask.predicate(b, h, qp, kp), device=device)
+    while a.dim() < 4:
+        a = a.unsqueeze(0)
+    return _DenseBool(a.expand(a.shape[0], a.shape[1], Nq, Nk), q_offset, kv_offset)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from attnlab import scores
-from attnlab.validate import MAX_INT, boolean, finite_tensor, integer, real
+from attnlab.validate import MAX_INT, boolean, finite_tensor, integer, real, tensor_check
 
 #: The most heads ``alibi_slopes`` builds (a Python list; a typo such as ``2**40`` would
 #: otherwise run for hours): far beyond any model's head count.
@@ -114,7 +114,10 @@ class SinusoidalEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         pos = _positions("SinusoidalEmbedding", positions)
-        if pos.numel():
+        if pos.numel() and torch.compiler.is_compiling():  # traced: an in-graph check
+            tensor_check((pos >= 0).all() & (pos < self.max_positions).all(),
+                         f"LearnedEmbedding: positions must lie in [0, {self.max_positions - 1}]")
+        elif pos.numel():
             lo, hi = (int(v) for v in torch.aminmax(pos))
             if lo < 0:
                 raise ValueError(f"SinusoidalEmbedding: positions must be >= 0, got a minimum of {lo}")
@@ -145,7 +148,10 @@ class LearnedEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         pos = _positions("LearnedEmbedding", positions)
-        if pos.numel():
+        if pos.numel() and torch.compiler.is_compiling():  # traced: an in-graph check
+            tensor_check((pos >= 0).all() & (pos < self.max_positions).all(),
+                         f"LearnedEmbedding: positions must lie in [0, {self.max_positions - 1}]")
+        elif pos.numel():
             lo, hi = (int(v) for v in torch.aminmax(pos))
             if lo < 0 or hi >= self.max_positions:
                 raise ValueError(f"LearnedEmbedding: positions span [{lo}, {hi}] but max_positions="

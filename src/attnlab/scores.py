@@ -44,6 +44,11 @@ class ScoreMod:
     def validate(self, B: int, H: int) -> None:
         """Raise ``ValueError`` if this mod cannot serve ``B`` batches of ``H`` heads."""
 
+    def key(self):
+        """``(spec, tensors, ints)``: this mod by structure and parameters, what compiled code
+        and the ``attnlab::flash_*`` custom ops read (:func:`mod_key`); None for ``custom``."""
+        return mod_key(self)
+
 
 class _Alibi(ScoreMod):
     def __init__(self, slopes, symmetric):
@@ -188,3 +193,55 @@ def compose(*mods: ScoreMod) -> ScoreMod:
         if not isinstance(m, ScoreMod):
             raise TypeError(f"scores.compose: argument {i} is a {type(m).__name__}, not a score mod")
     return _Compose(list(mods))
+
+
+# ----------------------------------------------------------------------------- structural keys
+# See :func:`attnlab.masks.mask_key`: the same scheme for score mods.  Floats (softcap's
+# ``c``) are written into the spec (dynamo specializes Python floats anyway); tensors
+# (ALiBi slopes, bias tables) are inputs, so a learnable one gets its gradient.
+
+
+def _key_into(mod, kb) -> str | None:
+    t = type(mod)
+    if t is _Alibi:
+        return f"alibi({kb.tensor(mod.slopes)},{int(mod.symmetric)})"
+    if t is _Softcap:
+        return f"softcap({float(mod.c)!r})"
+    if t is _RelativeBias:
+        return f"relative_bias({kb.tensor(mod.table)})"
+    if t is _Compose:
+        parts = [_key_into(m, kb) for m in mod.mods]
+        if any(p is None for p in parts):
+            return None
+        return f"compose({','.join(parts)})"
+    return None
+
+
+def mod_key(mod):
+    """``(spec, tensors, ints)`` describing a built-in score mod by structure and parameters,
+    or None (``custom``, or a plain callable)."""
+    from attnlab.masks import KeyBuilder
+    kb = KeyBuilder()
+    spec = _key_into(mod, kb)
+    return None if spec is None else (spec, kb.tensors, kb.ints)
+
+
+def mod_from_key(spec: str, tensors, ints) -> ScoreMod:
+    """The score mod :func:`mod_key` described (no validation: the original was validated)."""
+    from attnlab.masks import parse_key
+
+    def build(node):
+        name, args = node
+        if name == "alibi":
+            return _Alibi(tensors[int(args[0][1:])], args[1] == "1")
+        if name == "softcap":
+            return _Softcap(float(args[0]))
+        if name == "relative_bias":
+            tab = tensors[int(args[0][1:])]
+            return _RelativeBias(tab, tab.shape[1] // 2)
+        if name == "compose":
+            return _Compose([build(a) for a in args])
+        raise ValueError(f"structural key: unknown score mod {name!r}")
+
+    return build(parse_key(spec))
+

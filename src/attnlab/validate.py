@@ -36,7 +36,7 @@ import numbers
 import torch
 
 __all__ = ["MAX_INT", "ArgumentTypeError", "integer", "real", "boolean", "finite_tensor", "problem_positions",
-           "lossless_cast"]
+           "lossless_cast", "tensor_check"]
 
 #: The largest int any constructor accepts (positions, sizes, windows, offsets): differences
 #: of two such numbers, and a position plus a length, stay inside int64.
@@ -94,6 +94,9 @@ def finite_tensor(t: torch.Tensor, name: str, *, allow_neg_inf: bool = False) ->
     """``t`` when every element is finite (``-inf`` allowed with ``allow_neg_inf``)."""
     with torch.no_grad():
         bad = torch.isnan(t) | (t == math.inf) if allow_neg_inf else ~torch.isfinite(t)
+        if torch.compiler.is_compiling():  # traced: checked when the graph runs (RuntimeError)
+            torch._assert_async(~bad.any(), f"{name}: expected finite values")
+            return t
         if bool(bad.any()):
             i = tuple(int(j) for j in torch.nonzero(bad)[0])
             raise ValueError(f"{name}: expected finite values, got {float(t[i])} at index {i}"
@@ -119,6 +122,15 @@ def problem_positions(Nq: int, Nk: int, q_offset: int, kv_offset: int, where="ma
         if off + n > MAX_INT:
             raise ValueError(f"{where}: {name}={off} with {n} positions reaches {off + n - 1}; positions must stay "
                              "below 2**62 so that they and their differences fit in int64")
+
+
+def tensor_check(ok: torch.Tensor, message: str) -> bool:
+    """``bool(ok)`` eagerly; under ``torch.compile`` an in-graph assertion instead (no graph
+    break: a failure raises ``RuntimeError`` with ``message`` when the graph runs) and True."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, message)
+        return True
+    return bool(ok)
 
 
 def lossless_cast(src: torch.dtype, dst: torch.dtype) -> bool:

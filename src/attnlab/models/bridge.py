@@ -211,21 +211,29 @@ _last = [None]  # (weakref to the mask tensor, its _version, result): layers sha
 
 def _from_dense(m, B, H, Nq, Nk):
     """A 4-D transformers mask -> (attnlab mask or None, additive bias or None); cached per tensor
-    so that all layers reuse one attnlab mask and therefore its classified tiles."""
+    so that all layers reuse one attnlab mask and therefore its classified tiles.
+
+    Under ``torch.compile`` / ``torch.export`` nothing here depends on the mask's values (no
+    cache, no ``keep.all()``/``bias.any()`` shortcut): a bool mask becomes a mask, an additive
+    float mask a mask and a bias (docs/compile.md)."""
+    compiling = torch.compiler.is_compiling()
     c = _last[0]
-    if c is not None and c[0]() is m and c[1] == m._version:
+    if not compiling and c is not None and c[0]() is m and c[1] == m._version:
         return c[2]
     _check_4d(m, "attention_mask", B, H, Nq, Nk)
     if m.dtype == torch.bool:
-        keep, bias = m.clone(), None  # a copy: a view would keep `m` alive through the cache
+        keep, bias = (m if compiling else m.clone()), None  # a copy: a view would keep `m` alive through the cache
     elif m.dtype.is_floating_point:
         keep = m > torch.finfo(m.dtype).min / 2  # 0 attends; -inf and finfo.min hide
         bias = m.masked_fill(~keep, 0)
-        bias = bias if bool(bias.any()) else None
+        if not compiling and not bool(bias.any()):  # eager shortcut: a 0/-inf mask has no bias
+            bias = None
     else:
         raise TypeError(f"attention_mask: expected a bool or additive float mask, got dtype {m.dtype}")
+    if compiling:
+        return masks.custom(_reader(keep)), bias
     mask = None
-    if not bool(keep.all()):
+    if not bool(keep.all()):  # eager shortcut: an all-True mask hides nothing
         mask = masks.custom(_reader(keep))
     _last[0] = (weakref.ref(m, _forget), m._version, (mask, bias))
     return mask, bias

@@ -20,6 +20,7 @@ from attnlab import masks
 from attnlab import positions as P
 from attnlab.nn.block import Block
 from attnlab.nn.config import DecoderConfig
+from attnlab.validate import tensor_check
 from attnlab.nn.hooks import HookPoint, NormPoints
 from attnlab.nn.norms import make_norm
 
@@ -185,7 +186,8 @@ def _check_ids(ids, vocab_size):
     if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 2:
         raise ValueError(f"input_ids: expected an integer tensor (B, N), got "
                          f"{(ids.dtype, tuple(ids.shape)) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+    if ids.numel() and not tensor_check((ids >= 0).all() & (ids < vocab_size).all(),
+                                        f"input_ids: token ids must lie in [0, {vocab_size})"):
         raise ValueError(f"input_ids: token ids must lie in [0, {vocab_size}), got range "
                          f"[{int(ids.min())}, {int(ids.max())}]")
     return ids

@@ -343,19 +343,35 @@ def tiled_function(fwd, bwd, name: str) -> type:
 
     class Fn(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, pb, q, k, v, *params):
-            out, lse = fwd(pb, q, k, v)
+        def forward(pb, q, k, v, *params):
+            return fwd(pb, q, k, v)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):  # separate from forward: torch.func transforms need it
+            pb, q, k, v, *params = inputs
             ctx.pb = pb
-            ctx.save_for_backward(q, k, v, out, lse, *params)
-            return out, lse
+            ctx.save_for_backward(q, k, v, *output, *params)
 
         @staticmethod
         def backward(ctx, dout, dlse):
             q, k, v, out, lse, *params = ctx.saved_tensors
+            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (dout, dlse, q, k, v)):
+                raise RuntimeError(
+                    f"attnlab {name}: double backward (create_graph=True, gradgradcheck, grad of grad) is not "
+                    "implemented by the tiled kernel; use backend='reference' for second derivatives")
             if dout is None:
                 dout = torch.zeros_like(out)
             dq, dk, dv, dparams = bwd(ctx.pb, q, k, v, out, lse, dout, dlse, params)
             return (None, dq, dk, dv, *dparams)
+
+        @staticmethod
+        def vmap(info, in_dims, pb, q, k, v, *params):
+            """A loop over the mapped dimension (masks read the batch index b)."""
+            outs = []
+            for i in range(info.batch_size):
+                sl = [t if d is None else t.select(d, i) for t, d in zip((q, k, v, *params), in_dims[1:])]
+                outs.append(Fn.apply(pb, *sl))
+            return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
 
     Fn.__name__ = Fn.__qualname__ = name
     return Fn

@@ -35,6 +35,8 @@ def sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse) -> 
     if return_lse:
         return "SDPA returns no LSE"
     if mask is not None and hasattr(mask, "sdpa_bool_mask"):  # key padding: a (B,1,1,Nk) bool mask
+        if torch.compiler.is_compiling():
+            return "under torch.compile the check for sequences with no visible key would break the graph"
         keep = mask.sdpa_bool_mask(q.shape[0], q.shape[2], k.shape[2], kv_offset)
         if not bool(keep.any(-1).all()):
             return "a sequence with no visible key: SDPA would give NaN where attnlab gives zeros"

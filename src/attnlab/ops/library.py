@@ -1,0 +1,246 @@
+"""The flash kernel as PyTorch operators: ``torch.ops.attnlab.flash_fwd`` / ``flash_bwd``.
+
+Registered with :func:`torch.library.custom_op` (as flash-attn's interface does), each
+with a fake (meta) implementation, the backward tied on with ``register_autograd`` /
+``setup_context``, and a vmap rule.  So ``torch.compile(fullgraph=True)`` and
+``torch.export`` see one opaque node per call, where the eager kernel's Python (tile
+planning, finiteness checks, the choice of fused path) would graph-break, and
+``torch.func.grad`` / ``vmap`` compose with it.
+
+Masks and score mods are objects; an operator takes tensors, ints, floats and strings.
+A built-in is passed by its *structural key* (:func:`attnlab.masks.mask_key`,
+:func:`attnlab.scores.mod_key`): a spec string such as ``and(causal,sliding_window(i0))``,
+the tensors it reads (document ids, ALiBi slopes, bias tables: op inputs, so learnable
+ones get gradients) and its ints (op inputs too: SymInts under dynamic shapes).  The
+kernel rebuilds the mask from the key (cached per key, so classified tiles are reused).
+
+Schema (``ints`` are the mask's; a mod's floats are written into its spec)::
+
+    flash_fwd(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints,
+              scale, q_offset, kv_offset, block) -> (out, lse)
+    flash_bwd(dout, dlse?, q, k, v, out, lse, <same>) -> (dq, dk, dv, dmod_tensors)
+
+Double backward (``create_graph=True`` through ``flash_bwd``) is refused with an error
+that names ``backend="reference"`` (docs/compile.md).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+from attnlab.ops.flash import flash_backward, flash_forward, make_problem
+from attnlab.ops.reference import acc_dtype
+
+_KEEP = 32  # masks rebuilt from keys, kept with their classified tiles
+_rebuilt: OrderedDict = OrderedDict()
+
+
+class DoubleBackwardError(RuntimeError):
+    """A second derivative through the flash kernel was asked for."""
+
+
+def _tensor_id(t: Tensor):
+    return (t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
+
+
+def _mask(spec: str, tensors, ints):
+    if not spec:
+        return None
+    from attnlab.masks import mask_from_key
+    key = (spec, tuple(int(i) for i in ints), tuple(_tensor_id(t) for t in tensors))
+    hit = _rebuilt.get(key)
+    if hit is not None:
+        _rebuilt.move_to_end(key)
+        return hit[0]
+    m = mask_from_key(spec, list(tensors), [int(i) for i in ints])
+    _rebuilt[key] = (m, list(tensors))  # the tensors stay alive while their key is cached
+    if len(_rebuilt) > _KEEP:
+        _rebuilt.popitem(last=False)
+    return m
+
+
+def _mod(spec: str, tensors):
+    if not spec:
+        return None
+    from attnlab.scores import mod_from_key
+    return mod_from_key(spec, list(tensors), [])
+
+
+def _problem(q, k, mask_spec, mask_tensors, ints, mod, scale, q_offset, kv_offset, block, params):
+    mask = _mask(mask_spec, mask_tensors, ints)
+    if block:
+        bq, bk = int(block[0]), int(block[1])
+        if mask is not None and q.shape[2] > 0 and k.shape[2] > 0:
+            mask = mask.block_mask(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q_offset=int(q_offset),
+                                   kv_offset=int(kv_offset), block=(bq, bk))
+        block = (bq, bk)
+    pb, _ = make_problem(q, k, mask=mask, score_mod=mod, scale=scale, q_offset=int(q_offset),
+                         kv_offset=int(kv_offset), block=block or None, params=params)
+    pb.check_graph = None  # the mod was rebuilt from its key: it reads only its own tensors
+    return pb
+
+
+class _autograd_inside:
+    """Autograd recording inside an operator's kernel: the dispatcher runs a custom op's
+    implementation below the autograd keys, but the tiled backward differentiates the score
+    mod tile by tile with ``torch.autograd.grad`` (:mod:`attnlab.ops.modparams`)."""
+
+    _KEYS = ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "ADInplaceOrView")
+
+    def __enter__(self):
+        self.prev = []
+        for name in self._KEYS:
+            key = getattr(torch._C.DispatchKey, name, None)
+            if key is not None:
+                self.prev.append((key, torch._C._dispatch_tls_is_dispatch_key_excluded(key)))
+                torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+        return self
+
+    def __exit__(self, *exc):
+        for key, was in self.prev:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, was)
+        return False
+
+
+@torch.library.custom_op("attnlab::flash_fwd", mutates_args=())
+def flash_fwd(q: Tensor, k: Tensor, v: Tensor, mask_spec: str, mask_tensors: list[Tensor], mod_spec: str,
+              mod_tensors: list[Tensor], ints: list[int], scale: float, q_offset: int, kv_offset: int,
+              block: list[int]) -> tuple[Tensor, Tensor]:
+    """Tiled forward: ``(out (B, H, Nq, Dv), lse (B, H, Nq) float32/64)``."""
+    with torch.no_grad():
+        pb = _problem(q, k, mask_spec, mask_tensors, ints, _mod(mod_spec, mod_tensors), scale, q_offset,
+                      kv_offset, block, [])
+        return flash_forward(pb, q, k, v)
+
+
+@flash_fwd.register_fake
+def _flash_fwd_fake(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale, q_offset, kv_offset,
+                    block):
+    B, H, Nq, _ = q.shape
+    return q.new_empty((B, H, Nq, v.shape[-1])), q.new_empty((B, H, Nq), dtype=acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("attnlab::flash_bwd", mutates_args=())
+def flash_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+              mask_spec: str, mask_tensors: list[Tensor], mod_spec: str, mod_tensors: list[Tensor], ints: list[int],
+              scale: float, q_offset: int, kv_offset: int, block: list[int]) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """Tiled backward: ``(dq, dk, dv, [d mod_tensors[i]])`` (zeros for a tensor the mod
+    does not differentiate)."""
+    leaves = [t.detach().requires_grad_(t.dtype.is_floating_point) for t in mod_tensors]
+    params = [t for t in leaves if t.requires_grad]
+    with torch.no_grad():
+        pb = _problem(q, k, mask_spec, mask_tensors, ints, _mod(mod_spec, leaves), scale, q_offset, kv_offset,
+                      block, params)
+    q, k, v, out, lse, dout = (t.detach() for t in (q, k, v, out, lse, dout))
+    dlse = None if dlse is None else dlse.detach()
+    with _autograd_inside():  # only the mod's leaves require grad: nothing else records a graph
+        dq, dk, dv, dparams = flash_backward(pb, q, k, v, out, lse, dout, dlse, params)
+    it = iter(dparams)
+    dmod = [next(it).detach() if t.requires_grad else torch.zeros_like(t) for t in leaves]
+    return dq, dk, dv, dmod
+
+
+@flash_bwd.register_fake
+def _flash_bwd_fake(dout, dlse, q, k, v, out, lse, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale,
+                    q_offset, kv_offset, block):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), [torch.empty_like(t) for t in mod_tensors]
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale, q_offset, kv_offset, block) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *mask_tensors, *mod_tensors)
+    ctx.n_mask = len(mask_tensors)
+    ctx.args = (mask_spec, mod_spec, ints, scale, q_offset, kv_offset, block)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, *rest = ctx.saved_tensors
+    mask_tensors, mod_tensors = rest[:ctx.n_mask], rest[ctx.n_mask:]
+    mask_spec, mod_spec, ints, scale, q_offset, kv_offset, block = ctx.args
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (dout, dlse, q, k, v, *mod_tensors)):
+        raise DoubleBackwardError(
+            "attnlab flash backend: double backward (create_graph=True, gradgradcheck, grad of grad) is not "
+            "implemented by the tiled kernel; use backend='reference' (materialized, differentiable any number of "
+            "times) for second derivatives")
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv, dmod = torch.ops.attnlab.flash_bwd(dout, dlse, q, k, v, out, lse, mask_spec, list(mask_tensors),
+                                                   mod_spec, list(mod_tensors), ints, scale, q_offset, kv_offset,
+                                                   block)
+    return (dq, dk, dv, None, [None] * len(mask_tensors), None, list(dmod), _no_grad(ints), None, None, None,
+            _no_grad(block))
+
+
+def _no_grad(xs):
+    """The backward's "no gradient" for a list input: autograd reads an empty list as a
+    list of tensors (wants ``[]``), a list of ints as one leaf (wants None)."""
+    return [] if len(xs) == 0 else None
+
+
+flash_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- vmap
+def _loop_rule(op):
+    """vmap by a loop over the mapped dimension (masks read the batch index ``b``, so the
+    mapped dimension cannot simply be folded into B)."""
+
+    def rule(info, in_dims, *args):
+        outs = []
+        for i in range(info.batch_size):
+            sl = []
+            for a, d in zip(args, in_dims):
+                if isinstance(a, (list, tuple)) and isinstance(d, (list, tuple)):
+                    sl.append([x if dx is None else x.select(dx, i) for x, dx in zip(a, d)])
+                elif d is not None and isinstance(a, Tensor):
+                    sl.append(a.select(d, i))
+                else:
+                    sl.append(a)
+            outs.append(op(*sl))
+        res, dims = [], []
+        for j in range(len(outs[0])):
+            col = [o[j] for o in outs]
+            if isinstance(col[0], (list, tuple)):
+                res.append([torch.stack([c[n] for c in col]) for n in range(len(col[0]))])
+                dims.append([0] * len(col[0]))
+            else:
+                res.append(torch.stack(col))
+                dims.append(0)
+        return tuple(res), tuple(dims)
+
+    return rule
+
+
+torch.library.register_vmap("attnlab::flash_fwd", _loop_rule(torch.ops.attnlab.flash_fwd))
+torch.library.register_vmap("attnlab::flash_bwd", _loop_rule(torch.ops.attnlab.flash_bwd))
+
+
+# ----------------------------------------------------------------------------- entry
+def op_args(q, k, mask, score_mod, q_offset, kv_offset, block=None):
+    """The operator's non-``q/k/v`` arguments for ``mask``/``score_mod``, or None when one
+    has no structural key (``custom``)."""
+    from attnlab.masks import mask_key
+    from attnlab.scores import mod_key
+    if mask is not None and hasattr(mask, "plan"):  # a BlockMask: its mask and tile sizes
+        block = (mask.block_q, mask.block_k)
+        mask = mask.mask
+    mk = ("", [], []) if mask is None else mask_key(mask)
+    sk = ("", [], []) if score_mod is None else (score_mod.key() if hasattr(score_mod, "key") else None)
+    if mk is None or sk is None:
+        return None
+    return (mk[0], list(mk[1]), sk[0], list(sk[1]), list(mk[2]), q_offset, kv_offset,
+            [] if block is None else [int(block[0]), int(block[1])])
+
+
+def flash_op(q, k, v, args, scale):
+    """``(out, lse)`` through ``torch.ops.attnlab.flash_fwd``; ``args`` from :func:`op_args`."""
+    mask_spec, mask_tensors, mod_spec, mod_tensors, ints, q_offset, kv_offset, block = args
+    return torch.ops.attnlab.flash_fwd(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, float(scale),
+                                       q_offset, kv_offset, block)
+
+
+__all__ = ["flash_fwd", "flash_bwd", "flash_op", "op_args", "DoubleBackwardError"]
