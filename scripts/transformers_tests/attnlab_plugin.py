@@ -13,7 +13,9 @@ model's attention calls :func:`attnlab.models.bridge.attention_forward`:
   returns a registered ``"eager"`` entry before the model's own
   ``eager_attention_forward`` default, so the override routes every Gemma-2 attention
   call (softcap, sliding window, additive ``eager_mask``) through attnlab without
-  changing which tests run.  (Patching ``_supports_sdpa = True`` instead would add the
+  changing which tests run.  Eager returns the attention weights on every call (the
+  output recorder behind ``output_attentions=True`` takes them from there), so this
+  route asks the bridge for them always (``attnlab.attention_probs``).  (Patching ``_supports_sdpa = True`` instead would add the
   SDPA-only tests that stock skips, so the counts would no longer compare.)
 
 Tests that name ``"eager"`` explicitly (``test_eager_matches_sdpa_*``, ...) then compare
@@ -51,6 +53,14 @@ def _counting_forward(module, query, key, value, attention_mask, **kwargs):
     return bridge.attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+def _counting_forward_eager(module, query, key, value, attention_mask, **kwargs):
+    """The ``"eager"`` route: eager always returns the weights, and transformers' output
+    recorder (``output_attentions=True``, ``capture_outputs``) collects them from the
+    attention module's return value without passing ``output_attentions`` down, so ask
+    the bridge for them (``attnlab.attention_probs``) on every call."""
+    return _counting_forward(module, query, key, value, attention_mask, **{**kwargs, "output_attentions": True})
+
+
 def pytest_configure(config):
     from transformers import AttentionInterface
 
@@ -59,7 +69,7 @@ def pytest_configure(config):
     AttentionInterface.register("sdpa", _counting_forward)
     _routed[:] = ["sdpa"]
     if os.environ.get("ATTNLAB_ROUTE_EAGER") == "1":
-        AttentionInterface.register("eager", _counting_forward)
+        AttentionInterface.register("eager", _counting_forward_eager)
         _routed.append("eager")
     config.attnlab_info = f"attnlab {getattr(attnlab, '__version__', '?')} from {os.path.dirname(attnlab.__file__)}"
 
