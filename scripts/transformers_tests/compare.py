@@ -1,7 +1,11 @@
 """Compare the JUnit results of run.sh: stock vs attnlab counts per model, and the tests
 that fail (or error) only with attnlab, each with the first line of its message.
 
-    python compare.py RESULTS_DIR MODEL [MODEL ...]
+    python compare.py [--stock STOCK_DIR] RESULTS_DIR MODEL [MODEL ...]
+
+The stock results are read from STOCK_DIR when given (e.g. a RESULTS folder holding only
+attnlab runs of another source), else from RESULTS_DIR.  Counts are per test function
+(JUnit test cases); pytest's own summary line also counts failed subtests.
 """
 
 import sys
@@ -28,14 +32,15 @@ def outcomes(path):
     return res
 
 
-def main(results, models):
+def main(results, models, stock=None):
     results = Path(results)
+    stock = Path(stock) if stock else results
     print(f"{'model':8} {'mode':8} {'passed':>7} {'failed':>7} {'error':>6} {'skipped':>8}")
     bad = 0
     for m in models:
         got = {}
         for mode in ("stock", "attnlab"):
-            p = results / f"{m}-{mode}.xml"
+            p = (stock if mode == "stock" else results) / f"{m}-{mode}.xml"
             if not p.exists():
                 continue
             got[mode] = outcomes(p)
@@ -57,4 +62,8 @@ def main(results, models):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2:]))
+    args = sys.argv[1:]
+    stock_dir = None
+    if args[:1] == ["--stock"]:
+        stock_dir, args = args[1], args[2:]
+    sys.exit(main(args[0], args[1:], stock_dir))

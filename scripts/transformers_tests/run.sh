@@ -9,6 +9,7 @@
 #   WORK          scratch folder, never committed (default: <repo>/scratch/transformers_tests)
 #   ATTNLAB_SRC   attnlab source folder put first on PYTHONPATH (default: <repo>/src)
 #   RESULTS       results folder (default: $WORK/results); compare.py reads stock from it too
+#   STOCK_RESULTS where compare.py reads the stock runs from (default: $RESULTS)
 #   MODES         "stock attnlab" (default), or one of them
 #   TIMEOUT       per-test timeout in s when pytest-timeout is installed (default 300)
 #   MARKERS       pytest -m expression (default: deselect the multi-process FSDP / tensor- / expert-parallel
@@ -127,4 +128,4 @@ for m in "${MODELS[@]}"; do
     set -e
   done
 done
-"$PYTHON" "$HERE/compare.py" "$RESULTS" "${MODELS[@]}"
+"$PYTHON" "$HERE/compare.py" --stock "${STOCK_RESULTS:-$RESULTS}" "$RESULTS" "${MODELS[@]}"
