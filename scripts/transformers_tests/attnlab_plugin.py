@@ -13,17 +13,20 @@ model's attention calls :func:`attnlab.models.bridge.attention_forward`:
   returns a registered ``"eager"`` entry before the model's own
   ``eager_attention_forward`` default, so the override routes every Gemma-2 attention
   call (softcap, sliding window, additive ``eager_mask``) through attnlab without
-  changing which tests run.  Eager returns the attention weights on every call (the
-  output recorder behind ``output_attentions=True`` takes them from there), so this
-  route asks the bridge for them always (``attnlab.attention_probs``).  (Patching ``_supports_sdpa = True`` instead would add the
-  SDPA-only tests that stock skips, so the counts would no longer compare.)
+  changing which tests run.  (Patching ``_supports_sdpa = True`` instead would add the
+  SDPA-only tests that stock skips, so the counts would no longer compare.)  Eager
+  returns the weights, and transformers' output recorder (``output_attentions=True``)
+  takes them from the attention module's return value without passing
+  ``output_attentions`` down; so this route asks the bridge for the weights when the
+  recorder is collecting ``attentions`` (and always under ``torch.compile``, where the
+  recorder's state is not read here), and otherwise runs the plain flash path.
 
 Tests that name ``"eager"`` explicitly (``test_eager_matches_sdpa_*``, ...) then compare
 stock eager against attnlab for the other four models.
 
 Every call outside ``torch.compile`` tracing is counted (inside, dynamo would guard on
-the counters' values and recompile on each call: the no-recompile tests would fail).  A module-scoped autouse fixture fails (as an ERROR at the
-module's last teardown) when a test module made no attnlab call at all, and the
+the counters' values and recompile on each call: the no-recompile tests would fail).
+A module-scoped autouse fixture fails (as an ERROR at the module's last teardown) when a test module made no attnlab call at all, and the
 session writes ``{module: {"calls": n, "tests_with_calls": t}}`` to the JSON file named
 by ``ATTNLAB_CALLS_JSON`` (if set) and prints it in the terminal summary.
 """
@@ -54,11 +57,21 @@ def _counting_forward(module, query, key, value, attention_mask, **kwargs):
 
 
 def _counting_forward_eager(module, query, key, value, attention_mask, **kwargs):
-    """The ``"eager"`` route: eager always returns the weights, and transformers' output
-    recorder (``output_attentions=True``, ``capture_outputs``) collects them from the
-    attention module's return value without passing ``output_attentions`` down, so ask
-    the bridge for them (``attnlab.attention_probs``) on every call."""
-    return _counting_forward(module, query, key, value, attention_mask, **{**kwargs, "output_attentions": True})
+    """The ``"eager"`` route: weights whenever transformers' output recorder collects them."""
+    import torch
+
+    want = True
+    if not torch.compiler.is_compiling():
+        try:  # test harness only: transformers' recorder state (a private name) says what it collects
+            from transformers.utils.output_capturing import _active_collector
+        except ImportError:  # another transformers layout: ask always, as eager returns them always
+            pass
+        else:
+            collecting = _active_collector.get()
+            want = collecting is not None and "attentions" in collecting
+    if want:
+        kwargs = {**kwargs, "output_attentions": True}
+    return _counting_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def pytest_configure(config):
