@@ -26,9 +26,10 @@ stock eager against attnlab for the other four models.
 
 Every call outside ``torch.compile`` tracing is counted (inside, dynamo would guard on
 the counters' values and recompile on each call: the no-recompile tests would fail).
-A module-scoped autouse fixture fails (as an ERROR at the module's last teardown) when a test module made no attnlab call at all, and the
-session writes ``{module: {"calls": n, "tests_with_calls": t}}`` to the JSON file named
-by ``ATTNLAB_CALLS_JSON`` (if set) and prints it in the terminal summary.
+A module-scoped autouse fixture fails (as an ERROR at the module's last teardown) when
+a test module made no attnlab call at all, and the session writes
+``{module: {"calls": n, "tests_with_calls": t}}`` to the JSON file named by
+``ATTNLAB_CALLS_JSON`` (if set) and prints it in the terminal summary.
 """
 
 from __future__ import annotations
