@@ -17,6 +17,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnlab
 from attnlab import masks
@@ -90,6 +92,19 @@ def test_any_tiling_gives_the_same_mask(block):
         assert (got - want[name]).abs().max() <= tol, name
 
 
+@settings(max_examples=8, deadline=None)
+@given(bq=st.integers(5, 40), bk=st.integers(5, 40), seed=st.integers(-(2**63), 2**64 - 1),
+       p=st.floats(0.01, 0.95), causal=st.booleans())
+def test_property_flash_equals_reference_at_any_tiling_and_seed(bq, bk, seed, p, causal):
+    from attnlab.ops.dropout import Dropout
+    from attnlab.ops.flash import flash_attention
+    q, k, v = make_qkv(1, 2, 1, 23, 31, 8, dtype=F64, seed=6)
+    mask = masks.causal() if causal else None
+    want = attnlab.attention(q, k, v, mask=mask, dropout_p=p, dropout_seed=seed, backend="reference")
+    got, _ = flash_attention(q, k, v, mask=mask, scale=8**-0.5, q_offset=8, block=(bq, bk), dropout=Dropout(p, seed))
+    assert (got - want).abs().max() <= 1e3 * FLOOR[F64]
+
+
 def test_reference_equals_a_dense_computation_with_the_public_mask():
     q, k, v = make_qkv(2, 4, 2, 9, 13, 8, dtype=F64, seed=1)
     p, seed, qo, ko = 0.3, 2**40 + 7, 2, 5
@@ -150,12 +165,21 @@ def test_keep_rate_is_binomial(p):
         assert abs(float(agree.mean()) - want) <= SIGMAS * math.sqrt(want * (1 - want) / agree.numel())
 
 
+def test_rectangles_look_independent():
+    """The weak spot of hashes that combine a row state and a column state: the XOR of the
+    four corners of a rectangle of bits must be a fair coin (p = 0.5)."""
+    z = _keep(1, 1, 256, 256, p=0.5, seed=4)[0, 0].int()
+    for a, b in ((1, 1), (2, 3), (7, 1)):
+        r = z[a:, b:] ^ z[:-a, b:] ^ z[a:, :-b] ^ z[:-a, :-b]
+        assert abs(float(r.float().mean()) - 0.5) <= SIGMAS * math.sqrt(0.25 / r.numel()), (a, b)
+
+
 def test_mean_over_seeds_is_the_no_dropout_output():
     q, k, v = make_qkv(1, 2, 1, 6, 10, 8, dtype=F64, seed=4)
     S, p = 200, 0.3
     want = attnlab.attention(q, k, v, mask=masks.causal(), backend="reference")
     outs = torch.stack([attnlab.attention(q, k, v, mask=masks.causal(), dropout_p=p, dropout_seed=s,
-                                          backend="flash") for s in range(S)])
+                                          backend="reference") for s in range(S)])  # = flash's (tested above)
     mean, sd = outs.mean(0), outs.std(0)
     # CLT: the sample mean is within SIGMAS standard errors (rows seeing one key: no variance)
     assert ((mean - want).abs() <= SIGMAS * sd / math.sqrt(S) + 1e3 * FLOOR[F64]).all()

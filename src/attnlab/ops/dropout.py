@@ -33,6 +33,15 @@ Where the seed comes from: ``dropout_seed=`` (an int, or a ``torch.Generator`` t
 it from); by default one int64 is drawn from torch's default CPU generator
 (:func:`draw_seed`), so ``torch.manual_seed(s)`` makes a run reproducible, and each call
 draws a fresh seed (as ``F.dropout`` would advance the generator).
+
+>>> import torch, attnlab
+>>> from attnlab.ops import dropout_mask
+>>> q = k = v = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+>>> out = attnlab.attention(q, k, v, dropout_p=0.5, dropout_seed=7, backend="flash")
+>>> z = dropout_mask(1, 2, 5, 5, p=0.5, seed=7)                  # the mask that call used
+>>> p = attnlab.attention_probs(q, k)
+>>> bool(torch.allclose(out, (p * z / 0.5) @ v))
+True
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from attnlab.ops.triton.scoremods import lower_score_mod
 from attnlab.ops.triton.support import unsupported
 
 _KERNELS = {"fwd": attn_fwd, "dq": attn_bwd_dq, "dkdv": attn_bwd_dkdv, "delta": attn_bwd_delta}
-_KEYS = {"fwd": ["BM", "BN", "BD", "BDV", "SPARSE", "MT", "ALIBI", "SOFTCAP", "RELBIAS"],
+_KEYS = {"fwd": ["BM", "BN", "BD", "BDV", "SPARSE", "MT", "ALIBI", "SOFTCAP", "RELBIAS", "DROPOUT"],
          "delta": ["BM", "BDV"]}
 _KEYS["dq"] = _KEYS["dkdv"] = _KEYS["fwd"]
 _RESET = {"dq": ["DRTAB"]}  # accumulated with atomics: zeroed before every autotuning trial
@@ -58,7 +58,7 @@ def _bstride(t, dim):
 class _Problem:
     """Everything but the tensors: kept on ctx, out of autograd's inputs."""
 
-    def __init__(self, q, k, v, mask, mod, scale, q_offset, kv_offset, block):
+    def __init__(self, q, k, v, mask, mod, scale, q_offset, kv_offset, block, dropout=None):
         B, H, Nq, D = q.shape
         self.B, self.H, self.Nq, self.D = B, H, Nq, D
         self.Hkv, self.Nk, self.Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -74,13 +74,18 @@ class _Problem:
         self.dummy_i = torch.zeros(1, dtype=torch.int32, device=q.device)
         self.dummy_f = torch.zeros(1, dtype=torch.float32, device=q.device)
         self.mod_kw = self._mod_args()
+        self.dropout = dropout  # an attnlab.ops.dropout.Dropout: the kernels hash its counters per tile
+        d = dropout
+        self.drop_kw = dict(key_r=0, key_c=0, thr=0, inv_keep=1.0, DROPOUT=False) if d is None else dict(
+            key_r=d.key_r, key_c=d.key_c, thr=d.threshold, inv_keep=d.inv_keep, DROPOUT=True)
         self.score_mod, self._flash = None, None  # the mod itself, for the flash fallback
 
     def flash(self, q, k):
         """The flash kernel's plan for this problem: the fallback for non-finite inputs."""
         if self._flash is None:
             self._flash, _ = make_problem(q, k, mask=self.mask, score_mod=self.score_mod, scale=self.scale,
-                                          q_offset=self.q_offset, kv_offset=self.kv_offset, params=[])
+                                          q_offset=self.q_offset, kv_offset=self.kv_offset, params=[],
+                                          dropout=self.dropout)
         return self._flash
 
     def plan(self, kernel):
@@ -137,7 +142,7 @@ class _Problem:
             q_offset=self.q_offset, kv_offset=self.kv_offset, scale=self.scale,
             n_kv_blocks=_cdiv(self.Nk, BN), BM=BM, BN=BN, BD=self.BD, BDV=self.BDV,
             EVEN_N=self.Nk % BN == 0, UPCAST=self.fix_bf16, FIX_BF16=self.fix_bf16,
-            **self.mask_args(plan, direction), **self.mod_kw)
+            **self.mask_args(plan, direction), **self.mod_kw, **self.drop_kw)
 
 
 def _forward(pb: _Problem, q, k, v):
@@ -209,13 +214,15 @@ def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params):
 _TritonAttention = tiled_function(_forward, _backward, "_TritonAttention")
 
 
-def triton_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, block=None):
+def triton_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, block=None, dropout=None):
     """Attention on the Triton kernels, forward and backward.  Returns ``(out, lse)``.
 
     Inputs as validated by :func:`attnlab.attention`; ``mask`` is a Mask, a BlockMask
     or None.  ``block=(BM, BN)`` (powers of two, 16..256) sets every kernel's tiles; a
     BlockMask built at such tiles sets them too (and is used as is), any other
-    BlockMask is re-classified at the kernels' own tiles.
+    BlockMask is re-classified at the kernels' own tiles.  ``dropout`` (an
+    :class:`attnlab.ops.dropout.Dropout` or None): the kernels regenerate its keep-mask
+    per tile from the counters, the same bits as the reference and the flash path.
     Raises ``ValueError`` when the kernels cannot serve the request (see
     :func:`attnlab.ops.triton.unsupported`).
     """
@@ -225,8 +232,8 @@ def triton_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_
     if q.shape[2] == 0 or k.shape[2] == 0:
         from attnlab.ops.flash import flash_attention
         return flash_attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
-                               kv_offset=kv_offset)
+                               kv_offset=kv_offset, dropout=dropout)
     mod = lower_score_mod(score_mod)
-    pb = _Problem(q, k, v, mask, mod, scale, q_offset, kv_offset, block)
+    pb = _Problem(q, k, v, mask, mod, scale, q_offset, kv_offset, block, dropout)
     pb.score_mod = score_mod
     return _TritonAttention.apply(pb, q, k, v, *mod.params)

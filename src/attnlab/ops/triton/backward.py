@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attnlab.ops.triton.jitlib import LOG2E, cast, device, mma, mod_grad, rowsum, score_tile, total
+from attnlab.ops.triton.jitlib import LOG2E, cast, device, dropout_tile, mma, mod_grad, rowsum, score_tile, total
 
 
 @triton.jit
@@ -56,11 +56,12 @@ def _dq_step(dq, dsl, q, do, lse, delta, j, b, h, i, rows, kbase, vbase, skn, sk
              q_offset, kv_offset, scale,
              band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
              TID, TAB, s_tab_t, s_tab_b, s_tab_h, n_kv_blocks, SLOPES, RTAB, s_rtab, R, cap, DRTAB, s_drtab,
-             BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, W: tl.constexpr,
+             key_r, key_c, thr, inv_keep, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, W: tl.constexpr,
              MASKED: tl.constexpr, EVEN_N: tl.constexpr,
              MB: tl.constexpr, MS: tl.constexpr, MD: tl.constexpr, MK: tl.constexpr, MT: tl.constexpr,
              ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, RELBIAS: tl.constexpr,
-             ALIBI_GRAD: tl.constexpr, RELBIAS_GRAD: tl.constexpr, UPCAST: tl.constexpr, FIX_BF16: tl.constexpr):
+             ALIBI_GRAD: tl.constexpr, RELBIAS_GRAD: tl.constexpr, UPCAST: tl.constexpr, FIX_BF16: tl.constexpr,
+             DROPOUT: tl.constexpr):
     cols = j * BN + tl.arange(0, BN)
     rd = tl.arange(0, BD)
     rdv = tl.arange(0, BDV)
@@ -76,6 +77,8 @@ def _dq_step(dq, dsl, q, do, lse, delta, j, b, h, i, rows, kbase, vbase, skn, sk
                            BM, BN, W, MASKED, EVEN_N, MB, MS, MD, MK, MT, ALIBI, SOFTCAP, RELBIAS)
     p = tl.math.exp2((s - lse[:, None]) * LOG2E)
     dp = mma(do, tl.trans(vv), UPCAST)
+    if DROPOUT:  # out = (P∘Zs)V: dP = Zs∘(dO Vᵀ); Δ = rowsum(dO∘O) is unchanged
+        dp = dp * dropout_tile(b, h, rows, cols, q_offset, kv_offset, key_r, key_c, thr, inv_keep)
     g = p * (dp - delta[:, None])
     g, dsl_t = mod_grad(g, t1, t2, h, rows, cols, Nq, Nk, q_offset, kv_offset, DRTAB, s_drtab, R,
                         BM, ALIBI, SOFTCAP, ALIBI_GRAD, RELBIAS_GRAD)
@@ -91,12 +94,13 @@ def attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
                 LISTS, slb, slh, slr,
                 band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
                 TID, TAB, s_tab_t, s_tab_b, s_tab_h,
-                SLOPES, RTAB, s_rtab, R, cap, DSLOPE, DRTAB, s_drtab,
+                SLOPES, RTAB, s_rtab, R, cap, DSLOPE, DRTAB, s_drtab, key_r, key_c, thr, inv_keep,
                 BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, W: tl.constexpr,
                 SPARSE: tl.constexpr, EVEN_N: tl.constexpr,
                 MB: tl.constexpr, MS: tl.constexpr, MD: tl.constexpr, MK: tl.constexpr, MT: tl.constexpr,
                 ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, RELBIAS: tl.constexpr,
-                ALIBI_GRAD: tl.constexpr, RELBIAS_GRAD: tl.constexpr, UPCAST: tl.constexpr, FIX_BF16: tl.constexpr):
+                ALIBI_GRAD: tl.constexpr, RELBIAS_GRAD: tl.constexpr, UPCAST: tl.constexpr, FIX_BF16: tl.constexpr,
+                DROPOUT: tl.constexpr):
     i = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: b·stride may pass 2^31
     b = bh // H
@@ -126,24 +130,27 @@ def attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
                                Nq, Nk, D, Dv, q_offset, kv_offset, scale,
                                band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
                                TID, TAB, s_tab_t, s_tab_b, s_tab_h, n_kv_blocks, SLOPES, RTAB, s_rtab, R, cap,
-                               DRTAB, s_drtab, BM, BN, BD, BDV, W, True, EVEN_N, MB, MS, MD, MK, MT,
-                               ALIBI, SOFTCAP, RELBIAS, ALIBI_GRAD, RELBIAS_GRAD, UPCAST, FIX_BF16)
+                               DRTAB, s_drtab, key_r, key_c, thr, inv_keep, BM, BN, BD, BDV, W, True, EVEN_N, MB, MS, MD, MK, MT,
+                               ALIBI, SOFTCAP, RELBIAS, ALIBI_GRAD, RELBIAS_GRAD, UPCAST, FIX_BF16,
+                               DROPOUT)
         for t in range(n_part, n_part + n_full):
             j = tl.load(base + 2 + t)
             dq, dsl = _dq_step(dq, dsl, q, do, lse, delta, j, b, h, i, rows, kbase, vbase, skn, skd, svn, svd,
                                Nq, Nk, D, Dv, q_offset, kv_offset, scale,
                                band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
                                TID, TAB, s_tab_t, s_tab_b, s_tab_h, n_kv_blocks, SLOPES, RTAB, s_rtab, R, cap,
-                               DRTAB, s_drtab, BM, BN, BD, BDV, W, False, EVEN_N, MB, MS, MD, MK, MT,
-                               ALIBI, SOFTCAP, RELBIAS, ALIBI_GRAD, RELBIAS_GRAD, UPCAST, FIX_BF16)
+                               DRTAB, s_drtab, key_r, key_c, thr, inv_keep, BM, BN, BD, BDV, W, False, EVEN_N, MB, MS, MD, MK, MT,
+                               ALIBI, SOFTCAP, RELBIAS, ALIBI_GRAD, RELBIAS_GRAD, UPCAST, FIX_BF16,
+                               DROPOUT)
     else:
         for j in range(0, n_kv_blocks):
             dq, dsl = _dq_step(dq, dsl, q, do, lse, delta, j, b, h, i, rows, kbase, vbase, skn, skd, svn, svd,
                                Nq, Nk, D, Dv, q_offset, kv_offset, scale,
                                band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
                                TID, TAB, s_tab_t, s_tab_b, s_tab_h, n_kv_blocks, SLOPES, RTAB, s_rtab, R, cap,
-                               DRTAB, s_drtab, BM, BN, BD, BDV, W, False, EVEN_N, MB, MS, MD, MK, MT,
-                               ALIBI, SOFTCAP, RELBIAS, ALIBI_GRAD, RELBIAS_GRAD, UPCAST, FIX_BF16)
+                               DRTAB, s_drtab, key_r, key_c, thr, inv_keep, BM, BN, BD, BDV, W, False, EVEN_N, MB, MS, MD, MK, MT,
+                               ALIBI, SOFTCAP, RELBIAS, ALIBI_GRAD, RELBIAS_GRAD, UPCAST, FIX_BF16,
+                               DROPOUT)
     tl.store(DQ + b * sgb + h * sgh + rows[:, None] * sgm + rd[None, :] * sgd,
              cast(dq, DQ.dtype.element_ty, FIX_BF16), mask=(rows[:, None] < Nq) & (rd[None, :] < D))
     if ALIBI_GRAD:
@@ -155,11 +162,11 @@ def _dkdv_step(dk, dv, kt, vv, i, j, b, h, qbase, dobase, LSE, DELTA, bh, sqm, s
                q_offset, kv_offset, scale,
                band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
                TID, TAB, s_tab_t, s_tab_b, s_tab_h, n_kv_blocks, SLOPES, RTAB, s_rtab, R, cap,
-               BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, W: tl.constexpr,
+               key_r, key_c, thr, inv_keep, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, W: tl.constexpr,
                MASKED: tl.constexpr, EVEN_N: tl.constexpr,
                MB: tl.constexpr, MS: tl.constexpr, MD: tl.constexpr, MK: tl.constexpr, MT: tl.constexpr,
                ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, RELBIAS: tl.constexpr,
-               UPCAST: tl.constexpr, FIX_BF16: tl.constexpr):
+               UPCAST: tl.constexpr, FIX_BF16: tl.constexpr, DROPOUT: tl.constexpr):
     rows = i * BM + tl.arange(0, BM)
     rd = tl.arange(0, BD)
     rdv = tl.arange(0, BDV)
@@ -175,8 +182,13 @@ def _dkdv_step(dk, dv, kt, vv, i, j, b, h, qbase, dobase, LSE, DELTA, bh, sqm, s
                            TID, TAB, s_tab_t, s_tab_b, s_tab_h, n_kv_blocks, SLOPES, RTAB, s_rtab, R, cap,
                            BM, BN, W, MASKED, EVEN_N, MB, MS, MD, MK, MT, ALIBI, SOFTCAP, RELBIAS)
     p = tl.math.exp2((s - lse[:, None]) * LOG2E)
-    dv += mma(tl.trans(cast(p, do.dtype, FIX_BF16)), do, UPCAST)
     dp = mma(do, tl.trans(vv), UPCAST)
+    if DROPOUT:  # dV = (P∘Zs)ᵀ dO, dP = Zs∘(dO Vᵀ)
+        zs = dropout_tile(b, h, rows, cols, q_offset, kv_offset, key_r, key_c, thr, inv_keep)
+        dv += mma(tl.trans(cast(p * zs, do.dtype, FIX_BF16)), do, UPCAST)
+        dp = dp * zs
+    else:
+        dv += mma(tl.trans(cast(p, do.dtype, FIX_BF16)), do, UPCAST)
     g = p * (dp - delta[:, None])
     g, _unused = mod_grad(g, t1, t2, h, rows, cols, Nq, Nk, q_offset, kv_offset, SLOPES, 0, R,
                           BM, ALIBI, SOFTCAP, False, False)
@@ -192,12 +204,12 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                   LISTS, slb, slh, slr,
                   band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
                   TID, TAB, s_tab_t, s_tab_b, s_tab_h,
-                  SLOPES, RTAB, s_rtab, R, cap,
+                  SLOPES, RTAB, s_rtab, R, cap, key_r, key_c, thr, inv_keep,
                   BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, W: tl.constexpr,
                   SPARSE: tl.constexpr, EVEN_N: tl.constexpr,
                   MB: tl.constexpr, MS: tl.constexpr, MD: tl.constexpr, MK: tl.constexpr, MT: tl.constexpr,
                   ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, RELBIAS: tl.constexpr,
-                  UPCAST: tl.constexpr, FIX_BF16: tl.constexpr):
+                  UPCAST: tl.constexpr, FIX_BF16: tl.constexpr, DROPOUT: tl.constexpr):
     j = tl.program_id(0)
     bhk = tl.program_id(1).to(tl.int64)
     b = bhk // Hkv
@@ -226,24 +238,24 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                                     Nq, Nk, D, Dv, q_offset, kv_offset, scale,
                                     band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
                                     TID, TAB, s_tab_t, s_tab_b, s_tab_h, n_kv_blocks, SLOPES, RTAB, s_rtab, R, cap,
-                                    BM, BN, BD, BDV, W, True, EVEN_N, MB, MS, MD, MK, MT,
-                                    ALIBI, SOFTCAP, RELBIAS, UPCAST, FIX_BF16)
+                                    key_r, key_c, thr, inv_keep, BM, BN, BD, BDV, W, True, EVEN_N, MB, MS, MD, MK, MT,
+                                    ALIBI, SOFTCAP, RELBIAS, UPCAST, FIX_BF16, DROPOUT)
             for t in range(n_part, n_part + n_full):
                 i = tl.load(base + 2 + t)
                 dk, dv = _dkdv_step(dk, dv, kt, vv, i, j, b, h, qbase, dobase, LSE, DELTA, bh, sqm, sqd, sdm, sdd, cols,
                                     Nq, Nk, D, Dv, q_offset, kv_offset, scale,
                                     band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
                                     TID, TAB, s_tab_t, s_tab_b, s_tab_h, n_kv_blocks, SLOPES, RTAB, s_rtab, R, cap,
-                                    BM, BN, BD, BDV, W, False, EVEN_N, MB, MS, MD, MK, MT,
-                                    ALIBI, SOFTCAP, RELBIAS, UPCAST, FIX_BF16)
+                                    key_r, key_c, thr, inv_keep, BM, BN, BD, BDV, W, False, EVEN_N, MB, MS, MD, MK, MT,
+                                    ALIBI, SOFTCAP, RELBIAS, UPCAST, FIX_BF16, DROPOUT)
         else:
             for i in range(0, n_q_blocks):
                 dk, dv = _dkdv_step(dk, dv, kt, vv, i, j, b, h, qbase, dobase, LSE, DELTA, bh, sqm, sqd, sdm, sdd, cols,
                                     Nq, Nk, D, Dv, q_offset, kv_offset, scale,
                                     band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
                                     TID, TAB, s_tab_t, s_tab_b, s_tab_h, n_kv_blocks, SLOPES, RTAB, s_rtab, R, cap,
-                                    BM, BN, BD, BDV, W, False, EVEN_N, MB, MS, MD, MK, MT,
-                                    ALIBI, SOFTCAP, RELBIAS, UPCAST, FIX_BF16)
+                                    key_r, key_c, thr, inv_keep, BM, BN, BD, BDV, W, False, EVEN_N, MB, MS, MD, MK, MT,
+                                    ALIBI, SOFTCAP, RELBIAS, UPCAST, FIX_BF16, DROPOUT)
     tl.store(DK + b * skgb + hk * skgh + cols[:, None] * skgn + rd[None, :] * skgd,
              cast(dk, DK.dtype.element_ty, FIX_BF16), mask=(cols[:, None] < Nk) & (rd[None, :] < D))
     tl.store(DV + b * svgb + hk * svgh + cols[:, None] * svgn + rdv[None, :] * svgd,

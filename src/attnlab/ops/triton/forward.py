@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attnlab.ops.triton.jitlib import LOG2E, cast, device, mma, rowmax, rowsum, score_tile
+from attnlab.ops.triton.jitlib import LOG2E, cast, device, dropout_tile, mma, rowmax, rowsum, score_tile
 
 
 @device
@@ -29,11 +29,12 @@ def _fwd_step(acc, m_i, l_i, q, j, b, h, i, rows, kbase, vbase, skn, skd, svn, s
               q_offset, kv_offset, scale,
               band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
               TID, TAB, s_tab_t, s_tab_b, s_tab_h, n_kv_blocks, SLOPES, RTAB, s_rtab, R, cap,
+              key_r, key_c, thr, inv_keep,
               BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, W: tl.constexpr,
               MASKED: tl.constexpr, EVEN_N: tl.constexpr,
               MB: tl.constexpr, MS: tl.constexpr, MD: tl.constexpr, MK: tl.constexpr, MT: tl.constexpr,
               ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, RELBIAS: tl.constexpr,
-              UPCAST: tl.constexpr, FIX_BF16: tl.constexpr):
+              UPCAST: tl.constexpr, FIX_BF16: tl.constexpr, DROPOUT: tl.constexpr):
     cols = j * BN + tl.arange(0, BN)
     rd = tl.arange(0, BD)
     rdv = tl.arange(0, BDV)
@@ -48,7 +49,9 @@ def _fwd_step(acc, m_i, l_i, q, j, b, h, i, rows, kbase, vbase, skn, skd, svn, s
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
     alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
-    l_i = l_i * alpha + rowsum(p)
+    l_i = l_i * alpha + rowsum(p)  # the LSE is of the undropped probabilities
+    if DROPOUT:
+        p = p * dropout_tile(b, h, rows, cols, q_offset, kv_offset, key_r, key_c, thr, inv_keep)
     vv = tl.load(vbase + cols[:, None] * svn + rdv[None, :] * svd,
                  mask=(cols[:, None] < Nk) & (rdv[None, :] < Dv), other=0.0)
     acc = acc * alpha[:, None] + mma(cast(p, vv.dtype, FIX_BF16), vv, UPCAST)
@@ -62,12 +65,12 @@ def attn_fwd(Q, K, V, O, LSE,
              LISTS, slb, slh, slr,
              band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
              TID, TAB, s_tab_t, s_tab_b, s_tab_h,
-             SLOPES, RTAB, s_rtab, R, cap,
+             SLOPES, RTAB, s_rtab, R, cap, key_r, key_c, thr, inv_keep,
              BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, W: tl.constexpr,
              SPARSE: tl.constexpr, EVEN_N: tl.constexpr,
              MB: tl.constexpr, MS: tl.constexpr, MD: tl.constexpr, MK: tl.constexpr, MT: tl.constexpr,
              ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, RELBIAS: tl.constexpr,
-             UPCAST: tl.constexpr, FIX_BF16: tl.constexpr):
+             UPCAST: tl.constexpr, FIX_BF16: tl.constexpr, DROPOUT: tl.constexpr):
     i = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: b·stride may pass 2^31
     b = bh // H
@@ -93,24 +96,24 @@ def attn_fwd(Q, K, V, O, LSE,
                                       Nq, Nk, D, Dv, q_offset, kv_offset, scale,
                                       band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
                                       TID, TAB, s_tab_t, s_tab_b, s_tab_h, n_kv_blocks, SLOPES, RTAB, s_rtab, R, cap,
-                                      BM, BN, BD, BDV, W, True, EVEN_N, MB, MS, MD, MK, MT,
-                                      ALIBI, SOFTCAP, RELBIAS, UPCAST, FIX_BF16)
+                                      key_r, key_c, thr, inv_keep, BM, BN, BD, BDV, W, True, EVEN_N, MB, MS, MD, MK, MT,
+                                      ALIBI, SOFTCAP, RELBIAS, UPCAST, FIX_BF16, DROPOUT)
         for t in range(n_part, n_part + n_full):
             j = tl.load(base + 2 + t)
             acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, b, h, i, rows, kbase, vbase, skn, skd, svn, svd,
                                       Nq, Nk, D, Dv, q_offset, kv_offset, scale,
                                       band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
                                       TID, TAB, s_tab_t, s_tab_b, s_tab_h, n_kv_blocks, SLOPES, RTAB, s_rtab, R, cap,
-                                      BM, BN, BD, BDV, W, False, EVEN_N, MB, MS, MD, MK, MT,
-                                      ALIBI, SOFTCAP, RELBIAS, UPCAST, FIX_BF16)
+                                      key_r, key_c, thr, inv_keep, BM, BN, BD, BDV, W, False, EVEN_N, MB, MS, MD, MK, MT,
+                                      ALIBI, SOFTCAP, RELBIAS, UPCAST, FIX_BF16, DROPOUT)
     else:
         for j in range(0, n_kv_blocks):
             acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, j, b, h, i, rows, kbase, vbase, skn, skd, svn, svd,
                                       Nq, Nk, D, Dv, q_offset, kv_offset, scale,
                                       band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
                                       TID, TAB, s_tab_t, s_tab_b, s_tab_h, n_kv_blocks, SLOPES, RTAB, s_rtab, R, cap,
-                                      BM, BN, BD, BDV, W, False, EVEN_N, MB, MS, MD, MK, MT,
-                                      ALIBI, SOFTCAP, RELBIAS, UPCAST, FIX_BF16)
+                                      key_r, key_c, thr, inv_keep, BM, BN, BD, BDV, W, False, EVEN_N, MB, MS, MD, MK, MT,
+                                      ALIBI, SOFTCAP, RELBIAS, UPCAST, FIX_BF16, DROPOUT)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]

@@ -182,3 +182,32 @@ def mod_grad(g, t1, t2, h, rows, cols, Nq, Nk, q_offset, kv_offset, DRTAB, s_drt
     if SOFTCAP == 1:
         g = g * (1.0 - t1 * t1)
     return g, dsl
+
+
+# -- dropout: the counter-based keep-mask of attnlab.ops.dropout, bit for bit --------------
+# 32-bit words in int64 lanes (the products wrap; their low 32 bits are exact), so the
+# kernels draw the same bits as the tensor-op hash of the reference and the flash path.
+@device
+def _fmix32(x):
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@device
+def _absorb(s, v):
+    return _fmix32(((s ^ (v & 0xFFFFFFFF)) + 0x9E3779B9) & 0xFFFFFFFF)
+
+
+@device
+def dropout_tile(b, h, rows, cols, q_offset, kv_offset, key_r, key_c, thr, inv_keep):
+    """``Z / (1 − p)`` for the tile ``rows × cols`` of query head ``h`` in batch ``b`` (float32):
+    :class:`attnlab.ops.dropout.Dropout`'s hash of ``(seed, b, h, q_pos, kv_pos)``."""
+    qp = rows.to(tl.int64) + q_offset
+    kp = cols.to(tl.int64) + kv_offset
+    r = _absorb(_absorb(_absorb(key_r, b), h), qp)
+    c = _absorb(key_c, kp)
+    u = _fmix32((_fmix32(r[:, None] ^ c[None, :]) + c[None, :]) & 0xFFFFFFFF)
+    return tl.where(u >= thr, inv_keep, 0.0)

@@ -52,7 +52,9 @@ def interpreting() -> bool:
 
 
 def unsupported(q, k, v, mask, score_mod, q_offset, kv_offset, dropout=None) -> str | None:
-    """``None`` if the Triton kernels can run this (already validated) request, else why not."""
+    """``None`` if the Triton kernels can run this (already validated) request, else why not.
+
+    (``dropout``, an :class:`attnlab.ops.dropout.Dropout`, runs on every request that does.)"""
     if not available():
         return "the triton package is not installed (pip install 'attnlab[triton]')"
     dev = q.device.type
@@ -77,8 +79,6 @@ def unsupported(q, k, v, mask, score_mod, q_offset, kv_offset, dropout=None) -> 
     mod = lower_score_mod(score_mod)
     if isinstance(mod, str):
         return mod
-    if dropout is not None:
-        return "dropout is not implemented in the Triton kernels"
     return None
 
 
