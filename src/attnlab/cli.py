@@ -7,6 +7,7 @@
     attnlab bench distributed [--quick] [--json PATH] [--reps N] [--seq 16384,32768] [--ranks 2,4] [--no-memory]
     attnlab bench interp [--n N] [--quick] [--json PATH]
     attnlab bench capture [--quick] [--reps N] [--json PATH] [--no-memory]
+    attnlab bench compile [--quick] [--reps N] [--backend inductor|aot_eager] [--json PATH]
     attnlab train [--task text|induction|recall] [--steps N] [--out DIR [--resume]] ...
     attnlab demo [--out PATH] [--quick] [--force] [--no-claims]
     attnlab report [--out PATH] [--quick] [--force] [--no-claims]
@@ -51,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     dd.add_argument("--seq", default="16384,32768", help="sequence lengths, comma-separated")
     dd.add_argument("--ranks", default="2,4", help="group sizes, comma-separated")
     dd.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    bsub.add_parser("compile", help="a Decoder training step, torch.compile vs eager (ratio)", add_help=False)
     bsub.add_parser("interp", help="per-head statistics at O(N) memory vs materialized patterns", add_help=False)
     bsub.add_parser("capture", help="interp.capture's overhead and memory against a plain forward pass",
                     add_help=False)
@@ -126,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["bench", "capture"]:
         from attnlab.bench import capture
         return capture.main(argv[2:]) or 0
+    if argv[:2] == ["bench", "compile"]:
+        from attnlab.bench import compile as bench_compile
+        return bench_compile.main(argv[2:]) or 0
     if argv[:2] == ["bench", "interp"]:
         from attnlab.bench import interp_stats
         return interp_stats.main(argv[2:]) or 0

@@ -8,7 +8,7 @@ import numbers
 import torch
 
 from attnlab.ops.dropout import check_dropout, make_dropout
-from attnlab.ops.finite import maybe_nonfinite
+from attnlab.ops.finite import maybe_nonfinite, traced
 from attnlab.ops.flash import flash_attention
 from attnlab.ops.library import flash_op, op_args
 from attnlab.ops.reference import reference_attention, reference_probs
@@ -117,7 +117,7 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
             raise ValueError(f"backend='triton': {why}; use backend='flash' or 'auto'")
     elif backend == "auto":
         backend = _auto(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=v)
-        if backend == "flash" and mask is not None and score_mod is None and not return_lse and not _compiling() \
+        if backend == "flash" and mask is not None and score_mod is None and not return_lse and not traced(q, k, v) \
                 and B * H * Nq * Nk <= _DENSE_MASK_MAX and not _wants_grad(q, k, v) \
                 and not maybe_nonfinite(q, k, v):
             out = sdpa_dense_mask(q, k, v, mask, scale=scale, q_offset=q_offset, kv_offset=kv_offset)
@@ -125,7 +125,7 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
                 return out
     if Nq == 0 or Nk == 0:
         backend = "flash"  # every backend's answer for empty problems: out 0, lse -inf
-    elif backend == "sdpa" and not _compiling() and maybe_nonfinite(q, k, v):
+    elif backend == "sdpa" and not traced(q, k, v) and maybe_nonfinite(q, k, v):
         # torch SDPA's NaN/inf handling is not attnlab's (a NaN query gives 0 on the CPU, a
         # hidden NaN value poisons every row): the flash path keeps the contract
         backend = "flash"
@@ -142,6 +142,30 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
     else:
         out, lse = _flash(q, k, v, kw)
     return (out, lse) if return_lse else out
+
+
+def _flash(q, k, v, kw):
+    """The flash backend: ``torch.ops.attnlab.flash_fwd`` for built-in masks and score mods
+    (by structural key, :mod:`attnlab.ops.library`); a ``custom`` one runs the autograd
+    Function eagerly.  Under ``torch.compile`` or a ``torch.func`` transform a custom mask is
+    evaluated densely (bool ``(B, H, Nq, Nk)``, traced) and handed to the op, and a custom
+    score mod runs the reference math inline (no graph break; O(Nq·Nk) memory: docs/compile.md)."""
+    mask, mod, drop = kw["mask"], kw["score_mod"], kw.get("dropout")
+    args = op_args(q, k, mask, mod, kw["q_offset"], kw["kv_offset"])
+    if args is None and traced(q, k, v):
+        if mod is not None and op_args(q, k, None, mod, 0, 0) is None:
+            ref_kw = dict(kw, mask=mask.mask if hasattr(mask, "plan") else mask)
+            if drop is None:
+                ref_kw.pop("dropout", None)
+            return reference_attention(q, k, v, **ref_kw)
+        from attnlab.masks import dense_mask
+        B, H, Nq, _ = q.shape
+        dm = dense_mask(mask.mask if hasattr(mask, "plan") else mask, B, H, Nq, k.shape[2], kw["q_offset"],
+                        kw["kv_offset"], q.device)
+        args = op_args(q, k, dm, mod, kw["q_offset"], kw["kv_offset"])
+    if args is None:
+        return flash_attention(q, k, v, **kw)
+    return flash_op(q, k, v, args, kw["scale"], dropout=drop)
 
 
 def _dropout_attention(q, k, v, mask, score_mod, scale, q_offset, kv_offset, return_lse, backend, dropout):
@@ -166,34 +190,8 @@ def _dropout_attention(q, k, v, mask, score_mod, scale, q_offset, kv_offset, ret
         from attnlab.ops.triton import triton_attention
         out, lse = triton_attention(q, k, v, **kw)
     else:
-        out, lse = flash_attention(q, k, v, **kw)
+        out, lse = _flash(q, k, v, kw)
     return (out, lse) if return_lse else out
-
-
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
-
-
-def _flash(q, k, v, kw):
-    """The flash backend: ``torch.ops.attnlab.flash_fwd`` for built-in masks and score mods
-    (by structural key, :mod:`attnlab.ops.library`); a ``custom`` one runs the autograd
-    Function eagerly.  Under ``torch.compile`` a custom mask is evaluated densely in the
-    graph (bool ``(B, H, Nq, Nk)``) and handed to the op, and a custom score mod runs the
-    reference math inline (both traced, no graph break; O(Nq·Nk) memory: docs/compile.md)."""
-    mask, mod = kw["mask"], kw["score_mod"]
-    args = op_args(q, k, mask, mod, kw["q_offset"], kw["kv_offset"])
-    if args is None and _compiling():
-        if mod is not None and op_args(q, k, None, mod, 0, 0) is None:
-            ref_kw = dict(kw, mask=mask.mask if hasattr(mask, "plan") else mask)
-            return reference_attention(q, k, v, **ref_kw)
-        from attnlab.masks import dense_mask
-        B, H, Nq, _ = q.shape
-        dm = dense_mask(mask.mask if hasattr(mask, "plan") else mask, B, H, Nq, k.shape[2], kw["q_offset"],
-                        kw["kv_offset"], q.device)
-        args = op_args(q, k, dm, mod, kw["q_offset"], kw["kv_offset"])
-    if args is None:
-        return flash_attention(q, k, v, **kw)
-    return flash_op(q, k, v, args, kw["scale"])
 
 
 def attention_probs(q, k, *, mask=None, score_mod=None, scale=None, q_offset=None, kv_offset=0):

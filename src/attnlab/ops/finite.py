@@ -26,6 +26,15 @@ import torch
 _INF = float("inf")
 
 
+def traced(*ts: torch.Tensor) -> bool:
+    """True under ``torch.compile`` or a ``torch.func`` transform (vmap, grad), where a
+    value-dependent Python branch cannot run (or would graph-break): callers take their
+    plain path without the finiteness check (docs/compile.md)."""
+    if torch.compiler.is_compiling():
+        return True
+    return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in ts)
+
+
 def all_finite(*ts: torch.Tensor) -> bool:
     """True when every tensor holds only finite values (one pass each, one host sync)."""
     with torch.no_grad():

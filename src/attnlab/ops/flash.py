@@ -31,7 +31,7 @@ from collections import OrderedDict
 
 import torch
 
-from attnlab.ops.finite import all_finite, zmm
+from attnlab.ops.finite import all_finite, traced, zmm
 from attnlab.ops.modparams import check_tile_graph, marker, score_mod_params
 from attnlab.ops.reference import acc_dtype
 from attnlab.ops.tiles import choose_tiles, tile_candidates
@@ -335,6 +335,51 @@ def _mod_backward(mod_out, leaf, params, dparams, dS):
     return torch.zeros_like(dS) if grads[0] is None else grads[0].reshape(dS.shape)
 
 
+class DoubleBackwardError(RuntimeError):
+    """A second derivative through a tiled kernel (flash, triton) was asked for."""
+
+
+DOUBLE_BACKWARD = ("attnlab {}: double backward (create_graph=True, gradgradcheck, grad of grad) is not "
+                   "implemented by the tiled kernel; use backend='reference' (materialized, differentiable any "
+                   "number of times) for second derivatives")
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Passes a backward's gradients through and refuses to be differentiated: a second
+    derivative would otherwise be silently wrong (the tiled backward is not differentiable).
+    ``anchors`` (tensors requiring grad) give the node a place in the graph."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(name, n_anchors, *ts):
+        return tuple(t.view_as(t) for t in ts[n_anchors:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.name = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise DoubleBackwardError(DOUBLE_BACKWARD.format(ctx.name))
+
+
+def refuse_double_backward(name, anchors, grads):
+    """``grads`` unchanged, but marked so that differentiating them raises
+    :class:`DoubleBackwardError` naming ``backend='reference'`` (only when a graph is being
+    recorded: ``create_graph=True`` or a torch.func transform)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # (compiled backwards are never
+        return grads                                                     # differentiated again: torch refuses)
+    anchors = [t for t in anchors if t is not None and t.requires_grad]
+    live = [i for i, g in enumerate(grads) if g is not None]
+    if not anchors or not live:
+        return grads
+    out = list(grads)
+    for i, g in zip(live, _NoDoubleBackward.apply(name, len(anchors), *anchors, *(grads[i] for i in live))):
+        out[i] = g
+    return out
+
+
 def tiled_function(fwd, bwd, name: str) -> type:
     """The autograd.Function of a tiled kernel pair: ``fwd(pb, q, k, v) -> (out, lse)`` and
     ``bwd(pb, q, k, v, out, lse, dout, dlse, params) -> (dq, dk, dv, dparams)``, where
@@ -355,14 +400,12 @@ def tiled_function(fwd, bwd, name: str) -> type:
         @staticmethod
         def backward(ctx, dout, dlse):
             q, k, v, out, lse, *params = ctx.saved_tensors
-            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (dout, dlse, q, k, v)):
-                raise RuntimeError(
-                    f"attnlab {name}: double backward (create_graph=True, gradgradcheck, grad of grad) is not "
-                    "implemented by the tiled kernel; use backend='reference' for second derivatives")
             if dout is None:
                 dout = torch.zeros_like(out)
-            dq, dk, dv, dparams = bwd(ctx.pb, q, k, v, out, lse, dout, dlse, params)
-            return (None, dq, dk, dv, *dparams)
+            with torch.no_grad():
+                dq, dk, dv, dparams = bwd(ctx.pb, q, k, v, out, lse, dout, dlse, params)
+            grads = refuse_double_backward(name, (q, k, v, dout, dlse, *params), [dq, dk, dv, *dparams])
+            return (None, *grads)
 
         @staticmethod
         def vmap(info, in_dims, pb, q, k, v, *params):
@@ -432,6 +475,8 @@ def _fused_ok(q, k, scale) -> bool:
     pass over q and k.  False for non-finite q/k, which then take the exact path too."""
     if q.numel() == 0 or k.numel() == 0:
         return True
+    if traced(q, k):  # under torch.func: no value-dependent choice (the exact path is always right)
+        return False
     f = torch.float64 if q.dtype == torch.float64 else torch.float32
     with torch.no_grad():
         nq = torch.linalg.vector_norm(q, dim=-1, dtype=f).amax()

@@ -31,15 +31,11 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from attnlab.ops.flash import flash_backward, flash_forward, make_problem
+from attnlab.ops.flash import DOUBLE_BACKWARD, DoubleBackwardError, flash_backward, flash_forward, make_problem, refuse_double_backward
 from attnlab.ops.reference import acc_dtype
 
 _KEEP = 32  # masks rebuilt from keys, kept with their classified tiles
 _rebuilt: OrderedDict = OrderedDict()
-
-
-class DoubleBackwardError(RuntimeError):
-    """A second derivative through the flash kernel was asked for."""
 
 
 def _tensor_id(t: Tensor):
@@ -83,6 +79,20 @@ def _problem(q, k, mask_spec, mask_tensors, ints, mod, scale, q_offset, kv_offse
     return pb
 
 
+def _signed64(seed: int) -> int:
+    """A seed in ``[-2**63, 2**64)`` as the int64 with the same value mod 2**64 (the hash reads
+    only the seed's 64 bits)."""
+    seed = int(seed) & ((1 << 64) - 1)
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def _dropout(p: float, seed: int):
+    if not p:
+        return None
+    from attnlab.ops.dropout import Dropout
+    return Dropout(p, int(seed) & ((1 << 64) - 1))
+
+
 class _autograd_inside:
     """Autograd recording inside an operator's kernel: the dispatcher runs a custom op's
     implementation below the autograd keys, but the tiled backward differentiates the score
@@ -108,17 +118,18 @@ class _autograd_inside:
 @torch.library.custom_op("attnlab::flash_fwd", mutates_args=())
 def flash_fwd(q: Tensor, k: Tensor, v: Tensor, mask_spec: str, mask_tensors: list[Tensor], mod_spec: str,
               mod_tensors: list[Tensor], ints: list[int], scale: float, q_offset: int, kv_offset: int,
-              block: list[int]) -> tuple[Tensor, Tensor]:
+              block: list[int], dropout_p: float = 0.0, dropout_seed: int = 0) -> tuple[Tensor, Tensor]:
     """Tiled forward: ``(out (B, H, Nq, Dv), lse (B, H, Nq) float32/64)``."""
     with torch.no_grad():
         pb = _problem(q, k, mask_spec, mask_tensors, ints, _mod(mod_spec, mod_tensors), scale, q_offset,
                       kv_offset, block, [])
+        pb.dropout = _dropout(dropout_p, dropout_seed)
         return flash_forward(pb, q, k, v)
 
 
 @flash_fwd.register_fake
 def _flash_fwd_fake(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale, q_offset, kv_offset,
-                    block):
+                    block, dropout_p=0.0, dropout_seed=0):
     B, H, Nq, _ = q.shape
     return q.new_empty((B, H, Nq, v.shape[-1])), q.new_empty((B, H, Nq), dtype=acc_dtype(q.dtype))
 
@@ -126,7 +137,8 @@ def _flash_fwd_fake(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, int
 @torch.library.custom_op("attnlab::flash_bwd", mutates_args=())
 def flash_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               mask_spec: str, mask_tensors: list[Tensor], mod_spec: str, mod_tensors: list[Tensor], ints: list[int],
-              scale: float, q_offset: int, kv_offset: int, block: list[int]) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+              scale: float, q_offset: int, kv_offset: int, block: list[int], dropout_p: float = 0.0,
+              dropout_seed: int = 0) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """Tiled backward: ``(dq, dk, dv, [d mod_tensors[i]])`` (zeros for a tensor the mod
     does not differentiate)."""
     leaves = [t.detach().requires_grad_(t.dtype.is_floating_point) for t in mod_tensors]
@@ -134,6 +146,7 @@ def flash_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor
     with torch.no_grad():
         pb = _problem(q, k, mask_spec, mask_tensors, ints, _mod(mod_spec, leaves), scale, q_offset, kv_offset,
                       block, params)
+        pb.dropout = _dropout(dropout_p, dropout_seed)
     q, k, v, out, lse, dout = (t.detach() for t in (q, k, v, out, lse, dout))
     dlse = None if dlse is None else dlse.detach()
     with _autograd_inside():  # only the mod's leaves require grad: nothing else records a graph
@@ -145,34 +158,32 @@ def flash_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor
 
 @flash_bwd.register_fake
 def _flash_bwd_fake(dout, dlse, q, k, v, out, lse, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale,
-                    q_offset, kv_offset, block):
+                    q_offset, kv_offset, block, dropout_p=0.0, dropout_seed=0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), [torch.empty_like(t) for t in mod_tensors]
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale, q_offset, kv_offset, block) = inputs
+    (q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale, q_offset, kv_offset, block,
+     dropout_p, dropout_seed) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, *mask_tensors, *mod_tensors)
     ctx.n_mask = len(mask_tensors)
-    ctx.args = (mask_spec, mod_spec, ints, scale, q_offset, kv_offset, block)
+    ctx.args = (mask_spec, mod_spec, ints, scale, q_offset, kv_offset, block, dropout_p, dropout_seed)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *rest = ctx.saved_tensors
     mask_tensors, mod_tensors = rest[:ctx.n_mask], rest[ctx.n_mask:]
-    mask_spec, mod_spec, ints, scale, q_offset, kv_offset, block = ctx.args
+    mask_spec, mod_spec, ints, scale, q_offset, kv_offset, block, dropout_p, dropout_seed = ctx.args
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (dout, dlse, q, k, v, *mod_tensors)):
-        raise DoubleBackwardError(
-            "attnlab flash backend: double backward (create_graph=True, gradgradcheck, grad of grad) is not "
-            "implemented by the tiled kernel; use backend='reference' (materialized, differentiable any number of "
-            "times) for second derivatives")
+        raise DoubleBackwardError(DOUBLE_BACKWARD.format("flash backend"))
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv, dmod = torch.ops.attnlab.flash_bwd(dout, dlse, q, k, v, out, lse, mask_spec, list(mask_tensors),
                                                    mod_spec, list(mod_tensors), ints, scale, q_offset, kv_offset,
-                                                   block)
+                                                   block, dropout_p, dropout_seed)
     return (dq, dk, dv, None, [None] * len(mask_tensors), None, list(dmod), _no_grad(ints), None, None, None,
-            _no_grad(block))
+            _no_grad(block), None, None)
 
 
 def _no_grad(xs):
@@ -236,11 +247,59 @@ def op_args(q, k, mask, score_mod, q_offset, kv_offset, block=None):
             [] if block is None else [int(block[0]), int(block[1])])
 
 
-def flash_op(q, k, v, args, scale):
-    """``(out, lse)`` through ``torch.ops.attnlab.flash_fwd``; ``args`` from :func:`op_args`."""
+class _FlashOp(torch.autograd.Function):
+    """The two operators as one autograd.Function (``setup_context``, generated vmap rule:
+    it runs the forward under vmap, where the operators' own vmap rules apply), so
+    ``torch.func.grad``/``vmap`` compose with it: a custom op's ``register_autograd`` alone
+    is not seen by torch.func.  ``meta`` holds the non-tensor arguments; the tensors are
+    ``q, k, v, *mask_tensors, *mod_tensors``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(meta, q, k, v, *tensors):
+        mask_spec, mod_spec, n_mask, ints, scale, q_offset, kv_offset, block, dp, ds = meta
+        with torch.no_grad():  # this Function is the autograd (torch.func sees it, not the op's)
+            return torch.ops.attnlab.flash_fwd(q, k, v, mask_spec, list(tensors[:n_mask]), mod_spec,
+                                               list(tensors[n_mask:]), ints, scale, q_offset, kv_offset, block,
+                                               dp, ds)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        meta, q, k, v, *tensors = inputs
+        ctx.meta = meta
+        ctx.save_for_backward(q, k, v, *output, *tensors)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        mask_spec, mod_spec, n_mask, ints, scale, q_offset, kv_offset, block, dp, ds = ctx.meta
+        if dout is None:
+            dout = torch.zeros_like(out)
+        with torch.no_grad():
+            dq, dk, dv, dmod = torch.ops.attnlab.flash_bwd(dout, dlse, q, k, v, out, lse, mask_spec,
+                                                           list(tensors[:n_mask]), mod_spec, list(tensors[n_mask:]),
+                                                           ints, scale, q_offset, kv_offset, block, dp, ds)
+        grads = refuse_double_backward("flash backend", (q, k, v, dout, dlse, *tensors), [dq, dk, dv, *dmod])
+        return (None, *grads[:3], *([None] * n_mask), *grads[3:])
+
+
+def flash_op(q, k, v, args, scale, dropout=None):
+    """``(out, lse)`` through ``torch.ops.attnlab.flash_fwd``; ``args`` from :func:`op_args`;
+    ``dropout`` an :class:`attnlab.ops.dropout.Dropout` (its p and seed travel as op inputs)."""
     mask_spec, mask_tensors, mod_spec, mod_tensors, ints, q_offset, kv_offset, block = args
-    return torch.ops.attnlab.flash_fwd(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, float(scale),
-                                       q_offset, kv_offset, block)
+    dp, ds = (0.0, 0) if dropout is None else (float(dropout.p), _signed64(dropout.seed))
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *mod_tensors))):
+        # no gradient wanted: the operator itself (dynamo mis-inlines a setup_context-style
+        # Function whose inputs need no grad)
+        return torch.ops.attnlab.flash_fwd(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints,
+                                           float(scale), q_offset, kv_offset, block, dp, ds)
+    meta = (mask_spec, mod_spec, len(mask_tensors), ints, float(scale), q_offset, kv_offset, block, dp, ds)
+    ts = [q, k, v, *mask_tensors, *mod_tensors]
+    for i in range(1, len(ts)):  # one tensor passed twice (q, q, q): distinct views (dynamo refuses duplicates)
+        if any(ts[i] is t for t in ts[:i]):
+            ts[i] = ts[i].view_as(ts[i])
+    return _FlashOp.apply(meta, *ts)
 
 
 __all__ = ["flash_fwd", "flash_bwd", "flash_op", "op_args", "DoubleBackwardError"]
