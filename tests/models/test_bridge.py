@@ -190,6 +190,20 @@ def test_output_attentions_returns_weights():
         assert (g.transpose(1, 2)[~real] == 0).all()  # fully masked rows: zeros, not eager's uniform
 
 
+def test_output_attentions_weights_carry_the_gradient():
+    """As eager: the returned weights are the ones the output is computed from, so they get
+    gradients (transformers' test_retain_grad_hidden_states_attentions; Gemma-2 via eager)."""
+    m = model_for("llama")  # GQA 4:2
+    ids, am = left_padded(pads=(0, 4))
+    want = run(m, "eager", input_ids=ids, attention_mask=am).logits
+    m.set_attn_implementation("attnlab")
+    out = m(input_ids=ids, attention_mask=am, output_attentions=True)
+    real = am.bool()
+    torch.testing.assert_close(out.logits[real], want[real], atol=ATOL, rtol=0)
+    grads = torch.autograd.grad(out.logits[real].sum(), out.attentions, allow_unused=True)
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
 def test_training_with_attention_dropout_runs_it():
     """(Was refused with NotImplementedError; tests/models/test_bridge_dropout.py covers it.)"""
     torch.manual_seed(0)

@@ -37,7 +37,9 @@ GQA runs natively (K/V keep their ``Hkv`` heads).  Differences from ``eager``:
   refuses it).  Eval mode (or dropout 0) is the no-dropout path exactly.  Weights for
   ``output_attentions`` are the undropped pattern;
 * weights are returned (as ``attnlab.attention_probs``, float32 softmax cast to the
-  query dtype) only when ``output_attentions=True`` reaches the function as a keyword
+  query dtype; the output is then ``weights · V`` as in eager, so gradients reach the
+  returned weights, unless dropout or hooks run) only when ``output_attentions=True``
+  reaches the function as a keyword
   — it does for models whose attention forwards ``**kwargs`` (Llama, Mistral, Gemma 2,
   ...), not for GPT-2, whose attention swallows it.  Otherwise ``None``, as SDPA.
   ``config.output_attentions = True`` is refused by transformers for any non-eager
@@ -169,6 +171,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     weights = None
     if kwargs.get("output_attentions"):
         weights = attnlab.attention_probs(query, key, **kw)
+        if not dropout_p and not hooks and pts is None:  # as eager: out = weights·V, so gradients reach them
+            wv = _weights_times_values(weights, value).to(query.dtype)
+            res = (wv, res[1]) if s_aux is not None else wv
     if s_aux is not None:  # a learned logit s_h per head joins every row's softmax denominator
         out, lse = res
         keep = torch.sigmoid(lse - s_aux.to(lse.dtype).view(1, -1, 1))
@@ -176,6 +181,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         weights = None if weights is None else weights * keep.unsqueeze(-1)
     weights = None if weights is None else weights.to(query.dtype)
     return res.transpose(1, 2).contiguous(), weights
+
+
+def _weights_times_values(w, v):
+    """``w (B, H, Nq, Nk)`` float32 weights times ``v (B, Hkv, Nk, Dv)`` (GQA: H = G·Hkv) -> (B, H, Nq, Dv)."""
+    B, H, Nq, Nk = w.shape
+    Hkv = v.shape[1]
+    return (w.view(B, Hkv, H // Hkv, Nq, Nk) @ v.to(w.dtype).unsqueeze(2)).view(B, H, Nq, v.shape[-1])
 
 
 def _check_4d(t, name, B, H, Nq, Nk):
