@@ -42,7 +42,7 @@ from attnlab.validate import MAX_INT, ArgumentTypeError, integer, problem_positi
 
 __all__ = [
     "Mask", "BlockMask", "causal", "sliding_window", "prefix_lm", "document", "padding",
-    "tree", "sink_window", "custom", "key_padding", "band", "dense",
+    "tree", "sink_window", "custom", "key_padding", "band", "dense", "varlen",
 ]
 
 _CACHE_SIZE = 16  # BlockMasks kept per mask (the flash backend tries up to 9 tilings)
@@ -639,4 +639,4 @@ def custom(fn: Callable) -> Mask:
     return _Custom(fn, getattr(fn, "__name__", "fn"))
 
 
-from attnlab.masks_extra import band, dense  # noqa: E402  (new kinds live there: file size)
+from attnlab.masks_extra import band, dense, varlen  # noqa: E402  (new kinds live there: file size)

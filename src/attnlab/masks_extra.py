@@ -14,7 +14,7 @@ import torch
 from attnlab.masks import Mask, _states
 from attnlab.validate import integer
 
-__all__ = ["band", "dense", "per_batch_q_offset"]
+__all__ = ["band", "dense", "per_batch_q_offset", "varlen"]
 
 
 class _Band(Mask):
@@ -163,3 +163,106 @@ def per_batch_q_offset(mask: Mask, q_offset: torch.Tensor) -> Mask:
     ``q_offset[b] + i`` (ragged decoding: each sequence's new token at its own length).
     Run the problem with ``q_offset=0``; ``attention(q_offset=tensor)`` does this for you."""
     return _ShiftedMask(mask, q_offset.to(torch.long))
+
+
+def _cu_arg(cu, name):
+    if not isinstance(cu, torch.Tensor) or cu.dtype.is_floating_point or cu.dtype == torch.bool or cu.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D integer tensor (num_seqs + 1,) of cumulative lengths, got "
+                         f"{cu.dtype if isinstance(cu, torch.Tensor) else type(cu).__name__}"
+                         f"{' ' + str(tuple(cu.shape)) if isinstance(cu, torch.Tensor) else ''}")
+    cu = cu.to(device="cpu", dtype=torch.long)
+    if cu.numel() < 1 or int(cu[0]) != 0:
+        raise ValueError(f"{name}: must start at 0, got {cu.tolist()[:8]}")
+    if bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"{name}: must be non-decreasing (cumulative sequence lengths), got {cu.tolist()[:16]}")
+    return cu
+
+
+class _Varlen(Mask):
+    """Packed sequences with per-sequence positions (flash-attn's varlen convention)."""
+
+    cheap_classify = True
+
+    def __init__(self, cu_q, cu_k, left, right):
+        self.cu_q, self.cu_k, self.left, self.right = cu_q, cu_k, left, right
+        lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+        ns = lq.numel()
+        self.q_ids = torch.repeat_interleave(torch.arange(ns), lq)
+        self.k_ids = torch.repeat_interleave(torch.arange(ns), lk)
+        # local positions, bottom-right aligned within each sequence (flash-attn's causal)
+        self.q_loc = torch.arange(int(cu_q[-1])) - cu_q[:-1][self.q_ids] + (lk - lq)[self.q_ids]
+        self.k_loc = torch.arange(int(cu_k[-1])) - cu_k[:-1][self.k_ids]
+        self._dev = {}
+
+    def _on(self, device):
+        key = str(device)
+        if key not in self._dev:
+            self._dev[key] = tuple(t.to(device) for t in (self.q_ids, self.k_ids, self.q_loc, self.k_loc))
+        return self._dev[key]
+
+    def _band(self, qp, kp):
+        ok = torch.ones((), dtype=torch.bool, device=qp.device)
+        if self.left is not None:
+            ok = ok & (qp - kp <= self.left)
+        if self.right is not None:
+            ok = ok & (kp - qp <= self.right)
+        return ok
+
+    def predicate(self, b, h, q, kv):
+        qi, ki, ql, kl = self._on(q.device)
+        return (qi[q] == ki[kv]) & self._band(ql[q], kl[kv])
+
+    def local_positions(self, q, kv):
+        """(sequence index of each query, local query position, local key position)."""
+        qi, _, ql, kl = self._on(q.device)
+        return qi[q], ql[q], kl[kv]
+
+    def validate(self, B, H, Nq, Nk, q_offset, kv_offset):
+        if (Nq, Nk, q_offset, kv_offset) != (int(self.cu_q[-1]), int(self.cu_k[-1]), 0, 0) or B != 1:
+            raise ValueError(f"masks.varlen: built for {int(self.cu_q[-1])} packed queries and {int(self.cu_k[-1])} "
+                             f"packed keys (B=1, q_offset=kv_offset=0), got B={B}, Nq={Nq}, Nk={Nk}, "
+                             f"q_offset={q_offset}, kv_offset={kv_offset}")
+
+    def classify(self, B, H, ql, qh, kl, kh):
+        from attnlab.masks import _block_minmax
+        qmin, qmax = _block_minmax(self.q_ids.view(1, -1), ql, qh)
+        kmin, kmax = _block_minmax(self.k_ids.view(1, -1), kl, kh)
+        qmin, qmax = qmin.view(-1, 1), qmax.view(-1, 1)
+        kmin, kmax = kmin.view(1, -1), kmax.view(1, -1)
+        same = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
+        disjoint = (qmax < kmin) | (kmax < qmin)
+        # within one sequence the local positions are the packed ones shifted by a constant
+        qlo, qhi = self.q_loc[ql.flatten()].view(-1, 1), self.q_loc[qh.flatten()].view(-1, 1)
+        klo, khi = self.k_loc[kl.flatten()].view(1, -1), self.k_loc[kh.flatten()].view(1, -1)
+        full = torch.ones_like(same)
+        empty = torch.zeros_like(same)
+        if self.left is not None:
+            full = full & (qhi - klo <= self.left)
+            empty = empty | (qlo - khi > self.left)
+        if self.right is not None:
+            full = full & (khi - qlo <= self.right)
+            empty = empty | (klo - qhi > self.right)
+        return _states(same & full, disjoint | (same & empty))
+
+    def __repr__(self):
+        return f"varlen({self.cu_q.numel() - 1} seqs, window=({self.left}, {self.right}))"
+
+
+def varlen(cu_seqlens_q, cu_seqlens_k=None, *, window=(None, None)) -> Mask:
+    """Packed variable-length sequences (flash-attn's ``cu_seqlens``): query ``t`` of sequence
+    ``s`` sees only keys of sequence ``s``, and within it the ``window=(left, right)`` band
+    (:func:`band`; ``None`` or ``-1`` unbounded; ``(None, 0)`` is causal) on **per-sequence,
+    bottom-right aligned** positions: the last query of a sequence sits at its last key,
+    as in flash-attn's ``flash_attn_varlen_func``.  For a problem with ``B = 1``,
+    ``Nq = cu_seqlens_q[-1]``, ``Nk = cu_seqlens_k[-1]`` and ``q_offset = kv_offset = 0``
+    (:func:`attnlab.varlen_attention` runs it).  Tiles are classified exactly from
+    per-tile sequence ids, so tiles across two sequences are skipped."""
+    cu_q = _cu_arg(cu_seqlens_q, "cu_seqlens_q")
+    cu_k = cu_q if cu_seqlens_k is None else _cu_arg(cu_seqlens_k, "cu_seqlens_k")
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got "
+                         f"{cu_q.numel() - 1} and {cu_k.numel() - 1}")
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window: expected (left, right), got {window!r}")
+    b = band(*window)
+    return _Varlen(cu_q, cu_k, b.left, b.right)
