@@ -7,6 +7,7 @@
     attnlab bench distributed [--quick] [--json PATH] [--reps N] [--seq 16384,32768] [--ranks 2,4] [--no-memory]
     attnlab bench interp [--n N] [--quick] [--json PATH]
     attnlab bench capture [--quick] [--reps N] [--json PATH] [--no-memory]
+    attnlab bench varlen [--quick] [--reps N] [--seqs 16] [--min 64] [--max 2048] [--backward] [--json PATH]
     attnlab train [--task text|induction|recall] [--steps N] [--out DIR [--resume]] ...
     attnlab demo [--out PATH] [--quick] [--force] [--no-claims]
     attnlab report [--out PATH] [--quick] [--force] [--no-claims]
@@ -52,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     dd.add_argument("--ranks", default="2,4", help="group sizes, comma-separated")
     dd.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     bsub.add_parser("interp", help="per-head statistics at O(N) memory vs materialized patterns", add_help=False)
+    bsub.add_parser("varlen", help="packed varlen attention vs padded torch SDPA on a ragged batch", add_help=False)
     bsub.add_parser("capture", help="interp.capture's overhead and memory against a plain forward pass",
                     add_help=False)
     tr = sub.add_parser("train", help="train a small Decoder on CPU (progress bar, checkpoints, resume)")
@@ -126,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["bench", "capture"]:
         from attnlab.bench import capture
         return capture.main(argv[2:]) or 0
+    if argv[:2] == ["bench", "varlen"]:
+        from attnlab.bench import varlen
+        return varlen.main(argv[2:]) or 0
     if argv[:2] == ["bench", "interp"]:
         from attnlab.bench import interp_stats
         return interp_stats.main(argv[2:]) or 0
