@@ -133,6 +133,7 @@ def run_flex(q, k, v, score_mod=None, mask_mod=None, B=None, H=None):
         warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
         if mask_mod is None and q.shape[0] != k.shape[0]:  # FlexAttention wants a block mask to broadcast K/V
             mask_mod = lambda b, h, qi, ki: torch.ones((), dtype=torch.bool)  # noqa: E731  (its noop_mask)
+            B = q.shape[0]
         bm = None if mask_mod is None else create_block_mask(mask_mod, B, H, q.shape[2], k.shape[2], device="cpu")
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])
 
