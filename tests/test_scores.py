@@ -268,7 +268,7 @@ def test_shared_parameter_gradient_is_not_double_counted(how):
 # ----------------------------------------------------------------------------- validation
 @pytest.mark.parametrize("build, exc, words", [
     (lambda: scores.alibi(torch.tensor([1, 2])), ValueError, "alibi(slopes)"),          # integer slopes
-    (lambda: scores.alibi(torch.ones(2, 2)), ValueError, "alibi(slopes)"),
+    (lambda: scores.alibi(torch.ones(2, 2, 2)), ValueError, "alibi(slopes)"),
     (lambda: scores.softcap(0), ValueError, "softcap(c)"),
     (lambda: scores.softcap(-2.0), ValueError, "softcap(c)"),
     (lambda: scores.softcap(float("nan")), ValueError, "softcap(c)"),

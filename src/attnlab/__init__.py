@@ -9,6 +9,7 @@ torch.Size([1, 4, 128, 64])
 
 from attnlab import masks, scores
 from attnlab.ops import BACKENDS, BlockMask, attention, attention_probs, merge_states
+from attnlab.ops.varlen import flash_attn_varlen_func, varlen_attention
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_probs", "merge_states", "masks", "scores", "BlockMask", "BACKENDS", "__version__"]
+__all__ = ["attention", "attention_probs", "merge_states", "varlen_attention", "flash_attn_varlen_func", "masks", "scores", "BlockMask", "BACKENDS", "__version__"]

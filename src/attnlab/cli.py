@@ -8,6 +8,7 @@
     attnlab bench interp [--n N] [--quick] [--json PATH]
     attnlab bench capture [--quick] [--reps N] [--json PATH] [--no-memory]
     attnlab bench compile [--quick] [--reps N] [--backend inductor|aot_eager] [--json PATH]
+    attnlab bench varlen [--quick] [--reps N] [--seqs 16] [--min 64] [--max 2048] [--backward] [--json PATH]
     attnlab train [--task text|induction|recall] [--steps N] [--out DIR [--resume]] ...
     attnlab demo [--out PATH] [--quick] [--force] [--no-claims]
     attnlab report [--out PATH] [--quick] [--force] [--no-claims]
@@ -54,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     dd.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     bsub.add_parser("compile", help="a Decoder training step, torch.compile vs eager (ratio)", add_help=False)
     bsub.add_parser("interp", help="per-head statistics at O(N) memory vs materialized patterns", add_help=False)
+    bsub.add_parser("varlen", help="packed varlen attention vs padded torch SDPA on a ragged batch", add_help=False)
     bsub.add_parser("capture", help="interp.capture's overhead and memory against a plain forward pass",
                     add_help=False)
     tr = sub.add_parser("train", help="train a small Decoder on CPU (progress bar, checkpoints, resume)")
@@ -131,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["bench", "compile"]:
         from attnlab.bench import compile as bench_compile
         return bench_compile.main(argv[2:]) or 0
+    if argv[:2] == ["bench", "varlen"]:
+        from attnlab.bench import varlen
+        return varlen.main(argv[2:]) or 0
     if argv[:2] == ["bench", "interp"]:
         from attnlab.bench import interp_stats
         return interp_stats.main(argv[2:]) or 0

@@ -42,7 +42,7 @@ from attnlab.validate import MAX_INT, ArgumentTypeError, integer, problem_positi
 
 __all__ = [
     "Mask", "BlockMask", "causal", "sliding_window", "prefix_lm", "document", "padding",
-    "tree", "sink_window", "custom", "key_padding",
+    "tree", "sink_window", "custom", "key_padding", "band", "dense", "varlen",
 ]
 
 _CACHE_SIZE = 16  # BlockMasks kept per mask (the flash backend tries up to 9 tilings)
@@ -296,11 +296,18 @@ class _SlidingWindow(Mask):
         return f"sliding_window({self.w})"
 
 
-def sliding_window(w: int) -> Mask:
-    """Causal window of ``w`` tokens including the query itself: ``q_pos - w < kv_pos <= q_pos``."""
+def sliding_window(w: int, *, right: int = 0) -> Mask:
+    """Causal window of ``w`` tokens including the query itself: ``q_pos - w < kv_pos <= q_pos``.
+
+    ``right=r`` also lets a query see the ``r`` keys after it (``kv_pos <= q_pos + r``):
+    flash-attn's ``window_size=(w - 1, r)``, i.e. :func:`band` ``(w - 1, r)``."""
     w = integer(w, "sliding_window(w)")
     if w < 1:
         raise ValueError(f"sliding_window(w): w must be >= 1, got {w} (w <= 0 masks everything)")
+    right = integer(right, "sliding_window(right)", lo=0)
+    if right:
+        from attnlab.masks_extra import band
+        return band(w - 1, right)
     return _SlidingWindow(w)
 
 
@@ -798,3 +805,4 @@ def dense_mask(mask, B, H, Nq, Nk, q_offset, kv_offset, device) -> "Mask":
     while a.dim() < 4:
         a = a.unsqueeze(0)
     return _DenseBool(a.expand(a.shape[0], a.shape[1], Nq, Nk), q_offset, kv_offset)
+from attnlab.masks_extra import band, dense, varlen  # noqa: E402  (new kinds live there: file size)

@@ -26,7 +26,7 @@ import torch
 
 from attnlab.validate import ArgumentTypeError, boolean, finite_tensor, real
 
-__all__ = ["ScoreMod", "alibi", "softcap", "relative_bias", "custom", "compose"]
+__all__ = ["ScoreMod", "alibi", "softcap", "relative_bias", "custom", "compose", "bias"]
 
 
 class ScoreMod:
@@ -55,7 +55,11 @@ class _Alibi(ScoreMod):
         self.slopes, self.symmetric = slopes, symmetric
 
     def apply(self, score, b, h, q, kv):
-        m = self.slopes.to(score.dtype)[h]
+        s = self.slopes.to(score.dtype)
+        if s.dim() == 1:
+            m = s[h]
+        else:  # (B, H) or (1, H): per-(batch, head) slopes, flash-attn's alibi_slopes (B, H)
+            m = s[b if s.shape[0] > 1 else torch.zeros_like(b), h]
         d = (kv - q).abs().neg() if self.symmetric else (kv - q)
         return score + m * d.to(score.dtype)
 
@@ -63,11 +67,14 @@ class _Alibi(ScoreMod):
         return [self.slopes] if self.slopes.requires_grad else []
 
     def validate(self, B, H):
-        if self.slopes.shape[0] != H:
-            raise ValueError(f"alibi(slopes): {self.slopes.shape[0]} slopes for H={H} query heads")
+        if self.slopes.shape[-1] != H:
+            raise ValueError(f"alibi(slopes): {self.slopes.shape[-1]} slopes for H={H} query heads "
+                             f"(slopes shape {tuple(self.slopes.shape)}; expected (H,) or (B, H))")
+        if self.slopes.dim() == 2 and self.slopes.shape[0] not in (1, B):
+            raise ValueError(f"alibi(slopes): (B, H) slopes of shape {tuple(self.slopes.shape)} for batch size B={B}")
 
     def __repr__(self):
-        return f"alibi({self.slopes.shape[0]} heads{', symmetric' if self.symmetric else ''})"
+        return f"alibi({tuple(self.slopes.shape)} slopes{', symmetric' if self.symmetric else ''})"
 
 
 def alibi(slopes, symmetric: bool = False) -> ScoreMod:
@@ -75,13 +82,17 @@ def alibi(slopes, symmetric: bool = False) -> ScoreMod:
 
     The bias is ``-m·(i-j)`` for a key ``i-j`` tokens in the past; keys in the
     future get a positive bias, so pair it with ``causal()`` as the paper does, or
-    pass ``symmetric=True`` for ``-m·|i-j|`` (encoders).  ``slopes``: ``(H,)``;
+    pass ``symmetric=True`` for ``-m·|i-j|`` (encoders).  ``slopes``: ``(H,)``, or
+    ``(B, H)`` for per-(batch, head) slopes (flash-attn's ``alibi_slopes``);
     :func:`attnlab.positions.alibi_slopes` gives the paper's geometric sequence.
-    A slopes tensor with ``requires_grad`` is learned.
+    A slopes tensor with ``requires_grad`` is learned.  Sign: the slopes are positive
+    and the bias ``slopes·(kv_pos − q_pos)`` is ≤ 0 on past keys; flash-attn's
+    ``-slope·|q_pos − kv_pos|`` is ``alibi(s)`` under ``causal()`` and
+    ``alibi(s, symmetric=True)`` without a mask (docs/conventions.md).
     """
     s = torch.as_tensor(slopes)
-    if not s.dtype.is_floating_point or s.dim() != 1:
-        raise ValueError(f"alibi(slopes): expected a 1-D float tensor (H,), got {s.dtype} {tuple(s.shape)}")
+    if not s.dtype.is_floating_point or s.dim() not in (1, 2):
+        raise ValueError(f"alibi(slopes): expected a float tensor (H,) or (B, H), got {s.dtype} {tuple(s.shape)}")
     finite_tensor(s, "alibi(slopes)")
     return _Alibi(s, boolean(symmetric, "alibi(symmetric)"))
 
@@ -245,3 +256,42 @@ def mod_from_key(spec: str, tensors, ints) -> ScoreMod:
 
     return build(parse_key(spec))
 
+
+class _Bias(ScoreMod):
+    def __init__(self, t, q_offset, kv_offset):
+        self.t, self.q_offset, self.kv_offset = t, q_offset, kv_offset
+
+    def apply(self, score, b, h, q, kv):
+        idx = [b, h, q - self.q_offset, kv - self.kv_offset]
+        idx = [x if self.t.shape[d] > 1 else torch.zeros_like(x) for d, x in enumerate(idx)]
+        return score + self.t[tuple(idx)].to(score.dtype)
+
+    def parameters(self):
+        return [self.t] if self.t.requires_grad else []
+
+    def validate(self, B, H):
+        for d, (s, w) in enumerate(zip(self.t.shape[:2], (B, H))):
+            if s not in (1, w):
+                raise ValueError(f"scores.bias(t): shape {tuple(self.t.shape)} does not broadcast to (B, H)=({B}, {H})")
+
+    def __repr__(self):
+        return f"bias(<{tuple(self.t.shape)}>)"
+
+
+def bias(t: torch.Tensor, *, q_offset: int, kv_offset: int = 0) -> ScoreMod:
+    """An additive float mask/bias ``(B?, H?, Nq, Nk)`` added to the scaled score, indexed by
+    query **row** and key **column** like torch SDPA's float ``attn_mask`` (``-inf`` hides a
+    pair).  ``q_offset``/``kv_offset``: those of the problem it is for (row ``i`` is the query
+    at ``q_offset + i``); ``attention(mask=float_tensor)`` binds them.  A ``t`` that
+    requires grad is learned: its gradient is computed tile by tile (FlexAttention's
+    learnable biases)."""
+    if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+        raise TypeError(f"scores.bias(t): expected a float tensor, got "
+                        f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if t.dim() > 4:
+        raise ValueError(f"scores.bias(t): at most 4 dims (B, H, Nq, Nk), got shape {tuple(t.shape)}")
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    if torch.isnan(t).any() or torch.isposinf(t).any():
+        raise ValueError("scores.bias(t): holds NaN or +inf; an additive mask may hold finite values and -inf")
+    return _Bias(t, int(q_offset), int(kv_offset))

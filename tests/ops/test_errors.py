@@ -84,8 +84,11 @@ CASES = [
     ("scale_str", lambda **x: call(**x, scale="0.1"), ValueError, r"scale: .*got '0\.1'"),
     ("scale_tensor", lambda **x: call(**x, scale=torch.tensor([0.1, 0.2])), ValueError, r"scale: "),
     # masks and score mods that are not the right kind of object
-    ("mask_bool_tensor", lambda **x: call(**x, mask=torch.ones(5, 7, dtype=torch.bool)), TypeError,
-     r"mask: expected an attnlab mask.*masks\.custom\(fn\).*got Tensor"),
+    # a tensor mask (issue 15: SDPA's attn_mask) must broadcast to (B, H, Nq, Nk) and be bool or float
+    ("mask_bool_tensor_shape", lambda **x: call(**x, mask=torch.ones(5, 6, dtype=torch.bool)), ValueError,
+     r"mask: shape \(5, 6\) does not broadcast to \(B, H, Nq, Nk\)=\(2, 4, 5, 7\)"),
+    ("mask_int_tensor", lambda **x: call(**x, mask=torch.ones(5, 7, dtype=torch.long)), TypeError,
+     r"mask: a tensor mask must be bool .* or float .*got torch\.int64"),
     ("mask_lambda", lambda **x: call(**x, mask=lambda b, h, q, kv: kv <= q),
      TypeError, r"mask: .*masks\.custom\(fn\).*got function"),
     ("mask_string", lambda **x: call(**x, mask="causal"), TypeError, r"mask: .*got str"),
@@ -119,7 +122,8 @@ def test_validation_happens_for_every_backend(case, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qs, ks, vs", [
     ((1, 2, 3, 4), (2, 2, 3, 4), (2, 2, 3, 4)),   # q batch 1 against k/v batch 2
-    ((2, 2, 3, 4), (1, 2, 3, 4), (1, 2, 3, 4)),   # k/v batch 1 against q batch 2
+    # k/v batch 1 against q batch 2 is K/V shared by the batch (issue 15, FlexAttention's
+    # convention): tests/ops/test_conventions.py
     ((2, 2, 3, 4), (2, 2, 3, 4), (1, 2, 3, 4)),   # v alone batch 1
     ((2, 2, 3, 4), (2, 2, 3, 4), (2, 2, 1, 4)),   # v with one position
     ((2, 2, 3, 4), (2, 2, 3, 1), (2, 2, 3, 4)),   # k with D = 1

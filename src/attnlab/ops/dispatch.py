@@ -7,6 +7,7 @@ import numbers
 
 import torch
 
+from attnlab.ops import conventions
 from attnlab.ops.dropout import check_dropout, make_dropout
 from attnlab.ops.finite import maybe_nonfinite, traced
 from attnlab.ops.flash import flash_attention
@@ -19,7 +20,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, kv_offset=0,
-              return_lse=False, backend="auto", dropout_p=0.0, dropout_seed=None):
+              return_lse=False, backend="auto", dropout_p=0.0, dropout_seed=None,
+              layout="bhnd"):
     """Scaled dot-product attention: ``softmax(scale·q kᵀ + score_mod, masked) v``.
 
     Shapes::
@@ -68,6 +70,18 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
             seed from, or ``None``: one int64 drawn from torch's default CPU generator,
             so ``torch.manual_seed`` makes runs reproducible and each call gets a fresh
             mask.
+        layout: ``"bhnd"`` (default, the shapes above) or ``"bnhd"``: q/k/v are
+            flash-attn's ``(B, N, H, D)``, read through transposed views (no copy); out is
+            ``(B, Nq, H, Dv)``, lse stays ``(B, H, Nq)``.  attnlab cannot tell the layouts
+            apart from the shapes: a (B, N, H, D) tensor passed without ``layout="bnhd"``
+            is read as (B, H, N, D).
+
+    Peer conventions (:mod:`attnlab.ops.conventions`, docs/conventions.md): ``mask`` may
+    be a tensor broadcastable to ``(B, H, Nq, Nk)``, bool (True = attend) or additive
+    float (a float mask that requires grad is learned), indexed by row and column like
+    SDPA's ``attn_mask``; ``scale`` may be a 0-d tensor (learnable); ``q_offset`` a
+    ``(B,)`` int tensor (per-batch query positions, ragged decoding); k/v may have
+    batch 1 (shared by every batch element, broadcast as views).
 
     Non-finite inputs (:mod:`attnlab.ops.finite`, docs/reliability/numerics.md): a key
     a row cannot see has no effect on it even when it holds NaN/inf; NaN/inf a row can
@@ -86,6 +100,10 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
     >>> out.shape, lse.shape
     (torch.Size([2, 8, 16, 64]), torch.Size([2, 8, 16]))
     """
+    if conventions.wants_conventions(q, k, mask, scale, q_offset, layout):
+        return conventions.apply(attention, q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
+                                 kv_offset=kv_offset, return_lse=return_lse, backend=backend, layout=layout,
+                                 dropout_p=dropout_p, dropout_seed=dropout_seed)
     _check_tensors(q, k, v)
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -289,17 +307,20 @@ def _check_tensors(q, k, v):
         raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"batch sizes differ: {shapes}")
+        raise ValueError(f"batch sizes differ: {shapes} (k/v may also have batch 1, shared by the batch)")
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(f"k and v must have the same (B, Hkv, Nk): {shapes}")
+        raise ValueError(f"k and v must have the same (B, Hkv, Nk): {shapes}{_BNHD_HINT}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"query heads H={q.shape[1]} must be a multiple of kv heads Hkv={k.shape[1]} (GQA): {shapes}")
+        raise ValueError(f"query heads H={q.shape[1]} must be a multiple of kv heads Hkv={k.shape[1]} (GQA): "
+                         f"{shapes}{_BNHD_HINT}")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"q and k head dims differ (D={q.shape[3]} vs {k.shape[3]}): {shapes}")
     if q.shape[3] == 0:
         raise ValueError(f"head dim D must be >= 1: {shapes}")
 
 
+_BNHD_HINT = ("; attnlab reads q/k/v as (B, H, N, D) (heads before tokens): flash-attn's (B, N, H, D) "
+              "tensors need layout='bnhd'")
 _LAYOUT = {"q": "(B, H, Nq, D)", "k": "(B, Hkv, Nk, D)", "v": "(B, Hkv, Nk, Dv)"}
 
 

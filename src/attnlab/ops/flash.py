@@ -77,22 +77,26 @@ class _Problem:
 def _prepare(q, k, v, mmd):
     """Flatten to the kernel's 3-D layout (no per-head copies of K/V).
 
-    q -> (B*Hkv, G, Nq, D) view;  kT -> (B*Hkv, D, Nk) (one transposed copy of K, so
-    every ``Q_i K_jᵀ`` is a plain row-major GEMM);  k -> (B*Hkv, Nk, D);  v -> (B*Hkv, Nk, Dv).
+    q -> (B, Hkv, G, Nq, D) view (any strides: a (B, N, H, D) layout's transpose too);
+    kT -> (B*Hkv, D, Nk) (the one copy: K transposed, so every ``Q_i K_jᵀ`` is a plain
+    row-major GEMM);  k -> (B*Hkv, Nk, D) a view of kT;  v -> (B*Hkv, Nk, Dv), a view
+    where the strides allow it (always for (B, H, N, D) and for B = 1), else a copy.
     """
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    qf = q.reshape(B * Hkv, H // Hkv, Nq, D)
-    kf = k.reshape(B * Hkv, Nk, D).to(mmd)
-    kT = kf.transpose(1, 2).contiguous()
-    vf = v.reshape(B * Hkv, Nk, Dv).to(mmd).contiguous()
+    qf = q.unflatten(1, (Hkv, H // Hkv))
+    kT = k.transpose(2, 3).reshape(B * Hkv, D, Nk).to(mmd).contiguous()
+    kf = kT.transpose(1, 2)
+    vf = v.reshape(B * Hkv, Nk, Dv).to(mmd)
+    if vf.stride(-1) != 1:
+        vf = vf.contiguous()
     return qf, kf, kT, vf
 
 
 def _rows(xf, qs, qe, dtype):
-    """Rows ``qs:qe`` of a ``(B*Hkv, G, N, D)`` tensor as ``(B*Hkv, G*n, D)`` in ``dtype``."""
-    BH, G, _, D = xf.shape
-    return xf[:, :, qs:qe].reshape(BH, G * (qe - qs), D).to(dtype)
+    """Rows ``qs:qe`` of a ``(B, Hkv, G, N, D)`` tensor as ``(B*Hkv, G*n, D)`` in ``dtype``."""
+    B, Hkv, G, _, D = xf.shape
+    return xf[:, :, :, qs:qe].reshape(B * Hkv, G * (qe - qs), D).to(dtype)
 
 
 def _fast(pb, needs_mask) -> bool:
@@ -181,7 +185,7 @@ def _forward_row(pb, i, qf, kT, vf, outf, lsef, b, h, Nq, Nk, acc, mmd, B, H, ca
 
     A non-finite result (``0·NaN`` from a hidden key's value, or a visible NaN) makes the
     row run again ``careful``: ``P·V`` skips the hidden entries exactly (:func:`zmm`)."""
-    BH, G, _, _ = qf.shape
+    BH, G = qf.shape[0] * qf.shape[1], qf.shape[2]
     Dv = vf.shape[-1]
     row = pb.plan[i]
     qs, qe = i * pb.bq, min(Nq, (i + 1) * pb.bq)
@@ -255,7 +259,7 @@ def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params, careful=False
     mmd = _mm_dtype(q.dtype, q.device)
     qf, kf, kT, vf = _prepare(q, k, v, mmd)
     vT = vf.transpose(1, 2).contiguous()
-    dof = dout.reshape(BH, G, Nq, Dv)
+    dof = dout.unflatten(1, (Hkv, G))
     # Δ = rowsum(dO ∘ O) − dLSE, per query row
     delta = (dout.to(acc) * out.to(acc)).sum(-1)
     if dlse is not None:
