@@ -151,8 +151,10 @@ def check_rule(fast: dict, ref: dict, oracle: dict, dtype, what=""):
 # parameter that collects whole rows (relative_bias's clipped bins, ALiBi's slope) sees
 # almost none of the reference's rounding; the flash backward's dS = P*(dP - rowsum(dO*O))
 # has per-row rounding in rowsum(dO*O) that such a parameter sums up.  Measured excess over
-# the 3x rule: <= 0.35 eps(dtype) * M over 18 seeds/mods/dtypes; allow one eps * M.
-PARAM_GRAD_SLACK_EPS = 1.0
+# the 3x rule: <= 0.35 eps(dtype) * M over 18 seeds/mods/dtypes on flash; 1.14 eps * M on the
+# Triton kernels (interpreted) for symmetric ALiBi under causal() (M = 147: both-sided |dist|
+# weights make the slope collect the largest sums); allow two eps * M.
+PARAM_GRAD_SLACK_EPS = 2.0
 
 
 def check_param_grad(fast, ref, oracle, dtype, what="dparam"):
