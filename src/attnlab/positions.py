@@ -434,7 +434,7 @@ class ALiBi:
     have no causal mask to hide the positive bias of future keys).  :meth:`score_mod` gives the score mod for :func:`attnlab.attention`.
 
     >>> ALiBi(4).score_mod()
-    alibi(4 heads)
+    alibi((4,) slopes)
     """
 
     def __init__(self, n_heads: int, *, slopes: torch.Tensor | None = None, symmetric: bool = False):

@@ -180,7 +180,7 @@ def failing_group(rank, world, T):
 
     * ranks 0, 1 — rank 1 never calls and dies after ``2 T``; rank 0's ring call (timeout
       60 s) must report the dead peer at once: ``PeerFailureError``.
-    * ranks 2, 3 — rank 3 passes the handshake and hangs inside the ring (then dies); rank
+    * ranks 2, 3 — rank 3 passes the handshake and hangs inside the ring (8 T, then dies); rank
       2's ring call (timeout ``T``) must time out waiting for the K/V shard; a second call
       must fail at once (gloo closed the connection after the timeout).
     * ranks 4, 5 — rank 5 never calls Ulysses attention; rank 4's call (timeout ``T``)
@@ -208,8 +208,8 @@ def failing_group(rank, world, T):
     if rank == 3:
         import attnlab.distributed.ring as ring
 
-        def hang(*args):
-            time.sleep(2.5 * T)
+        def hang(*args):  # long past rank 2's timeout T, even with other ranks loading the cores
+            time.sleep(8 * T)
             os._exit(3)
 
         ring.ring_forward = hang

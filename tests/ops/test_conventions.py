@@ -52,14 +52,14 @@ def test_bnhd_gradients_match():
 def test_bnhd_reaches_the_kernel_as_views(monkeypatch):
     """No .contiguous() copy at the entry: the flash kernel gets views of the caller's storage."""
     seen = {}
-    real = dispatch.flash_attention
+    real = dispatch.flash_op  # the flash kernel's entry (the attnlab::flash_* custom ops)
 
-    def spy(q, k, v, **kw):
+    def spy(q, k, v, *a, **kw):
         seen["ptrs"] = (q.data_ptr(), k.data_ptr(), v.data_ptr())
         seen["contig"] = q.is_contiguous()
-        return real(q, k, v, **kw)
+        return real(q, k, v, *a, **kw)
 
-    monkeypatch.setattr(dispatch, "flash_attention", spy)
+    monkeypatch.setattr(dispatch, "flash_op", spy)
     q, k, v = (t.transpose(1, 2).contiguous() for t in _qkv(B=1))
     attnlab.attention(q, k, v, layout="bnhd", backend="flash")
     assert seen["ptrs"] == (q.data_ptr(), k.data_ptr(), v.data_ptr()) and not seen["contig"]
@@ -77,8 +77,11 @@ def test_bnhd_allocates_no_more_than_bhnd_when_strides_allow():
     q, k, v = _qkv(B=1, Nq=200, Nk=200, D=16, dtype=torch.float32)
     qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     with torch.no_grad():
-        a = _allocated(lambda: attnlab.attention(qb, kb, vb, mask=masks.causal(), layout="bnhd", backend="flash"))
-        b = _allocated(lambda: attnlab.attention(q, k, v, mask=masks.causal(), backend="flash"))
+        calls = (lambda: attnlab.attention(qb, kb, vb, mask=masks.causal(), layout="bnhd", backend="flash"),
+                 lambda: attnlab.attention(q, k, v, mask=masks.causal(), backend="flash"))
+        for c in calls:  # warm: the mask's tile classification is cached by structure after one call
+            c()
+        a, b = (_allocated(c) for c in calls)
     assert a == b, f"bnhd allocated {a} bytes, bhnd {b}"
 
 
@@ -174,9 +177,10 @@ def test_kv_batch_broadcast_without_copies(backend, monkeypatch):
                             backend="reference")
     assert max_err(out, ref) <= 1e-12
     seen = {}
-    real = dispatch.flash_attention
-    monkeypatch.setattr(dispatch, "flash_attention",
-                        lambda q, k, v, **kw: seen.setdefault("k", (k.data_ptr(), k.stride(0))) and real(q, k, v, **kw))
+    real = dispatch.flash_op  # the flash kernel's entry (the attnlab::flash_* custom ops)
+    monkeypatch.setattr(dispatch, "flash_op",
+                        lambda q, k, v, *a, **kw: seen.setdefault("k", (k.data_ptr(), k.stride(0))) and real(q, k, v, *a,
+                                                                                                            **kw))
     attnlab.attention(q, k1, v1, backend="flash")
     assert seen["k"] == (k1.data_ptr(), 0)  # a stride-0 view of the caller's K
 

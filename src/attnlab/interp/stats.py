@@ -253,7 +253,7 @@ def head_stats(q, k, *, mask=None, score_mod=None, scale=None, q_offset=None, kv
     if Nq and Nk:
         with torch.no_grad():
             mmd = _mm_dtype(q.dtype, q.device)
-            qf = q.reshape(BH, G, Nq, D)  # a view when q is contiguous; K is never repeated per head
+            qf = q.reshape(1, BH, G, Nq, D)  # the flash loop's (B, Hkv, G, N, D) row layout, B*Hkv folded; a view
             kT = k.reshape(BH, Nk, D).to(mmd).transpose(1, 2).contiguous()  # (BH, D, Nk): plain GEMMs
             b, h = pb.grids(B, H, q.device)
             w_any = None if w is None else [bool(w[:, s:s + bk].any()) for s in range(0, Nk, bk)]
@@ -277,7 +277,7 @@ def _stats_row(pb, i, qf, kT, out, valid, b, h, Nq, Nk, acc, mmd, B, H, sink_tok
     row = pb.plan[i]
     if not row:
         return
-    BH, G = qf.shape[0], qf.shape[1]
+    BH, G = qf.shape[1], qf.shape[2]
     qs, qe = i * pb.bq, min(Nq, (i + 1) * pb.bq)
     n = qe - qs
     dev = qf.device
