@@ -179,24 +179,32 @@ class NormPoints:
         return self.hook_normalized(scaled_norm(norm, x, self.hook_scale))
 
 
+def _eps(norm) -> float:
+    eps = getattr(norm, "eps", None)
+    return getattr(norm, "variance_epsilon") if eps is None else eps  # transformers' RMSNorms
+
+
+def _is_layer_norm(norm) -> bool:
+    return hasattr(norm, "normalized_shape")  # torch LayerNorm (centres); RMSNorms do not
+
+
 def norm_scale(norm, x):
-    """``(h, scale)``: the centred input (LayerNorm; RMSNorm: the input) in float32 (float64 stays) and the
-    scale ``(..., 1)`` (float32 likewise) the norm divides it by, for a torch LayerNorm, attnlab's RMSNorm or transformers' RMSNorms."""
+    """The scale ``(..., 1)`` the norm divides its (centred, for LayerNorm) input by, in float32 (float64
+    stays), for a torch LayerNorm, attnlab's RMSNorm or transformers' RMSNorms: one fused reduction."""
     h = x if x.dtype == torch.float64 else x.float()
-    if hasattr(norm, "normalized_shape"):  # torch LayerNorm
-        h = h - h.mean(-1, keepdim=True)
-        eps = norm.eps
+    if _is_layer_norm(norm):
+        ms = torch.var(h, dim=-1, correction=0, keepdim=True)
     else:
-        eps = getattr(norm, "eps", None)
-        if eps is None:
-            eps = getattr(norm, "variance_epsilon")  # transformers' RMSNorms
-    return h, (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+        ms = torch.linalg.vector_norm(h, 2, dim=-1, keepdim=True).square_().div_(h.shape[-1])
+    return (ms + _eps(norm)).sqrt_()
 
 
 def normalize(norm, x, scale=None):
     """``norm(x)`` by hand from the scale (default: its own, :func:`norm_scale`)."""
-    h, own = norm_scale(norm, x)
-    y = (h / (own if scale is None else scale)).to(x.dtype)
+    h = x if x.dtype == torch.float64 else x.float()
+    if _is_layer_norm(norm):
+        h = h - h.mean(-1, keepdim=True)
+    y = (h / (norm_scale(norm, x) if scale is None else scale)).to(x.dtype)
     if getattr(norm, "weight", None) is not None:
         y = norm.weight * y
     if getattr(norm, "bias", None) is not None:
@@ -204,12 +212,19 @@ def normalize(norm, x, scale=None):
     return y
 
 
-def scaled_norm(norm, x, point):
+def edited_norm(norm, x, point):
     """Run ``point`` (a hook point, or any ``fn(scale) -> scale``) on the scale of ``norm`` at ``x``; returns
-    ``norm(x)`` itself when the scale was only read, else the norm recomputed from the edited scale."""
-    h, scale = norm_scale(norm, x)
+    ``None`` when the scale was only read (the module's own output stands, bit for bit), else the norm
+    recomputed from the edited scale (a returned tensor, or the scale written in place)."""
+    scale = norm_scale(norm, x)
     v0 = scale._version
     s2 = point(scale)
     if s2 is scale and scale._version == v0:
-        return norm(x)  # observed only: the module's own output, bit for bit
+        return None
     return normalize(norm, x, s2)
+
+
+def scaled_norm(norm, x, point):
+    """:func:`edited_norm`, or ``norm(x)`` itself when the scale was only read."""
+    r = edited_norm(norm, x, point)
+    return norm(x) if r is None else r

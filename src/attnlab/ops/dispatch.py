@@ -236,7 +236,7 @@ def attention_probs(q, k, *, mask=None, score_mod=None, scale=None, q_offset=Non
     if hasattr(mask, "plan"):
         mask = mask.mask
     return reference_probs(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
-                           kv_offset=kv_offset)[0]
+                           kv_offset=kv_offset, need_lse=False)[0]
 
 
 def _scale_arg(scale, D):

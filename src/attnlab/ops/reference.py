@@ -29,9 +29,14 @@ def index_grids(B, H, Nq, Nk, q_offset, kv_offset, device):
     return b, h, qp, kp
 
 
-def reference_probs(q, k, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, holder=None):
+def reference_probs(q, k, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, holder=None,
+                    need_lse=True):
     """The attention probabilities ``(B, H, Nq, Nk)`` in float32 (float64 for float64)
     and the LSE ``(B, H, Nq)``; inputs already validated.  Fully masked rows are 0.
+
+    ``need_lse=False`` returns ``(p, None)`` from one fused ``torch.softmax`` (what
+    :func:`attnlab.attention_probs` and the interp patterns read): the same probabilities
+    to rounding, about half the passes over the ``(B, H, Nq, Nk)`` scores.
 
     With ``holder`` (a dict; the path for non-finite inputs, see :mod:`attnlab.ops.finite`)
     the scores' backward skips hidden pairs, a masked score that is not finite reaches the
@@ -42,8 +47,15 @@ def reference_probs(q, k, *, mask=None, score_mod=None, scale, q_offset, kv_offs
     G = H // Hkv
     acc = acc_dtype(q.dtype)
     kr = k.repeat_interleave(G, dim=1) if G > 1 else k
-    raw = torch.matmul(q, kr.transpose(-1, -2)) if holder is None else hidden_scores(q, kr, holder)
-    s = raw.to(acc) * scale
+    # without autograd, the scale folded into the GEMM (alpha: bit-identical forward); with it, the textbook
+    # matmul-then-scale, whose backward rounding the accuracy rule's same-dtype reference stands for
+    no_grad = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
+    if holder is None and no_grad and q.dtype == acc and q.dim() == 4 and isinstance(scale, float):
+        s = torch.baddbmm(q.new_empty(()), q.reshape(B * H, Nq, -1), kr.reshape(B * H, Nk, -1).transpose(-1, -2),
+                          beta=0.0, alpha=scale).view(B, H, Nq, Nk)
+    else:
+        raw = torch.matmul(q, kr.transpose(-1, -2)) if holder is None else hidden_scores(q, kr, holder)
+        s = raw.to(acc) * scale
     b, h, qp, kp = index_grids(B, H, Nq, Nk, q_offset, kv_offset, q.device)
     allowed = None if mask is None else torch.as_tensor(mask(b, h, qp, kp), device=q.device)
     if score_mod is not None:
@@ -54,10 +66,17 @@ def reference_probs(q, k, *, mask=None, score_mod=None, scale, q_offset, kv_offs
         if not isinstance(s, torch.Tensor) or s.shape != shape:
             raise ValueError(f"score_mod: returned {tuple(getattr(s, 'shape', ()))} for a score matrix of shape "
                              f"{tuple(shape)}; a score mod must be elementwise")
-    if allowed is not None:
-        s = s.masked_fill(~allowed, float("-inf"))
+    if allowed is not None:  # in place on our own fresh scores; a score mod's output may be anyone's tensor
+        s = s.masked_fill_(~allowed, float("-inf")) if score_mod is None else s.masked_fill(~allowed, float("-inf"))
     if holder is not None:
         holder["hidden"] = (s == float("-inf")).detach()
+    if not need_lse:  # the pattern alone (attention_probs): one fused softmax, fully masked rows to 0
+        p = torch.softmax(s, dim=-1)
+        # a row whose scores are all -inf comes out NaN: set it to 0 (a NaN the row can see stays NaN);
+        # eager, the full check runs only when some row's first probability is NaN
+        if Nk and (traced(s) or bool(p[..., 0].isnan().any())):
+            p = p.masked_fill((s == float("-inf")).all(-1, keepdim=True), 0.0)
+        return p, None
     m = s.amax(-1, keepdim=True) if Nk else s.new_full((*s.shape[:-1], 1), float("-inf"))
     m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
     e = torch.exp(s - m_safe)
