@@ -221,7 +221,7 @@ def test_without_triton_or_interpreter(mode):
 def test_gpu_benchmark_script_runs_its_checks_here():
     """The benchmark needs a GPU for timing; its correctness grid, verdict and table run
     on the interpreter here with small cases, so the script does not rot untested."""
-    from attnlab.ops.triton import bench
+    from attnlab.bench import triton as bench
     cases = [("causal gqa", (1, 4, 2, 20, 33, 40, 24), torch.bfloat16, masks.causal(), None),
              ("alibi table", (1, 2, 2, 17, 17, 16, 16), torch.float32, masks.custom(lambda b, h, q, kv: kv <= q),
               (lambda p: scores.alibi(p), torch.tensor([0.1, 0.2])))]

@@ -1,6 +1,6 @@
 """GPU benchmark of the Triton kernels: correctness on the GPU, then TFLOP/s side by side.
 
-    python -m attnlab.ops.triton.bench [--quick] [--no-flex] [--json PATH] [--markdown PATH]
+    attnlab bench triton [--quick] [--no-flex] [--json PATH] [--markdown PATH]
 
 Needs a CUDA GPU (it says so and exits with status 2 otherwise) and ``TRITON_INTERPRET``
 unset.  In one go of a few minutes it
@@ -226,7 +226,7 @@ def verdict(rows, mm):
 def markdown(corr, rows, mm, lines, argv, device_name):
     from attnlab.ops.triton import config
     md = [f"### Triton kernels on {device_name} ({datetime.date.today().isoformat()})", "",
-          f"Command: `python -m attnlab.ops.triton.bench {' '.join(argv)}`; torch {torch.__version__}, "
+          f"Command: `attnlab bench triton {' '.join(argv)}`; torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}. bf16 matmul ceiling: {mm:.0f} TFLOP/s.", "",
           "Correctness on the GPU (error / DESIGN.md bound, worst over out, LSE and gradients; <= 1 passes):", "",
           "| case | dtype | error/bound | |", "|---|---|---|---|"]
@@ -240,7 +240,7 @@ def markdown(corr, rows, mm, lines, argv, device_name):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m attnlab.ops.triton.bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="attnlab bench triton", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="N = 8k only")
     ap.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention (its compiles take time)")
     ap.add_argument("--json", metavar="PATH")
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     why = _need_gpu()
     if why:
-        print(f"attnlab.ops.triton.bench: {why}", file=sys.stderr)
+        print(f"attnlab bench triton: {why}", file=sys.stderr)
         return 2
     print(f"GPU: {torch.cuda.get_device_name()}; correctness against the float64 reference:", flush=True)
     corr, ok = check_correctness()
