@@ -21,7 +21,6 @@ unset.  In one go of a few minutes it
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
@@ -239,13 +238,10 @@ def markdown(corr, rows, mm, lines, argv, device_name):
     return "\n".join(md) + "\n"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="attnlab bench triton", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="N = 8k only")
-    ap.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention (its compiles take time)")
-    ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--markdown", metavar="PATH", help="write the table for docs/benchmarks.md")
-    args = ap.parse_args(argv)
+def main(*, quick: bool = False, flex: bool = True, json_path: str | None = None, markdown_path: str | None = None,
+         argv: list[str] | None = None) -> int:
+    """``attnlab bench triton``: 2 (said on stderr) without a CUDA GPU, 1 when a correctness
+    check fails, else 0.  ``argv`` is the command line the markdown records."""
     why = _need_gpu()
     if why:
         print(f"attnlab bench triton: {why}", file=sys.stderr)
@@ -254,23 +250,20 @@ def main(argv=None) -> int:
     corr, ok = check_correctness()
     mm = matmul_rate()
     print(f"bf16 matmul: {mm:.0f} TFLOP/s", flush=True)
-    rows = time_table(quick=args.quick, flex=not args.no_flex)
+    rows = time_table(quick=quick, flex=flex)
     lines = verdict(rows, mm)
     print("\n".join(lines))
     from attnlab.ops.triton import config
     for k, v in sorted(config.CHOSEN.items(), key=str):
         print(f"  autotune {k}: {v}")
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "matmul_tflops": mm, "correctness": corr,
                        "rows": rows, "targets": lines, "chosen": {str(k): v for k, v in config.CHOSEN.items()}},
                       f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
+    if markdown_path:
+        with open(markdown_path, "w") as f:
             f.write(markdown(corr, rows, mm, lines, sys.argv[1:] if argv is None else argv,
                              torch.cuda.get_device_name()))
     return 0 if ok else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -232,4 +232,4 @@ def test_gpu_benchmark_script_runs_its_checks_here():
     assert lines[0].startswith("forward 0.94x") and "met" in lines[0] and "MISSED" not in lines[1]
     md = bench.markdown(rows, table, 700.0, lines, ["--quick"], "a GPU")
     assert "| 128 | 8192 | causal | attnlab-triton | 300.0 | 250.0 |" in md and "--quick" in md
-    assert bench.main([]) == 2  # no GPU here: says so and exits 2
+    assert bench.main() == 2  # no GPU here: says so and exits 2
