@@ -129,6 +129,7 @@ def test_claims_id_shows_the_claim_whole(capsys, tmp_path):
     for q in c.quotes:
         assert " ".join(q.split()) in flat                                   # the seed's quote, whole
     assert f"verdict: {doc['verdict']}" in text and f"why: {doc['explanation']}" in flat
+    assert "conditions: none" in text
     for k in doc["evidence"]:
         assert k in text                                                     # every measured figure
     assert doc["key_figure"] in flat

@@ -371,8 +371,7 @@ def format_claim(r: ClaimResult, *, width: int = 88) -> str:
         return "\n".join(out)
     out.append(f"verdict: {r.verdict.value}")
     out += ["  " + x for x in _wrap(f"why: {r.explanation}", width - 2)]
-    if r.conditions:
-        out += ["  " + x for x in _wrap(f"conditions: {r.conditions}", width - 2)]
+    out += ["  " + x for x in _wrap(f"conditions: {r.conditions or 'none (the verdict is unconditional)'}", width - 2)]
     out += ["", "measured:"]
     kw = max(len(str(k)) for k in r.evidence) if r.evidence else 0
     for k, v in r.evidence.items():
