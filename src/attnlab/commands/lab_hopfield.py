@@ -1,7 +1,7 @@
 """``attnlab lab hopfield``: the capacity of one attention read as a modern Hopfield update."""
 
 HELP = "Hopfield capacity: one attention read retrieves far more patterns than the classical 0.138·d"
-RUNTIME = "about 5 s"
+RUNTIME = "about 10 s, most of it starting torch"
 SHARED = {}
 
 
