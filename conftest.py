@@ -8,6 +8,13 @@ collect them (pytest still loads them as conftests).
 
 collect_ignore_glob = ["tests/*conftest.py"]
 
+# ``--doctest-modules`` also imports every module under src/attnlab.  The Triton kernel
+# modules import ``triton`` (absent without the extra) and, with it, define their kernels
+# for the GPU or the interpreter depending on ``TRITON_INTERPRET`` at that moment, which
+# tests/ops/triton/conftest.py must set first.  They hold no doctests: do not collect them.
+# (This lived in a conftest.py inside the package; the package ships no pytest files.)
+collect_ignore = [f"src/attnlab/ops/triton/{name}.py" for name in ("autograd", "backward", "forward", "jitlib")]
+
 
 import pytest  # noqa: E402
 

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("transformers")
 
 from attnlab.bench import inference as bench  # noqa: E402
-from attnlab.bench.textmodels import TextModels  # noqa: E402
+from attnlab.train.textmodels import TextModels  # noqa: E402
 from attnlab.nn import Decoder, DecoderConfig  # noqa: E402
 
 

@@ -10,7 +10,7 @@ import torch
 
 from attnlab import masks, scores
 from attnlab.cache.blocks import CacheFullError
-from attnlab.cache import paged
+from attnlab.cache import paged, paged_kv
 from attnlab.cache.paged import PagedCache, PagedKV
 from attnlab.nn import Decoder, DecoderConfig
 from attnlab.ops.decode import split_kv_attention
@@ -142,7 +142,7 @@ def test_pieces_are_views_of_the_pool_one_per_run_of_adjacent_blocks(monkeypatch
         calls.append(([p[2] for p in pieces], mask))
         return split_kv_attention(q, pieces, mask=mask, **kw)
 
-    monkeypatch.setattr(paged, "split_kv_attention", spy)
+    monkeypatch.setattr(paged_kv, "split_kv_attention", spy)
     q = rand(len(seqs), 4, 1, 8, seed=3)
     kv.attend(q, mask=masks.causal())
     assert len(calls) == len(seqs) and all(m is None for _, m in calls)

@@ -13,7 +13,7 @@ import torch
 
 from attnlab import masks, scores
 from attnlab.cache import DenseKV, DynamicCache
-from attnlab.cache.quant import pack, packed_size, quantize, unpack
+from attnlab.cache.quantize import pack, packed_size, quantize, unpack
 from attnlab.cache.quantized import QuantizedCache, QuantizedKV
 from attnlab.nn import Decoder, DecoderConfig
 from attnlab.ops.dispatch import attention

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from attnlab.cli import main
 from attnlab.lab import claims as C
 from attnlab.lab.claims import Outcome, Verdict
 from attnlab.lab.claims.registry import Registry, normalize
@@ -150,23 +151,23 @@ def test_registry_is_open_and_reports_errors():
 
 
 def test_main(tmp_path, capsys, monkeypatch):
-    assert C.main(["--list"]) == 0
+    assert main(["claims", "--list"]) == 0
     listed = capsys.readouterr().out
     assert all(i in listed for i in EXPECTED)
     out = tmp_path / "claims.json"
-    assert C.main(["budget-example", "w-o-shape", "--json", str(out), "--no-progress"]) == 0
+    assert main(["claims", "budget-example", "w-o-shape", "--json", str(out), "--no-progress"]) == 0
     text = capsys.readouterr().out
     assert "does not hold" in text and "budget-example-is-softmax" in text
     doc = json.loads(out.read_text())
     assert [c["id"] for c in doc["claims"]] == ["budget-example-is-softmax", "w-o-shape-dh-by-d"]
     assert all(c["verdict"] == "does not hold" for c in doc["claims"])
-    assert C.main(["no-such-claim"]) == 2
+    assert main(["claims", "no-such-claim"]) == 2
 
     def boom():
         raise RuntimeError("boom")
     monkeypatch.setitem(C.REGISTRY._claims, "zz-raises",
                         C.Claim("zz-raises", "t", C.SEED_000, ("q",), boom, "tests"))
-    assert C.main(["zz-raises", "--no-progress"]) == 1
+    assert main(["claims", "zz-raises", "--no-progress"]) == 1
 
 
 def test_run_claims_restores_threads():

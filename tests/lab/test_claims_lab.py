@@ -48,7 +48,7 @@ def test_sinks_vanish_when_attention_ignores_the_special_tokens(monkeypatch):
 
 
 def test_a_window_that_loses_quality_flips_the_streaming_claim(monkeypatch):
-    import attnlab.bench.inference as inf
+    import attnlab.lab.streaming as inf
     real = inf.streaming_table
 
     def collapsed(tm, **kw):  # as if the window-only cache had lost the model's sink

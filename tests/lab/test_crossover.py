@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from attnlab.cli import main
 from attnlab.lab import crossover
 from attnlab.lab.crossover import LINEAR, METHODS, SOFTMAX, _crossover, run, summary
 
@@ -80,7 +81,7 @@ def test_main_writes_json(tiny, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(crossover, "run", lambda **kw: tiny)
     monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "res.json"
-    assert crossover.main(["--quick", "--json", str(out), "--no-progress"]) == 0
+    assert main(["lab", "crossover", "--quick", "--json", str(out), "--no-progress"]) == 0
     assert json.loads(out.read_text()) == tiny
     assert (tmp_path / "cache" / "crossover" / "crossover-quick.json").exists()
     assert "forward + backward" in capsys.readouterr().out

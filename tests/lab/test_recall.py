@@ -97,13 +97,16 @@ def test_tiny_run_and_cache(lab_cache, monkeypatch):
     assert "n=2" in table and "n=4" in table and all(mx in table for mx in ("attention", "linear", "ssm"))
 
 
-def test_main_prints_json_and_table(lab_cache, monkeypatch, capsys):
+def test_main_writes_json_and_prints_table(lab_cache, monkeypatch, capsys, tmp_path):
+    from attnlab.cli import main
     small = RecallConfig(**{**TINY.to_dict(), "mixers": ("ssm",), "n_pairs": (2,), "batch_size": 2, "lrs": (1e-3,)})
     monkeypatch.setattr(recall, "QUICK", small)
-    assert recall.main(["--quick", "--json", "--workers", "1"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    path = tmp_path / "recall.json"
+    assert main(["lab", "recall", "--quick", "--json", str(path), "--workers", "1"]) == 0
+    out = json.loads(path.read_text())
     assert out["key"] == small.key() and list(out["models"]) == ["ssm"]
-    assert recall.main(["--quick", "--workers", "1"]) == 0
+    assert "ssm" in capsys.readouterr().out
+    assert main(["lab", "recall", "--quick", "--workers", "1"]) == 0
     assert "ssm" in capsys.readouterr().out
     assert RecallConfig(steps=4, warmup_steps=0).key() != RecallConfig(steps=5, warmup_steps=0).key()
 

@@ -140,28 +140,27 @@ def summary(res: dict) -> str:
     return "\n".join(rows)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="attnlab bench capture", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--no-memory", action="store_true")
-    p.add_argument("--shape", help=argparse.SUPPRESS)  # layers,d_model,heads,batch,tokens (tests)
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    shape = tuple(int(v) for v in a.shape.split(",")) if a.shape else None
-    if a.child:
-        _child(a.child, a.quick, shape)
-        return 0
-    if a.reps < 1:
-        p.error("--reps must be >= 1")
-    res = run(quick=a.quick, reps=a.reps, memory=not a.no_memory, shape=shape)
+def main(*, quick: bool = False, reps: int = 5, memory: bool = True, json_path: str | None = None,
+         shape=None) -> int:
+    """``attnlab bench capture``: run, print the summary, write JSON to ``json_path``."""
+    res = run(quick=quick, reps=reps, memory=memory, shape=shape)
     print(summary(res))
-    if a.json:
-        with open(a.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(res, f, indent=1)
     return 0
 
 
+def _child_main(argv: list[str]) -> int:
+    """The memory child: ``python -m attnlab.bench.capture --child MODE [--quick] [--shape L,d,H,B,N]``."""
+    p = argparse.ArgumentParser(prog="python -m attnlab.bench.capture")
+    p.add_argument("--child", required=True, help="the contender to measure")
+    p.add_argument("--quick", action="store_true", help="the quick sizes")
+    p.add_argument("--shape", help="layers,d_model,heads,batch,tokens")
+    a = p.parse_args(argv)
+    _child(a.child, a.quick, tuple(int(v) for v in a.shape.split(",")) if a.shape else None)
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_child_main(sys.argv[1:]))

@@ -12,7 +12,6 @@ reported with their ratio (compiled throughput over eager).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -71,17 +70,9 @@ def run(quick: bool = False, reps: int = 5, backend: str = "inductor", progress:
             "ratio_compiled_over_eager": med["eager"] / med["compiled"], "reps": reps}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="attnlab bench compile", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes (checks that it runs; no figures)")
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager"))
-    p.add_argument("--json", default=None)
-    a = p.parse_args(argv)
-    if a.reps < 1:
-        print("attnlab bench compile: --reps must be >= 1", file=sys.stderr)
-        return 2
-    res = run(quick=a.quick, reps=a.reps, backend=a.backend)
+def main(*, quick: bool = False, reps: int = 5, backend: str = "inductor", json_path: str | None = None) -> int:
+    """``attnlab bench compile``: run, print the figures, write JSON to ``json_path``."""
+    res = run(quick=quick, reps=reps, backend=backend)
     s = res["shape"]
     print(f"Decoder L={s['layers']} d={s['d_model']} H={s['heads']} B={s['batch']} N={s['seq']} "
           f"sliding_window({s['window']}), torch.compile backend={res['backend']}")
@@ -89,11 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  eager    step {res['eager_step_s']:.4f}s  {res['eager_tok_s']:.0f} tok/s")
     print(f"  compiled step {res['compiled_step_s']:.4f}s  {res['compiled_tok_s']:.0f} tok/s")
     print(f"  ratio compiled/eager throughput: {res['ratio_compiled_over_eager']:.2f}x")
-    if a.json:
-        with open(a.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(res, f, indent=2)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -29,8 +29,7 @@ import time
 import torch
 
 from attnlab.bench.attention import _machine
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from attnlab.lab.streaming import streaming_table
 
 
 def _median_time(fn, reps):
@@ -154,40 +153,6 @@ def quantized_perplexity(tm, n_tokens=2048, chunk=64):
     return rows
 
 
-def streaming_table(tm, n_tokens=3072, sinks=4, window=124, bar=None):
-    from attnlab.cache import StreamingCache
-    model = tm.target
-    ids = tm.heldout[:n_tokens + 1]
-    x, y = ids[:-1], ids[1:]
-    rows = []
-    with torch.no_grad():
-        lg = model(x[None]).logits[0]
-        rows.append({"method": f"dense attention over {n_tokens} tokens (trained on {model.cfg.max_positions})",
-                     "ppl": math.exp(float(torch.nn.functional.cross_entropy(lg, y))), "tok_s": None})
-        for name, s, w in (("window only", 0, sinks + window), (f"sinks {sinks} + window {window}", sinks, window)):
-            c = StreamingCache.for_model(model, sinks=s, window=w)
-            t0 = time.perf_counter()
-            nll = 0.0
-            for t in range(n_tokens):
-                lg = model(x[t:t + 1][None], cache=c).logits[0, -1]
-                nll += float(torch.nn.functional.cross_entropy(lg[None], y[t:t + 1]))
-                if bar is not None:
-                    bar.update(1)
-            rows.append({"method": name, "ppl": math.exp(nll / n_tokens), "tok_s": n_tokens / (time.perf_counter() - t0),
-                         "cache_tokens": c.length})
-        W = sinks + window
-        t0 = time.perf_counter()
-        nll = 0.0
-        for t in range(n_tokens):
-            lg = model(x[max(0, t - W + 1):t + 1][None]).logits[0, -1]
-            nll += float(torch.nn.functional.cross_entropy(lg[None], y[t:t + 1]))
-            if bar is not None:
-                bar.update(1)
-        rows.append({"method": f"sliding window {W}, recomputed per token", "ppl": math.exp(nll / n_tokens),
-                     "tok_s": n_tokens / (time.perf_counter() - t0)})
-    return rows
-
-
 def _rss_kib() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -258,7 +223,7 @@ def paged_waste(n_seqs=16, block_size=16, seed=0):
 
 def run(quick: bool = False, reps: int = 3, progress: bool = True) -> dict:
     from tqdm import tqdm
-    from attnlab.bench.textmodels import load_or_train
+    from attnlab.train.textmodels import load_or_train
     out = {"machine": _machine()}
     steps = ["decode", "memory", "models", "quantized", "streaming", "speculative", "paged"]
     bar = tqdm(total=len(steps), desc="bench inference", unit="part", disable=not progress, file=sys.stderr)
@@ -330,6 +295,7 @@ def format_report(r: dict) -> str:
 
 
 def main(quick=False, json_path=None, reps=3) -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local: never wait on the network
     r = run(quick=quick, reps=reps)
     print(format_report(r))
     if json_path:

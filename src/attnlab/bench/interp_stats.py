@@ -17,12 +17,11 @@ workspaces); the timed figure is the median of ``reps`` full-size runs (default
 one: the dense pattern at N = 32768 takes tens of seconds).  Absolute times on a
 2-core machine are noise; the ratios are the result.
 
-    python -m attnlab.bench.interp_stats [--n 32768] [--quick] [--json PATH]
+    attnlab bench interp [--n 32768] [--quick] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -121,32 +120,19 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="attnlab bench interp",
-                                description="head_stats (tiled, O(N) memory) vs materializing the pattern")
-    p.add_argument("--n", type=int, default=32768, help="sequence length (default 32768)")
-    p.add_argument("--quick", action="store_true", help=f"N={QUICK_N} (overrides --n)")
-    p.add_argument("--heads", type=int, default=1, help="query heads (default 1)")
-    p.add_argument("--d-head", type=int, default=64, help="head dim (default 64)")
-    p.add_argument("--reps", type=int, default=1, help="timed full-size runs per method (median; default 1)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.child is not None:
-        print(json.dumps(_child(json.loads(args.child))))
-        return 0
-    try:
-        res = run(n=args.n, d_head=args.d_head, heads=args.heads, quick=args.quick, reps=args.reps)
-    except ValueError as e:
-        print(f"attnlab bench interp: {e}", file=sys.stderr)
-        return 2
+def main(*, n: int = 32768, d_head: int = 64, heads: int = 1, quick: bool = False, reps: int = 1,
+         json_path: str | None = None) -> int:
+    """``attnlab bench interp``: run, print the table, write JSON to ``json_path``; bad sizes raise ValueError."""
+    res = run(n=n, d_head=d_head, heads=heads, quick=quick, reps=reps)
     print(format_table(res))
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(res, f, indent=1)
-        print(f"wrote {args.json}")
+        print(f"wrote {json_path}")
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the measuring child: python -m attnlab.bench.interp_stats --child SPEC
+    if sys.argv[1:2] != ["--child"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m attnlab.bench.interp_stats --child SPEC  (the child of `attnlab bench interp`)")
+    print(json.dumps(_child(json.loads(sys.argv[2]))))

@@ -1,6 +1,7 @@
 """Measure one benchmark case's peak memory in a fresh child process.
 
-The parent runs ``python -m attnlab.bench.memprobe '<json>'`` with glibc's
+The parent runs ``python -m attnlab.bench.attention_probe '<json>'`` (the child, which
+imports :mod:`attnlab.bench.attention`; this module does not) with glibc's
 ``MALLOC_MMAP_THRESHOLD_=65536``: every buffer of 64 KiB or more then comes from
 and goes back to the OS, so the child's resident-set high-water mark follows the
 bytes actually allocated (tracked allocations, as the OS sees them) instead of what
@@ -15,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from attnlab.bench.measure import memory_supported, peak_extra_bytes
+from attnlab.bench.measure import memory_supported
 
 ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
@@ -26,25 +27,8 @@ def measure(case_fields: dict, backend: str, mode: str, timeout_s: float = 600.0
         return None
     spec = json.dumps({"case": {**case_fields, "mode": mode}, "backend": backend})
     env = {**os.environ, **ENV}
-    out = subprocess.run([sys.executable, "-m", "attnlab.bench.memprobe", spec], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "attnlab.bench.attention_probe", spec], env=env, capture_output=True,
                          text=True, timeout=timeout_s)
     if out.returncode != 0:
         raise RuntimeError(f"memprobe failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_extra_mib"]
-
-
-def _main(argv: list[str]) -> int:
-    from attnlab.bench.attention import MiB, Case, _Runner
-
-    spec = json.loads(argv[0])
-    runner = _Runner(Case(**spec["case"]))
-    fn = runner.backends(with_flex=False)[spec["backend"]]
-    fn()  # warm-up: one-time allocations (thread pools, workspaces) are not the kernel's
-    for t in (runner.q, runner.k, runner.v):
-        t.grad = None  # so the measured call's gradients count as the extra memory they are
-    print(json.dumps({"peak_extra_mib": peak_extra_bytes(fn, warmup=False) / MiB}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

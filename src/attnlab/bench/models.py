@@ -28,8 +28,6 @@ import torch
 
 from attnlab.bench.attention import _machine
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 
 @dataclass
 class GPTShape:
@@ -183,6 +181,7 @@ def format_table(res: dict) -> str:
 
 
 def main(quick: bool = False, json_path: str | None = None, reps: int = 5, show_profile: bool = False) -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local: never wait on the network
     res = run(reps=reps, quick=quick)
     print(format_table(res))
     if show_profile:

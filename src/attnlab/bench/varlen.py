@@ -14,7 +14,6 @@ ratio SDPA/varlen, peak extra memory, and the packed inputs' bytes for scale.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -90,23 +89,10 @@ def run(seqs=16, lo=64, hi=2048, heads=8, dim=64, reps=3, backward=False, dtype=
     return row
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="attnlab bench varlen", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="4 sequences of 16..128 tokens (a smoke run)")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--seqs", type=int, default=16)
-    p.add_argument("--min", type=int, default=64)
-    p.add_argument("--max", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--backward", action="store_true", help="time forward+backward")
-    p.add_argument("--json", metavar="PATH")
-    a = p.parse_args(argv)
-    if a.reps < 1 or a.seqs < 1 or not 1 <= a.min <= a.max:
-        p.error("need --reps >= 1, --seqs >= 1 and 1 <= --min <= --max")
-    if a.quick:
-        a.seqs, a.min, a.max, a.heads, a.dim, a.reps = 4, 16, 128, 2, 16, 1
-    row = run(a.seqs, a.min, a.max, a.heads, a.dim, a.reps, a.backward)
+def main(*, seqs: int = 16, lo: int = 64, hi: int = 2048, heads: int = 8, dim: int = 64, reps: int = 3,
+         backward: bool = False, json_path: str | None = None) -> int:
+    """``attnlab bench varlen``: run, print the comparison, write JSON to ``json_path``."""
+    row = run(seqs, lo, hi, heads, dim, reps, backward)
     print(f"ragged batch: {row['seqs']} sequences, {row['total_tokens']} tokens packed "
           f"({row['padded_tokens']} padded), H={row['heads']} D={row['dim']} {row['dtype']}, causal, "
           f"{'fwd+bwd' if row['backward'] else 'forward'}")
@@ -116,7 +102,7 @@ def main(argv=None):
         print(f"  peak extra memory: varlen {row['varlen_peak_extra_bytes'] / 2**20:.1f} MiB, padded SDPA "
               f"{row['sdpa_padded_peak_extra_bytes'] / 2**20:.1f} MiB (packed q/k/v: "
               f"{row['packed_qkv_bytes'] / 2**20:.1f} MiB)")
-    if a.json:
-        with open(a.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(row, f, indent=1)
     return 0

@@ -10,7 +10,7 @@ Per layer the cache holds two parts, in position order::
   tokens (key outliers live in a few channels, so per-channel groups keep them apart).
 * **Values per token.**  Each (batch, kv head, token) gets a scale and a zero per run of
   ``value_group`` channels (default ``G`` when it divides ``Dv``, else the whole head).
-* **Codes** are asymmetric min/max, round-to-nearest (:mod:`attnlab.cache.quant`, which
+* **Codes** are asymmetric min/max, round-to-nearest (:mod:`attnlab.cache.quantize`, which
   also bounds the error: ``|x - x̂| <= scale/2`` for every element), packed into uint8:
   int8 one code a byte, int4 two, int2 four.  Scales and zeros are ``scale_dtype``
   (float16 by default, as in KIVI).
@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 
 from attnlab.cache.base import KV, Cache, DenseKV
-from attnlab.cache.quant import BITS, SCALE_DTYPES, dequantize, pack, packed_size, quantize, unpack
+from attnlab.cache.quantize import BITS, SCALE_DTYPES, dequantize, pack, packed_size, quantize, unpack
 from attnlab.ops.decode import split_kv_attention
 from attnlab.ops.dispatch import attention
 from attnlab.validate import integer

@@ -30,13 +30,12 @@ estimator's variance grows like ``exp(‖q‖²/sqrt(d) + ‖k‖²/sqrt(d))``, 
 approximation of softmax: its number is how far apart the two models' outputs are on
 the same q/k/v, and no feature count makes it go away.
 
-``python -m attnlab.lab.crossover [--quick] [--json PATH]`` runs it and prints the
+``attnlab lab crossover [--quick] [--json PATH]`` runs it and prints the
 table; the result is also written under :func:`attnlab.lab.cache_dir` ``("crossover")``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -218,29 +217,23 @@ def summary(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    """``python -m attnlab.lab.crossover [--quick] [--json PATH] [--reps R] [--threads T] [--no-progress]``."""
-    ap = argparse.ArgumentParser(prog="attnlab.lab.crossover", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="N = 256 … 2048, 3 repetitions")
-    ap.add_argument("--json", metavar="PATH", help="also write the result dict here")
-    ap.add_argument("--reps", type=int, default=None, help="repetitions per size (default 5, quick 3)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads (default: torch's; 1 is steadier on a shared machine)")
-    ap.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    args = ap.parse_args(argv)
-    if args.threads is not None:
-        if args.threads < 1:
-            ap.error(f"--threads: expected an int >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    res = run(quick=args.quick, reps=args.reps, progress=not args.no_progress)
+def main(*, quick: bool = False, reps: int | None = None, threads: int | None = None, progress: bool = True,
+         json_path: str | None = None) -> int:
+    """``attnlab lab crossover``: run (on ``threads`` torch threads when given), keep the result in
+    the lab cache, write it to ``json_path``, print the summary."""
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads (--threads): expected an int >= 1, got {threads!r}")
+        torch.set_num_threads(threads)
+    res = run(quick=quick, reps=reps, progress=progress)
     text = json.dumps(res, indent=1)
-    cached = cache_dir("crossover") / ("crossover-quick.json" if args.quick else "crossover.json")
+    cached = cache_dir("crossover") / ("crossover-quick.json" if quick else "crossover.json")
     cached.write_text(text)
-    if args.json:
-        with open(args.json, "w") as fh:
+    if json_path:
+        with open(json_path, "w") as fh:
             fh.write(text)
     print(summary(res))
-    print(f"\n(result written to {cached}{' and ' + args.json if args.json else ''}; {res['seconds']:.0f} s)")
+    print(f"\n(result written to {cached}{' and ' + json_path if json_path else ''}; {res['seconds']:.0f} s)")
     return 0
 
 

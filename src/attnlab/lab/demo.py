@@ -116,6 +116,60 @@ def _summary(ind, snk, gens, rec, results, seconds) -> str:
     return "\n".join(lines)
 
 
+#: ``attnlab inspect`` prints the first SHOW_TOKENS tokens; the report's subtitle the first SUBTITLE_CHARS characters.
+SHOW_TOKENS = 40
+SUBTITLE_CHARS = 200
+
+_LEGEND = {
+    "previous_token": "mass on the token just before",
+    "duplicate_token": "mass on earlier copies of the current token",
+    "induction": "mass on the token after an earlier copy of the current token",
+    "sink": "mass on the first token (e.g. [CLS] or BOS), rows after it",
+    "positional": "mass on the key at the head's best fixed offset (|offset| <= 8)",
+}
+
+
+def inspect_legend(names) -> list[str]:
+    """What the columns of ``attnlab inspect`` mean, for the detectors in ``names``."""
+    out = ["columns: each score is the head's mean attention mass (0..1) on the keys the detector names:"]
+    for d, what in _LEGEND.items():
+        if d in names:
+            out.append(f"  {d:<16} {what}")
+    if any(n.endswith("_vw") for n in names):
+        out.append("  *_vw             the same, value-weighted: each key's attention times the norm of the value it "
+                   "passes on, renormalized (a head that parks mass on a key with a ~0 value writes little)")
+    return out
+
+
+def format_inspect(toks: list[str], scores: dict, *, n_layers: int, n_heads: int, cut_to: int | None = None) -> list[str]:
+    """The lines ``attnlab inspect`` prints: the tokens (saying when only the first
+    :data:`SHOW_TOKENS` are shown, and when the tokenizer cut the text to ``cut_to``), the
+    top heads per detector (``scores``: name -> :class:`attnlab.interp.detectors.HeadScores`;
+    heads that round to 0.00 are not listed), and what the columns mean."""
+    lines = [f"tokens: {' '.join(repr(t) for t in toks[:SHOW_TOKENS])}"]
+    if len(toks) > SHOW_TOKENS:
+        lines.append(f"  (the first {SHOW_TOKENS} of {len(toks)} tokens shown here; every token is scored and in "
+                     "the report)")
+    if cut_to is not None:
+        lines.append(f"  (the text is longer than the model's limit: only its first {cut_to} tokens are read)")
+    lines += [f"{len(toks)} tokens, {n_layers} layers × {n_heads} heads",
+              f"{'detector':<22} top heads (mean attention mass, 0..1; heads that round to 0.00 omitted)"]
+    for name, hs in scores.items():
+        top = [(l, h, s) for l, h, s in hs.top(4) if f"{s:.2f}" != "0.00"]
+        lines.append(f"{name:<22} " + (", ".join(f"L{l}H{h} {s:.2f}" for l, h, s in top) if top else
+                                       "none (every head rounds to 0: nothing of this kind in this text)"))
+    lines += ["", *inspect_legend(sorted(scores))]
+    return lines
+
+
+def _cut_by_tokenizer(tok, text: str) -> bool:
+    """Whether the tokenizer truncated ``text`` (to its ``max_length``)."""
+    inner, limit = getattr(tok, "tok", None), getattr(tok, "max_length", None)
+    if inner is None or limit is None:
+        return False
+    return bool(getattr(inner.encode(text), "overflowing", None))
+
+
 def inspect(text: str, *, model_name: str = "minilm", out: str = "out/inspect.html") -> Path:
     """Score every head of a loaded model on ``text``, print the table, write the report."""
     from attnlab.interp import detectors as D
@@ -141,17 +195,19 @@ def inspect(text: str, *, model_name: str = "minilm", out: str = "out/inspect.ht
     pats = torch.stack([cap.pattern(l)[0] for l in cap.layers])
     ent = torch.stack([cap.stats(l).per_head()["entropy"] for l in cap.layers])
     toks = tok.to_str_tokens(ids[0])                  # special tokens ([CLS], [SEP]) visible
-    shown = " ".join(repr(t) for t in toks[:40]) + (" …" if len(toks) > 40 else "")
-    lines = [f"tokens: {shown}",
-             f"{len(toks)} tokens, {pats.shape[0]} layers × {pats.shape[1]} heads",
-             f"{'detector':<22} top heads (score)"]
-    for name, hs in scores.items():
-        lines.append(f"{name:<22} " + ", ".join(f"L{l}H{h} {s:.2f}" for l, h, s in hs.top(4)))
+    lines = format_inspect(toks, scores, n_layers=pats.shape[0], n_heads=pats.shape[1],
+                           cut_to=tok.max_length if _cut_by_tokenizer(tok, text) else None)
+    from attnlab.report.token_view import MAX_TOKENS
+    if len(text) > SUBTITLE_CHARS:
+        print(f"(the report's subtitle shows the first {SUBTITLE_CHARS} of the text's {len(text)} characters)")
+    if len(toks) > MAX_TOKENS:
+        print(f"(no token-to-token head view in the report: {len(toks)} tokens, it draws at most {MAX_TOKENS})")
     print("\n".join(lines))
-    r = Report(f"attnlab inspect: {model_name}", subtitle=f"{len(toks)} tokens: {text[:200]}")
+    subtitle = text[:SUBTITLE_CHARS] + (f" … (first {SUBTITLE_CHARS} of {len(text)} characters)"
+                                         if len(text) > SUBTITLE_CHARS else "")
+    r = Report(f"attnlab inspect: {model_name}", subtitle=f"{len(toks)} tokens: {subtitle}")
     r.section("Patterns")
     r.heatmaps(pats, toks, title="Attention patterns (all layers and heads)")
-    from attnlab.report.token_view import MAX_TOKENS
     if len(toks) <= MAX_TOKENS:
         r.head_view(pats, toks, title="Head view: token to token (every head of a layer)")
     r.head_grid(ent, title="Mean attention entropy per head (nats)")

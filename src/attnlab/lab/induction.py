@@ -236,14 +236,19 @@ def run(quick: bool = False, force: bool = False, progress=True) -> dict:
 
 
 def summary(res: dict) -> str:
-    rows = [f"{'model':<6} {'loss':>6} {'2nd-copy loss':>13} {'ICL':>7} {'induction':>9} {'prev-tok':>8} "
+    rows = [f"{'model':<6} {'loss¹':>6} {'2nd-copy loss³':>14} {'ICL²':>7} {'induction²':>10} {'prev-tok²':>9} "
             f"{'phase change':>12} {'K-comp (base)':>14}"]
     for name, m in res["models"].items():
         log, fin = m["log"], m["final"]
         kc = (f"{fin['k_comp_induction_prev']:.2f} ({fin['k_comp_baseline']['mean']:.2f})"
               if "k_comp_induction_prev" in fin else "-")
         pc = m["phase_change_step"]
-        rows.append(f"{name:<6} {log['loss'][-1]:6.3f} {fin['second_half_loss']:13.3f} {log['icl'][-1]:7.3f} "
-                    f"{log['induction_max'][-1]:9.2f} {log['prev_token_max'][-1]:8.2f} "
+        rows.append(f"{name:<6} {log['loss'][-1]:6.3f} {fin['second_half_loss']:14.3f} {log['icl'][-1]:7.3f} "
+                    f"{log['induction_max'][-1]:10.2f} {log['prev_token_max'][-1]:9.2f} "
                     f"{('step ' + str(pc)) if pc is not None else 'none':>12} {kc:>14}")
+    rows += ["The columns are measured on different data, so the losses do not compare across columns:",
+             "  ¹ held-out loss on fresh training-task sequences (the last training-log point)",
+             "  ² on a fixed batch of repeated random segments [x₁..x_T, x₁..x_T] (the last training-log point; "
+             "ICL = loss on the 2nd copy minus the 1st)",
+             "  ³ loss on the 2nd copy of another batch of repeated segments, after training (the analysis batch)"]
     return "\n".join(rows)

@@ -47,7 +47,7 @@ mixer learns to retrieve as much as what it can retrieve.
 
 ``run(quick=False, force=False)`` trains (a tqdm bar on stderr) or returns the cached
 result, a JSON file under ``cache_dir("recall")`` named by a hash of the config.
-``python -m attnlab.lab.recall [--quick] [--json] [--force] [--workers N]`` prints the table.
+``attnlab lab recall [--quick] [--json PATH] [--force] [--workers N]`` prints the table.
 
 >>> x, y = next(mqar_batches(vocab_size=21, batch_size=2, seq_len=16, n_pairs=3, seed=0))
 >>> x.shape, int((y != -100).sum(1)[0])                   # every key queried once
@@ -60,7 +60,6 @@ True
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -80,7 +79,7 @@ from attnlab.train.data import IGNORE_INDEX
 from attnlab.train.loop import TrainConfig, train
 
 __all__ = ["RecallConfig", "QUICK", "FULL", "mqar_batch", "mqar_batches", "build_model", "recall_accuracy",
-           "no_binding_accuracy", "run", "summary", "main"]
+           "no_binding_accuracy", "run", "summary"]
 
 #: Bump when the task, the model or the metric changes: old cached results stop matching.
 VERSION = 1
@@ -422,20 +421,3 @@ def summary(result: dict) -> str:
     lines.append(f"(params: whole model; mixer: the sequence mixers of all layers; lr chosen per mixer by final "
                  f"training loss; run {result['elapsed_s']:.0f} s)")
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m attnlab.lab.recall",
-                                description="Multi-query associative recall: attention vs linear attention vs SSM.")
-    p.add_argument("--quick", action="store_true", help="a small, fast run")
-    p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
-    p.add_argument("--force", action="store_true", help="retrain even if a cached result exists")
-    p.add_argument("--workers", type=int, default=2, help="training processes (default 2)")
-    a = p.parse_args(argv)
-    result = run(quick=a.quick, force=a.force, workers=a.workers)
-    print(json.dumps(result, indent=1) if a.json else summary(result))
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -221,7 +221,7 @@ def test_without_triton_or_interpreter(mode):
 def test_gpu_benchmark_script_runs_its_checks_here():
     """The benchmark needs a GPU for timing; its correctness grid, verdict and table run
     on the interpreter here with small cases, so the script does not rot untested."""
-    from attnlab.ops.triton import bench
+    from attnlab.bench import triton as bench
     cases = [("causal gqa", (1, 4, 2, 20, 33, 40, 24), torch.bfloat16, masks.causal(), None),
              ("alibi table", (1, 2, 2, 17, 17, 16, 16), torch.float32, masks.custom(lambda b, h, q, kv: kv <= q),
               (lambda p: scores.alibi(p), torch.tensor([0.1, 0.2])))]
@@ -232,4 +232,4 @@ def test_gpu_benchmark_script_runs_its_checks_here():
     assert lines[0].startswith("forward 0.94x") and "met" in lines[0] and "MISSED" not in lines[1]
     md = bench.markdown(rows, table, 700.0, lines, ["--quick"], "a GPU")
     assert "| 128 | 8192 | causal | attnlab-triton | 300.0 | 250.0 |" in md and "--quick" in md
-    assert bench.main([]) == 2  # no GPU here: says so and exits 2
+    assert bench.main() == 2  # no GPU here: says so and exits 2

@@ -26,8 +26,8 @@ calling :func:`run_claims`)::
 """
 
 from attnlab.lab.claims.registry import (SEED_000, SEED_002, REGISTRY, Claim, ClaimResult, Outcome, Registry,
-                                         Verdict, all_claims, claim, format_table, main, quote_found, register,
-                                         run_claims, seed_path, select, to_json)
+                                         Verdict, all_claims, as_document, claim, format_claim, format_list,
+                                         format_table, quote_found, register, run_claims, seed_path, select, to_json)
 
 #: Modules whose import registers claims; :func:`run_claims` imports them in this order.
 #: Other parts of the lab add their own module here.
@@ -44,5 +44,5 @@ CLAIM_MODULES = [
 ]
 
 __all__ = ["CLAIM_MODULES", "SEED_000", "SEED_002", "REGISTRY", "Claim", "ClaimResult", "Outcome", "Registry",
-           "Verdict", "all_claims", "claim", "format_table", "main", "quote_found", "register", "run_claims",
-           "seed_path", "select", "to_json"]
+           "Verdict", "all_claims", "as_document", "claim", "format_claim", "format_list", "format_table",
+           "quote_found", "register", "run_claims", "seed_path", "select", "to_json"]

@@ -31,7 +31,6 @@ register more; listing the module in :data:`attnlab.lab.claims.CLAIM_MODULES` ma
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import json
@@ -47,7 +46,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 __all__ = ["Verdict", "Outcome", "Claim", "ClaimResult", "Registry", "REGISTRY", "claim", "register",
-           "all_claims", "select", "run_claims", "format_table", "to_json", "main", "seed_path",
+           "all_claims", "select", "run_claims", "format_table", "format_list", "format_claim", "as_document",
+           "to_json", "seed_path",
            "normalize", "quote_found", "SEED_000", "SEED_002"]
 
 SEED_000 = "000_54200aed1688a4a7.txt"
@@ -163,6 +163,15 @@ class ClaimResult:
                 "explanation": self.explanation, "seconds": round(self.seconds, 3), "error": self.error}
 
 
+def _seed_name(seed: str) -> str:
+    """The short name a seed goes by in tables: ``"000"`` for ``000_54200aed1688a4a7.txt``."""
+    return seed.split("_")[0]
+
+
+def _seed_matches(seed: str, s: str) -> bool:
+    return s in (seed, _seed_name(seed), seed.rsplit(".", 1)[0])
+
+
 class Registry:
     """An ordered set of claims; :data:`REGISTRY` is the project's."""
 
@@ -200,8 +209,9 @@ class Registry:
         return self._claims[id]
 
     def select(self, ids: Iterable[str] | None = None) -> list[Claim]:
-        """Claims whose id equals, or contains, one of ``ids`` (all when ``ids`` is None).
-        An id or substring that matches nothing raises ``ValueError``."""
+        """Claims whose id equals, or contains, one of ``ids`` (all when ``ids`` is None); an
+        entry that is no part of any id selects the claims of the seed it names (``"000"``,
+        the seed's file name, or its stem).  An entry that matches nothing raises ``ValueError``."""
         claims = list(self._claims.values())
         if ids is None:
             return claims
@@ -209,9 +219,11 @@ class Registry:
         out, seen = [], set()
         for s in ids:
             exact = [c for c in claims if c.id == s]
-            hits = exact or [c for c in claims if s in c.id]
+            hits = exact or [c for c in claims if s in c.id] or [c for c in claims if _seed_matches(c.seed, s)]
             if not hits:
-                raise ValueError(f"no claim matches {s!r}; `attnlab claims --list` lists them")
+                seeds = sorted({_seed_name(c.seed) for c in claims})
+                raise ValueError(f"no claim matches {s!r} (not an id, a part of one, or a seed: "
+                                 f"{', '.join(seeds)}); `attnlab claims --list` lists them")
             for c in hits:
                 if c.id not in seen:
                     seen.add(c.id)
@@ -305,20 +317,31 @@ def run_claims(ids: Iterable[str] | None = None, *, progress: bool = True,
 
 
 # ----------------------------------------------------------------------------- output
-def _clip(s: str, n: int) -> str:
-    return s if len(s) <= n else s[: n - 1] + "…"
+def _wrap(text: str, width: int) -> list[str]:
+    """``text`` in lines of at most ``width`` characters (words longer than that are split)."""
+    import textwrap
+    return textwrap.wrap(text, width, break_long_words=True, break_on_hyphens=False) or [""]
 
 
 def format_table(results: Sequence[ClaimResult], *, width: int = 56) -> str:
-    """A terminal table: id, verdict, key figure, seed; then a count of verdicts."""
-    rows = [("claim", "verdict", "key figure", "seed")]
+    """A terminal table: id, verdict, key figure, seed; then a count of verdicts.  A key
+    figure (or error) longer than ``width`` wraps onto the following lines: nothing is cut."""
+    head = ("claim", "verdict", "key figure", "seed")
+    rows = []
     for r in results:
         verdict = "ERROR" if r.verdict is None else r.verdict.value
         fig = r.error if r.verdict is None else r.key_figure
-        rows.append((r.id, verdict, _clip(fig or "", width), r.claim.seed.split("_")[0]))
-    w = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = ["  ".join(cell.ljust(w[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * x for x in w))
+        rows.append((r.id, verdict, _wrap(fig or "", width), _seed_name(r.claim.seed)))
+    w = [max([len(head[i])] + [len(row[i]) for row in rows]) for i in (0, 1)]
+    w.append(max([len(head[2])] + [len(x) for row in rows for x in row[2]]))
+    w.append(max([len(head[3])] + [len(row[3]) for row in rows]))
+
+    def line(cells):
+        return "  ".join(cell.ljust(w[i]) for i, cell in enumerate(cells)).rstrip()
+    lines = [line(head), "  ".join("-" * x for x in w)]
+    for cid, verdict, fig, seed in rows:
+        lines.append(line((cid, verdict, fig[0], seed)))
+        lines += [line(("", "", more, "")) for more in fig[1:]]
     counts = {}
     for r in results:
         k = "error" if r.verdict is None else r.verdict.value
@@ -329,9 +352,45 @@ def format_table(results: Sequence[ClaimResult], *, width: int = 56) -> str:
     return "\n".join(lines)
 
 
+def format_list(claims: Sequence[Claim]) -> str:
+    """One line per claim: id, seed, title (what ``attnlab claims --list`` prints)."""
+    w = max((len(c.id) for c in claims), default=0)
+    return "\n".join(f"{c.id.ljust(w)}  {_seed_name(c.seed)}  {c.title}" for c in claims)
+
+
+def format_claim(r: ClaimResult, *, width: int = 88) -> str:
+    """One claim whole: its title, the seed's quote(s), the verdict and why, the conditions
+    (when it holds only under them), every measured figure, and how long it took."""
+    c = r.claim
+    out = [f"{c.id}: {c.title}", "", f"seed {_seed_name(c.seed)} ({c.seed}) says:"]
+    for q in c.quotes:
+        out += ["  " + x for x in _wrap(f"“{normalize(q)}”", width - 2)]
+    out.append("")
+    if r.verdict is None:
+        out += ["verdict: ERROR (the experiment raised)"] + ["  " + x for x in _wrap(r.error or "", width - 2)]
+        return "\n".join(out)
+    out.append(f"verdict: {r.verdict.value}")
+    out += ["  " + x for x in _wrap(f"why: {r.explanation}", width - 2)]
+    out += ["  " + x for x in _wrap(f"conditions: {r.conditions or 'none (the verdict is unconditional)'}", width - 2)]
+    out += ["", "measured:"]
+    kw = max(len(str(k)) for k in r.evidence) if r.evidence else 0
+    for k, v in r.evidence.items():
+        text = f"{v:.4g}" if isinstance(v, float) else json.dumps(v, ensure_ascii=False) if isinstance(v, (list, dict)) \
+            else str(v)
+        out += [f"  {str(k).ljust(kw)}  {x}" if i == 0 else f"  {'':{kw}}  {x}"
+                for i, x in enumerate(_wrap(text, max(20, width - kw - 4)))]
+    out += ["", f"key figure: {r.key_figure}", f"({r.seconds:.1f} s; experiment in {c.module})"]
+    return "\n".join(out)
+
+
+def as_document(results: Sequence[ClaimResult]) -> dict:
+    """The results as a JSON-able document ``{"claims": [ClaimResult.as_dict(), ...]}``."""
+    return {"claims": [r.as_dict() for r in results]}
+
+
 def to_json(results: Sequence[ClaimResult]) -> str:
     """The results as a JSON document (a list of dicts; see :meth:`ClaimResult.as_dict`)."""
-    return json.dumps({"claims": [r.as_dict() for r in results]}, indent=2, ensure_ascii=False)
+    return json.dumps(as_document(results), indent=2, ensure_ascii=False)
 
 
 # ----------------------------------------------------------------------------- seeds
@@ -371,40 +430,3 @@ def quote_found(c: Claim) -> list[bool] | None:
         return None
     text = normalize(p.read_text(encoding="utf-8"))
     return [normalize(q) in text for q in c.quotes]
-
-
-# ----------------------------------------------------------------------------- CLI
-def main(argv: Sequence[str] | None = None) -> int:
-    """``attnlab claims [IDS...] [--json PATH] [--list] [--no-progress]``.
-
-    Returns 0 when every selected experiment ran (verdicts are findings, not failures),
-    1 when one raised, 2 for an unknown claim id.
-    """
-    p = argparse.ArgumentParser(prog="attnlab claims",
-                                description="Run the seed texts' claims as experiments and give verdicts.")
-    p.add_argument("ids", nargs="*", help="claim ids or substrings of ids (default: all)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--list", action="store_true", help="list the claims (id, seed, title) and exit")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        claims = select(a.ids or None)
-    except ValueError as e:
-        print(f"attnlab claims: {e}", file=sys.stderr)
-        return 2
-    if a.list:
-        w = max((len(c.id) for c in claims), default=0)
-        for c in claims:
-            print(f"{c.id.ljust(w)}  {c.seed.split('_')[0]}  {c.title}")
-        return 0
-    results = REGISTRY.run([c.id for c in claims], progress=not a.no_progress)
-    print(format_table(results))
-    for r in results:
-        if r.error:
-            print(f"\n{r.id}: {r.error}", file=sys.stderr)
-    if a.json:
-        path = Path(a.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(to_json(results) + "\n", encoding="utf-8")
-        print(f"wrote {path}")
-    return 0 if all(r.ok for r in results) else 1

@@ -18,7 +18,7 @@ Layout (one concept per file):
   with their parameters' gradients;
 * :mod:`.config` — tiles and autotuning configs; :mod:`.autograd` — the autograd.Function
   and launchers; :mod:`.support` — availability and request checks; :mod:`.bench` — the
-  GPU benchmark (``python -m attnlab.ops.triton.bench``).
+  GPU benchmark (``attnlab bench triton``).
 
 Importing this package does not import triton: the kernels load on first use.  They run
 on CUDA tensors, or on CPU tensors under the Triton interpreter when ``TRITON_INTERPRET=1``

@@ -7,7 +7,7 @@ only among a few ``(num_warps, num_stages)`` pairs per kernel, keyed by the head
 blocks and the dtype; what it picked is recorded in :data:`CHOSEN` (the GPU benchmark
 prints it).  The starting points follow the Triton fused-attention tutorial's choices
 for Hopper (forward 128×64; backward 32×128 for dK/dV and 128×32 for dQ); they are
-**not measured here** (no GPU on the CI machine): ``python -m attnlab.ops.triton.bench``
+**not measured here** (no GPU on the CI machine): ``attnlab bench triton``
 measures them on a GPU.
 
 Under the interpreter (CPU, tests) every kernel uses 32×32 tiles: enough tiles on the

@@ -15,7 +15,7 @@ so later calls must be single-token decode steps (a causal mask is then triviall
 satisfied; other masks are refused).
 
 >>> import torch
->>> from attnlab.cache.scored import H2OCache
+>>> from attnlab.cache.h2o import H2OCache
 >>> c = H2OCache(n_layers=1, budget=4, recent=2)
 >>> q = torch.randn(1, 2, 1, 8)
 >>> for t in range(6):

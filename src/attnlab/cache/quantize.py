@@ -1,4 +1,5 @@
-"""The arithmetic of the quantized KV cache: asymmetric min/max quantization and bit packing.
+"""The codecs of the quantized KV cache (:mod:`attnlab.cache.quantized`): asymmetric min/max
+quantization to int8/int4/int2 codes and their bit packing.
 
 A group of values ``x`` (reduced over one axis) is stored as codes ``c`` in ``[0, Q]``,
 ``Q = 2**bits - 1``, with a ``scale`` and a ``zero`` (the group's minimum) kept in

@@ -1,6 +1,6 @@
 """GPU benchmark of the Triton kernels: correctness on the GPU, then TFLOP/s side by side.
 
-    python -m attnlab.ops.triton.bench [--quick] [--no-flex] [--json PATH] [--markdown PATH]
+    attnlab bench triton [--quick] [--no-flex] [--json PATH] [--markdown PATH]
 
 Needs a CUDA GPU (it says so and exits with status 2 otherwise) and ``TRITON_INTERPRET``
 unset.  In one go of a few minutes it
@@ -21,7 +21,6 @@ unset.  In one go of a few minutes it
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
@@ -226,7 +225,7 @@ def verdict(rows, mm):
 def markdown(corr, rows, mm, lines, argv, device_name):
     from attnlab.ops.triton import config
     md = [f"### Triton kernels on {device_name} ({datetime.date.today().isoformat()})", "",
-          f"Command: `python -m attnlab.ops.triton.bench {' '.join(argv)}`; torch {torch.__version__}, "
+          f"Command: `attnlab bench triton {' '.join(argv)}`; torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}. bf16 matmul ceiling: {mm:.0f} TFLOP/s.", "",
           "Correctness on the GPU (error / DESIGN.md bound, worst over out, LSE and gradients; <= 1 passes):", "",
           "| case | dtype | error/bound | |", "|---|---|---|---|"]
@@ -239,38 +238,32 @@ def markdown(corr, rows, mm, lines, argv, device_name):
     return "\n".join(md) + "\n"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m attnlab.ops.triton.bench", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="N = 8k only")
-    ap.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention (its compiles take time)")
-    ap.add_argument("--json", metavar="PATH")
-    ap.add_argument("--markdown", metavar="PATH", help="write the table for docs/benchmarks.md")
-    args = ap.parse_args(argv)
+def main(*, quick: bool = False, flex: bool = True, json_path: str | None = None, markdown_path: str | None = None,
+         argv: list[str] | None = None) -> int:
+    """``attnlab bench triton``: 2 (said on stderr) without a CUDA GPU, 1 when a correctness
+    check fails, else 0.  ``argv`` is the command line the markdown records."""
     why = _need_gpu()
     if why:
-        print(f"attnlab.ops.triton.bench: {why}", file=sys.stderr)
+        print(f"attnlab bench triton: {why}", file=sys.stderr)
         return 2
     print(f"GPU: {torch.cuda.get_device_name()}; correctness against the float64 reference:", flush=True)
     corr, ok = check_correctness()
     mm = matmul_rate()
     print(f"bf16 matmul: {mm:.0f} TFLOP/s", flush=True)
-    rows = time_table(quick=args.quick, flex=not args.no_flex)
+    rows = time_table(quick=quick, flex=flex)
     lines = verdict(rows, mm)
     print("\n".join(lines))
     from attnlab.ops.triton import config
     for k, v in sorted(config.CHOSEN.items(), key=str):
         print(f"  autotune {k}: {v}")
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "matmul_tflops": mm, "correctness": corr,
                        "rows": rows, "targets": lines, "chosen": {str(k): v for k, v in config.CHOSEN.items()}},
                       f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
+    if markdown_path:
+        with open(markdown_path, "w") as f:
             f.write(markdown(corr, rows, mm, lines, sys.argv[1:] if argv is None else argv,
                              torch.cuda.get_device_name()))
     return 0 if ok else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())
