@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 
@@ -431,4 +431,4 @@ def generate(model, input_ids, *, max_new_tokens: int, cache="static", attention
             if not done[i]:
                 new[i].append(t)
                 done[i] = t in stops
-    return Generation([r + n for r, n in zip(rows, new)], new, done, logits or [])
+    return Generation([r + n for r, n in zip(rows, new, strict=True)], new, done, logits or [])

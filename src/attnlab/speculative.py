@@ -146,7 +146,7 @@ def speculative_generate(target, draft, prompt, *, max_new_tokens: int, branchin
             fed = level[-1] + 1  # nodes 0..fed-1 are in the draft cache
             logits = _forward_nodes(draft, dc, tree, level, L)
             nxt = []
-            for node, lg in zip(level, logits):
+            for node, lg in zip(level, logits, strict=True):
                 q = sampling.probs(lg[None])[0]
                 tree.q[node] = q
                 if sampling.greedy:

@@ -25,7 +25,7 @@ class DynamicCache(Cache):
         self.v = [None] * n_layers
 
     @classmethod
-    def for_model(cls, n_layers: int) -> "DynamicCache":
+    def for_model(cls, n_layers: int) -> DynamicCache:
         return cls(n_layers)
 
     def seen_at(self, layer):

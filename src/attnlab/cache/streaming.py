@@ -68,7 +68,7 @@ class StreamingCache(Cache):
         self.total = [0] * n_layers  # tokens seen (the stream position)
 
     @classmethod
-    def for_model(cls, model, sinks: int = 4, window: int = 256) -> "StreamingCache":
+    def for_model(cls, model, sinks: int = 4, window: int = 256) -> StreamingCache:
         cfg = model.cfg
         if cfg.positions in ("learned", "sinusoidal"):
             raise ValueError(f"StreamingCache: a model with absolute {cfg.positions!r} positions cannot stream past "

@@ -51,7 +51,7 @@ class Comm:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
-    def start(self, sends, recvs) -> "Pending":
+    def start(self, sends, recvs) -> Pending:
         """Post ``sends`` and ``recvs`` — lists of ``(name, tensor, group_peer, tag, what)``,
         ``what`` naming the message, or ``(message, step)`` (``("the K/V shard of rank 0",
         "forward step 0")``) — as one batch; returns a :class:`Pending` to wait on by name.
@@ -87,7 +87,7 @@ class Comm:
                               what="; ".join(posting))
             return Pending(self, works, meta)
         works = []
-        for p2p, m, what in zip(ops, meta, posting):
+        for p2p, m, what in zip(ops, meta, posting, strict=True):
             # (if one fails, the works already posted are dropped with the exception: gloo
             # cancels them, and the group is unusable anyway)
             works.append(self.post(lambda p2p=p2p: p2p.op(p2p.tensor, p2p.peer, p2p.group, p2p.tag), peer=m[1],
@@ -142,7 +142,7 @@ class Pending:
         self.meta = meta
         self._keep = list(works)
         if len(works) == len(meta):
-            self.works = {m[0]: (w, m) for w, m in zip(works, meta)}
+            self.works = {m[0]: (w, m) for w, m in zip(works, meta, strict=True)}
             self.coalesced = None
         else:
             self.works = {}

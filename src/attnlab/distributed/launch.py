@@ -54,7 +54,7 @@ def _entry(rank, world, fn, args, folder, backend, threads, pg_timeout_s, env):
         path = os.path.join(folder, f"rank{rank}.pt")
         try:
             torch.save(result, path + ".tmp")
-        except Exception:  # an unpicklable return value
+        except Exception:  # noqa: BLE001 - an unpicklable return value can raise anything from pickle
             torch.save({"ok": False, "error": traceback.format_exc()}, path + ".tmp")
         os.replace(path + ".tmp", path)
         # Skip interpreter teardown: a process group left mid-operation by a failed peer

@@ -30,7 +30,7 @@ never let a real query see them, and give padded query rows output 0 and LSE ``-
 from __future__ import annotations
 
 import numbers
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

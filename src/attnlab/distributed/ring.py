@@ -201,7 +201,7 @@ def ring_backward(plan: RingPlan, comm: Comm, q, k, v, out, lse, dout, dlse, sco
                                                          score_mod=mod, scale=scale, params=params)
                     dq += dq_s
                     del dq_s
-                    for a_, g in zip(dparams, dp):
+                    for a_, g in zip(dparams, dp, strict=True):
                         a_ += g
             if recv_acc:
                 with timer.wait():

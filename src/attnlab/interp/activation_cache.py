@@ -40,7 +40,7 @@ from contextlib import ExitStack
 
 import torch
 
-from attnlab.interp.hooks import select_points, hook_points, hooks, model_outputs
+from attnlab.interp.hooks import hook_points, hooks, model_outputs, select_points
 from attnlab.interp.spec import model_spec
 
 __all__ = ["ActivationCache", "run_with_cache", "get_act_name"]

@@ -153,7 +153,9 @@ def capture(model: nn.Module, layers=None, heads=None, *, keep=KEEP):
         for l, m, kind in mods:
             if l not in layers:
                 continue
-            hook = (lambda call, l=l: cap._record(l, call))
+            def hook(call, l=l):
+                return cap._record(l, call)
+
             lst = m.hooks if kind == "attnlab" else m.__dict__.setdefault("attnlab_hooks", [])
             lst.append(hook)
             installed.append((lst, hook))

@@ -137,7 +137,7 @@ class _Scale:
             hp = d["attnlab_scale_point"] = HookPoint()
         if not hp.fns:
             def hook(mod, args, out):
-                h, scale = norm_scale(mod, args[0])
+                _, scale = norm_scale(mod, args[0])
                 v0 = scale._version
                 s2 = hp(scale)
                 if s2 is scale and scale._version == v0:

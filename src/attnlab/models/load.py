@@ -8,8 +8,18 @@ from pathlib import Path
 import torch
 
 from attnlab.models import bert, gpt2, llama
-from attnlab.models.checkpoint import (CheckpointError, assign, check_index, check_plan, read_config, read_headers,
-                                      read_index, read_tensors, strip_prefix, weight_files)
+from attnlab.models.checkpoint import (
+    CheckpointError,
+    assign,
+    check_index,
+    check_plan,
+    read_config,
+    read_headers,
+    read_index,
+    read_tensors,
+    strip_prefix,
+    weight_files,
+)
 from attnlab.models.hf_config import Fields
 from attnlab.models.tokenizer import Tokenizer
 from attnlab.nn import Decoder, Encoder

@@ -12,7 +12,7 @@ ValueError: DecoderConfig: d_model=64 is not divisible by n_heads=5; set d_head 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from attnlab import positions as P
 from attnlab.nn.mlp import ACTIVATIONS

@@ -16,14 +16,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnlab import masks
-from attnlab import positions as P
+from attnlab import masks, positions as P
 from attnlab.nn.block import Block
 from attnlab.nn.config import DecoderConfig
-from attnlab.validate import tensor_check
 from attnlab.nn.hooks import HookPoint, NormPoints
 from attnlab.nn.norms import make_norm
-
+from attnlab.validate import tensor_check
 
 _CAUSAL = masks.causal()  # one object, so its BlockMask cache serves every call
 

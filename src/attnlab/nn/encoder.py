@@ -18,8 +18,15 @@ from torch import nn
 from attnlab import masks
 from attnlab.nn.block import Block
 from attnlab.nn.config import EncoderConfig
-from attnlab.nn.decoder import (ModelOutput, _check_ids, _check_keep, absolute_positions, init_weights,
-                                attention_positions, token_positions)
+from attnlab.nn.decoder import (
+    ModelOutput,
+    _check_ids,
+    _check_keep,
+    absolute_positions,
+    attention_positions,
+    init_weights,
+    token_positions,
+)
 from attnlab.nn.hooks import HookPoint, NormPoints
 from attnlab.nn.norms import make_norm
 

@@ -86,7 +86,7 @@ class AttentionPoints:
     """
     NAMES = ("hook_q", "hook_k", "hook_v", "hook_rot_q", "hook_rot_k", "hook_attn_scores", "hook_pattern",
              "hook_z", "hook_result")
-    __slots__ = NAMES + ("bridge_stage",)
+    __slots__ = (*NAMES, "bridge_stage")
 
     def __init__(self):
         for n in self.NAMES:
@@ -165,7 +165,7 @@ class NormPoints:
 
     :meth:`__call__` runs the norm module unchanged; when ``hook_scale`` has functions it computes the
     scale for them, and if one edits it, the norm by hand from the edited scale."""
-    __slots__ = ("hook_scale", "hook_normalized")
+    __slots__ = ("hook_normalized", "hook_scale")
 
     def __init__(self):
         self.hook_scale, self.hook_normalized = HookPoint(), HookPoint()
@@ -189,7 +189,7 @@ def norm_scale(norm, x):
     else:
         eps = getattr(norm, "eps", None)
         if eps is None:
-            eps = getattr(norm, "variance_epsilon")  # transformers' RMSNorms
+            eps = norm.variance_epsilon  # transformers' RMSNorms
     return h, (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()
 
 
@@ -207,7 +207,7 @@ def normalize(norm, x, scale=None):
 def scaled_norm(norm, x, point):
     """Run ``point`` (a hook point, or any ``fn(scale) -> scale``) on the scale of ``norm`` at ``x``; returns
     ``norm(x)`` itself when the scale was only read, else the norm recomputed from the edited scale."""
-    h, scale = norm_scale(norm, x)
+    _, scale = norm_scale(norm, x)
     v0 = scale._version
     s2 = point(scale)
     if s2 is scale and scale._version == v0:

@@ -98,7 +98,7 @@ def _check_scan(x, dt, A, B, C, D, state, chunk_size, *, step=False):
         want = {"dt": (b, N, H), "B": (b, N, None), "C": (b, N, None)}
     for name, t in (("dt", dt), ("B", B), ("C", C)):
         w = want[name]
-        if t.dim() != len(w) or any(e is not None and s != e for s, e in zip(t.shape, w)):
+        if t.dim() != len(w) or any(e is not None and s != e for s, e in zip(t.shape, w, strict=True)):
             shown = tuple("S" if e is None else e for e in w)
             raise ValueError(f"{name}: expected {shown} for x {_shape(x)}, got {_shape(t)}")
     S = B.shape[-1]

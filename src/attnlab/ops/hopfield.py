@@ -108,7 +108,7 @@ def hopfield_retrieve(xi, patterns, beta, *, steps=100, tol=1e-6):
     if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not (0 <= tol < math.inf):
         raise ValueError(f"tol: expected a finite number >= 0, got {tol!r}")
     state = xi
-    for n in range(1, int(steps) + 1):
+    for n in range(1, int(steps) + 1):  # noqa: B007 - n, the steps taken, is returned after the loop
         new = _update(state, patterns, beta)
         change = (new - state).abs().amax().item() if new.numel() else 0.0
         state = new

@@ -31,7 +31,14 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from attnlab.ops.flash import DOUBLE_BACKWARD, DoubleBackwardError, flash_backward, flash_forward, make_problem, refuse_double_backward
+from attnlab.ops.flash import (
+    DOUBLE_BACKWARD,
+    DoubleBackwardError,
+    flash_backward,
+    flash_forward,
+    make_problem,
+    refuse_double_backward,
+)
 from attnlab.ops.reference import acc_dtype
 
 _KEEP = 32  # masks rebuilt from keys, kept with their classified tiles
@@ -207,9 +214,9 @@ def _loop_rule(op):
         outs = []
         for i in range(info.batch_size):
             sl = []
-            for a, d in zip(args, in_dims):
+            for a, d in zip(args, in_dims, strict=True):
                 if isinstance(a, (list, tuple)) and isinstance(d, (list, tuple)):
-                    sl.append([x if dx is None else x.select(dx, i) for x, dx in zip(a, d)])
+                    sl.append([x if dx is None else x.select(dx, i) for x, dx in zip(a, d, strict=True)])
                 elif d is not None and isinstance(a, Tensor):
                     sl.append(a.select(d, i))
                 else:
@@ -238,7 +245,6 @@ def op_args(q, k, mask, score_mod, q_offset, kv_offset, block=None):
     """The operator's non-``q/k/v`` arguments for ``mask``/``score_mod``, or None when one
     has no structural key (``custom``)."""
     from attnlab.masks import mask_key
-    from attnlab.scores import mod_key
     if mask is not None and hasattr(mask, "plan"):  # a BlockMask: its mask and tile sizes
         block = (mask.block_q, mask.block_k)
         mask = mask.mask

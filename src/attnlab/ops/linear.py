@@ -94,7 +94,7 @@ class FavorFeatures:
         self.stabilize = stabilize
         self.redraw(seed)
 
-    def redraw(self, seed: int) -> "FavorFeatures":
+    def redraw(self, seed: int) -> FavorFeatures:
         """Draw new random features from ``seed`` (same seed, same features); returns self."""
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
@@ -193,7 +193,7 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, normalize=True
     >>> out.shape, torch.allclose(out, naive_linear_attention(q, k, v, causal=True), atol=1e-5)
     (torch.Size([2, 8, 100, 16]), True)
     """
-    B, H, Hkv, Nq, Nk = _check(q, k, v, feature_map, causal, normalize, chunk_size, eps)
+    B, H, Hkv, Nq, _ = _check(q, k, v, feature_map, causal, normalize, chunk_size, eps)
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
     pq, pk = _featurize(feature_map, q, k)
@@ -281,7 +281,7 @@ def naive_linear_attention(q, k, v, *, feature_map="elu", causal=False, normaliz
     >>> naive_linear_attention(q, k, v, causal=True)[0, 0, 0].allclose(v[0, 0, 0])
     True
     """
-    B, H, Hkv, Nq, Nk = _check(q, k, v, feature_map, causal, normalize, chunk_size, eps)
+    _, H, Hkv, Nq, Nk = _check(q, k, v, feature_map, causal, normalize, chunk_size, eps)
     pq, pk = _featurize(feature_map, q, k)
     acc = pq.dtype
     pk = pk.repeat_interleave(H // Hkv, dim=1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -33,7 +33,7 @@ def merge_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
     outs, lses = list(outs), list(lses)
     if not outs or len(outs) != len(lses):
         raise ValueError(f"merge_states: need as many outs as lses and at least one, got {len(outs)} and {len(lses)}")
-    for i, (o, l) in enumerate(zip(outs, lses)):
+    for i, (o, l) in enumerate(zip(outs, lses, strict=True)):
         if not isinstance(o, torch.Tensor) or not isinstance(l, torch.Tensor):
             raise TypeError(f"merge_states: part {i} is not a pair of tensors")
         if o.shape != outs[0].shape or l.shape != lses[0].shape:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.ops.finite import traced, all_finite, hidden_matmul, hidden_scores
+from attnlab.ops.finite import all_finite, hidden_matmul, hidden_scores, traced
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

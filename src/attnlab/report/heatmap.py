@@ -196,7 +196,7 @@ def _labels(labels, shape: list[int]) -> list[list[str]]:
                                  f"× {shape} heads")
             out[key[0]][key[1]] = str(text)
         return out
-    if len(labels) != len(shape) or any(len(row) != h for row, h in zip(labels, shape)):
+    if len(labels) != len(shape) or any(len(row) != h for row, h in zip(labels, shape, strict=True)):
         raise ValueError(f"labels: expected {len(shape)} rows of {shape} head labels (or a {{(layer, head): text}} dict)")
     return [[str(s) for s in row] for row in labels]
 

@@ -16,7 +16,6 @@ import math
 import numbers
 from collections.abc import Callable, Sequence
 
-
 from attnlab.report._colors import Scale, css_rgb, text_on
 from attnlab.report._html import esc
 from attnlab.report._util import scalar, to_float_array, to_numpy

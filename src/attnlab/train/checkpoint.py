@@ -409,7 +409,7 @@ def _plan_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if len(saved_names) != len(names):
         raise CheckpointError(f"{path}: {TRAINER_JSON} field 'optimizer.param_names' lists {len(saved_names)} "
                               f"parameters, the optimizer has {len(names)}")
-    for i, (a, b) in enumerate(zip(saved_names, names)):
+    for i, (a, b) in enumerate(zip(saved_names, names, strict=True)):
         if a != b:
             raise CheckpointError(f"{path}: optimizer parameter {i} is {b!r} in the model but {a!r} in the checkpoint")
     state: dict[int, dict] = {}
@@ -438,7 +438,7 @@ def _plan_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             raise CheckpointError(f"{path}: optimizer state {i}.{dup[0]} is both a tensor and a {TRAINER_JSON} value")
         state.setdefault(int(i), {}).update(_from_json(kv))
     out_groups = []
-    for g, sg in enumerate(om["param_groups"]):
+    for sg in om["param_groups"]:
         dg = {}
         for k, v in sg.items():
             if isinstance(v, dict) and set(v) == {"__tensor__"}:

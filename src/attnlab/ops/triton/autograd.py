@@ -42,7 +42,7 @@ def _launch(name, grid, **kw):
         cfgs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in config.AUTOTUNE[name]]
         tuned = _TUNED[name] = triton.autotune(cfgs, key=_KEYS[name], reset_to_zero=_RESET.get(name))(fn)
     tuned[grid](**kw)
-    key = tuple(kw[k] for k in _KEYS[name]) + (str(kw.get("Q", kw.get("O")).dtype),)
+    key = (*(kw[k] for k in _KEYS[name]), str(kw.get("Q", kw.get("O")).dtype))
     config.CHOSEN[(name, key)] = str(tuned.best_config)
 
 
@@ -149,7 +149,7 @@ def _forward(pb: _Problem, q, k, v):
     B, H, Nq = pb.B, pb.H, pb.Nq
     out = torch.empty(B, H, Nq, pb.Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
-    BM, BN, kw = pb.common("fwd", "kv")
+    BM, _, kw = pb.common("fwd", "kv")
     _launch("fwd", (_cdiv(Nq, BM), B * H), Q=q, K=k, V=v, O=out, LSE=lse,
             **_strides("sq", q), **_strides("sk", k), **_strides("sv", v), **_strides("so", out), **kw)
     if not bool(torch.isfinite(out).all()):
@@ -160,7 +160,7 @@ def _forward(pb: _Problem, q, k, v):
 
 
 def _strides(prefix, t):
-    return {f"{prefix}{c}": s for c, s in zip("bhmd" if prefix in ("sq", "so", "sd", "sg") else "bhnd", t.stride())}
+    return {f"{prefix}{c}": s for c, s in zip("bhmd" if prefix in ("sq", "so", "sd", "sg") else "bhnd", t.stride(), strict=True)}
 
 
 def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params):
