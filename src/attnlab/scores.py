@@ -222,9 +222,10 @@ def _key_into(mod, kb) -> str | None:
         return f"relative_bias({kb.tensor(mod.table)})"
     if t is _Compose:
         parts = [_key_into(m, kb) for m in mod.mods]
-        if any(p is None for p in parts):
+        known = [p for p in parts if p is not None]
+        if len(known) < len(parts):
             return None
-        return f"compose({','.join(parts)})"
+        return f"compose({','.join(known)})"
     return None
 
 

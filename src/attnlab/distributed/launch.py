@@ -40,7 +40,7 @@ def _demo_rank(rank, world):
 def _entry(rank, world, fn, args, folder, backend, threads, pg_timeout_s, env):
     os.environ.update(env)
     torch.set_num_threads(threads)
-    result = {"ok": False}
+    result: dict[str, object] = {"ok": False}
     try:
         import torch.distributed as dist
 

@@ -43,6 +43,7 @@ torch.Size([1, 6, 50])
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -77,7 +78,7 @@ class NnPoint:
     def __init__(self, point, lazy: bool = False):
         self.point, self.lazy = point, lazy
 
-    def add(self, fn) -> callable:
+    def add(self, fn) -> Callable[[], None]:
         self.point.fns.append(fn)
         return lambda: self.point.fns.remove(fn)
 

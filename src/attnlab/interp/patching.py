@@ -349,7 +349,7 @@ def path_patching(model, clean, corrupted, *, receivers, receiver_input: str = "
             if hook.layer() == sl:
                 y[:, :, sh] = cc[z(sl)][:, :, sh].to(x.dtype)   # ... except the sender, from clean
             return y
-        rec = {}
+        rec: dict[str, torch.Tensor] = {}
 
         def record(x, hook, rec=rec):
             rec[hook.name] = x.detach().clone()

@@ -248,7 +248,8 @@ def strip_prefix(tensors: dict, prefixes: tuple[str, ...], *, where: str = "chec
     the bare model and of the head model name the same tensors with and without it.  Two
     names that become one (``transformer.wte.weight`` and ``wte.weight``) are refused,
     both named: which of them is meant is not for the loader to guess."""
-    out, origin = {}, {}
+    out: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
     for name, t in tensors.items():
         short = name
         for p in prefixes:

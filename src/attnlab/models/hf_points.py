@@ -36,16 +36,18 @@ hook_k / hook_v of GPT-2 and BERT hold every cached key (they are read where the
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch import nn
 
 from attnlab.nn.hooks import AttentionPoints, HookPoint, norm_scale, normalize
 
 __all__ = ["hf_points", "hf_spec", "family"]
 
 
-def family(model) -> tuple[str, nn.Module]:
-    """``("gpt2" | "llama" | "bert", base)``: the family and the module holding the layers."""
+def family(model) -> tuple[str, Any]:
+    """``("gpt2" | "llama" | "bert", base)``: the family and the module holding the layers
+    (a transformers module, read by the attribute names of its family)."""
     for attr in ("transformer", "model", "bert", None):
         base = model if attr is None else getattr(model, attr, None)
         if base is None:

@@ -77,7 +77,7 @@ def load(name_or_path, *, dtype: torch.dtype = torch.float32, backend: str | Non
     check_index(read_index(folder), raw, where)
     headers = strip_prefix(raw, arch.PREFIXES, where=where)
     cfg = bert.config_from_hf(fields, headers) if arch is bert else arch.config_from_hf(fields)
-    model_cls = Encoder if arch is bert else Decoder
+    model_cls: type[torch.nn.Module] = Encoder if arch is bert else Decoder
     if backend is not None:
         cfg = cfg.replace(backend=backend)
     if cfg.n_layers > len(headers):  # every layer needs tensors: refuse before planning 10**9 layers

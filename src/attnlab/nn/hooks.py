@@ -87,6 +87,15 @@ class AttentionPoints:
     NAMES = ("hook_q", "hook_k", "hook_v", "hook_rot_q", "hook_rot_k", "hook_attn_scores", "hook_pattern",
              "hook_z", "hook_result")
     __slots__ = (*NAMES, "bridge_stage")
+    hook_q: HookPoint
+    hook_k: HookPoint
+    hook_v: HookPoint
+    hook_rot_q: HookPoint
+    hook_rot_k: HookPoint
+    hook_attn_scores: HookPoint
+    hook_pattern: HookPoint
+    hook_z: HookPoint
+    hook_result: HookPoint
 
     def __init__(self):
         for n in self.NAMES:

@@ -90,7 +90,8 @@ def _check_scan(x, dt, A, B, C, D, state, chunk_size, *, step=False):
         if x.dim() != 3:
             raise ValueError(f"x: expected one token (b, H, P), got {_shape(x)}")
         b, H, P = x.shape
-        N, want = 1, {"dt": (b, H), "B": (b, None), "C": (b, None)}
+        want: dict[str, tuple[int | None, ...]] = {"dt": (b, H), "B": (b, None), "C": (b, None)}
+        N = 1
     else:
         if x.dim() != 4:
             raise ValueError(f"x: expected (b, N, H, P), got {_shape(x)}")

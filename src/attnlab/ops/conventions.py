@@ -121,5 +121,5 @@ def _shifted_mod(mod, qo):
     params = mod.parameters() if isinstance(mod, scores.ScoreMod) else []
     out = scores.custom(shifted, params=params)
     if hasattr(mod, "validate"):
-        out.validate = mod.validate
+        out.validate = mod.validate  # type: ignore[method-assign]  # the shifted mod checks shapes as the wrapped one does
     return out

@@ -213,7 +213,7 @@ def _loop_rule(op):
     def rule(info, in_dims, *args):
         outs = []
         for i in range(info.batch_size):
-            sl = []
+            sl: list = []
             for a, d in zip(args, in_dims, strict=True):
                 if isinstance(a, (list, tuple)) and isinstance(d, (list, tuple)):
                     sl.append([x if dx is None else x.select(dx, i) for x, dx in zip(a, d, strict=True)])
@@ -222,7 +222,8 @@ def _loop_rule(op):
                 else:
                     sl.append(a)
             outs.append(op(*sl))
-        res, dims = [], []
+        res: list = []
+        dims: list = []
         for j in range(len(outs[0])):
             col = [o[j] for o in outs]
             if isinstance(col[0], (list, tuple)):
@@ -249,7 +250,7 @@ def op_args(q, k, mask, score_mod, q_offset, kv_offset, block=None):
         block = (mask.block_q, mask.block_k)
         mask = mask.mask
     mk = ("", [], []) if mask is None else mask_key(mask)
-    sk = ("", [], []) if score_mod is None else (score_mod.key() if hasattr(score_mod, "key") else None)
+    sk: tuple | None = ("", [], []) if score_mod is None else (score_mod.key() if hasattr(score_mod, "key") else None)
     if mk is None or sk is None:
         return None
     return (mk[0], list(mk[1]), sk[0], list(sk[1]), list(mk[2]), q_offset, kv_offset,

@@ -82,6 +82,10 @@ class FavorFeatures:
     (torch.Size([64, 8]), torch.Size([2, 5, 64]))
     """
 
+    seed: int
+    weights: torch.Tensor                              # (n_features, d_head) float64
+    _cache: dict[tuple[torch.device, torch.dtype], torch.Tensor]   # weights per (device, dtype)
+
     def __init__(self, d_head: int, n_features: int, *, seed: int, orthogonal: bool = True,
                  stabilize: bool = True):
         self.d_head = _pos_int(d_head, "d_head")
@@ -378,7 +382,7 @@ def _check(q, k, v, feature_map, causal, normalize, chunk_size, eps):
         raise ValueError(f"causal: needs Nq == Nk (one sequence), got q {tuple(q.shape)}, k {tuple(k.shape)}; "
                          "for new tokens after a prefix use linear_attention_step with the prefix's state")
     _pos_int(chunk_size, "chunk_size")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (0 < eps < math.inf):
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (0 < float(eps) < math.inf):
         raise ValueError(f"eps: expected a positive finite number, got {eps!r}")
     if isinstance(feature_map, str):
         if feature_map != "elu":

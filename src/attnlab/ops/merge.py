@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -57,6 +59,6 @@ def merge_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
     # a part with no visible key (LSE -inf) or outweighed by +inf parts contributes nothing,
     # whatever its output holds: where(), not 0·out (0·NaN would be NaN, forward and backward)
     zero = torch.zeros((), dtype=acc, device=L.device)
-    out = sum(wn[i].unsqueeze(-1) * torch.where(w[i].unsqueeze(-1) == 0, zero, outs[i].to(acc))
-              for i in range(len(outs)))
+    out = functools.reduce(operator.add, (wn[i].unsqueeze(-1) * torch.where(w[i].unsqueeze(-1) == 0, zero, outs[i].to(acc))
+                                          for i in range(len(outs))))
     return out.to(outs[0].dtype), lse

@@ -51,8 +51,8 @@ def _discover(mod) -> list[torch.Tensor]:
         if isinstance(o, torch.nn.Module):
             for t in o.parameters():
                 add(t)
-            for t in o.buffers():
-                add(t)
+            for b in o.buffers():
+                add(b)
         if isinstance(o, (list, tuple, set, frozenset)):
             for x in o:
                 visit(x, d - 1)

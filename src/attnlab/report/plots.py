@@ -253,8 +253,8 @@ def _decimate(xs: np.ndarray, ys: np.ndarray, buckets: int = 1000) -> tuple[np.n
         if np.isnan(seg).any():
             keep.append(a + int(np.flatnonzero(np.isnan(seg))[0]))
         keep.extend(sorted({i, j}))
-    keep = np.array(sorted(set(keep)))
-    return xs[keep], ys[keep]
+    idx = np.array(sorted(set(keep)))
+    return xs[idx], ys[idx]
 
 
 def _g(v: float) -> str:

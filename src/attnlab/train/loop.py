@@ -224,7 +224,8 @@ def configure_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW
     not (biases, norm weights, other 1-D / 0-D parameters).  Each parameter appears once
     (a tied weight such as ``lm_head.weight is embed.weight`` is one parameter); frozen
     parameters (``requires_grad=False``) are left out."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for _, p in model.named_parameters():  # remove_duplicate=True: tied weights once
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)

@@ -103,7 +103,7 @@ def _schema(optimizer, hyper: dict, param: torch.Tensor, where: str) -> dict | N
         shadow.step()
     except Exception:  # noqa: BLE001 - e.g. LBFGS needs a closure
         return None
-    out = {}
+    out: dict[str, tuple] = {}
     for k, v in shadow.state.get(dummy, {}).items():
         if torch.is_tensor(v):
             out[k] = (_SCALAR if v.dim() == 0 and param.dim() > 0 else _PARAM, v.dtype)

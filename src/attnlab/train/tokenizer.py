@@ -313,7 +313,7 @@ class ByteBPE(_Base):
             if not isinstance(t, str):
                 raise TypeError(f"texts[{i}] must be a str, got {type(t).__name__}")
             counts.update(_chunks(pat, t))
-        chunks = {}
+        chunks: dict[bytes, int] = {}
         for chunk, c in counts.items():
             b = _utf8(chunk, "texts")
             if len(b) >= 2:  # single bytes have no pairs to merge
@@ -527,7 +527,7 @@ _SKIP_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packa
 
 
 def _stdlib_files(root: str) -> list[Path]:
-    out = []
+    out: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
         out.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
