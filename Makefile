@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test lint bench venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,8 +22,16 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/attnlab demo --out out/report.html
 
+# Style (ruff: lint and format) and types (mypy) first: a minute at most, and they fail
+# before the test run would.  `make lint` / scripts/lint.sh run the same checks alone.
 test: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+	$(BIN)/mypy src/attnlab
 	$(BIN)/python -m pytest -n 2 --durations=15
+
+lint: $(STAMP)
+	BIN=$(BIN) scripts/lint.sh
 
 # The benchmarks, side by side with their anchors (docs/benchmarks.md).
 bench: $(STAMP)
@@ -31,4 +39,4 @@ bench: $(STAMP)
 	$(BIN)/attnlab bench attention --json out/bench-attention.json
 
 clean:
-	rm -rf $(VENV) out .pytest_cache .hypothesis
+	rm -rf $(VENV) out .pytest_cache .hypothesis .mypy_cache .ruff_cache

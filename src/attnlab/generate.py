@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 
@@ -88,7 +88,7 @@ _SEED_RANGE = (-(2 ** 63), 2 ** 64)  # what torch.Generator.manual_seed accepts
 
 def check_seed(seed, name: str = "seed") -> int:
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or \
-            not _SEED_RANGE[0] <= seed < _SEED_RANGE[1]:
+            not _SEED_RANGE[0] <= int(seed) < _SEED_RANGE[1]:
         raise ValueError(f"{name}: expected an int in [-2**63, 2**64) (torch.Generator's range), got {seed!r}")
     return int(seed)
 
@@ -109,7 +109,7 @@ def row_seeds(seed, n_rows: int) -> list | None:
     if seed is None:
         return None
     if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
-        return [row_seed(seed, i) for i in range(n_rows)]
+        return [row_seed(int(seed), i) for i in range(n_rows)]
     if isinstance(seed, (list, tuple)):
         if len(seed) != n_rows:
             raise ValueError(f"seed: a per-row seed list needs one seed per prompt ({n_rows}), got {len(seed)}")
@@ -417,11 +417,11 @@ def generate(model, input_ids, *, max_new_tokens: int, cache="static", attention
         raise ValueError(f"on_token: expected None or a callable (step, tokens), got {type(on_token).__name__}")
     if not isinstance(output_logits, bool):
         raise ValueError(f"output_logits: expected a bool, got {output_logits!r}")
-    logits = [] if output_logits else None
+    logits: list[torch.Tensor] | None = [] if output_logits else None
     max_new_tokens, sampling, pad_token_id, stops, rows, ids, keep, seeds, c = _check_stream_args(
         model, input_ids, attention_mask, max_new_tokens, sampling, stop_tokens, seed, pad_token_id, cache,
         cache_options, logits)
-    new = [[] for _ in rows]
+    new: list[list[int]] = [[] for _ in rows]
     done = [False] * len(rows)
     for step, tok in enumerate(_stream(model, rows, ids, keep, max_new_tokens, c, sampling, stops, seeds,
                                        pad_token_id, logits)):
@@ -431,4 +431,4 @@ def generate(model, input_ids, *, max_new_tokens: int, cache="static", attention
             if not done[i]:
                 new[i].append(t)
                 done[i] = t in stops
-    return Generation([r + n for r, n in zip(rows, new)], new, done, logits or [])
+    return Generation([r + n for r, n in zip(rows, new, strict=True)], new, done, logits or [])

@@ -61,8 +61,9 @@ def _num(where, name, v, lo, *, strict=True, hint=""):
 
 
 def _positions(where, positions, alt=""):
-    dt = positions.dtype if isinstance(positions, torch.Tensor) else type(positions).__name__
-    if not isinstance(positions, torch.Tensor) or dt.is_floating_point or dt.is_complex or dt == torch.bool:
+    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype.is_complex \
+            or positions.dtype == torch.bool:
+        dt = positions.dtype if isinstance(positions, torch.Tensor) else type(positions).__name__
         raise TypeError(f"{where}: positions must be an integer tensor (torch.long){alt}, got {dt}")
     return positions.long()
 
@@ -105,6 +106,8 @@ class SinusoidalEmbedding(torch.nn.Module):
     torch.Size([1, 2, 6])
     """
 
+    table: torch.Tensor  # (rows, d_model) buffer
+
     def __init__(self, d_model: int, *, base: float = 10000.0, max_positions: int = 2048):
         super().__init__()
         self.d_model = _int("SinusoidalEmbedding", "d_model", d_model, 1)
@@ -115,8 +118,9 @@ class SinusoidalEmbedding(torch.nn.Module):
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         pos = _positions("SinusoidalEmbedding", positions)
         if pos.numel() and torch.compiler.is_compiling():  # traced: an in-graph check
-            tensor_check((pos >= 0).all() & (pos < self.max_positions).all(),
-                         f"LearnedEmbedding: positions must lie in [0, {self.max_positions - 1}]")
+            # (the table cannot grow inside a graph: positions must fall in the rows it has)
+            tensor_check((pos >= 0).all() & (pos < self.table.shape[0]).all(),
+                         f"SinusoidalEmbedding: positions must lie in [0, {self.table.shape[0] - 1}] under torch.compile")
         elif pos.numel():
             lo, hi = (int(v) for v in torch.aminmax(pos))
             if lo < 0:
@@ -172,7 +176,7 @@ class _Checked:
         if hasattr(self, "truncate"):
             boolean(self.truncate, f"{w}: truncate")
         for name, lo, inclusive in self._rules:
-            if name != "attention_factor" or self.attention_factor is not None:
+            if name != "attention_factor" or getattr(self, "attention_factor", None) is not None:
                 hint = f" (must exceed {lo})" if isinstance(lo, str) else ""
                 f = _num(w, name, getattr(self, name), getattr(self, lo) if hint else lo, strict=not inclusive,
                          hint=hint)
@@ -287,6 +291,8 @@ class RoPE(torch.nn.Module):
     >>> rope(q, torch.tensor([[0, 1, 2], [5, 6, 7]])).dtype
     torch.bfloat16
     """
+
+    inv_freq: torch.Tensor  # (rotary_dim/2,) float32 buffer
 
     def __init__(self, d_head: int, *, base: float = 10000.0, rotary_dim: int | None = None,
                  interleaved: bool = False, scaling=None):
@@ -490,6 +496,7 @@ def rope_from_hf(config_dict: dict, d_head: int) -> RoPE:
     if kind in ("yarn", "llama3"):  # transformers: a top-level value wins (Phi-3), then the dict's, then max_pos
         orig = need("original_max_position_embeddings", c.get("original_max_position_embeddings"),
                     p.get("original_max_position_embeddings"), max_pos)
+    scaling: LinearScaling | DynamicNTKScaling | YaRNScaling | Llama3Scaling | None
     if kind == "default":
         scaling = None
     elif kind == "linear":

@@ -20,11 +20,11 @@ torch.Size([1, 2, 4, 8])
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from attnlab.validate import ArgumentTypeError, boolean, finite_tensor, real
+from attnlab.validate import boolean, finite_tensor, real
 
 __all__ = ["ScoreMod", "alibi", "softcap", "relative_bias", "custom", "compose", "bias"]
 
@@ -222,9 +222,10 @@ def _key_into(mod, kb) -> str | None:
         return f"relative_bias({kb.tensor(mod.table)})"
     if t is _Compose:
         parts = [_key_into(m, kb) for m in mod.mods]
-        if any(p is None for p in parts):
+        known = [p for p in parts if p is not None]
+        if len(known) < len(parts):
             return None
-        return f"compose({','.join(parts)})"
+        return f"compose({','.join(known)})"
     return None
 
 
@@ -270,7 +271,7 @@ class _Bias(ScoreMod):
         return [self.t] if self.t.requires_grad else []
 
     def validate(self, B, H):
-        for d, (s, w) in enumerate(zip(self.t.shape[:2], (B, H))):
+        for s, w in zip(self.t.shape[:2], (B, H), strict=True):
             if s not in (1, w):
                 raise ValueError(f"scores.bias(t): shape {tuple(self.t.shape)} does not broadcast to (B, H)=({B}, {H})")
 

@@ -60,10 +60,15 @@ class SpeculativeResult:
         return len(self.tokens) / max(1, self.rounds)
 
 
-def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: list, generator=None):
+def accept_sampled(p: torch.Tensor, q: torch.Tensor | None, drafts: list, generator=None):
     """Multi-draft speculative sampling at one node: ``drafts`` were drawn i.i.d. from
     ``q``; returns ``(index of the accepted draft, None)`` or ``(None, token)`` drawn from
-    the residual.  The returned token is distributed exactly as ``p``."""
+    the residual.  The returned token is distributed exactly as ``p``.  ``q`` may be
+    ``None`` only when there are no drafts (a leaf of the tree: the token is drawn from ``p``)."""
+    if q is None:
+        if drafts:
+            raise ValueError(f"q: expected the distribution the {len(drafts)} drafts were drawn from, got None")
+        return None, int(torch.multinomial(p, 1, generator=generator))
     for i, x in enumerate(drafts):
         if float(q[x]) > 0 and torch.rand((), generator=generator) < min(1.0, float(p[x] / q[x])):
             return i, None
@@ -78,8 +83,9 @@ class _Tree:
     """Nodes in breadth-first order: node 0 is the root (the last known token)."""
 
     def __init__(self, root_token: int):
-        self.tokens, self.parents, self.depths, self.children = [root_token], [-1], [0], [[]]
-        self.q = [None]  # draft distribution each node's children were drawn from
+        self.tokens, self.parents, self.depths = [root_token], [-1], [0]
+        self.children: list[list[int]] = [[]]
+        self.q: list[torch.Tensor | None] = [None]  # draft distribution each node's children were drawn from
 
     def add(self, parent: int, token: int) -> int:
         self.tokens.append(token)
@@ -146,7 +152,7 @@ def speculative_generate(target, draft, prompt, *, max_new_tokens: int, branchin
             fed = level[-1] + 1  # nodes 0..fed-1 are in the draft cache
             logits = _forward_nodes(draft, dc, tree, level, L)
             nxt = []
-            for node, lg in zip(level, logits):
+            for node, lg in zip(level, logits, strict=True):
                 q = sampling.probs(lg[None])[0]
                 tree.q[node] = q
                 if sampling.greedy:

@@ -63,7 +63,7 @@ class KV:
     def attend(self, q, *, mask=None, score_mod=None, scale=None, backend="auto", return_lse=False):
         raise NotImplementedError
 
-    def dense(self) -> "DenseKV":
+    def dense(self) -> DenseKV:
         """The same keys and values as dense tensors (for patterns and checks)."""
         raise NotImplementedError
 
@@ -113,7 +113,7 @@ class Cache:
     def reset(self) -> None:
         raise NotImplementedError
 
-    def fork(self) -> "Cache":
+    def fork(self) -> Cache:
         raise NotImplementedError
 
     def free(self) -> None:
@@ -123,7 +123,7 @@ class Cache:
     def __len__(self) -> int:
         return self.n_layers
 
-    def __getitem__(self, layer: int) -> "LayerCache":
+    def __getitem__(self, layer: int) -> LayerCache:
         if not -self.n_layers <= layer < self.n_layers:
             raise IndexError(f"layer {layer} out of range for a cache of {self.n_layers} layers")
         return LayerCache(self, layer % self.n_layers)

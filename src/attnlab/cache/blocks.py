@@ -77,7 +77,7 @@ def token_list(tokens, name: str) -> list:
 class SeqState:
     """One sequence: its block table and what the blocks hold."""
 
-    __slots__ = ("table", "lens", "start", "tokens", "hashes", "n_reg", "generation")
+    __slots__ = ("generation", "hashes", "lens", "n_reg", "start", "table", "tokens")
 
     def __init__(self, n_layers: int):
         self.table: list = []          # block ids, oldest first
@@ -89,7 +89,7 @@ class SeqState:
         self.generation = 0            # bumped whenever blocks are released (free, evict, truncate):
         #                                views taken before then may read blocks reused by others
 
-    def clone(self) -> "SeqState":
+    def clone(self) -> SeqState:
         c = SeqState.__new__(SeqState)
         c.table, c.lens, c.start = list(self.table), list(self.lens), self.start
         c.tokens, c.hashes, c.n_reg = list(self.tokens), list(self.hashes), self.n_reg

@@ -21,11 +21,11 @@ class DynamicCache(Cache):
 
     def __init__(self, n_layers: int):
         super().__init__(n_layers)
-        self.k = [None] * n_layers
-        self.v = [None] * n_layers
+        self.k: list[torch.Tensor | None] = [None] * n_layers
+        self.v: list[torch.Tensor | None] = [None] * n_layers
 
     @classmethod
-    def for_model(cls, n_layers: int) -> "DynamicCache":
+    def for_model(cls, n_layers: int) -> DynamicCache:
         return cls(n_layers)
 
     def seen_at(self, layer):
@@ -54,9 +54,10 @@ class DynamicCache(Cache):
         how speculative decoding keeps the accepted branch of a verified token tree."""
         index = torch.as_tensor(index, dtype=torch.long)
         for i in range(self.n_layers):
-            if self.k[i] is not None:
-                self.k[i] = self.k[i].index_select(2, index.to(self.k[i].device))
-                self.v[i] = self.v[i].index_select(2, index.to(self.v[i].device))
+            k, v = self.k[i], self.v[i]
+            if k is not None and v is not None:
+                self.k[i] = k.index_select(2, index.to(k.device))
+                self.v[i] = v.index_select(2, index.to(v.device))
 
     def reset(self):
         self.k = [None] * self.n_layers

@@ -45,7 +45,7 @@ class StaticCache(Cache):
         self.offsets = [0] * n_layers  # absolute position of slot 0
 
     @classmethod
-    def for_model(cls, model, batch_size: int, capacity: int, *, dtype=None, evict=None) -> "StaticCache":
+    def for_model(cls, model, batch_size: int, capacity: int, *, dtype=None, evict=None) -> StaticCache:
         """A cache shaped for an :class:`attnlab.nn.Decoder`."""
         c = model.cfg
         p = next(model.parameters())

@@ -63,12 +63,12 @@ class StreamingCache(Cache):
         if rope is not None and not hasattr(rope, "cos_sin"):
             raise TypeError(f"StreamingCache: rope must be a positions.RoPE or None, got {type(rope).__name__}")
         self.sinks, self.window, self.rope = sinks, window, rope
-        self.k = [None] * n_layers
-        self.v = [None] * n_layers
+        self.k: list[torch.Tensor | None] = [None] * n_layers
+        self.v: list[torch.Tensor | None] = [None] * n_layers
         self.total = [0] * n_layers  # tokens seen (the stream position)
 
     @classmethod
-    def for_model(cls, model, sinks: int = 4, window: int = 256) -> "StreamingCache":
+    def for_model(cls, model, sinks: int = 4, window: int = 256) -> StreamingCache:
         cfg = model.cfg
         if cfg.positions in ("learned", "sinusoidal"):
             raise ValueError(f"StreamingCache: a model with absolute {cfg.positions!r} positions cannot stream past "

@@ -23,11 +23,25 @@ would see in a single-process call on the whole sequence.  See docs/distributed.
 """
 
 from attnlab.distributed.context import ContextParallel, enable_context_parallel
-from attnlab.distributed.failure import (DistributedAttentionError, PeerFailureError, PeerTimeoutError, get_timeout,
-                                         set_timeout)
+from attnlab.distributed.failure import (
+    DistributedAttentionError,
+    PeerFailureError,
+    PeerTimeoutError,
+    get_timeout,
+    set_timeout,
+)
 from attnlab.distributed.launch import RankError, run_local
-from attnlab.distributed.layouts import (LAYOUTS, balance, gather_sequence, padded_len, shard_len, shard_positions,
-                                         shard_sequence, unshard_sequence, work_per_rank)
+from attnlab.distributed.layouts import (
+    LAYOUTS,
+    balance,
+    gather_sequence,
+    padded_len,
+    shard_len,
+    shard_positions,
+    shard_sequence,
+    unshard_sequence,
+    work_per_rank,
+)
 from attnlab.distributed.profile import profile
 from attnlab.distributed.ring import ring_attention
 from attnlab.distributed.ulysses import ulysses_attention

@@ -51,7 +51,7 @@ class Comm:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
-    def start(self, sends, recvs) -> "Pending":
+    def start(self, sends, recvs) -> Pending:
         """Post ``sends`` and ``recvs`` — lists of ``(name, tensor, group_peer, tag, what)``,
         ``what`` naming the message, or ``(message, step)`` (``("the K/V shard of rank 0",
         "forward step 0")``) — as one batch; returns a :class:`Pending` to wait on by name.
@@ -61,7 +61,8 @@ class Comm:
         on any other backend (NCCL) the batch is one ``batch_isend_irecv`` (coalesced: a
         ring of sends and receives cannot deadlock) and an error names all its messages.
         Posting is guarded like waiting."""
-        ops, meta = [], []
+        ops: list[dist.P2POp] = []
+        meta: list[tuple[str, int, str, torch.Tensor, str]] = []
         for kind, items in ((dist.isend, sends), (dist.irecv, recvs)):
             for name, t, peer, tag, what in items:
                 ops.append(dist.P2POp(kind, t, self.global_rank(peer), self.group, tag))
@@ -80,14 +81,14 @@ class Comm:
                     self.bytes_received += t.numel() * t.element_size()
         if not ops:
             return Pending(self, [], [])
-        posting = [m[4] for m in meta]
+        postings = [m[4] for m in meta]
         if self.coalesce:
             peers = sorted({m[1] for m in meta})
             works = self.post(lambda: dist.batch_isend_irecv(ops), peer=peers[0] if len(peers) == 1 else None,
-                              what="; ".join(posting))
+                              what="; ".join(postings))
             return Pending(self, works, meta)
         works = []
-        for p2p, m, what in zip(ops, meta, posting):
+        for p2p, m, what in zip(ops, meta, postings, strict=True):
             # (if one fails, the works already posted are dropped with the exception: gloo
             # cancels them, and the group is unusable anyway)
             works.append(self.post(lambda p2p=p2p: p2p.op(p2p.tensor, p2p.peer, p2p.group, p2p.tag), peer=m[1],
@@ -142,7 +143,7 @@ class Pending:
         self.meta = meta
         self._keep = list(works)
         if len(works) == len(meta):
-            self.works = {m[0]: (w, m) for w, m in zip(works, meta)}
+            self.works = {m[0]: (w, m) for w, m in zip(works, meta, strict=True)}
             self.coalesced = None
         else:
             self.works = {}

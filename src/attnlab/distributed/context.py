@@ -76,7 +76,7 @@ def enable_context_parallel(model: torch.nn.Module, cp: ContextParallel | None) 
     n = 0
     for mod in model.modules():
         if hasattr(mod, "context_parallel"):
-            mod.context_parallel = cp
+            mod.context_parallel = cp  # type: ignore[assignment]  # torch's stubs type Module attributes as Tensor | Module
             n += 1
     if n == 0:
         raise ValueError("enable_context_parallel: the model has no module with a context_parallel option "

@@ -40,7 +40,7 @@ def _demo_rank(rank, world):
 def _entry(rank, world, fn, args, folder, backend, threads, pg_timeout_s, env):
     os.environ.update(env)
     torch.set_num_threads(threads)
-    result = {"ok": False}
+    result: dict[str, object] = {"ok": False}
     try:
         import torch.distributed as dist
 
@@ -54,7 +54,7 @@ def _entry(rank, world, fn, args, folder, backend, threads, pg_timeout_s, env):
         path = os.path.join(folder, f"rank{rank}.pt")
         try:
             torch.save(result, path + ".tmp")
-        except Exception:  # an unpicklable return value
+        except Exception:  # noqa: BLE001 - an unpicklable return value can raise anything from pickle
             torch.save({"ok": False, "error": traceback.format_exc()}, path + ".tmp")
         os.replace(path + ".tmp", path)
         # Skip interpreter teardown: a process group left mid-operation by a failed peer

@@ -30,7 +30,7 @@ never let a real query see them, and give padded query rows output 0 and LSE ``-
 from __future__ import annotations
 
 import numbers
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -93,9 +93,9 @@ def _world_rank(group, rank, world_size):
 
 
 def _dim(x: torch.Tensor, dim) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or not -x.dim() <= dim < x.dim():
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or not -x.dim() <= int(dim) < x.dim():
         raise ValueError(f"dim: expected a dimension of a {x.dim()}-D tensor (the sequence dim), got {dim!r}")
-    return dim % x.dim()
+    return int(dim) % x.dim()
 
 
 def shard_sequence(x: torch.Tensor, *, dim: int, layout: str = "contiguous", rank: int | None = None,

@@ -30,6 +30,8 @@ on its I/O thread), and every wait is bounded (:mod:`attnlab.distributed.failure
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from attnlab.distributed.args import check_call, handshake
@@ -146,7 +148,7 @@ def ring_forward(plan: RingPlan, comm: Comm, q, k, v, score_mod, scale):
                 m, mod = plan.views(plan.origin(t), score_mod)
                 o, l = tile_forward(q, k_cur, v_cur, mask=m, score_mod=mod, scale=scale)
                 o = o.to(acc)
-                if o_acc is None:
+                if o_acc is None or l_acc is None:
                     o_acc, l_acc = o, l
                 else:
                     o_acc, l_acc = merge_states([o_acc, o], [l_acc, l])
@@ -201,7 +203,7 @@ def ring_backward(plan: RingPlan, comm: Comm, q, k, v, out, lse, dout, dlse, sco
                                                          score_mod=mod, scale=scale, params=params)
                     dq += dq_s
                     del dq_s
-                    for a_, g in zip(dparams, dp):
+                    for a_, g in zip(dparams, dp, strict=True):
                         a_ += g
             if recv_acc:
                 with timer.wait():
@@ -294,6 +296,7 @@ def ring_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=None
         error = e
     handshake(comm, "ring_attention", q, k, v, seq_len=seq_len, layout=layout, mask=mask, score_mod=score_mod,
               scale=scale, return_lse=return_lse, params=params, error=error)
-    plan = RingPlan(comm.world, comm.rank, seq_len, layout, mask, q.shape[0], q.shape[1], device=q.device)
+    # the handshake raised on every rank unless check_call resolved seq_len
+    plan = RingPlan(comm.world, comm.rank, cast(int, seq_len), layout, mask, q.shape[0], q.shape[1], device=q.device)
     out, lse = _RingFn.apply(plan, comm, score_mod, scale, q, k, v, *params)
     return (out, lse) if return_lse else out

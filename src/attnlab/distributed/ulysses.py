@@ -20,6 +20,8 @@ query head, the K/V head it reads (correct, more traffic).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from attnlab.distributed.args import check_call, handshake
@@ -94,6 +96,7 @@ def ulysses_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=N
     params = mod_params(score_mod) if error is None else ()
     handshake(comm, "ulysses_attention", q, k, v, seq_len=N, layout=layout, mask=mask, score_mod=score_mod,
               scale=scale, return_lse=return_lse, backend=backend, params=params, error=error)
+    N = cast(int, N)  # the handshake raised on every rank unless check_call resolved it
     B, H, C, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     Hl, nkv = H // P, len(kv_idx)
@@ -141,7 +144,7 @@ def ulysses_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=N
     with timer.wait():
         back = _AllToAll.apply(to_shards(out, 0), comm, "the output all-to-all (heads to sequence, forward)")
         o = back.view(P, B, Hl, C, Dv).permute(1, 0, 2, 3, 4).reshape(B, H, C, Dv)
-        if return_lse:
+        if return_lse and lse is not None:
             lb = _AllToAll.apply(to_shards(lse.unsqueeze(-1), float("-inf")), comm,
                                  "the LSE all-to-all (heads to sequence, forward)")
             lse = lb.view(P, B, Hl, C).permute(1, 0, 2, 3).reshape(B, H, C)

@@ -21,10 +21,16 @@ from attnlab.interp.capture import Capture, attention_modules, capture
 from attnlab.interp.detectors import HeadScores, detect, value_weighted
 from attnlab.interp.factored import FactoredMatrix
 from attnlab.interp.hooks import HookInfo, hook_names, hook_points, hooks, run_with_hooks
-from attnlab.interp.spec import ModelSpec, model_spec
 from attnlab.interp.lens import LensResult, logit_lens
-from attnlab.interp.patching import (PatchResult, activation_patching, agreement, attribution_patching, logit_diff,
-                                     path_patching)
+from attnlab.interp.patching import (
+    PatchResult,
+    activation_patching,
+    agreement,
+    attribution_patching,
+    logit_diff,
+    path_patching,
+)
+from attnlab.interp.spec import ModelSpec, model_spec
 from attnlab.interp.stats import HeadStats, head_stats, stats_from_probs
 from attnlab.interp.weights import ModelWeights, model_weights
 

@@ -39,7 +39,7 @@ KINDS = ("zero", "mean", "resample")
 
 def _heads_by_layer(model, heads):
     mods = {l: (m, kind) for l, m, kind in attention_modules(model)}
-    by = {}
+    by: dict[int, list[int]] = {}
     for item in heads:
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
             raise ValueError(f"heads: expected (layer, head) pairs, got {item!r}")

@@ -40,7 +40,7 @@ from contextlib import ExitStack
 
 import torch
 
-from attnlab.interp.hooks import select_points, hook_points, hooks, model_outputs
+from attnlab.interp.hooks import hook_points, hooks, model_outputs, select_points
 from attnlab.interp.spec import model_spec
 
 __all__ = ["ActivationCache", "run_with_cache", "get_act_name"]
@@ -117,7 +117,9 @@ class ActivationCache:
         if isinstance(key, tuple):
             if not 1 <= len(key) <= 3:
                 raise KeyError(f"cache[{key!r}]: expected (name, layer) or (name, layer, layer_type)")
-            return get_act_name(*key, n_layers=self.spec.n_layers)
+            layer = key[1] if len(key) > 1 else None
+            layer_type = key[2] if len(key) > 2 else None
+            return get_act_name(key[0], layer, layer_type, n_layers=self.spec.n_layers)
         if isinstance(key, str):
             if key in self._store or key in self._lazy:
                 return key

@@ -32,7 +32,9 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,7 +44,7 @@ from attnlab.nn.attention import AttentionCall, MultiHeadAttention
 KEEP = ("q", "k", "v", "z")
 
 
-def attention_modules(model: nn.Module) -> list[tuple[int, nn.Module, str]]:
+def attention_modules(model: nn.Module) -> list[tuple[int, Any, str]]:
     """``[(layer, module, kind)]`` for every attention module of ``model`` in layer order.
 
     ``kind`` is ``"attnlab"`` (a :class:`MultiHeadAttention`) or ``"hf"`` (a transformers
@@ -153,7 +155,9 @@ def capture(model: nn.Module, layers=None, heads=None, *, keep=KEEP):
         for l, m, kind in mods:
             if l not in layers:
                 continue
-            hook = (lambda call, l=l: cap._record(l, call))
+            def hook(call, l=l):
+                return cap._record(l, call)
+
             lst = m.hooks if kind == "attnlab" else m.__dict__.setdefault("attnlab_hooks", [])
             lst.append(hook)
             installed.append((lst, hook))
@@ -186,7 +190,7 @@ def normalize_layers(layers, have: list[int], arg: str = "layers") -> list[int]:
     return out
 
 
-def use_bridge(model) -> callable:
+def use_bridge(model) -> Callable[[], None]:
     """Switch a transformers model to attnlab attention; return a function that switches back."""
     from attnlab.models import bridge
     name = bridge.register()

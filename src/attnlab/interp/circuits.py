@@ -91,6 +91,18 @@ def kv_head_index(attn) -> torch.Tensor:
     return torch.arange(attn.n_heads, device=attn.qkv_weight.device) // G
 
 
+def _embed(w: ModelWeights) -> torch.Tensor:
+    if w.W_E is None:
+        raise ValueError(f"model: this {w.source} has no token embedding W_E; full circuits need one")
+    return w.W_E
+
+
+def _int_at_least(v, name: str, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+    return v
+
+
 def _unembed(w: ModelWeights) -> torch.Tensor:
     if w.W_U is None:
         raise ValueError(f"model: this {w.source} has no unembedding W_U; full OV circuits need one")
@@ -232,7 +244,7 @@ def full_qk_circuit(model, layer: int, *, fold_ln: bool = True) -> FactoredMatri
     through the direct path (token embeddings only; positions and biases ignored)."""
     w = _weights(model, fold_ln)
     c = qk_circuit(w, layer)
-    W_E = w.W_E
+    W_E = _embed(w)
     return FactoredMatrix(W_E @ c.A, c.B @ W_E.T)
 
 
@@ -241,7 +253,7 @@ def full_ov_circuit(model, layer: int, *, fold_ln: bool = True) -> FactoredMatri
     attending to a token ``s`` adds to the logits through the direct path."""
     w = _weights(model, fold_ln)
     c = ov_circuit(w, layer)
-    return FactoredMatrix(w.W_E @ c.A, c.B @ _unembed(w))
+    return FactoredMatrix(_embed(w) @ c.A, c.B @ _unembed(w))
 
 
 def eigenvalue_copying_score(circuit: FactoredMatrix) -> torch.Tensor:
@@ -343,9 +355,7 @@ def composition_baseline(d_model, d_head: int | None = None, *, n: int = 200, se
     if not isinstance(d_model, int) and d_head is None:
         lw = _weights(d_model).layers[0]
         d_model, d_head = lw.d_model, lw.d_head
-    for name, v, lo in (("d_model", d_model, 1), ("d_head", d_head, 1), ("n", n, 2)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+    d_model, d_head, n = _int_at_least(d_model, "d_model", 1), _int_at_least(d_head, "d_head", 1), _int_at_least(n, "n", 2)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
     if not dtype.is_floating_point:

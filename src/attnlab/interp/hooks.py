@@ -43,6 +43,7 @@ torch.Size([1, 6, 50])
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -72,12 +73,12 @@ class HookInfo:
 
 class NnPoint:
     """One attnlab :class:`~attnlab.nn.hooks.HookPoint` under its name."""
-    __slots__ = ("point", "lazy")
+    __slots__ = ("lazy", "point")
 
     def __init__(self, point, lazy: bool = False):
         self.point, self.lazy = point, lazy
 
-    def add(self, fn) -> callable:
+    def add(self, fn) -> Callable[[], None]:
         self.point.fns.append(fn)
         return lambda: self.point.fns.remove(fn)
 
@@ -171,7 +172,7 @@ def select_points(points: dict, name_or_filter, arg: str) -> list[str]:
         if name_or_filter not in points:
             near = [n for n in points if n.split(".")[-1] == name_or_filter.split(".")[-1]][:4]
             raise ValueError(f"{arg}: no hook point named {name_or_filter!r} in this model"
-                             + (f"; similar names: {near}" if near else f"; hook_names(model) lists them"))
+                             + (f"; similar names: {near}" if near else "; hook_names(model) lists them"))
         return [name_or_filter]
     if callable(name_or_filter):
         return [n for n in points if name_or_filter(n)]

@@ -79,7 +79,7 @@ class PatchResult:
         out = []
         for i in flat.argsort(descending=True)[:k].tolist():
             idx = torch.unravel_index(torch.tensor(i), self.values.shape)
-            out.append((tuple(self.index[a][int(j)] for a, j in zip(self.axes, idx)), float(self.values.flatten()[i])))
+            out.append((tuple(self.index[a][int(j)] for a, j in zip(self.axes, idx, strict=True)), float(self.values.flatten()[i])))
         return out
 
     def __repr__(self) -> str:
@@ -242,7 +242,7 @@ def activation_patching(model, clean, corrupted, *, site: str = "resid_pre", by:
     ``layers``/``positions``/``heads`` restrict the sweep.  ``normalize=False`` gives raw
     metric values.  ``forward_kwargs`` (e.g. ``attention_mask``) go to every forward pass.
     """
-    by, spec, H, layers, positions, heads, metric, names = _setup(
+    by, _spec, H, layers, positions, heads, metric, names = _setup(
         model, clean, corrupted, site, by, metric, answer, wrong, pos, layers, positions, heads, forward_kwargs)
     with torch.no_grad():
         _, cache = run_with_cache(model, clean, names_filter=lambda n: n in names.values(), **forward_kwargs)
@@ -266,7 +266,7 @@ def attribution_patching(model, clean, corrupted, *, site: str = "resid_pre", by
     ``Σ (a_clean − a_corrupt) · ∂metric/∂a`` at the corrupted run, summed over everything
     the patch covers (batch included), divided by ``m_clean − m_corrupt`` when ``normalize``.
     One clean forward and one corrupted forward + backward, whatever the number of patches."""
-    by, spec, H, layers, positions, heads, metric, names = _setup(
+    by, _spec, H, layers, positions, heads, metric, names = _setup(
         model, clean, corrupted, site, by, metric, answer, wrong, pos, layers, positions, heads, forward_kwargs)
     with torch.no_grad():
         _, cache = run_with_cache(model, clean, names_filter=lambda n: n in names.values(), **forward_kwargs)
@@ -284,7 +284,7 @@ def attribution_patching(model, clean, corrupted, *, site: str = "resid_pre", by
     axes, todo = _patches(by, layers, positions, heads)
     out = torch.empty(len(todo), dtype=torch.float64)
     contrib = {}
-    for (l, n), g in zip(names.items(), grads):
+    for (l, n), g in zip(names.items(), grads, strict=True):
         c = (cache[n].to(acts[n].dtype) - acts[n]) * (torch.zeros_like(acts[n]) if g is None else g)
         contrib[l] = c
     for i, sel in enumerate(todo):
@@ -349,9 +349,9 @@ def path_patching(model, clean, corrupted, *, receivers, receiver_input: str = "
             if hook.layer() == sl:
                 y[:, :, sh] = cc[z(sl)][:, :, sh].to(x.dtype)   # ... except the sender, from clean
             return y
-        rec = {}
+        rec: dict[str, torch.Tensor] = {}
 
-        def record(x, hook):
+        def record(x, hook, rec=rec):
             rec[hook.name] = x.detach().clone()
         hooks_a = [(z(l), sender) for l in range(sl, first)] + [(n, record) for n in inp.values()]
         with torch.no_grad():
@@ -360,7 +360,7 @@ def path_patching(model, clean, corrupted, *, receivers, receiver_input: str = "
         for l, n in inp.items():
             hs = [h for ll, h in recv if ll == l]
 
-            def put(x, hook, hs=hs):
+            def put(x, hook, hs=hs, rec=rec):
                 y = x.clone()
                 for h in hs:
                     s = _head_slot(receiver_input, h, x.shape[2], H)

@@ -6,8 +6,8 @@ or (through :mod:`attnlab.models.hf_points`) from a transformers GPT-2, Llama/Mi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -59,7 +59,7 @@ class NormWeights:
     bias: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, norm) -> "NormWeights | None":
+    def of(cls, norm) -> NormWeights | None:
         if norm is None:
             return None
         if isinstance(norm, nn.LayerNorm):
@@ -113,7 +113,7 @@ class LayerWeights:
         return torch.arange(self.n_heads, device=self.W_Q.device) // (self.n_heads // self.n_kv_heads)
 
     @classmethod
-    def of(cls, attn: MultiHeadAttention, read_norm=None) -> "LayerWeights":
+    def of(cls, attn: MultiHeadAttention, read_norm=None) -> LayerWeights:
         return cls(attn.W_Q, attn.W_K, attn.W_V, attn.W_O, attn.b_Q, attn.b_K, attn.b_V, attn.b_O,
                    NormWeights.of(read_norm), attn.scale, attn.positions)
 

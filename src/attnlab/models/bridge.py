@@ -154,23 +154,26 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             mods.append(_bias_mod(_check_4d(t, "position_bias" if t is position_bias else "attention_mask",
                                             B, H, Nq, Nk), q_offset))
     score_mod = None if not mods else mods[0] if len(mods) == 1 else scores.compose(*mods)
-    kw = dict(mask=mask, score_mod=score_mod, scale=None if scaling is None else float(scaling), q_offset=q_offset)
-    res = attention(query, key, value, return_lse=s_aux is not None, backend=backend, dropout_p=dropout_p, **kw)
+    scale = None if scaling is None else float(scaling)
+    res = attention(query, key, value, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
+                    return_lse=s_aux is not None, backend=backend, dropout_p=dropout_p)
     hooks = getattr(module, "attnlab_hooks", None)
     if hooks or pts is not None:  # attnlab.interp: capture / ablation / hook points (z before s_aux's gate)
         from attnlab.nn.attention import AttentionCall, run_hooks
         layer = getattr(module, "layer_idx", None)
         z = res[0] if s_aux is not None else res
         if pts is not None and pts.post_active():  # scores / pattern: recomputed from q and k
-            z = pts.scores_and_pattern(AttentionCall(module, query, key, value, z, layer=layer, **kw))
+            z = pts.scores_and_pattern(AttentionCall(module, query, key, value, z, mask=mask, score_mod=score_mod, scale=scale,
+                                                      q_offset=q_offset, layer=layer))
         if hooks:
-            z = run_hooks(hooks, AttentionCall(module, query, key, value, z, layer=layer, **kw))
+            z = run_hooks(hooks, AttentionCall(module, query, key, value, z, mask=mask, score_mod=score_mod, scale=scale,
+                                            q_offset=q_offset, layer=layer))
         if pts is not None:
             z = pts.z(z)
         res = (z, res[1]) if s_aux is not None else z
     weights = None
     if kwargs.get("output_attentions"):
-        weights = attnlab.attention_probs(query, key, **kw)
+        weights = attnlab.attention_probs(query, key, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset)
         if not dropout_p and not hooks and pts is None:  # as eager: out = weights·V, so gradients reach them
             wv = _weights_times_values(weights, value).to(query.dtype)
             res = (wv, res[1]) if s_aux is not None else wv
@@ -218,7 +221,7 @@ def _bias_mod(t, q_offset):
     return scores.custom(bias, params=[t] if t.requires_grad else [])
 
 
-_last = [None]  # (weakref to the mask tensor, its _version, result): layers share one mask tensor
+_last: list[tuple | None] = [None]  # (weakref to the mask tensor, its _version, result): layers share one mask tensor
 
 
 def _from_dense(m, B, H, Nq, Nk):

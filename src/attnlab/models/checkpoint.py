@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Callable
 
 import torch
 
@@ -168,7 +168,7 @@ class Header:
 def _torch_load(f: Path, **kw):
     try:
         part = torch.load(f, weights_only=True, **kw)
-    except Exception as e:  # torch raises many kinds for a bad archive
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad archive
         raise CheckpointError(f"{f}: cannot be read with torch.load(weights_only=True): "
                               f"{type(e).__name__}: {e}") from None
     if not isinstance(part, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
@@ -190,7 +190,7 @@ def read_headers(files: list[Path]) -> dict[str, Header]:
             try:
                 with safe_open(str(f), "pt") as h:
                     part = {k: Header(tuple(h.get_slice(k).get_shape()), h.get_slice(k).get_dtype(), Path(f))
-                            for k in h.keys()}
+                            for k in h.keys()}  # noqa: SIM118 - a safe_open handle is not iterable
             except (SafetensorError, OSError, ValueError, RuntimeError) as e:
                 raise CheckpointError(f"{f} ({os.path.getsize(f)} bytes): not a readable safetensors file — "
                                       f"corrupt or truncated? ({e})") from None
@@ -216,7 +216,8 @@ def read_tensors(files: list[Path], names=None) -> dict[str, torch.Tensor]:
             size = os.path.getsize(f)
             try:
                 with safe_open(str(f), "pt") as h:
-                    part = {k: h.get_tensor(k) for k in h.keys() if names is None or k in names}
+                    part = {k: h.get_tensor(k) for k in h.keys()  # noqa: SIM118 - a safe_open handle is not iterable
+                            if names is None or k in names}
             except (SafetensorError, OSError, ValueError, RuntimeError) as e:
                 raise CheckpointError(f"{f} ({size} bytes): not a readable safetensors file — corrupt or "
                                       f"truncated? ({e})") from None
@@ -247,7 +248,8 @@ def strip_prefix(tensors: dict, prefixes: tuple[str, ...], *, where: str = "chec
     the bare model and of the head model name the same tensors with and without it.  Two
     names that become one (``transformer.wte.weight`` and ``wte.weight``) are refused,
     both named: which of them is meant is not for the loader to guess."""
-    out, origin = {}, {}
+    out: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
     for name, t in tensors.items():
         short = name
         for p in prefixes:

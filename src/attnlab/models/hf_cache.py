@@ -30,8 +30,7 @@ from __future__ import annotations
 
 def as_hf_cache(cache):
     """Wrap an attnlab :class:`~attnlab.cache.Cache` for ``past_key_values=``."""
-    from transformers.cache_utils import Cache as HFCache
-    from transformers.cache_utils import CacheLayerMixin
+    from transformers.cache_utils import Cache as HFCache, CacheLayerMixin
 
     if getattr(cache, "rotates_keys", False) or isinstance(getattr(cache, "evict", None), str) \
             or type(cache).__name__ == "H2OCache":

@@ -21,6 +21,7 @@ attnlab.models.checkpoint.CheckpointError: ckpt/config.json: field 'eps': expect
 
 from __future__ import annotations
 
+import builtins
 import math
 
 from attnlab.models.checkpoint import CheckpointError
@@ -78,7 +79,7 @@ class Fields:
             raise self.error(key, f"one of {sorted(choices)}" if choices is not None else "a string", v)
         return v
 
-    def dict_or_none(self, key: str):
+    def dict_or_none(self, key: builtins.str):  # (`str` here is the method above)
         v = self.d.get(key)
         if v is not None and not isinstance(v, dict):
             raise self.error(key, "a JSON object or null", v)

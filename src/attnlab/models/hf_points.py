@@ -36,16 +36,18 @@ hook_k / hook_v of GPT-2 and BERT hold every cached key (they are read where the
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch import nn
 
 from attnlab.nn.hooks import AttentionPoints, HookPoint, edited_norm
 
 __all__ = ["hf_points", "hf_spec", "family"]
 
 
-def family(model) -> tuple[str, nn.Module]:
-    """``("gpt2" | "llama" | "bert", base)``: the family and the module holding the layers."""
+def family(model) -> tuple[str, Any]:
+    """``("gpt2" | "llama" | "bert", base)``: the family and the module holding the layers
+    (a transformers module, read by the attribute names of its family)."""
     for attr in ("transformer", "model", "bert", None):
         base = model if attr is None else getattr(model, attr, None)
         if base is None:
@@ -137,7 +139,16 @@ class _Scale:
             hp = d["attnlab_scale_point"] = HookPoint()
         if not hp.fns:
             def hook(mod, args, out):
+<<<<<<< HEAD
                 return edited_norm(mod, args[0], hp)  # None when only read: the module's output stands
+=======
+                _, scale = norm_scale(mod, args[0])
+                v0 = scale._version
+                s2 = hp(scale)
+                if s2 is scale and scale._version == v0:
+                    return None  # read only: the module's output stands
+                return normalize(mod, args[0], s2)
+>>>>>>> types-lint
             # prepend: the scale's functions run before those of hook_normalized (the same module's output)
             d["attnlab_scale_handle"] = self.norm.register_forward_hook(hook, prepend=True)
         hp.fns.append(fn)

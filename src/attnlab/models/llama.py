@@ -83,6 +83,8 @@ def config_from_hf(d, where: str = "config.json") -> DecoderConfig:
 
 def plan(cfg: DecoderConfig, tensors: dict) -> dict[str, Entry]:
     d, H, Hkv, dh, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_mlp
+    if Hkv is None or dh is None or f is None:  # DecoderConfig.__post_init__ derives them
+        raise ValueError(f"plan: expected a DecoderConfig with n_kv_heads, d_head and d_mlp set, got {cfg!r}")
     cat = lambda *ts: torch.cat(ts, 0)  # noqa: E731
     p = {"embed.weight": Entry([("embed_tokens.weight", (cfg.vocab_size, d))]),
          "norm.weight": Entry([("norm.weight", (d,))])}

@@ -8,8 +8,18 @@ from pathlib import Path
 import torch
 
 from attnlab.models import bert, gpt2, llama
-from attnlab.models.checkpoint import (CheckpointError, assign, check_index, check_plan, read_config, read_headers,
-                                      read_index, read_tensors, strip_prefix, weight_files)
+from attnlab.models.checkpoint import (
+    CheckpointError,
+    assign,
+    check_index,
+    check_plan,
+    read_config,
+    read_headers,
+    read_index,
+    read_tensors,
+    strip_prefix,
+    weight_files,
+)
 from attnlab.models.hf_config import Fields
 from attnlab.models.tokenizer import Tokenizer
 from attnlab.nn import Decoder, Encoder
@@ -67,7 +77,7 @@ def load(name_or_path, *, dtype: torch.dtype = torch.float32, backend: str | Non
     check_index(read_index(folder), raw, where)
     headers = strip_prefix(raw, arch.PREFIXES, where=where)
     cfg = bert.config_from_hf(fields, headers) if arch is bert else arch.config_from_hf(fields)
-    model_cls = Encoder if arch is bert else Decoder
+    model_cls: type[torch.nn.Module] = Encoder if arch is bert else Decoder
     if backend is not None:
         cfg = cfg.replace(backend=backend)
     if cfg.n_layers > len(headers):  # every layer needs tensors: refuse before planning 10**9 layers

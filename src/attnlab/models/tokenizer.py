@@ -39,7 +39,7 @@ class Tokenizer:
             tok.no_truncation()
 
     @classmethod
-    def from_folder(cls, folder, *, max_length: int | None = None) -> "Tokenizer | None":
+    def from_folder(cls, folder, *, max_length: int | None = None) -> Tokenizer | None:
         """The folder's ``tokenizer.json``, or ``None`` if it has none."""
         p = Path(folder) / "tokenizer.json"
         if not p.is_file():
@@ -47,7 +47,7 @@ class Tokenizer:
         from tokenizers import Tokenizer as _Tok
         try:
             tok = _Tok.from_file(str(p))
-        except Exception as e:  # the tokenizers library raises its own exception type
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception
             raise ValueError(f"{p}: not a readable tokenizer.json ({e})") from None
         pad = tok.padding["pad_id"] if tok.padding else (tok.token_to_id("[PAD]") or 0)
         return cls(tok, max_length=max_length, pad_id=pad)

@@ -6,12 +6,12 @@ Layering: :func:`attnlab.attention` (functional) → :class:`MultiHeadAttention`
 :class:`SSMMixer` (``cfg.mixer``), so models can differ in the mixer alone.
 """
 
+from attnlab.nn.additive import AdditiveAttention
 from attnlab.nn.attention import MultiHeadAttention
 from attnlab.nn.block import Block
 from attnlab.nn.config import DecoderConfig, EncoderConfig
 from attnlab.nn.decoder import Decoder, ModelOutput
 from attnlab.nn.encoder import Encoder, mean_pool
-from attnlab.nn.additive import AdditiveAttention
 from attnlab.nn.mixers import LinearAttentionMixer, make_mixer
 from attnlab.nn.mlp import MLP, SwiGLU
 from attnlab.nn.norms import RMSNorm

@@ -12,7 +12,8 @@ ValueError: DecoderConfig: d_model=64 is not divisible by n_heads=5; set d_head 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 from attnlab import positions as P
 from attnlab.nn.mlp import ACTIVATIONS
@@ -52,7 +53,7 @@ class _Common:
     rope_base: float = 10000.0
     rope_interleaved: bool = False    # False: half-split pairing (Llama/NeoX); True: (2i, 2i+1)
     rotary_dim: int | None = None     # partial rotary (default d_head)
-    rope_scaling: object = None       # a positions.*Scaling
+    rope_scaling: Any = None          # a positions.*Scaling (a dataclass)
     mixer: str = "attention"          # attention | linear | ssm  (the token mixer of every block)
     d_state: int = 16                 # ssm: state size per channel
     ssm_expand: int = 1               # ssm: inner channels = ssm_expand * d_model (1 ~ attention's params)

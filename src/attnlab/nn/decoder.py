@@ -16,14 +16,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnlab import masks
-from attnlab import positions as P
+from attnlab import masks, positions as P
 from attnlab.nn.block import Block
 from attnlab.nn.config import DecoderConfig
-from attnlab.validate import tensor_check
 from attnlab.nn.hooks import HookPoint, NormPoints
 from attnlab.nn.norms import make_norm
-
+from attnlab.validate import tensor_check
 
 _CAUSAL = masks.causal()  # one object, so its BlockMask cache serves every call
 
@@ -127,7 +125,8 @@ class Decoder(nn.Module):
         if attention_mask is not None:
             M = (start if isinstance(start, int) else int(start.max())) + N
             mask = mask & masks.key_padding(_check_keep(attention_mask, B, M))
-        hidden, attns = ([] if output_hidden_states else None), ([] if output_attentions else None)
+        hidden: list[torch.Tensor] | None = [] if output_hidden_states else None
+        attns: list[torch.Tensor] | None = [] if output_attentions else None
         rel_pos = None if pos is None or getattr(cache, "rotates_keys", False) else tpos
         for i, block in enumerate(self.blocks):
             if hidden is not None:
@@ -165,8 +164,9 @@ def init_weights(model: nn.Module, n_layers: int, std: float = 0.02) -> None:
             if isinstance(m, nn.Embedding) and m.padding_idx is not None:
                 with torch.no_grad():
                     m.weight[m.padding_idx].zero_()
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
+            bias = getattr(m, "bias", None)
+            if bias is not None:
+                nn.init.zeros_(bias)
         elif isinstance(m, MultiHeadAttention):
             nn.init.normal_(m.qkv_weight, std=std)
             nn.init.normal_(m.out_weight, std=resid)

@@ -18,8 +18,15 @@ from torch import nn
 from attnlab import masks
 from attnlab.nn.block import Block
 from attnlab.nn.config import EncoderConfig
-from attnlab.nn.decoder import (ModelOutput, _check_ids, _check_keep, absolute_positions, init_weights,
-                                attention_positions, token_positions)
+from attnlab.nn.decoder import (
+    ModelOutput,
+    _check_ids,
+    _check_keep,
+    absolute_positions,
+    attention_positions,
+    init_weights,
+    token_positions,
+)
 from attnlab.nn.hooks import HookPoint, NormPoints
 from attnlab.nn.norms import make_norm
 
@@ -64,7 +71,8 @@ class Encoder(nn.Module):
             x = x + self.hook_token_type_embed(self.type_embed(token_type_ids))
         x = self.drop(self.embed_norm(x))
         mask = None if attention_mask is None else masks.key_padding(_check_keep(attention_mask, B, N))
-        hidden, attns = ([] if output_hidden_states else None), ([] if output_attentions else None)
+        hidden: list[torch.Tensor] | None = [] if output_hidden_states else None
+        attns: list[torch.Tensor] | None = [] if output_attentions else None
         rel_pos = None if pos is None or isinstance(pos, int) else pos
         for block in self.blocks:
             if hidden is not None:

@@ -86,7 +86,16 @@ class AttentionPoints:
     """
     NAMES = ("hook_q", "hook_k", "hook_v", "hook_rot_q", "hook_rot_k", "hook_attn_scores", "hook_pattern",
              "hook_z", "hook_result")
-    __slots__ = NAMES + ("bridge_stage",)
+    __slots__ = (*NAMES, "bridge_stage")
+    hook_q: HookPoint
+    hook_k: HookPoint
+    hook_v: HookPoint
+    hook_rot_q: HookPoint
+    hook_rot_k: HookPoint
+    hook_attn_scores: HookPoint
+    hook_pattern: HookPoint
+    hook_z: HookPoint
+    hook_result: HookPoint
 
     def __init__(self):
         for n in self.NAMES:
@@ -165,7 +174,7 @@ class NormPoints:
 
     :meth:`__call__` runs the norm module unchanged; when ``hook_scale`` has functions it computes the
     scale for them, and if one edits it, the norm by hand from the edited scale."""
-    __slots__ = ("hook_scale", "hook_normalized")
+    __slots__ = ("hook_normalized", "hook_scale")
 
     def __init__(self):
         self.hook_scale, self.hook_normalized = HookPoint(), HookPoint()
@@ -181,7 +190,7 @@ class NormPoints:
 
 def _eps(norm) -> float:
     eps = getattr(norm, "eps", None)
-    return getattr(norm, "variance_epsilon") if eps is None else eps  # transformers' RMSNorms
+    return norm.variance_epsilon if eps is None else eps  # transformers' RMSNorms
 
 
 def _is_layer_norm(norm) -> bool:

@@ -94,7 +94,7 @@ class LinearAttentionMixer(nn.Module):
         self.feature_map_name = feature_map
         if feature_map == "favor":
             m = 4 * d_head if n_features is None else positive_int(n_features, "n_features")
-            self.feature_map = FavorFeatures(d_head, m, seed=seed)
+            self.feature_map: FavorFeatures | str = FavorFeatures(d_head, m, seed=seed)
         else:
             self.feature_map = "elu"
         self.positions = positions

@@ -90,7 +90,8 @@ def _check_scan(x, dt, A, B, C, D, state, chunk_size, *, step=False):
         if x.dim() != 3:
             raise ValueError(f"x: expected one token (b, H, P), got {_shape(x)}")
         b, H, P = x.shape
-        N, want = 1, {"dt": (b, H), "B": (b, None), "C": (b, None)}
+        want: dict[str, tuple[int | None, ...]] = {"dt": (b, H), "B": (b, None), "C": (b, None)}
+        N = 1
     else:
         if x.dim() != 4:
             raise ValueError(f"x: expected (b, N, H, P), got {_shape(x)}")
@@ -98,7 +99,7 @@ def _check_scan(x, dt, A, B, C, D, state, chunk_size, *, step=False):
         want = {"dt": (b, N, H), "B": (b, N, None), "C": (b, N, None)}
     for name, t in (("dt", dt), ("B", B), ("C", C)):
         w = want[name]
-        if t.dim() != len(w) or any(e is not None and s != e for s, e in zip(t.shape, w)):
+        if t.dim() != len(w) or any(e is not None and s != e for s, e in zip(t.shape, w, strict=True)):
             shown = tuple("S" if e is None else e for e in w)
             raise ValueError(f"{name}: expected {shown} for x {_shape(x)}, got {_shape(t)}")
     S = B.shape[-1]

@@ -20,7 +20,7 @@ def nonneg_int(x, name: str) -> int:
 def probability(x, name: str) -> float:
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise ArgumentTypeError(f"{name}: expected a probability in [0, 1), got {type(x).__name__} {x!r:.60}")
-    if not (0.0 <= x < 1.0):
+    if not (0.0 <= float(x) < 1.0):
         raise ValueError(f"{name}: expected a probability in [0, 1), got {x!r}")
     return float(x)
 

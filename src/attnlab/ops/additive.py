@@ -255,7 +255,7 @@ def _backward(plan, pq, pk, vv, va, out, lse, dout, dlse):
 
 def _sum_to(x, shape):
     """Sum ``x`` over the dims where ``shape`` has 1 (an operand that was broadcast)."""
-    dims = tuple(d for d, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1)
+    dims = tuple(d for d, (a, b) in enumerate(zip(x.shape, shape, strict=True)) if b == 1 and a != 1)
     return x.sum(dims, keepdim=True) if dims else x
 
 

@@ -60,7 +60,7 @@ def apply(attention, q, k, v, *, mask, score_mod, scale, q_offset, kv_offset, re
         return attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
                          kv_offset=kv_offset, return_lse=return_lse, backend=backend, dropout_p=dropout_p,
                          dropout_seed=dropout_seed)
-    B, H, Nq, D = q.shape
+    B, H, Nq, _ = q.shape
     if k.shape[0] == 1 and v.shape[0] == 1 and B > 1:
         k, v = k.expand(B, *k.shape[1:]), v.expand(B, *v.shape[1:])  # K/V shared by the batch: views
     Nk = k.shape[2]
@@ -121,5 +121,5 @@ def _shifted_mod(mod, qo):
     params = mod.parameters() if isinstance(mod, scores.ScoreMod) else []
     out = scores.custom(shifted, params=params)
     if hasattr(mod, "validate"):
-        out.validate = mod.validate
+        out.validate = mod.validate  # type: ignore[method-assign]  # the shifted mod checks shapes as the wrapped one does
     return out

@@ -22,9 +22,7 @@ True
 
 from __future__ import annotations
 
-from typing import Iterable
-
-import torch
+from collections.abc import Iterable
 
 from attnlab.ops.dispatch import attention
 from attnlab.ops.merge import merge_states

@@ -79,7 +79,7 @@ class Dropout:
 
     def __init__(self, p: float, seed: int):
         self.p, self.seed = float(p), int(seed)
-        self.threshold = min(M32, int(round(self.p * 2.0**32)))
+        self.threshold = min(M32, round(self.p * 2.0**32))
         self.inv_keep = 1.0 / (1.0 - self.p)
         s = self.seed & ((1 << 64) - 1)
         self.key_r = absorb(absorb(_ROW0, s & M32), (s >> 32) & M32)

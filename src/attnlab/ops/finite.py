@@ -134,7 +134,7 @@ def hidden_scores(q, k, holder):
 def _sum_to(x, shape):
     while x.dim() > len(shape):
         x = x.sum(0)
-    for i, (a, b) in enumerate(zip(x.shape, shape)):
+    for i, (a, b) in enumerate(zip(x.shape, shape, strict=True)):
         if a != b:
             x = x.sum(i, keepdim=True)
     return x

@@ -105,14 +105,14 @@ def hopfield_retrieve(xi, patterns, beta, *, steps=100, tol=1e-6):
     beta = _check(xi, patterns, beta)
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
-    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not (0 <= tol < math.inf):
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not (0 <= float(tol) < math.inf):
         raise ValueError(f"tol: expected a finite number >= 0, got {tol!r}")
     state = xi
-    for n in range(1, int(steps) + 1):
+    for n in range(1, int(steps) + 1):  # noqa: B007 - n, the steps taken, is returned after the loop
         new = _update(state, patterns, beta)
         change = (new - state).abs().amax().item() if new.numel() else 0.0
         state = new
-        if change <= tol:
+        if change <= float(tol):
             break
     return state, n
 
@@ -150,6 +150,6 @@ def _check(xi, patterns, beta):
         raise TypeError(f"xi, patterns: expected one dtype, got xi {xi.dtype}, patterns {patterns.dtype}")
     if xi.device != patterns.device:
         raise ValueError(f"xi, patterns: expected one device, got xi {xi.device}, patterns {patterns.device}")
-    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not (0 < beta < math.inf):
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not (0 < float(beta) < math.inf):
         raise ValueError(f"beta: expected a positive finite number, got {beta!r}")
     return float(beta)

@@ -31,7 +31,14 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from attnlab.ops.flash import DOUBLE_BACKWARD, DoubleBackwardError, flash_backward, flash_forward, make_problem, refuse_double_backward
+from attnlab.ops.flash import (
+    DOUBLE_BACKWARD,
+    DoubleBackwardError,
+    flash_backward,
+    flash_forward,
+    make_problem,
+    refuse_double_backward,
+)
 from attnlab.ops.reference import acc_dtype
 
 _KEEP = 32  # masks rebuilt from keys, kept with their classified tiles
@@ -206,16 +213,17 @@ def _loop_rule(op):
     def rule(info, in_dims, *args):
         outs = []
         for i in range(info.batch_size):
-            sl = []
-            for a, d in zip(args, in_dims):
+            sl: list = []
+            for a, d in zip(args, in_dims, strict=True):
                 if isinstance(a, (list, tuple)) and isinstance(d, (list, tuple)):
-                    sl.append([x if dx is None else x.select(dx, i) for x, dx in zip(a, d)])
+                    sl.append([x if dx is None else x.select(dx, i) for x, dx in zip(a, d, strict=True)])
                 elif d is not None and isinstance(a, Tensor):
                     sl.append(a.select(d, i))
                 else:
                     sl.append(a)
             outs.append(op(*sl))
-        res, dims = [], []
+        res: list = []
+        dims: list = []
         for j in range(len(outs[0])):
             col = [o[j] for o in outs]
             if isinstance(col[0], (list, tuple)):
@@ -238,12 +246,11 @@ def op_args(q, k, mask, score_mod, q_offset, kv_offset, block=None):
     """The operator's non-``q/k/v`` arguments for ``mask``/``score_mod``, or None when one
     has no structural key (``custom``)."""
     from attnlab.masks import mask_key
-    from attnlab.scores import mod_key
     if mask is not None and hasattr(mask, "plan"):  # a BlockMask: its mask and tile sizes
         block = (mask.block_q, mask.block_k)
         mask = mask.mask
     mk = ("", [], []) if mask is None else mask_key(mask)
-    sk = ("", [], []) if score_mod is None else (score_mod.key() if hasattr(score_mod, "key") else None)
+    sk: tuple | None = ("", [], []) if score_mod is None else (score_mod.key() if hasattr(score_mod, "key") else None)
     if mk is None or sk is None:
         return None
     return (mk[0], list(mk[1]), sk[0], list(sk[1]), list(mk[2]), q_offset, kv_offset,

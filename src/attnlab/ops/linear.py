@@ -82,6 +82,10 @@ class FavorFeatures:
     (torch.Size([64, 8]), torch.Size([2, 5, 64]))
     """
 
+    seed: int
+    weights: torch.Tensor                              # (n_features, d_head) float64
+    _cache: dict[tuple[torch.device, torch.dtype], torch.Tensor]   # weights per (device, dtype)
+
     def __init__(self, d_head: int, n_features: int, *, seed: int, orthogonal: bool = True,
                  stabilize: bool = True):
         self.d_head = _pos_int(d_head, "d_head")
@@ -94,7 +98,7 @@ class FavorFeatures:
         self.stabilize = stabilize
         self.redraw(seed)
 
-    def redraw(self, seed: int) -> "FavorFeatures":
+    def redraw(self, seed: int) -> FavorFeatures:
         """Draw new random features from ``seed`` (same seed, same features); returns self."""
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
@@ -193,7 +197,7 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, normalize=True
     >>> out.shape, torch.allclose(out, naive_linear_attention(q, k, v, causal=True), atol=1e-5)
     (torch.Size([2, 8, 100, 16]), True)
     """
-    B, H, Hkv, Nq, Nk = _check(q, k, v, feature_map, causal, normalize, chunk_size, eps)
+    B, H, Hkv, Nq, _ = _check(q, k, v, feature_map, causal, normalize, chunk_size, eps)
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
     pq, pk = _featurize(feature_map, q, k)
@@ -281,7 +285,7 @@ def naive_linear_attention(q, k, v, *, feature_map="elu", causal=False, normaliz
     >>> naive_linear_attention(q, k, v, causal=True)[0, 0, 0].allclose(v[0, 0, 0])
     True
     """
-    B, H, Hkv, Nq, Nk = _check(q, k, v, feature_map, causal, normalize, chunk_size, eps)
+    _, H, Hkv, Nq, Nk = _check(q, k, v, feature_map, causal, normalize, chunk_size, eps)
     pq, pk = _featurize(feature_map, q, k)
     acc = pq.dtype
     pk = pk.repeat_interleave(H // Hkv, dim=1)
@@ -378,7 +382,7 @@ def _check(q, k, v, feature_map, causal, normalize, chunk_size, eps):
         raise ValueError(f"causal: needs Nq == Nk (one sequence), got q {tuple(q.shape)}, k {tuple(k.shape)}; "
                          "for new tokens after a prefix use linear_attention_step with the prefix's state")
     _pos_int(chunk_size, "chunk_size")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (0 < eps < math.inf):
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (0 < float(eps) < math.inf):
         raise ValueError(f"eps: expected a positive finite number, got {eps!r}")
     if isinstance(feature_map, str):
         if feature_map != "elu":

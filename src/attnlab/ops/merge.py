@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+import operator
+from collections.abc import Sequence
 
 import torch
 
@@ -33,7 +35,7 @@ def merge_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
     outs, lses = list(outs), list(lses)
     if not outs or len(outs) != len(lses):
         raise ValueError(f"merge_states: need as many outs as lses and at least one, got {len(outs)} and {len(lses)}")
-    for i, (o, l) in enumerate(zip(outs, lses)):
+    for i, (o, l) in enumerate(zip(outs, lses, strict=True)):
         if not isinstance(o, torch.Tensor) or not isinstance(l, torch.Tensor):
             raise TypeError(f"merge_states: part {i} is not a pair of tensors")
         if o.shape != outs[0].shape or l.shape != lses[0].shape:
@@ -57,6 +59,6 @@ def merge_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
     # a part with no visible key (LSE -inf) or outweighed by +inf parts contributes nothing,
     # whatever its output holds: where(), not 0·out (0·NaN would be NaN, forward and backward)
     zero = torch.zeros((), dtype=acc, device=L.device)
-    out = sum(wn[i].unsqueeze(-1) * torch.where(w[i].unsqueeze(-1) == 0, zero, outs[i].to(acc))
-              for i in range(len(outs)))
+    out = functools.reduce(operator.add, (wn[i].unsqueeze(-1) * torch.where(w[i].unsqueeze(-1) == 0, zero, outs[i].to(acc))
+                                          for i in range(len(outs))))
     return out.to(outs[0].dtype), lse

@@ -23,6 +23,7 @@ Only run when gradients are wanted (``torch.is_grad_enabled()``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import types
@@ -50,8 +51,8 @@ def _discover(mod) -> list[torch.Tensor]:
         if isinstance(o, torch.nn.Module):
             for t in o.parameters():
                 add(t)
-            for t in o.buffers():
-                add(t)
+            for b in o.buffers():
+                add(b)
         if isinstance(o, (list, tuple, set, frozenset)):
             for x in o:
                 visit(x, d - 1)
@@ -71,10 +72,8 @@ def _discover(mod) -> list[torch.Tensor]:
             return
         if isinstance(o, types.FunctionType):
             for cell in o.__closure__ or ():
-                try:
+                with contextlib.suppress(ValueError):  # an empty cell
                     visit(cell.cell_contents, d - 1)
-                except ValueError:  # an empty cell
-                    pass
             visit(o.__defaults__, d - 1)
             visit(o.__kwdefaults__, d - 1)
             g = o.__globals__
@@ -83,10 +82,8 @@ def _discover(mod) -> list[torch.Tensor]:
                     visit(g[name], d - 1)
             return
         if callable(getattr(o, "parameters", None)) and not isinstance(o, torch.nn.Module):
-            try:
+            with contextlib.suppress(TypeError):
                 visit(list(o.parameters()), d - 1)  # an attnlab ScoreMod
-            except TypeError:
-                pass
         if hasattr(o, "__dict__") and not isinstance(o, type):
             visit(vars(o), d - 1)
 
@@ -174,12 +171,12 @@ def score_mod_params(score_mod, *, dtype, device, q_offset: int = 0, kv_offset: 
     try:
         with torch.enable_grad():
             out = score_mod(x.clone(), z, z, z + q_offset, z + kv_offset)
-    except Exception:  # the kernels will report a mod that cannot run on a tile
+    except Exception:  # noqa: BLE001 - a user's mod may raise anything; the kernels will report it
         return cands
     if not isinstance(out, torch.Tensor) or not out.requires_grad or out.grad_fn is None:
         return cands
     used = torch.autograd.grad(out.sum(), cands, allow_unused=True, retain_graph=True)
-    keep = [t for t, g in zip(cands, used) if g is not None or any(t is d for d in declared)]
+    keep = [t for t, g in zip(cands, used, strict=True) if g is not None or any(t is d for d in declared)]
     new, foreign = _walk(out, keep, x, before)
     if foreign:
         raise _refusal(score_mod)

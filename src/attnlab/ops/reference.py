@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.ops.finite import traced, all_finite, hidden_matmul, hidden_scores
+from attnlab.ops.finite import all_finite, hidden_matmul, hidden_scores, traced
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -99,7 +99,7 @@ def reference_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, 
     """
     G = q.shape[1] // k.shape[1]
     # (under torch.compile / torch.func the check cannot run: the plain path, docs/compile.md)
-    holder = None if traced(q, k, v) or all_finite(q, k, v) else {}
+    holder: dict | None = None if traced(q, k, v) or all_finite(q, k, v) else {}
     p, lse = reference_probs(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
                              kv_offset=kv_offset, holder=holder)
     vr = v.repeat_interleave(G, dim=1) if G > 1 else v

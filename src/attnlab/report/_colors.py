@@ -39,7 +39,8 @@ def ramp(t: float, anchors=SEQUENTIAL) -> tuple[int, int, int]:
 
 
 def css_rgb(rgb) -> str:
-    return "#%02x%02x%02x" % tuple(rgb)
+    r, g, b = rgb
+    return f"#{r:02x}{g:02x}{b:02x}"
 
 
 def text_on(rgb) -> str:
@@ -67,7 +68,7 @@ class Scale:
             lo = 0.0  # non-negative data (scores, weights) are read against 0, not their minimum
         lo = lo if vmin is None else float(vmin)
         hi = hi if vmax is None else float(vmax)
-        self.diverging = lo < 0 and vmin is None or lo < 0 < hi
+        self.diverging = (lo < 0 and vmin is None) or lo < 0 < hi
         if self.diverging:
             m = max(-lo, hi, 0.0) or 1.0
             lo, hi = -m, m

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from attnlab.report._css import CSS
 from attnlab.report._heatmap_js import JS as HEATMAP_JS
-from attnlab.report._token_view_js import JS as TOKEN_VIEW_JS
 from attnlab.report._html import esc, inline_markup, page, slug
+from attnlab.report._token_view_js import JS as TOKEN_VIEW_JS
 from attnlab.report.heatmap import heatmap_html
 from attnlab.report.inputs import as_patterns, as_scores
 from attnlab.report.plots import bar_plot_svg, line_plot_svg

@@ -196,7 +196,7 @@ def _labels(labels, shape: list[int]) -> list[list[str]]:
                                  f"× {shape} heads")
             out[key[0]][key[1]] = str(text)
         return out
-    if len(labels) != len(shape) or any(len(row) != h for row, h in zip(labels, shape)):
+    if len(labels) != len(shape) or any(len(row) != h for row, h in zip(labels, shape, strict=True)):
         raise ValueError(f"labels: expected {len(shape)} rows of {shape} head labels (or a {{(layer, head): text}} dict)")
     return [[str(s) for s in row] for row in labels]
 
@@ -218,7 +218,9 @@ def heatmap_html(patterns, tokens_q=None, tokens_k=None, *, title: str, labels=N
     tk = tq if tokens_k is None else _tokens(tokens_k, nk, "tokens_k", "Nk")
     shape = [int(p.shape[0]) for p in layers]
     names = _labels(labels, shape)
-    heads, blocks, fallback = [], [], ""
+    heads: list[dict] = []
+    blocks: list[str] = []
+    fallback = ""
     for li, p in enumerate(layers):
         for hi in range(p.shape[0]):
             codes, top = quantize_log(p[hi], floor)

@@ -11,6 +11,7 @@ maximum of each of 1,000 buckets, which keeps its envelope (spikes stay visible)
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 
@@ -170,12 +171,12 @@ def _frame(xa: _Axis, ya: _Axis, x_label, y_label, title, *, x_cat=None, vgrid=T
             o.append(f'<line x1="{_n(xa(v))}" x2="{_n(xa(v))}" y1="{_n(T)}" y2="{_n(B)}"/>')
     o.append("</g>")
     o.append(f'<path class="al-axis" d="M{_n(L)} {_n(T)}V{_n(B)}H{_n(R)}"/>')
-    for v, s in zip(ya.ticks, ya.labels):
+    for v, s in zip(ya.ticks, ya.labels, strict=True):
         y = ya(v)
         o.append(f'<line class="al-axis" x1="{_n(L - 5)}" x2="{_n(L)}" y1="{_n(y)}" y2="{_n(y)}"/>'
                  f'<text x="{_n(L - 8)}" y="{_n(y + 4)}" text-anchor="end">{esc(s)}</text>')
     if x_cat is None:
-        for v, s in zip(xa.ticks, xa.labels):
+        for v, s in zip(xa.ticks, xa.labels, strict=True):
             x = xa(v)
             o.append(f'<line class="al-axis" x1="{_n(x)}" x2="{_n(x)}" y1="{_n(B)}" y2="{_n(B + 5)}"/>'
                      f'<text x="{_n(x)}" y="{_n(B + 19)}" text-anchor="middle">{esc(s)}</text>')
@@ -243,7 +244,7 @@ def _decimate(xs: np.ndarray, ys: np.ndarray, buckets: int = 1000) -> tuple[np.n
         return xs, ys
     keep = []
     edges = np.linspace(0, n, buckets + 1).astype(int)
-    for a, b in zip(edges[:-1], edges[1:]):
+    for a, b in itertools.pairwise(edges):
         seg = ys[a:b]
         if np.isnan(seg).all():
             keep.append(a)
@@ -252,8 +253,8 @@ def _decimate(xs: np.ndarray, ys: np.ndarray, buckets: int = 1000) -> tuple[np.n
         if np.isnan(seg).any():
             keep.append(a + int(np.flatnonzero(np.isnan(seg))[0]))
         keep.extend(sorted({i, j}))
-    keep = np.array(sorted(set(keep)))
-    return xs[keep], ys[keep]
+    idx = np.array(sorted(set(keep)))
+    return xs[idx], ys[idx]
 
 
 def _g(v: float) -> str:
@@ -281,7 +282,7 @@ def line_plot_svg(series, *, title, x_label, y_label, log_y=False, x=None, log_x
         color = series_color(i)
         dx, dy = _decimate(xs, ys)
         d, pen = [], False
-        for xv, yv in zip(dx, dy):
+        for xv, yv in zip(dx, dy, strict=True):
             if math.isnan(yv):
                 pen = False
                 continue
@@ -290,7 +291,7 @@ def line_plot_svg(series, *, title, x_label, y_label, log_y=False, x=None, log_x
         label = esc(name or title)
         o.append(f'<path class="al-line" d="{"".join(d)}" stroke="{color}"><title>{label}</title></path>')
         if few:
-            for xv, yv in zip(xs, ys):
+            for xv, yv in zip(xs, ys, strict=True):
                 if not math.isnan(yv):
                     tip = (f"{name}: " if name else "") + f"{x_label} = {_g(xv)}, {y_label} = {_g(yv)}"
                     o.append(_marker(i, xa(xv), ya(yv), color, tip))

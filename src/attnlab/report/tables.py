@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Sequence
-
+from typing import Any
 
 from attnlab.report._colors import Scale, css_rgb, text_on
 from attnlab.report._html import esc
@@ -61,7 +61,7 @@ def _is_num(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
-def column_formatter(values: Sequence, spec: str | Callable | None = None) -> Callable[[object], str]:
+def column_formatter(values: Sequence, spec: str | Callable | None = None) -> Callable[[Any], str]:
     """A function that formats the numbers of one column consistently.
 
     ``spec`` is a format spec such as ``".3f"`` or a callable, and overrides the rule.
@@ -103,7 +103,7 @@ def column_formatter(values: Sequence, spec: str | Callable | None = None) -> Ca
 
 def _column_index(key, columns: list[str], name: str) -> int:
     if isinstance(key, numbers.Integral) and not isinstance(key, bool):
-        if not -len(columns) <= key < len(columns):
+        if not -len(columns) <= int(key) < len(columns):
             raise ValueError(f"{name}: column index {key} out of range for {len(columns)} columns")
         return int(key) % len(columns)
     if key in columns:

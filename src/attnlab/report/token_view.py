@@ -61,7 +61,8 @@ def token_view_html(patterns, tokens_q, tokens_k=None, *, title: str, fig_id: st
             raise ValueError(f"patterns: layer {i} has weights up to {m:.4g}; the token view shows attention "
                              "probabilities in [0, 1]")
     names = _labels(labels, shape)
-    heads, blocks = [], []
+    heads: list[dict] = []
+    blocks: list[str] = []
     for li, p in enumerate(layers):
         for hi in range(p.shape[0]):
             codes = np.rint(np.clip(np.asarray(p[hi], dtype=np.float32), 0, 1) * 255).astype(np.uint8)

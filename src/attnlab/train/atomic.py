@@ -29,12 +29,13 @@ and 4, which is why readers go through :func:`recover`.)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 __all__ = ["replace_folder", "recover", "backup_path", "fsync_dir", "write_bytes", "check_writable_folder"]
 
@@ -202,8 +203,6 @@ def check_writable_folder(path, what: str) -> Path:
         write_bytes(probe, b"")
     except OSError as e:
         raise ValueError(f"{what}: cannot write into the folder {p} ({e.strerror or e})") from None
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(probe)
-    except OSError:
-        pass
     return p

@@ -89,7 +89,7 @@ class CheckpointInfo:
     path: Path
     step: int
     extra: dict
-    rng_state: torch.Tensor | None
+    rng_state: torch.Tensor
     meta: dict = field(repr=False)
 
 
@@ -129,7 +129,7 @@ def _from_json(v):
 
 
 def _param_names(model: nn.Module | None, optimizer: torch.optim.Optimizer) -> list[str]:
-    names = {}
+    names: dict[int, str] = {}
     if model is not None:
         for n, p in model.named_parameters(remove_duplicate=True):
             names.setdefault(id(p), n)
@@ -139,7 +139,9 @@ def _param_names(model: nn.Module | None, optimizer: torch.optim.Optimizer) -> l
 
 def _model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """State-dict tensors with each exact alias dropped, and ``{alias: kept name}``."""
-    kept, aliases, first = {}, {}, {}
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first: dict[object, str] = {}
     for name, t in model.state_dict().items():
         key = _storage_key(t)
         if key is not None and key in first:
@@ -242,7 +244,7 @@ def _nonneg_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def _check_keys(p, d: dict, where: str, required: set, optional: set = frozenset()) -> None:
+def _check_keys(p, d: dict, where: str, required: set, optional: set | frozenset = frozenset()) -> None:
     missing = sorted(required - set(d))
     unknown = sorted(set(d) - required - set(optional))
     if missing:
@@ -378,7 +380,8 @@ def _plan_model(path: Path, model: nn.Module, meta: dict) -> list[tuple[torch.Te
     if unexpected:
         raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r} (the model has no such entry)" +
                               (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
-    pairs, source_of = [], {}
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    source_of: dict[tuple, tuple[str, str]] = {}
     for n, dst in expected.items():
         src_name = n if n in tensors else aliases[n]
         _check_copy(n, tensors[src_name], dst, where)
@@ -409,7 +412,7 @@ def _plan_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if len(saved_names) != len(names):
         raise CheckpointError(f"{path}: {TRAINER_JSON} field 'optimizer.param_names' lists {len(saved_names)} "
                               f"parameters, the optimizer has {len(names)}")
-    for i, (a, b) in enumerate(zip(saved_names, names)):
+    for i, (a, b) in enumerate(zip(saved_names, names, strict=True)):
         if a != b:
             raise CheckpointError(f"{path}: optimizer parameter {i} is {b!r} in the model but {a!r} in the checkpoint")
     state: dict[int, dict] = {}
@@ -438,7 +441,7 @@ def _plan_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             raise CheckpointError(f"{path}: optimizer state {i}.{dup[0]} is both a tensor and a {TRAINER_JSON} value")
         state.setdefault(int(i), {}).update(_from_json(kv))
     out_groups = []
-    for g, sg in enumerate(om["param_groups"]):
+    for sg in om["param_groups"]:
         dg = {}
         for k, v in sg.items():
             if isinstance(v, dict) and set(v) == {"__tensor__"}:
@@ -470,16 +473,18 @@ class PendingLoad:
     def apply(self, *, restore_rng: bool = False) -> CheckpointInfo:
         """Copy the weights into the model, load the optimizer state, and with
         ``restore_rng=True`` set torch's CPU RNG state; return the :class:`CheckpointInfo`."""
-        before = self.optimizer.state_dict() if self._opt_sd is not None else None
-        if self._opt_sd is not None:
-            self.optimizer.load_state_dict(self._opt_sd)
+        opt = self.optimizer         # prepare_load plans an optimizer state exactly when given one
+        before = None
+        if opt is not None and self._opt_sd is not None:
+            before = opt.state_dict()
+            opt.load_state_dict(self._opt_sd)
         try:
             with torch.no_grad():
                 for dst, src in self._pairs:
                     dst.copy_(src)
         except BaseException:
-            if before is not None:       # keep the optimizer consistent with the model
-                self.optimizer.load_state_dict(before)
+            if opt is not None and before is not None:       # keep the optimizer consistent with the model
+                opt.load_state_dict(before)
             raise
         if restore_rng:
             torch.set_rng_state(self.info.rng_state)

@@ -28,7 +28,8 @@ True
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -93,7 +94,7 @@ class TokenStream:
         self.tokens = tokens.detach().to(device="cpu", dtype=torch.long).contiguous()
 
     @classmethod
-    def from_texts(cls, texts: Iterable[str], tokenizer: "Tokenizer") -> "TokenStream":
+    def from_texts(cls, texts: Iterable[str], tokenizer: Tokenizer) -> TokenStream:
         """Tokenize each document and append ``tokenizer.eot_id`` after it:
         ``doc1 <eot> doc2 <eot> ...``.
 
@@ -116,7 +117,7 @@ class TokenStream:
     def __repr__(self) -> str:
         return f"TokenStream({len(self)} tokens)"
 
-    def split(self, fraction: float) -> tuple["TokenStream", "TokenStream"]:
+    def split(self, fraction: float) -> tuple[TokenStream, TokenStream]:
         """``(train, val)`` by position: the first ``round(fraction * N)`` tokens, and the rest.
 
         ``fraction`` is the share of the training part, strictly between 0 and 1; both

@@ -51,9 +51,10 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -177,7 +178,7 @@ class TrainConfig:
     def min_lr(self) -> float:
         return self.min_lr_ratio * self.lr
 
-    def replace(self, **changes) -> "TrainConfig":
+    def replace(self, **changes) -> TrainConfig:
         """A copy with some fields changed (checked again)."""
         return dataclasses.replace(self, **changes)
 
@@ -187,7 +188,7 @@ class TrainConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
+    def from_dict(cls, d: dict) -> TrainConfig:
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"TrainConfig: unknown fields {sorted(unknown)}")
@@ -223,7 +224,8 @@ def configure_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW
     not (biases, norm weights, other 1-D / 0-D parameters).  Each parameter appears once
     (a tied weight such as ``lm_head.weight is embed.weight`` is one parameter); frozen
     parameters (``requires_grad=False``) are left out."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for _, p in model.named_parameters():  # remove_duplicate=True: tied weights once
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)

@@ -67,7 +67,7 @@ def _check_hyper(saved, current, where: str) -> None:
         if not isinstance(saved, (tuple, list)) or len(saved) != len(current):
             raise CheckpointError(f"{where}: is {_kind(saved)} in the checkpoint, expected a sequence of "
                                   f"{len(current)} like {current!r}")
-        for i, (s, c) in enumerate(zip(saved, current)):
+        for i, (s, c) in enumerate(zip(saved, current, strict=True)):
             _check_hyper(s, c, f"{where}[{i}]")
         return
     else:
@@ -103,7 +103,7 @@ def _schema(optimizer, hyper: dict, param: torch.Tensor, where: str) -> dict | N
         shadow.step()
     except Exception:  # noqa: BLE001 - e.g. LBFGS needs a closure
         return None
-    out = {}
+    out: dict[str, tuple] = {}
     for k, v in shadow.state.get(dummy, {}).items():
         if torch.is_tensor(v):
             out[k] = (_SCALAR if v.dim() == 0 and param.dim() > 0 else _PARAM, v.dtype)
@@ -154,7 +154,7 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict, names: lis
         raise CheckpointError(f"{where}: the optimizer has {len(current)} param groups, the checkpoint {len(groups)}")
     params = [p for g in optimizer.param_groups for p in g["params"]]
     group_of: dict[int, int] = {}
-    for g, (sg, cg) in enumerate(zip(groups, current)):
+    for g, (sg, cg) in enumerate(zip(groups, current, strict=True)):
         gw = f"{where}: optimizer param_groups[{g}]"
         if list(sg.get("params", ())) != list(cg["params"]):
             ids = sg.get("params")

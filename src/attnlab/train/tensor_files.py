@@ -31,7 +31,7 @@ def safetensors_module():
 
 def crc32(t: torch.Tensor) -> int:
     b = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return zlib.crc32(b.numpy()) if b.numel() else 0
+    return zlib.crc32(b.numpy().data) if b.numel() else 0
 
 
 def write_tensors(st, path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:

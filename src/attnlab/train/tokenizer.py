@@ -37,14 +37,16 @@ True
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
 import os
 import random
 import re
 import sysconfig
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 __all__ = ["PATTERN", "EOT", "Tokenizer", "ByteTokenizer", "ByteBPE", "stdlib_corpus"]
 
@@ -287,7 +289,7 @@ class ByteBPE(_Base):
     # -- training ------------------------------------------------------------------
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, *, progress: bool = False,
-              pattern: str = PATTERN) -> "ByteBPE":
+              pattern: str = PATTERN) -> ByteBPE:
         """Learn ``vocab_size - 257`` merges from ``texts``.
 
         ``vocab_size`` counts the 256 bytes, the merges and ``<|endoftext|>`` (the last id).
@@ -311,7 +313,7 @@ class ByteBPE(_Base):
             if not isinstance(t, str):
                 raise TypeError(f"texts[{i}] must be a str, got {type(t).__name__}")
             counts.update(_chunks(pat, t))
-        chunks = {}
+        chunks: dict[bytes, int] = {}
         for chunk, c in counts.items():
             b = _utf8(chunk, "texts")
             if len(b) >= 2:  # single bytes have no pairs to merge
@@ -326,7 +328,7 @@ class ByteBPE(_Base):
         while len(ids) >= 2:
             best = None
             best_new = 1 << 62
-            for pair in zip(ids, ids[1:]):
+            for pair in itertools.pairwise(ids):
                 new = ranks.get(pair)
                 if new is not None and new < best_new:
                     best, best_new = pair, new
@@ -388,7 +390,7 @@ class ByteBPE(_Base):
         Path(path).write_text(json.dumps(self.to_dict(), separators=(",", ":")) + "\n", encoding="utf-8")
 
     @classmethod
-    def from_dict(cls, d, *, source: str = "tokenizer data") -> "ByteBPE":
+    def from_dict(cls, d, *, source: str = "tokenizer data") -> ByteBPE:
         """Build from :meth:`to_dict`'s output, checking every field (ValueError naming it)."""
 
         def bad(msg: str) -> ValueError:
@@ -412,7 +414,7 @@ class ByteBPE(_Base):
         try:
             tok = cls([tuple(m) if isinstance(m, list) else m for m in merges], pattern=pattern)
         except ValueError as e:
-            raise bad(f"field {str(e)}") from None
+            raise bad(f"field {e!s}") from None
         specials = d["special_tokens"]
         if specials != {EOT: tok.eot_id}:
             raise bad(f"field 'special_tokens' is {specials!r}, expected {{{EOT!r}: {tok.eot_id}}} "
@@ -423,7 +425,7 @@ class ByteBPE(_Base):
         return tok
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "ByteBPE":
+    def load(cls, path: str | os.PathLike) -> ByteBPE:
         """Read a file written by :meth:`save`; a malformed file raises ValueError saying what is wrong."""
         try:
             text = Path(path).read_text(encoding="utf-8")
@@ -467,7 +469,7 @@ def _learn_merges(chunks: dict[bytes, int], n_merges: int, progress: bool) -> li
     where: dict[tuple[int, int], set[int]] = {}
     for i, w in enumerate(words):
         f = freqs[i]
-        for p in zip(w, w[1:]):
+        for p in itertools.pairwise(w):
             pair_counts[p] = pair_counts.get(p, 0) + f
             s = where.get(p)
             if s is None:
@@ -494,9 +496,9 @@ def _learn_merges(chunks: dict[bytes, int], n_merges: int, progress: bool) -> li
                 if len(nw) == len(w):
                     continue  # stale index: the pair left this word in an earlier merge
                 f = freqs[i]
-                for q in zip(w, w[1:]):
+                for q in itertools.pairwise(w):
                     delta[q] = delta.get(q, 0) - f
-                for q in zip(nw, nw[1:]):
+                for q in itertools.pairwise(nw):
                     delta[q] = delta.get(q, 0) + f
                     s = where.get(q)
                     if s is None:
@@ -525,7 +527,7 @@ _SKIP_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packa
 
 
 def _stdlib_files(root: str) -> list[Path]:
-    out = []
+    out: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
         out.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))

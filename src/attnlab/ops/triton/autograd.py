@@ -42,7 +42,7 @@ def _launch(name, grid, **kw):
         cfgs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in config.AUTOTUNE[name]]
         tuned = _TUNED[name] = triton.autotune(cfgs, key=_KEYS[name], reset_to_zero=_RESET.get(name))(fn)
     tuned[grid](**kw)
-    key = tuple(kw[k] for k in _KEYS[name]) + (str(kw.get("Q", kw.get("O")).dtype),)
+    key = (*(kw[k] for k in _KEYS[name]), str((kw["Q"] if "Q" in kw else kw["O"]).dtype))
     config.CHOSEN[(name, key)] = str(tuned.best_config)
 
 
@@ -109,7 +109,8 @@ class _Problem:
 
     def mask_args(self, plan, direction):
         """Launch arguments for the block lists (``direction`` "kv" or "q") and the mask spec."""
-        di, kw = self.dummy_i, {}
+        di = self.dummy_i
+        kw: dict[str, object] = {}
         kw.update(band_lo=0, band_hi=0, sink_n=0, sink_lo=0, QIDS=di, s_qids=0, KVIDS=di, s_kvids=0,
                   KEEP=di, s_keep=0, TID=di, TAB=di, s_tab_t=0, s_tab_b=0, s_tab_h=0,
                   MB=False, MS=False, MD=False, MK=False, MT=False, W=1,
@@ -149,7 +150,7 @@ def _forward(pb: _Problem, q, k, v):
     B, H, Nq = pb.B, pb.H, pb.Nq
     out = torch.empty(B, H, Nq, pb.Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
-    BM, BN, kw = pb.common("fwd", "kv")
+    BM, _, kw = pb.common("fwd", "kv")
     _launch("fwd", (_cdiv(Nq, BM), B * H), Q=q, K=k, V=v, O=out, LSE=lse,
             **_strides("sq", q), **_strides("sk", k), **_strides("sv", v), **_strides("so", out), **kw)
     if not bool(torch.isfinite(out).all()):
@@ -160,7 +161,7 @@ def _forward(pb: _Problem, q, k, v):
 
 
 def _strides(prefix, t):
-    return {f"{prefix}{c}": s for c, s in zip("bhmd" if prefix in ("sq", "so", "sd", "sg") else "bhnd", t.stride())}
+    return {f"{prefix}{c}": s for c, s in zip("bhmd" if prefix in ("sq", "so", "sd", "sg") else "bhnd", t.stride(), strict=True)}
 
 
 def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params):
@@ -234,6 +235,8 @@ def triton_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_
         return flash_attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
                                kv_offset=kv_offset, dropout=dropout)
     mod = lower_score_mod(score_mod)
+    if isinstance(mod, str):  # (unsupported() above has said so already)
+        raise ValueError(f"backend='triton': {mod}")
     pb = _Problem(q, k, v, mask, mod, scale, q_offset, kv_offset, block, dropout)
     pb.score_mod = score_mod
     return _TritonAttention.apply(pb, q, k, v, *mod.params)

@@ -41,7 +41,7 @@ def _fwd_step(acc, m_i, l_i, q, j, b, h, i, rows, kbase, vbase, skn, skd, svn, s
     kt = tl.load(kbase + cols[None, :] * skn + rd[:, None] * skd,
                  mask=(cols[None, :] < Nk) & (rd[:, None] < D), other=0.0)
     qk = mma(q, kt, UPCAST)
-    s, t1, t2 = score_tile(qk, b, h, i, j, rows, cols, Nq, Nk, q_offset, kv_offset, scale,
+    s, _t1, _t2 = score_tile(qk, b, h, i, j, rows, cols, Nq, Nk, q_offset, kv_offset, scale,
                            band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
                            TID, TAB, s_tab_t, s_tab_b, s_tab_h, n_kv_blocks, SLOPES, RTAB, s_rtab, R, cap,
                            BM, BN, W, MASKED, EVEN_N, MB, MS, MD, MK, MT, ALIBI, SOFTCAP, RELBIAS)

@@ -37,7 +37,7 @@ def available() -> bool:
             try:
                 import triton
                 ok = hasattr(triton, "jit")
-            except Exception:  # a broken install is "not available", with the reason below
+            except Exception:  # noqa: BLE001 - a broken install (any error) is "not available", with the reason below
                 ok = False
         _AVAILABLE = ok
     return _AVAILABLE
