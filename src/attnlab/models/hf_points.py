@@ -139,16 +139,7 @@ class _Scale:
             hp = d["attnlab_scale_point"] = HookPoint()
         if not hp.fns:
             def hook(mod, args, out):
-<<<<<<< HEAD
                 return edited_norm(mod, args[0], hp)  # None when only read: the module's output stands
-=======
-                _, scale = norm_scale(mod, args[0])
-                v0 = scale._version
-                s2 = hp(scale)
-                if s2 is scale and scale._version == v0:
-                    return None  # read only: the module's output stands
-                return normalize(mod, args[0], s2)
->>>>>>> types-lint
             # prepend: the scale's functions run before those of hook_normalized (the same module's output)
             d["attnlab_scale_handle"] = self.norm.register_forward_hook(hook, prepend=True)
         hp.fns.append(fn)
