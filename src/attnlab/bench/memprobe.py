@@ -34,10 +34,10 @@ def measure(case_fields: dict, backend: str, mode: str, timeout_s: float = 600.0
 
 
 def _main(argv: list[str]) -> int:
-    from attnlab.bench.attention import MiB, Case, _Runner
+    from attnlab.bench.attention import MiB, Case, Runner
 
     spec = json.loads(argv[0])
-    runner = _Runner(Case(**spec["case"]))
+    runner = Runner(Case(**spec["case"]))
     fn = runner.backends(with_flex=False)[spec["backend"]]
     fn()  # warm-up: one-time allocations (thread pools, workspaces) are not the kernel's
     for t in (runner.q, runner.k, runner.v):

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from attnlab import positions as P
 from attnlab.nn.mlp import ACTIVATIONS
 from attnlab.nn.norms import NORMS
-from attnlab.nn.validate import choice, nonneg_int, positive_float, positive_int, probability
 from attnlab.ops.dispatch import BACKENDS
-from attnlab.validate import real
+from attnlab.validate import choice, nonneg_int, positive_float, positive_int, probability, real
 
 _SCALINGS = {c.__name__: c for c in (P.LinearScaling, P.NTKScaling, P.DynamicNTKScaling, P.YaRNScaling,
                                      P.Llama3Scaling)}
