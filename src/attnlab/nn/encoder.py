@@ -18,7 +18,7 @@ from torch import nn
 from attnlab import masks
 from attnlab.nn.block import Block
 from attnlab.nn.config import EncoderConfig
-from attnlab.nn.decoder import (ModelOutput, _check_ids, _check_keep, absolute_positions, init_weights,
+from attnlab.nn.decoder import (ModelOutput, check_ids, check_keep, absolute_positions, init_weights,
                                 attention_positions, token_positions)
 from attnlab.nn.hooks import HookPoint, NormPoints
 from attnlab.nn.norms import make_norm
@@ -51,7 +51,7 @@ class Encoder(nn.Module):
         Padded keys are hidden from every query (:func:`attnlab.masks.key_padding`); the
         outputs at padded positions are defined but meaningless.
         """
-        ids = _check_ids(input_ids, self.cfg.vocab_size)
+        ids = check_ids(input_ids, self.cfg.vocab_size)
         B, N = ids.shape
         x = self.hook_embed(self.embed(ids))
         if self.pos_embed is not None:
@@ -63,7 +63,7 @@ class Encoder(nn.Module):
                 raise ValueError(f"token_type_ids: expected {tuple(ids.shape)}, got {tuple(token_type_ids.shape)}")
             x = x + self.hook_token_type_embed(self.type_embed(token_type_ids))
         x = self.drop(self.embed_norm(x))
-        mask = None if attention_mask is None else masks.key_padding(_check_keep(attention_mask, B, N))
+        mask = None if attention_mask is None else masks.key_padding(check_keep(attention_mask, B, N))
         hidden, attns = ([] if output_hidden_states else None), ([] if output_attentions else None)
         rel_pos = None if pos is None or isinstance(pos, int) else pos
         for block in self.blocks:
