@@ -242,16 +242,18 @@ def choice(x, name: str, options) -> str:
     return x
 
 
-def head_shape(d_model, n_heads, n_kv_heads, d_head):
+def head_shape(d_model, n_heads, n_kv_heads, d_head, where: str = ""):
     """``(d_model, n_heads, n_kv_heads, d_head)`` checked: positive ints, ``n_heads`` a
-    multiple of ``n_kv_heads`` (default ``n_heads``), ``d_head`` default ``d_model // n_heads``."""
-    d_model = positive_int(d_model, "d_model")
-    n_heads = positive_int(n_heads, "n_heads")
-    n_kv_heads = n_heads if n_kv_heads is None else positive_int(n_kv_heads, "n_kv_heads")
+    multiple of ``n_kv_heads`` (default ``n_heads``), ``d_head`` default ``d_model // n_heads``.
+    ``where`` (a config's class name) prefixes the names: ``DecoderConfig.n_heads``."""
+    dot, colon = (f"{where}.", f"{where}: ") if where else ("", "")
+    d_model = positive_int(d_model, f"{dot}d_model")
+    n_heads = positive_int(n_heads, f"{dot}n_heads")
+    n_kv_heads = n_heads if n_kv_heads is None else positive_int(n_kv_heads, f"{dot}n_kv_heads")
     if n_heads % n_kv_heads:
-        raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads} (GQA groups)")
+        raise ValueError(f"{colon}n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads} (GQA groups)")
     if d_head is None:
         if d_model % n_heads:
-            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass d_head explicitly")
+            raise ValueError(f"{colon}d_model={d_model} is not divisible by n_heads={n_heads}; set d_head explicitly")
         d_head = d_model // n_heads
-    return d_model, n_heads, n_kv_heads, positive_int(d_head, "d_head")
+    return d_model, n_heads, n_kv_heads, positive_int(d_head, f"{dot}d_head")

@@ -53,7 +53,7 @@ from attnlab import masks
 from attnlab.ops.dispatch import BACKENDS, attention, attention_probs
 from attnlab.ops.reference import index_grids
 from attnlab.nn.hooks import AttentionPoints
-from attnlab.validate import head_shape, positive_int, probability
+from attnlab.validate import head_shape, nonzero_real, positive_int, probability
 from attnlab.scores import compose
 
 
@@ -184,10 +184,8 @@ class MultiHeadAttention(nn.Module):
         self.d_model, self.n_heads, self.n_kv_heads, self.d_head = d_model, n_heads, n_kv_heads, d_head
         self.dropout = probability(dropout, "dropout")
         self.backend = backend
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                                  or not math.isfinite(scale) or scale == 0):
-            raise ValueError(f"scale: expected a finite non-zero number (default 1/sqrt(d_head)), got {scale!r}")
-        self.scale = 1.0 / math.sqrt(d_head) if scale is None else float(scale)
+        self.scale = 1.0 / math.sqrt(d_head) if scale is None else nonzero_real(scale, "scale",
+                                                                                  hint="default 1/sqrt(d_head)")
         self.positions = positions  # a RoPE is a Module (buffers); ALiBi is not
         self._alibi = positions.score_mod() if hasattr(positions, "score_mod") else None
         self.context_parallel = context_parallel  # duck-typed: .positions(n, device), .attend(q, k, v, ...)
