@@ -31,8 +31,8 @@ column ``j`` at ``kv_pos = kv_offset + j``.  ``causal()``, Nq = 2 over Nk = 5,
                                                    x: visible, .: masked
 
 How: one pass over the (q-block, kv-block) tiles the mask's BlockMask does not
-empty, as in the flash forward (the shared tile engine, :mod:`attnlab.ops.tiling`), keeping per row the
-running max ``m`` (= the row max of s), ``l = Σ exp(s - m)``,
+empty, as in the flash forward (the shared tile engine, :mod:`attnlab.ops.tiling`),
+keeping per row the running max ``m`` (= the row max of s), ``l = Σ exp(s - m)``,
 ``t = Σ exp(s - m)·(s - m)`` and ``Σ exp(s - m)`` over each key subset, all
 rescaled by ``exp(m_old - m_new)`` when the max grows (``t`` also gains
 ``(m_old - m_new)·l``).  At the end ``lse = m + log l``, ``entropy = log l - t/l``
@@ -65,11 +65,11 @@ from dataclasses import dataclass, fields
 import torch
 
 from attnlab.ops.args import normalize, offsets
+from attnlab.ops.reference import acc_dtype
+from attnlab.ops.tiles import choose_tiles
 from attnlab.ops.tiling import (LOG2E, NEG_INF, TileProblem, fast_tile, mm_dtype, pick_block_mask, rescale, rows,
                                 score_tile)
 from attnlab.validate import integer
-from attnlab.ops.reference import acc_dtype
-from attnlab.ops.tiles import choose_tiles
 
 __all__ = ["HeadStats", "head_stats", "stats_from_probs"]
 
