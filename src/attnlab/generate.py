@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnlab.nn.validate import nonneg_int
+from attnlab.validate import nonneg_int
 
 CACHES = ("dynamic", "static", "paged", "quantized", "streaming")
 

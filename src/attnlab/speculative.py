@@ -41,7 +41,7 @@ import torch
 from attnlab import masks
 from attnlab.cache import DynamicCache
 from attnlab.generate import Sampling, check_seed, model_vocab, stop_token_set, token_row
-from attnlab.nn.validate import nonneg_int
+from attnlab.validate import nonneg_int
 
 
 @dataclass

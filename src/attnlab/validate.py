@@ -11,6 +11,10 @@ One rule for every number a user passes:
   for a float), within the stated bounds.
 * **bools** are ``bool``.
 * **tensors of numbers** (ALiBi slopes, bias tables) hold finite values.
+* **tensors** passed as data are ``torch.Tensor`` (:func:`tensor`) with the stated number
+  of dims (:func:`ndim`) and a floating dtype of :data:`FLOAT_DTYPES`
+  (:func:`float_dtype`); tensors that work together share a dtype and a device
+  (:func:`same_dtype`, :func:`same_device`); GQA head counts divide (:func:`gqa_heads`).
 
 A wrong type raises :class:`ArgumentTypeError`, which subclasses both ``TypeError`` and
 ``ValueError`` (so code that catches either keeps working); a value out of range raises
@@ -35,12 +39,17 @@ import numbers
 
 import torch
 
-__all__ = ["MAX_INT", "ArgumentTypeError", "integer", "real", "boolean", "finite_tensor", "problem_positions",
-           "lossless_cast", "tensor_check"]
+__all__ = ["MAX_INT", "FLOAT_DTYPES", "ArgumentTypeError", "integer", "real", "nonzero_real", "boolean",
+           "finite_tensor", "problem_positions", "lossless_cast", "tensor_check", "tensor", "ndim", "float_dtype",
+           "same_dtype", "same_device", "gqa_heads", "positive_int", "nonneg_int", "probability", "positive_float",
+           "choice", "head_shape"]
 
 #: The largest int any constructor accepts (positions, sizes, windows, offsets): differences
 #: of two such numbers, and a position plus a length, stay inside int64.
 MAX_INT = 1 << 62
+
+#: The floating dtypes every op accepts (inputs, weights); accumulators are float32 (float64 for float64).
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class ArgumentTypeError(TypeError, ValueError):
@@ -51,14 +60,18 @@ def _fmt(x) -> str:
     return f"{type(x).__name__} {x!r:.60}"
 
 
-def integer(x, name: str, *, lo: int | None = None, hi: int = MAX_INT) -> int:
-    """``x`` as an int in ``[lo, hi]``; ``bool`` and floats (even ``2.0``) are refused."""
+def integer(x, name: str, *, lo: int | None = None, hi: int | None = MAX_INT, what: str = "",
+            type_error: type = ArgumentTypeError) -> int:
+    """``x`` as an int in ``[lo, hi]`` (``hi=None``: no upper bound); ``bool`` and floats
+    (even ``2.0``) are refused.  ``what`` words the int in the message ("tile size");
+    ``type_error`` is the class raised for a wrong type (the op entry points raise a plain
+    ``TypeError``, as they always have)."""
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise ArgumentTypeError(f"{name}: expected an int, got {_fmt(x)}")
+        raise type_error(f"{name}: expected an int{what and ' ' + what}, got {_fmt(x)}")
     x = int(x)
     if lo is not None and x < lo:
-        raise ValueError(f"{name}: expected an int >= {lo}, got {x}")
-    if x > hi:
+        raise ValueError(f"{name}: expected an int{what and ' ' + what} >= {lo}, got {x}")
+    if hi is not None and x > hi:
         bound = "2**62 (positions and sizes are int64)" if hi == MAX_INT else str(hi)
         raise ValueError(f"{name}: expected an int <= {bound}, got {x}")
     return x
@@ -81,6 +94,14 @@ def real(x, name: str, *, gt: float | None = None, ge: float | None = None, lt: 
         if bound is not None and not ok():
             raise ValueError(f"{name}: must be {word} {bound}, got {x!r:.60}")
     return f
+
+
+def nonzero_real(x, name: str, *, hint: str = "") -> float:
+    """``x`` as a finite float other than 0 (a softmax scale); ``bool`` is refused.
+    ``hint`` (e.g. "default 1/sqrt(D)") is added to the message."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x == 0:
+        raise ValueError(f"{name}: expected a finite non-zero number{f' ({hint})' if hint else ''}, got {x!r}")
+    return float(x)
 
 
 def boolean(x, name: str) -> bool:
@@ -136,3 +157,103 @@ def tensor_check(ok: torch.Tensor, message: str) -> bool:
 def lossless_cast(src: torch.dtype, dst: torch.dtype) -> bool:
     """True when every value of ``src`` is exactly representable in ``dst``."""
     return src == dst or (src.is_floating_point == dst.is_floating_point and torch.promote_types(src, dst) == dst)
+
+
+def tensor(x, name: str) -> torch.Tensor:
+    """``x`` when it is a ``torch.Tensor`` (``TypeError`` naming what it is otherwise)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def ndim(t: torch.Tensor, name: str, n, layout: str = "") -> torch.Tensor:
+    """``t`` when it has ``n`` dims (an int or a tuple of allowed counts); ``layout`` (e.g.
+    ``"(B, H, Nq, D)"``) says what the dims mean."""
+    ok = t.dim() in n if isinstance(n, tuple) else t.dim() == n
+    if not ok:
+        want = " or ".join(map(str, n)) if isinstance(n, tuple) else str(n)
+        raise ValueError(f"{name}: expected {want} dims{' ' + layout if layout else ''}, got shape {tuple(t.shape)}")
+    return t
+
+
+def float_dtype(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t`` when its dtype is one of :data:`FLOAT_DTYPES`."""
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported; use float16, bfloat16, float32 or float64")
+    return t
+
+
+def same_dtype(**named: torch.Tensor) -> torch.dtype:
+    """The one dtype of the named tensors (``same_dtype(q=q, k=k, v=v)``), or ``TypeError``
+    listing each one's."""
+    dts = {t.dtype for t in named.values()}
+    if len(dts) > 1:
+        raise TypeError(f"{', '.join(named)} must share a dtype, got "
+                                + ", ".join(f"{n} {t.dtype}" for n, t in named.items()))
+    return next(iter(dts))
+
+
+def same_device(**named: torch.Tensor) -> torch.device:
+    """The one device of the named tensors, or ``ValueError`` listing each one's."""
+    devs = [t.device for t in named.values()]
+    if any(d != devs[0] for d in devs):
+        raise ValueError(f"{', '.join(named)} must be on one device, got "
+                         + ", ".join(f"{n} {t.device}" for n, t in named.items()))
+    return devs[0]
+
+
+def gqa_heads(H: int, Hkv: int, context: str = "") -> None:
+    """The GQA rule: ``Hkv >= 1`` kv heads and ``H % Hkv == 0`` query heads (query head ``h``
+    reads kv head ``h // (H // Hkv)``).  ``context`` (the shapes) ends the message."""
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"query heads H={H} must be a multiple of kv heads Hkv={Hkv} (GQA; the kv heads must "
+                         f"divide the query heads){': ' + context if context else ''}")
+
+
+# ----------------------------------------------------------------------------- modules and configs
+def positive_int(x, name: str) -> int:
+    """An int in ``[1, 2**62]`` (:func:`integer`)."""
+    return integer(x, name, lo=1)
+
+
+def nonneg_int(x, name: str) -> int:
+    """An int in ``[0, 2**62]``."""
+    return integer(x, name, lo=0)
+
+
+def probability(x, name: str) -> float:
+    """A float in ``[0, 1)`` (a dropout rate)."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise ArgumentTypeError(f"{name}: expected a probability in [0, 1), got {type(x).__name__} {x!r:.60}")
+    if not (0.0 <= x < 1.0):
+        raise ValueError(f"{name}: expected a probability in [0, 1), got {x!r}")
+    return float(x)
+
+
+def positive_float(x, name: str) -> float:
+    """A finite number > 0."""
+    return real(x, name, gt=0.0)
+
+
+def choice(x, name: str, options) -> str:
+    """``x`` when it is one of ``options``."""
+    if x not in options:
+        raise ValueError(f"{name}: expected one of {tuple(options)}, got {x!r}")
+    return x
+
+
+def head_shape(d_model, n_heads, n_kv_heads, d_head, where: str = ""):
+    """``(d_model, n_heads, n_kv_heads, d_head)`` checked: positive ints, ``n_heads`` a
+    multiple of ``n_kv_heads`` (default ``n_heads``), ``d_head`` default ``d_model // n_heads``.
+    ``where`` (a config's class name) prefixes the names: ``DecoderConfig.n_heads``."""
+    dot, colon = (f"{where}.", f"{where}: ") if where else ("", "")
+    d_model = positive_int(d_model, f"{dot}d_model")
+    n_heads = positive_int(n_heads, f"{dot}n_heads")
+    n_kv_heads = n_heads if n_kv_heads is None else positive_int(n_kv_heads, f"{dot}n_kv_heads")
+    if n_heads % n_kv_heads:
+        raise ValueError(f"{colon}n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads} (GQA groups)")
+    if d_head is None:
+        if d_model % n_heads:
+            raise ValueError(f"{colon}d_model={d_model} is not divisible by n_heads={n_heads}; set d_head explicitly")
+        d_head = d_model // n_heads
+    return d_model, n_heads, n_kv_heads, positive_int(d_head, f"{dot}d_head")

@@ -178,8 +178,8 @@ def test_run_claims_restores_threads():
 
 # ----------------------------------------------------------------------------- broken implementations
 def test_scale_of_one_flips_the_variance_claims(monkeypatch):
-    from attnlab.ops import dispatch
-    monkeypatch.setattr(dispatch, "_scale_arg", lambda scale, D: 1.0 if scale is None else float(scale))
+    from attnlab.ops import args
+    monkeypatch.setattr(args, "scale_arg", lambda scale, D: 1.0 if scale is None else float(scale))
     assert _verdict("scaling-restores-unit-variance") is N
     assert _verdict("score-variance-grows-with-dk") is N
     assert _verdict("dot-product-cosine") is H          # an explicit scale is untouched

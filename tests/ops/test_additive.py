@@ -246,7 +246,7 @@ def test_errors_name_the_argument():
         call(q=torch.randn(4, 7, 5, dtype=torch.float64))
     with pytest.raises(ValueError, match="kv heads must divide"):
         call(q=torch.randn(2, 3, 7, 5, dtype=torch.float64))
-    with pytest.raises(TypeError, match="q, k, v: expected one dtype"):
+    with pytest.raises(TypeError, match="q, k, v must share a dtype"):
         call(q=t["q"].float())
     with pytest.raises(TypeError, match="w_q: expected a floating tensor"):
         call(w_q=torch.ones(8, 5, dtype=torch.long))

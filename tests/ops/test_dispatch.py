@@ -6,7 +6,7 @@ import torch
 
 import attnlab
 from attnlab import masks, scores
-from attnlab.ops.dispatch import _auto
+from attnlab.ops.dispatch import choose_backend as _auto
 
 
 def _qk(dtype, D, Nq=8, Nk=8, grad=False):

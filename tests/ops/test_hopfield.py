@@ -134,7 +134,7 @@ def test_errors_name_the_argument():
         hopfield_update(xi[:2], X, 1.0)
     with pytest.raises(ValueError, match="xi, patterns: expected xi"):
         hopfield_update(xi[0], X, 1.0)
-    with pytest.raises(TypeError, match="one dtype"):
+    with pytest.raises(TypeError, match="xi, patterns must share a dtype"):
         hopfield_update(xi.float(), X, 1.0)
     with pytest.raises(TypeError, match="xi"):
         hopfield_update(xi.long(), X.long(), 1.0)

@@ -228,11 +228,11 @@ def test_empty_keys_give_zero():
 
 @pytest.mark.parametrize("make, exc, words", [
     (lambda q, k, v: linear_attention(q[0], k, v), ValueError, "q: expected 4 dims"),
-    (lambda q, k, v: linear_attention(q, k[..., :3], v), ValueError, "k: expected head dim"),
-    (lambda q, k, v: linear_attention(q, k, v[:, :, :2]), ValueError, "v: expected (B, Hkv, Nk)"),
+    (lambda q, k, v: linear_attention(q, k[..., :3], v), ValueError, "q and k head dims differ"),
+    (lambda q, k, v: linear_attention(q, k, v[:, :, :2]), ValueError, "k and v must have the same (B, Hkv, Nk)"),
     (lambda q, k, v: linear_attention(q[:, :3], k, v), ValueError, "must divide"),
-    (lambda q, k, v: linear_attention(q, k.float(), v), TypeError, "one dtype"),
-    (lambda q, k, v: linear_attention(q, k, v.long()), TypeError, "v: expected a float"),
+    (lambda q, k, v: linear_attention(q, k.float(), v), TypeError, "must share a dtype"),
+    (lambda q, k, v: linear_attention(q, k, v.long()), TypeError, "v: dtype torch.int64 is not supported"),
     (lambda q, k, v: linear_attention(q.tolist(), k, v), TypeError, "q: expected a torch.Tensor"),
     (lambda q, k, v: linear_attention(q[:, :, :3], k, v, causal=True), ValueError, "causal: needs Nq == Nk"),
     (lambda q, k, v: naive_linear_attention(q[:, :, :3], k, v, causal=True), ValueError, "causal:"),

@@ -125,7 +125,7 @@ def matmul_rate(dtype: torch.dtype, n: int = 2048) -> float:
     return 2.0 * n ** 3 / t / 1e9
 
 
-class _Runner:
+class Runner:
     """Builds the inputs of one case and a zero-argument callable per backend."""
 
     def __init__(self, case: Case, seed: int = 0):
@@ -216,12 +216,12 @@ def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool
     extra memory in a child process (:mod:`attnlab.bench.memprobe`)."""
     from tqdm import tqdm
 
-    results = {"machine": _machine(), "cases": [], "matmul_gflops": {}}
+    results = {"machine": machine_info(), "cases": [], "matmul_gflops": {}}
     for dt in sorted({c.dtype for c in cases}):
         results["matmul_gflops"][dt] = matmul_rate(_DT[dt])
     plan = []
     for c in cases:
-        r = _Runner(c)
+        r = Runner(c)
         names = ["attnlab auto", "attnlab flash", "torch sdpa"] if c.memory_only else list(r.backends(with_flex))
         plan.append((c, r, names))
     n_reps = {c.name: 1 if c.memory_only else reps for c, _, _ in plan}
@@ -247,7 +247,7 @@ def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool
     return results
 
 
-def _run_case(c: Case, r: _Runner, names: list[str], reps: int, with_flex: bool, memory: bool, bar) -> list[dict]:
+def _run_case(c: Case, r: Runner, names: list[str], reps: int, with_flex: bool, memory: bool, bar) -> list[dict]:
     """Warm every backend up, then time them in interleaved rounds (backend A, B, C,
     A, B, C, ...) so that drift and order effects hit all of them alike; medians."""
     import statistics
@@ -307,14 +307,14 @@ def _run_case(c: Case, r: _Runner, names: list[str], reps: int, with_flex: bool,
     return [recs[n] for n in names]
 
 
-def _auto_choice(r: _Runner) -> str:
-    from attnlab.ops.dispatch import _auto
+def _auto_choice(r: Runner) -> str:
+    from attnlab.ops.dispatch import choose_backend
     c = r.case
     with torch.set_grad_enabled(c.mode == "fwdbwd"):
-        return _auto(r.q, r.k, r.mask, None, c.N - c.N, 0, False)
+        return choose_backend(r.q, r.k, r.mask, None, c.N - c.N, 0, False)
 
 
-def _machine() -> dict:
+def machine_info() -> dict:
     return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpu": torch.backends.cpu.get_cpu_capability(), "platform": platform.platform(),
             "date": time.strftime("%Y-%m-%d %H:%M")}

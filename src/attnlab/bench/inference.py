@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from attnlab.bench.attention import _machine
+from attnlab.bench.attention import machine_info
 from attnlab.lab.streaming import streaming_table
 
 
@@ -224,7 +224,7 @@ def paged_waste(n_seqs=16, block_size=16, seed=0):
 def run(quick: bool = False, reps: int = 3, progress: bool = True) -> dict:
     from tqdm import tqdm
     from attnlab.train.textmodels import load_or_train
-    out = {"machine": _machine()}
+    out = {"machine": machine_info()}
     steps = ["decode", "memory", "models", "quantized", "streaming", "speculative", "paged"]
     bar = tqdm(total=len(steps), desc="bench inference", unit="part", disable=not progress, file=sys.stderr)
     bar.set_postfix_str("decode vs transformers")

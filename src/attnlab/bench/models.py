@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnlab.bench.attention import _machine
+from attnlab.bench.attention import machine_info
 
 
 @dataclass
@@ -105,7 +105,7 @@ def run(reps: int = 5, quick: bool = False, progress: bool = True) -> dict:
     plan = [("gpt2 forward f32", 2), ("gpt2 forward bf16", 2), ("gpt2 train step f32", 2), ("minilm encode f32", 2)]
     bar = tqdm(total=sum(n * (reps + 1) for _, n in plan), desc="bench models", unit="run",
                disable=not progress, file=sys.stderr, dynamic_ncols=True)
-    out = {"machine": _machine(), "gpt2_shape": shape.__dict__, "cases": []}
+    out = {"machine": machine_info(), "gpt2_shape": shape.__dict__, "cases": []}
     ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=torch.Generator().manual_seed(0))
     tokens = ids.numel()
 

@@ -14,12 +14,13 @@ import torch
 
 from attnlab.distributed.fingerprint import FIELDS, call_fields, decode, diff_message, digests, encode
 from attnlab.distributed.layouts import check_layout, shard_len
-from attnlab.ops.dispatch import _check_score_mod, _check_tensors, _scale_arg
+from attnlab.ops.args import check_qkv, check_score_mod, scale_arg
+from attnlab.validate import integer
 
 
 def check_call(op, q, k, v, *, mask, score_mod, scale, layout, seq_len, return_lse, world):
     """Validate a sharded self-attention call; returns ``(scale, seq_len)``."""
-    _check_tensors(q, k, v)
+    check_qkv(q, k, v, shared_kv_batch=True)
     B, H, C, D = q.shape
     if k.shape[2] != C:
         raise ValueError(f"{op}: q and k must be shards of the same sequence (self-attention), got q {tuple(q.shape)} "
@@ -31,8 +32,7 @@ def check_call(op, q, k, v, *, mask, score_mod, scale, layout, seq_len, return_l
             raise ValueError(f"{op}: layout='zigzag' needs an even shard length (two chunks per rank), got {C}; "
                              "shard with attnlab.distributed.shard_sequence, which pads")
     else:
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-            raise ValueError(f"seq_len: expected an int >= 0 (the whole sequence's length), got {seq_len!r}")
+        seq_len = integer(seq_len, "seq_len", lo=0, what="(the whole sequence's length)")
         if shard_len(seq_len, world, layout) != C:
             raise ValueError(f"{op}: seq_len={seq_len} over {world} ranks ({layout}) gives shards of "
                              f"{shard_len(seq_len, world, layout)} tokens, but q has {C} (q {tuple(q.shape)})")
@@ -44,10 +44,10 @@ def check_call(op, q, k, v, *, mask, score_mod, scale, layout, seq_len, return_l
             raise TypeError(f"mask: expected an attnlab mask (attnlab.masks.causal(), ...), got {type(mask).__name__}")
         if seq_len:
             mask.validate(B, H, seq_len, seq_len, 0, 0)
-    _check_score_mod(score_mod, B, H)
+    check_score_mod(score_mod, B, H)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
-    return _scale_arg(scale, D), seq_len
+    return scale_arg(scale, D), seq_len
 
 
 def handshake(comm, op, q, k, v, *, seq_len, layout, mask, score_mod, scale, return_lse, backend="-", params=(),

@@ -34,6 +34,8 @@ from collections.abc import Sequence
 
 import torch
 
+from attnlab.validate import integer
+
 __all__ = ["LAYOUTS", "padded_len", "shard_len", "shard_positions", "shard_sequence", "unshard_sequence",
            "gather_sequence", "work_per_rank", "balance"]
 
@@ -46,16 +48,10 @@ def check_layout(layout) -> str:
     return layout
 
 
-def _pos_int(x, name, minimum=1) -> int:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {x!r}")
-    return int(x)
-
-
 def padded_len(seq_len: int, world_size: int, layout: str) -> int:
     """``seq_len`` rounded up to a multiple of ``world_size`` (``2·world_size`` for zigzag)."""
-    seq_len = _pos_int(seq_len, "seq_len", 0)
-    world_size = _pos_int(world_size, "world_size")
+    seq_len = integer(seq_len, "seq_len", lo=0)
+    world_size = integer(world_size, "world_size", lo=1)
     m = world_size * (2 if check_layout(layout) == "zigzag" else 1)
     return -(-seq_len // m) * m
 
@@ -68,7 +64,7 @@ def shard_len(seq_len: int, world_size: int, layout: str) -> int:
 def shard_positions(seq_len: int, world_size: int, rank: int, layout: str, device=None) -> torch.Tensor:
     """Global positions of rank ``rank``'s shard, increasing, as a LongTensor ``(C,)``;
     entries ``>= seq_len`` are padding."""
-    world_size = _pos_int(world_size, "world_size")
+    world_size = integer(world_size, "world_size", lo=1)
     if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < world_size:
         raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank!r}")
     C = shard_len(seq_len, world_size, layout)
@@ -179,7 +175,7 @@ def work_per_rank(seq_len: int, world_size: int, layout: str, mask=None) -> list
     ``mask=None`` counts every pair; ``"causal"`` (or a ``masks.causal()``) is counted in
     closed form; any other mask is evaluated (``O(seq_len²)``, for small problems).
     """
-    P = _pos_int(world_size, "world_size")
+    P = integer(world_size, "world_size", lo=1)
     out = []
     for r in range(P):
         pos = shard_positions(seq_len, P, r, layout)

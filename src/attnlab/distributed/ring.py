@@ -291,7 +291,7 @@ def ring_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=None
     try:
         scale, seq_len = check_call("ring_attention", q, k, v, mask=mask, score_mod=score_mod, scale=scale,
                                     layout=layout, seq_len=seq_len, return_lse=return_lse, world=comm.world)
-        params = mod_params(score_mod)
+        params = mod_params(score_mod, dtype=acc_dtype(q.dtype), device=q.device)  # declared or captured
     except (ValueError, TypeError) as e:  # every rank learns of it in the handshake, not by a timeout
         error = e
     handshake(comm, "ring_attention", q, k, v, seq_len=seq_len, layout=layout, mask=mask, score_mod=score_mod,

@@ -32,6 +32,7 @@ from attnlab.distributed.profile import Timer
 from attnlab.distributed.views import HeadScoreMod, HeadView
 from attnlab.masks import Mask
 from attnlab.ops.dispatch import BACKENDS, attention
+from attnlab.ops.reference import acc_dtype
 
 __all__ = ["ulysses_attention", "kv_heads_for"]
 
@@ -91,9 +92,10 @@ def ulysses_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=N
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         kv_idx, _ = kv_heads_for(q.shape[1], k.shape[1], P, r)  # raises for H % P != 0
+        params = mod_params(score_mod, dtype=acc_dtype(q.dtype), device=q.device)  # declared or captured
     except (ValueError, TypeError) as e:  # every rank learns of it in the handshake, not by a timeout
         error = e
-    params = mod_params(score_mod) if error is None else ()
+        params = ()
     handshake(comm, "ulysses_attention", q, k, v, seq_len=N, layout=layout, mask=mask, score_mod=score_mod,
               scale=scale, return_lse=return_lse, backend=backend, params=params, error=error)
     N = cast(int, N)  # the handshake raised on every rank unless check_call resolved it
@@ -126,7 +128,7 @@ def ulysses_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=N
 
     # -- local attention over the whole sequence, heads r*Hl .. (r+1)*Hl-1 -----------------
     m = mask if _head_free(mask) else HeadView(mask, r * Hl, Hl, H)
-    mod = None if score_mod is None else HeadScoreMod(score_mod, r * Hl, H)
+    mod = None if score_mod is None else HeadScoreMod(score_mod, r * Hl, H, device=q.device)
     with timer.compute():
         res = attention(qg, kg, vg, mask=m, score_mod=mod, scale=scale, q_offset=0, kv_offset=0,
                         return_lse=return_lse, backend=backend)

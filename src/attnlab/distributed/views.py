@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from attnlab.distributed.local import mod_params
 from attnlab.masks import Mask
 from attnlab.ops.blockmask import EMPTY, FULL, PARTIAL
 from attnlab.scores import ScoreMod
@@ -82,13 +83,15 @@ class ShardScoreMod(ScoreMod):
 
     def __init__(self, inner, q_pos, kv_pos, seq_len: int):
         self.inner, self.q_pos, self.kv_pos, self.seq_len = inner, q_pos, kv_pos, seq_len
+        self.device = q_pos.device
 
     def apply(self, score, b, h, qi, kj):
         N = self.seq_len
         return self.inner(score, b, h, self.q_pos[qi].clamp(max=N - 1), self.kv_pos[kj].clamp(max=N - 1))
 
     def parameters(self):
-        return list(self.inner.parameters()) if hasattr(self.inner, "parameters") else []
+        """The inner mod's tensors requiring grad, declared or captured (:func:`.local.mod_params`)."""
+        return mod_params(self.inner, device=self.device)
 
     def validate(self, B, H):
         if hasattr(self.inner, "validate"):
@@ -121,14 +124,15 @@ class HeadView(Mask):
 
 
 class HeadScoreMod(ScoreMod):
-    def __init__(self, inner, h0: int, H: int):
-        self.inner, self.h0, self.H = inner, h0, H
+    def __init__(self, inner, h0: int, H: int, device=None):
+        self.inner, self.h0, self.H, self.device = inner, h0, H, device
 
     def apply(self, score, b, h, q, kv):
         return self.inner(score, b, h + self.h0, q, kv)
 
     def parameters(self):
-        return list(self.inner.parameters()) if hasattr(self.inner, "parameters") else []
+        """The inner mod's tensors requiring grad, declared or captured (:func:`.local.mod_params`)."""
+        return mod_params(self.inner, device=self.device)
 
     def validate(self, B, H):
         if hasattr(self.inner, "validate"):

@@ -106,8 +106,8 @@ def ablate(model, heads, *, kind: str = "zero", reference=None, forward=None):
             lst.append(hk)
             installed.append((lst, hk))
         if any(mods[l][1] == "hf" for l in by):
-            from attnlab.interp.capture import _use_bridge
-            restore = _use_bridge(model)
+            from attnlab.interp.capture import use_bridge
+            restore = use_bridge(model)
         else:
             restore = None
         try:

@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 import torch
 
-from attnlab.interp.factored import FactoredMatrix, _r
+from attnlab.interp.factored import FactoredMatrix, qr_r
 from attnlab.interp.weights import LayerWeights, ModelWeights, model_weights
 from attnlab.nn.attention import MultiHeadAttention
 
@@ -284,9 +284,9 @@ def composition_score(left: FactoredMatrix, right: FactoredMatrix) -> torch.Tens
     if left.rdim != right.ldim:
         raise ValueError(f"composition_score: left {tuple(left.shape)} and right {tuple(right.shape)} do not "
                          f"chain (need left n == right m)")
-    RA, RB = _r(left.A), _r(right.B.mT)
-    nl = torch.linalg.matrix_norm(RA @ _r(left.B.mT).mT)
-    nr = torch.linalg.matrix_norm(_r(right.A) @ RB.mT)
+    RA, RB = qr_r(left.A), qr_r(right.B.mT)
+    nl = torch.linalg.matrix_norm(RA @ qr_r(left.B.mT).mT)
+    nr = torch.linalg.matrix_norm(qr_r(right.A) @ RB.mT)
     nlr = torch.linalg.matrix_norm(RA @ (left.B @ right.A) @ RB.mT)
     return nlr / (nl * nr)
 

@@ -39,7 +39,7 @@ def _shape(x) -> str:
     return str(tuple(x.shape)) if isinstance(x, (torch.Tensor, FactoredMatrix)) else type(x).__name__
 
 
-def _r(X: torch.Tensor) -> torch.Tensor:
+def qr_r(X: torch.Tensor) -> torch.Tensor:
     """The R of a reduced QR of ``X`` (Q is not formed unless autograd needs it: several
     times cheaper, and ``mode='r'`` has no backward)."""
     if torch.is_grad_enabled() and X.requires_grad:
@@ -255,7 +255,7 @@ class FactoredMatrix:
 
     def _small_core(self) -> torch.Tensor:
         """``C = R_A R_Bᵀ`` alone (same singular values as ``A B``)."""
-        return _r(self.A) @ _r(self.B.mT).mT
+        return qr_r(self.A) @ qr_r(self.B.mT).mT
 
     def svd(self):
         """``U (..., m, q)``, ``S (..., q)``, ``Vh (..., q, n)`` with ``q = min(m, r, n)``,

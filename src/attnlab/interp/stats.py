@@ -31,8 +31,8 @@ column ``j`` at ``kv_pos = kv_offset + j``.  ``causal()``, Nq = 2 over Nk = 5,
                                                    x: visible, .: masked
 
 How: one pass over the (q-block, kv-block) tiles the mask's BlockMask does not
-empty, as in the flash forward (:mod:`attnlab.ops.flash`), keeping per row the
-running max ``m`` (= the row max of s), ``l = Σ exp(s - m)``,
+empty, as in the flash forward (the shared tile engine, :mod:`attnlab.ops.tiling`),
+keeping per row the running max ``m`` (= the row max of s), ``l = Σ exp(s - m)``,
 ``t = Σ exp(s - m)·(s - m)`` and ``Σ exp(s - m)`` over each key subset, all
 rescaled by ``exp(m_old - m_new)`` when the max grows (``t`` also gains
 ``(m_old - m_new)·l``).  At the end ``lse = m + log l``, ``entropy = log l - t/l``
@@ -60,19 +60,19 @@ tensor([0.3611])
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, fields
 
 import torch
 
-from attnlab.ops.dispatch import _check_mask, _check_score_mod, _check_tensors, _int_arg, _scale_arg
-from attnlab.ops.flash import LOG2E, _fast, _mm_dtype, _pick_block_mask, _Problem, _rows, _score_tile
+from attnlab.ops.args import normalize, offsets
 from attnlab.ops.reference import acc_dtype
 from attnlab.ops.tiles import choose_tiles
+from attnlab.ops.tiling import (LOG2E, NEG_INF, TileProblem, fast_tile, mm_dtype, pick_block_mask, rescale, rows,
+                                score_tile)
+from attnlab.validate import integer
 
 __all__ = ["HeadStats", "head_stats", "stats_from_probs"]
 
-_NEG_INF = float("-inf")
 _STATS = ("entropy", "sink_mass", "prev_mass", "max_weight", "key_mass")  # what per_head averages
 
 
@@ -110,8 +110,7 @@ class HeadStats:
         ``skip_first=1`` drops row 0, which has no previous token when the queries
         start at position 0 (its ``prev_mass`` is 0 by definition).
         """
-        if isinstance(skip_first, bool) or not isinstance(skip_first, numbers.Integral) or skip_first < 0:
-            raise ValueError(f"skip_first: expected an int >= 0, got {skip_first!r}")
+        skip_first = integer(skip_first, "skip_first", lo=0)
         sel = self.valid.clone()
         sel[..., :int(skip_first)] = False
         rows = sel.sum(dim=(0, 2))
@@ -144,14 +143,6 @@ class HeadStats:
 
 
 # ----------------------------------------------------------------------------- arguments
-def _sink_arg(sink_tokens):
-    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, numbers.Integral):
-        raise TypeError(f"sink_tokens: expected an int, got {type(sink_tokens).__name__}")
-    if sink_tokens < 0:
-        raise ValueError(f"sink_tokens: expected an int >= 0, got {sink_tokens}")
-    return int(sink_tokens)
-
-
 def _key_weights(key_positions, B, Nk, kv_offset, dtype, device):
     """``key_positions`` as 0/1 weights over the key columns, ``(Bw, Nk)`` with Bw in {1, B}.
 
@@ -184,13 +175,7 @@ def _key_weights(key_positions, B, Nk, kv_offset, dtype, device):
 
 
 def _block_arg(x, name):
-    if x is None:
-        return None
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name}: expected a positive int tile size, got {type(x).__name__} {x!r}")
-    if x <= 0:
-        raise ValueError(f"{name}: expected a positive int tile size, got {x}")
-    return int(x)
+    return None if x is None else integer(x, name, lo=1, what="tile size")
 
 
 # ----------------------------------------------------------------------------- fast path
@@ -214,15 +199,11 @@ def head_stats(q, k, *, mask=None, score_mod=None, scale=None, q_offset=None, kv
     Returns a :class:`HeadStats` of ``(B, H, Nq)`` tensors in float32 (float64 for
     float64 inputs).  Runs without autograd.
     """
-    _check_tensors(q, k, k)
-    B, H, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    scale = _scale_arg(scale, D)
-    kv_offset = _int_arg(kv_offset, "kv_offset")
-    q_offset = kv_offset + Nk - Nq if q_offset is None else _int_arg(q_offset, "q_offset")
-    _check_mask(mask, B, H, Nq, Nk, q_offset, kv_offset)
-    _check_score_mod(score_mod, B, H)
-    sink_tokens = _sink_arg(sink_tokens)
+    pr = normalize(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset,
+                   shared_kv_batch=True)
+    B, H, Hkv, Nq, Nk, D = pr.B, pr.H, pr.Hkv, pr.Nq, pr.Nk, pr.D
+    scale, q_offset, kv_offset = pr.scale, pr.q_offset, pr.kv_offset
+    sink_tokens = integer(sink_tokens, "sink_tokens", lo=0)
     bq, bk = _block_arg(block_q, "block_q"), _block_arg(block_k, "block_k")
     acc = acc_dtype(q.dtype)
     w = _key_weights(key_positions, B, Nk, kv_offset, acc, q.device)
@@ -234,7 +215,7 @@ def head_stats(q, k, *, mask=None, score_mod=None, scale=None, q_offset=None, kv
         block_mask = mask
     elif mask is not None and Nq > 0 and Nk > 0:
         block = None if bq is None and bk is None else _fill_block(bq, bk, q.dtype, D, B * H, q.device)
-        block_mask = _pick_block_mask(mask, q.dtype, B, H, Nq, Nk, D, q_offset, kv_offset, block, q.device)
+        block_mask = pick_block_mask(mask, q.dtype, B, H, Nq, Nk, D, q_offset, kv_offset, block, q.device)
     else:
         block_mask = None
     if block_mask is not None:
@@ -242,17 +223,17 @@ def head_stats(q, k, *, mask=None, score_mod=None, scale=None, q_offset=None, kv
     else:
         bq, bk = _fill_block(bq, bk, q.dtype, D, B * H, q.device)
 
-    pb = _Problem(block_mask, score_mod, scale, q_offset, kv_offset, Nq, Nk, bq, bk)
+    pb = TileProblem(block_mask, score_mod, scale, q_offset, kv_offset, Nq, Nk, bq, bk)
     BH, G = B * Hkv, H // Hkv
     out = {name: torch.zeros(BH, G, Nq, dtype=acc, device=q.device) for name in ("entropy", "sink_mass", "prev_mass",
                                                                                    "max_weight", "lse")}
-    out["lse"].fill_(_NEG_INF)
+    out["lse"].fill_(NEG_INF)
     if w is not None:
         out["key_mass"] = torch.zeros(BH, G, Nq, dtype=acc, device=q.device)
     valid = torch.zeros(BH, G, Nq, dtype=torch.bool, device=q.device)
     if Nq and Nk:
         with torch.no_grad():
-            mmd = _mm_dtype(q.dtype, q.device)
+            mmd = mm_dtype(q.dtype, q.device)
             qf = q.reshape(1, BH, G, Nq, D)  # the flash loop's (B, Hkv, G, N, D) row layout, B*Hkv folded; a view
             kT = k.reshape(BH, Nk, D).to(mmd).transpose(1, 2).contiguous()  # (BH, D, Nk): plain GEMMs
             b, h = pb.grids(B, H, q.device)
@@ -278,36 +259,33 @@ def _stats_row(pb, i, qf, kT, out, valid, b, h, Nq, Nk, acc, mmd, B, H, sink_tok
     if not row:
         return
     BH, G = qf.shape[1], qf.shape[2]
-    qs, qe = i * pb.bq, min(Nq, (i + 1) * pb.bq)
+    qs, qe = pb.q_block(i, Nq)
     n = qe - qs
     dev = qf.device
-    Qi = _rows(qf, qs, qe, mmd)
+    Qi = rows(qf, qs, qe, mmd)
 
     def zeros():
         return torch.zeros((BH, G * n, 1), dtype=acc, device=dev)
 
-    m = torch.full((BH, G * n, 1), _NEG_INF, dtype=acc, device=dev)
+    m = torch.full((BH, G * n, 1), NEG_INF, dtype=acc, device=dev)
     l, t, sink, prev = zeros(), zeros(), zeros(), zeros()
     key = None if w is None else zeros()
     # the previous-token key of row r sits at column prev0 + r (may be out of range)
     prev0 = pb.q_offset + qs - 1 - pb.kv_offset
     r_idx = torch.arange(n, device=dev)
     for j, needs_mask in row:
-        ks, ke = j * pb.bk, min(Nk, (j + 1) * pb.bk)
+        ks, ke = pb.kv_block(j, Nk)
         S = torch.bmm(Qi, kT[:, :, ks:ke])
         X = S.to(acc) if S.dtype != acc else S
         may_be_inf = needs_mask or pb.score_mod is not None
-        if _fast(pb, needs_mask):  # no mod, no mask: fold the scale into the shift (one pass)
-            m_new = torch.maximum(m, X.amax(-1, keepdim=True).mul_(pb.scale))
-            m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
+        if fast_tile(pb, needs_mask):  # no mod, no mask: fold the scale into the shift (one pass)
+            m_new, m_safe, alpha = rescale(m, X.amax(-1, keepdim=True).mul_(pb.scale))
             Dt = torch.add(m_safe.neg(), X, alpha=pb.scale, out=X)  # s - m'
         else:
-            X, _, _ = _score_tile(pb, X, b, h, qs, qe, ks, ke, needs_mask, acc, B, H)
-            m_new = torch.maximum(m, X.amax(-1, keepdim=True))
-            m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
+            X, _, _ = score_tile(pb, X, b, h, qs, qe, ks, ke, needs_mask, acc, B, H)
+            m_new, m_safe, alpha = rescale(m, X.amax(-1, keepdim=True))  # alpha: 0 while no key was visible
             Dt = X.sub_(m_safe)  # s - m', -inf where masked
-        alpha = torch.exp(m - m_safe)  # 0 while the row had no visible key
-        delta = m.masked_fill(m == _NEG_INF, 0.0) - m_safe
+        delta = m.masked_fill(m == NEG_INF, 0.0) - m_safe
         P = torch.mul(Dt, LOG2E).exp2_()  # exp(s - m'): 0 where masked
         # t: Σ P·(s - m'); masked entries have P = 0, so (s - m') := 0 there (0·-inf is NaN)
         if may_be_inf:
@@ -340,7 +318,7 @@ def _stats_row(pb, i, qf, kT, out, valid, b, h, Nq, Nk, acc, mmd, B, H, sink_tok
     def put(name, x):
         out[name][:, :, qs:qe] = x.view(BH, G, n)
 
-    put("lse", torch.where(ok, m + log_l, torch.full_like(l, _NEG_INF)))
+    put("lse", torch.where(ok, m + log_l, torch.full_like(l, NEG_INF)))
     put("entropy", log_l - t / l_safe)  # 0 where not ok: l_safe = 1, t = 0
     put("max_weight", torch.where(ok, 1.0 / l_safe, torch.zeros_like(l)))
     put("sink_mass", sink / l_safe)
@@ -367,9 +345,8 @@ def stats_from_probs(probs, *, q_offset=None, kv_offset=0, sink_tokens=1, key_po
     if probs.dim() != 4 or not probs.dtype.is_floating_point:
         raise ValueError(f"probs: expected a floating (B, H, Nq, Nk) tensor, got {probs.dtype} {tuple(probs.shape)}")
     B, H, Nq, Nk = probs.shape
-    kv_offset = _int_arg(kv_offset, "kv_offset")
-    q_offset = kv_offset + Nk - Nq if q_offset is None else _int_arg(q_offset, "q_offset")
-    sink_tokens = _sink_arg(sink_tokens)
+    q_offset, kv_offset = offsets(q_offset, kv_offset, Nq, Nk)
+    sink_tokens = integer(sink_tokens, "sink_tokens", lo=0)
     p = probs.to(acc_dtype(probs.dtype))
     w = _key_weights(key_positions, B, Nk, kv_offset, p.dtype, p.device)
     valid = (p > 0).any(-1)
@@ -390,6 +367,6 @@ def stats_from_probs(probs, *, q_offset=None, kv_offset=0, sink_tokens=1, key_po
         if not isinstance(lse, torch.Tensor) or lse.shape != (B, H, Nq):
             raise ValueError(f"lse: expected a tensor of shape (B, H, Nq)={(B, H, Nq)}, got "
                              f"{tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__}")
-        lse = torch.where(valid, lse.to(p.dtype), torch.full_like(entropy, _NEG_INF))
+        lse = torch.where(valid, lse.to(p.dtype), torch.full_like(entropy, NEG_INF))
     return HeadStats(entropy=entropy, sink_mass=sink, prev_mass=prev, max_weight=max_w, key_mass=key, lse=lse,
                      valid=valid)

@@ -10,12 +10,12 @@ the ``(B, H, Nq, Nk, A)`` tanh tensor.  No value or output projection: compose i
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 from torch import nn
 
 from attnlab.ops.additive import additive_attention
+from attnlab.validate import integer
 
 __all__ = ["AdditiveAttention"]
 
@@ -52,16 +52,16 @@ class AdditiveAttention(nn.Module):
                  heads: int | None = None, bias: bool = True, chunk_size: int = 64, q_chunk_size: int = 64,
                  device=None, dtype=None):
         super().__init__()
-        d_query = _pos_int(d_query, "d_query")
-        d_key = d_query if d_key is None else _pos_int(d_key, "d_key")
-        d_attn = d_query if d_attn is None else _pos_int(d_attn, "d_attn")
+        d_query = integer(d_query, "d_query", lo=1)
+        d_key = d_query if d_key is None else integer(d_key, "d_key", lo=1)
+        d_attn = d_query if d_attn is None else integer(d_attn, "d_attn", lo=1)
         if heads is not None:
-            heads = _pos_int(heads, "heads")
+            heads = integer(heads, "heads", lo=1)
         if not isinstance(bias, bool):
             raise TypeError(f"bias: expected a bool, got {type(bias).__name__}")
         self.d_query, self.d_key, self.d_attn, self.heads = d_query, d_key, d_attn, heads
-        self.chunk_size = _pos_int(chunk_size, "chunk_size")
-        self.q_chunk_size = _pos_int(q_chunk_size, "q_chunk_size")
+        self.chunk_size = integer(chunk_size, "chunk_size", lo=1)
+        self.q_chunk_size = integer(q_chunk_size, "q_chunk_size", lo=1)
         lead = () if heads is None else (heads,)
         kw = dict(device=device, dtype=dtype)
         self.w_q = nn.Parameter(torch.empty(*lead, d_attn, d_query, **kw))
@@ -100,11 +100,3 @@ class AdditiveAttention(nn.Module):
         if three_d:
             return (res[0].squeeze(1), res[1].squeeze(1)) if return_lse else res.squeeze(1)
         return res
-
-
-def _pos_int(x, name):
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
-    if x < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {x}")
-    return int(x)

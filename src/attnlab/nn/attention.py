@@ -53,7 +53,7 @@ from attnlab import masks
 from attnlab.ops.dispatch import BACKENDS, attention, attention_probs
 from attnlab.ops.reference import index_grids
 from attnlab.nn.hooks import AttentionPoints
-from attnlab.nn.validate import head_shape, positive_int, probability
+from attnlab.validate import head_shape, nonzero_real, positive_int, probability
 from attnlab.scores import compose
 
 
@@ -184,10 +184,8 @@ class MultiHeadAttention(nn.Module):
         self.d_model, self.n_heads, self.n_kv_heads, self.d_head = d_model, n_heads, n_kv_heads, d_head
         self.dropout = probability(dropout, "dropout")
         self.backend = backend
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                                  or not math.isfinite(scale) or scale == 0):
-            raise ValueError(f"scale: expected a finite non-zero number (default 1/sqrt(d_head)), got {scale!r}")
-        self.scale = 1.0 / math.sqrt(d_head) if scale is None else float(scale)
+        self.scale = 1.0 / math.sqrt(d_head) if scale is None else nonzero_real(scale, "scale",
+                                                                                  hint="default 1/sqrt(d_head)")
         self.positions = positions  # a RoPE is a Module (buffers); ALiBi is not
         self._alibi = positions.score_mod() if hasattr(positions, "score_mod") else None
         self.context_parallel = context_parallel  # duck-typed: .positions(n, device), .attend(q, k, v, ...)
@@ -294,43 +292,64 @@ class MultiHeadAttention(nn.Module):
         mod = self._alibi
         if score_mod is not None:
             mod = score_mod if mod is None else compose(mod, score_mod)
-        cp = self.context_parallel
-        if cp is not None:
-            if (cache is not None or context is not None or need_weights or self.hooks or pts.active()
-                    or (self.training and self.dropout > 0)):
-                raise ValueError("context_parallel: runs self-attention only, without cache, context, need_weights, "
-                                 "hooks or attention dropout")
-            if rope is not None:
-                p = cp.positions(N, x.device) if pos is None else pos
-                q, k = rope(q, p), rope(k, p)
-            return self._out(cp.attend(q, k, v, mask=mask, score_mod=mod, scale=self.scale), B, N)
+        if self.context_parallel is not None:
+            return self._forward_context_parallel(q, k, v, B, N, mask, mod, pos, rope, cache, context, need_weights)
         if cache is not None:
-            if context is not None:
-                raise ValueError("cache: a KV cache serves self-attention; cross-attention keys do not grow")
-            if rope is not None and not getattr(cache, "rotates_keys", False):
-                p = _positions(cache.seen, N) if pos is None else pos
-                q, k = rope(q, p), rope(k, p)
-                if pts.rot_active():
-                    q, k = pts.rot(q, k)
-            kv = cache.update(k, v)
-            if rope is not None and getattr(cache, "rotates_keys", False):
-                q = rope(q, kv.q_positions)  # the cache stores keys unrotated and rotates them at read
-            if self.training and self.dropout > 0 or need_weights or self.hooks or pts.active():
-                kv = kv.dense()
-                k, v = kv.k, kv.v
-                kw = dict(mask=mask, score_mod=mod, scale=self.scale, q_offset=kv.q_offset, kv_offset=kv.kv_offset)
-            else:
-                z = kv.attend(q, mask=mask, score_mod=mod, scale=self.scale, backend=self.backend)
-                return self._out(z, B, N)
-        else:
-            if rope is not None:
-                p = 0 if pos is None else pos
-                q, k = rope(q, p), rope(k, p)
-                if pts.rot_active():
-                    q, k = pts.rot(q, k)
-            q_offset = 0 if context is not None else None
-            kw = dict(mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset, kv_offset=0)
-        weights = None
+            return self._forward_cached(q, k, v, B, N, mask, mod, pos, rope, cache, context, need_weights)
+        return self._forward_plain(q, k, v, B, N, mask, mod, pos, rope, context, need_weights)
+
+    def _forward_context_parallel(self, q, k, v, B, N, mask, mod, pos, rope, cache, context, need_weights):
+        """The sequence is sharded over ``self.context_parallel``'s group: ring/Ulysses
+        attention of this rank's ``(B, H, N, d_head)`` shard (self-attention only)."""
+        cp = self.context_parallel
+        if (cache is not None or context is not None or need_weights or self.hooks or self.attnlab_points.active()
+                or (self.training and self.dropout > 0)):
+            raise ValueError("context_parallel: runs self-attention only, without cache, context, need_weights, "
+                             "hooks or attention dropout")
+        if rope is not None:
+            p = cp.positions(N, q.device) if pos is None else pos
+            q, k = rope(q, p), rope(k, p)
+        return self._out(cp.attend(q, k, v, mask=mask, score_mod=mod, scale=self.scale), B, N)
+
+    def _forward_cached(self, q, k, v, B, N, mask, mod, pos, rope, cache, context, need_weights):
+        """Self-attention over a KV cache: the new ``(B, Hkv, N, d_head)`` k/v are appended and
+        the queries attend every cached key (the cache's own ``attend``, unless dropout, the
+        pattern, hooks or hook points need the dense keys)."""
+        pts = self.attnlab_points
+        if context is not None:
+            raise ValueError("cache: a KV cache serves self-attention; cross-attention keys do not grow")
+        if rope is not None and not getattr(cache, "rotates_keys", False):
+            p = _positions(cache.seen, N) if pos is None else pos
+            q, k = rope(q, p), rope(k, p)
+            if pts.rot_active():
+                q, k = pts.rot(q, k)
+        kv = cache.update(k, v)
+        if rope is not None and getattr(cache, "rotates_keys", False):
+            q = rope(q, kv.q_positions)  # the cache stores keys unrotated and rotates them at read
+        if not (self.training and self.dropout > 0 or need_weights or self.hooks or pts.active()):
+            z = kv.attend(q, mask=mask, score_mod=mod, scale=self.scale, backend=self.backend)
+            return self._out(z, B, N)
+        kv = kv.dense()
+        kw = dict(mask=mask, score_mod=mod, scale=self.scale, q_offset=kv.q_offset, kv_offset=kv.kv_offset)
+        return self._attend(q, kv.k, kv.v, B, N, kw, need_weights)
+
+    def _forward_plain(self, q, k, v, B, N, mask, mod, pos, rope, context, need_weights):
+        """Self-attention of ``x`` (positions from 0, or ``pos``) or cross-attention to
+        ``context`` (top-left: ``q_offset = 0``)."""
+        pts = self.attnlab_points
+        if rope is not None:
+            p = 0 if pos is None else pos
+            q, k = rope(q, p), rope(k, p)
+            if pts.rot_active():
+                q, k = pts.rot(q, k)
+        q_offset = 0 if context is not None else None
+        kw = dict(mask=mask, score_mod=mod, scale=self.scale, q_offset=q_offset, kv_offset=0)
+        return self._attend(q, k, v, B, N, kw, need_weights)
+
+    def _attend(self, q, k, v, B, N, kw, need_weights):
+        """The op on ``q (B, H, N, d_head)``, ``k, v (B, Hkv, M, d_head)`` with ``kw`` (mask,
+        score mod, scale, offsets), then hook points, hooks and ``W_O``."""
+        pts = self.attnlab_points
         if self.training and self.dropout > 0:
             z = attention(q, k, v, backend=self.backend, dropout_p=self.dropout, **kw)
         else:
@@ -344,9 +363,7 @@ class MultiHeadAttention(nn.Module):
         if out is None:
             out = self._out(z, B, N)
         if need_weights:
-            if weights is None:
-                weights = attention_probs(q, k, **kw)
-            return out, weights
+            return out, attention_probs(q, k, **kw)
         return out
 
     def _out(self, z, B, N):

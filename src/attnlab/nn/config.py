@@ -18,9 +18,8 @@ from typing import Any
 from attnlab import positions as P
 from attnlab.nn.mlp import ACTIVATIONS
 from attnlab.nn.norms import NORMS
-from attnlab.nn.validate import choice, nonneg_int, positive_float, positive_int, probability
 from attnlab.ops.dispatch import BACKENDS
-from attnlab.validate import real
+from attnlab.validate import choice, head_shape, nonneg_int, positive_float, positive_int, probability, real
 
 _SCALINGS = {c.__name__: c for c in (P.LinearScaling, P.NTKScaling, P.DynamicNTKScaling, P.YaRNScaling,
                                      P.Llama3Scaling)}
@@ -66,17 +65,8 @@ class _Common:
         self._derived = {f for f in ("n_kv_heads", "d_head", "d_mlp") if getattr(self, f) is None}
         for f in ("vocab_size", "d_model", "n_layers", "n_heads", "max_positions"):
             positive_int(getattr(self, f), f"{name}.{f}")
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        positive_int(self.n_kv_heads, f"{name}.n_kv_heads")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"{name}: n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.d_head is None:
-            if self.d_model % self.n_heads:
-                raise ValueError(f"{name}: d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                                 "set d_head explicitly")
-            self.d_head = self.d_model // self.n_heads
-        positive_int(self.d_head, f"{name}.d_head")
+        self.d_model, self.n_heads, self.n_kv_heads, self.d_head = head_shape(
+            self.d_model, self.n_heads, self.n_kv_heads, self.d_head, where=name)
         if self.d_mlp is None:
             self.d_mlp = 4 * self.d_model
         positive_int(self.d_mlp, f"{name}.d_mlp")

@@ -108,7 +108,7 @@ class Decoder(nn.Module):
             mask: replaces ``masks.causal()`` (e.g. ``masks.tree(parents, prefix_len)`` to
                 verify a speculative token tree); absolute positions as always.
         """
-        ids = _check_ids(input_ids, self.cfg.vocab_size)
+        ids = check_ids(input_ids, self.cfg.vocab_size)
         if output_attentions and self.cfg.mixer == "ssm":
             raise ValueError("output_attentions: the SSM mixer (cfg.mixer='ssm') forms no attention pattern; "
                              "it is available for mixer='attention' (softmax) and 'linear' (normalised φ(q)·φ(k))")
@@ -124,7 +124,7 @@ class Decoder(nn.Module):
         mask = _CAUSAL if mask is None else mask
         if attention_mask is not None:
             M = (start if isinstance(start, int) else int(start.max())) + N
-            mask = mask & masks.key_padding(_check_keep(attention_mask, B, M))
+            mask = mask & masks.key_padding(check_keep(attention_mask, B, M))
         hidden: list[torch.Tensor] | None = [] if output_hidden_states else None
         attns: list[torch.Tensor] | None = [] if output_attentions else None
         rel_pos = None if pos is None or getattr(cache, "rotates_keys", False) else tpos
@@ -182,7 +182,7 @@ def init_weights(model: nn.Module, n_layers: int, std: float = 0.02) -> None:
             init_mixer_weights(m, std, resid)  # linear-attention / SSM mixers (a no-op for other modules)
 
 
-def _check_ids(ids, vocab_size):
+def check_ids(ids, vocab_size):
     if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 2:
         raise ValueError(f"input_ids: expected an integer tensor (B, N), got "
                          f"{(ids.dtype, tuple(ids.shape)) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
@@ -193,7 +193,7 @@ def _check_ids(ids, vocab_size):
     return ids
 
 
-def _check_keep(attention_mask, B, M):
+def check_keep(attention_mask, B, M):
     t = torch.as_tensor(attention_mask)
     if t.dtype.is_floating_point or t.is_complex():
         raise TypeError(f"attention_mask: expected bool or 0/1 integers (1 = real token), got dtype {t.dtype}")

@@ -20,8 +20,8 @@ from attnlab.nn.block import Block
 from attnlab.nn.config import EncoderConfig
 from attnlab.nn.decoder import (
     ModelOutput,
-    _check_ids,
-    _check_keep,
+    check_ids,
+    check_keep,
     absolute_positions,
     attention_positions,
     init_weights,
@@ -58,7 +58,7 @@ class Encoder(nn.Module):
         Padded keys are hidden from every query (:func:`attnlab.masks.key_padding`); the
         outputs at padded positions are defined but meaningless.
         """
-        ids = _check_ids(input_ids, self.cfg.vocab_size)
+        ids = check_ids(input_ids, self.cfg.vocab_size)
         B, N = ids.shape
         x = self.hook_embed(self.embed(ids))
         if self.pos_embed is not None:
@@ -70,7 +70,7 @@ class Encoder(nn.Module):
                 raise ValueError(f"token_type_ids: expected {tuple(ids.shape)}, got {tuple(token_type_ids.shape)}")
             x = x + self.hook_token_type_embed(self.type_embed(token_type_ids))
         x = self.drop(self.embed_norm(x))
-        mask = None if attention_mask is None else masks.key_padding(_check_keep(attention_mask, B, N))
+        mask = None if attention_mask is None else masks.key_padding(check_keep(attention_mask, B, N))
         hidden: list[torch.Tensor] | None = [] if output_hidden_states else None
         attns: list[torch.Tensor] | None = [] if output_attentions else None
         rel_pos = None if pos is None or isinstance(pos, int) else pos

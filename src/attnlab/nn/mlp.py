@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlab.nn.hooks import HookPoint
-from attnlab.nn.validate import choice, positive_int
+from attnlab.validate import choice, positive_int
 
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),                          # erf form (BERT)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnlab.nn.validate import choice, positive_float, positive_int
+from attnlab.validate import choice, positive_float, positive_int
 
 NORMS = ("layernorm", "rmsnorm")
 

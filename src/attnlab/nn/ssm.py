@@ -53,15 +53,14 @@ True
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from attnlab.nn.norms import RMSNorm
-from attnlab.nn.validate import nonneg_int, positive_int
 from attnlab.ops.sdpa import is_causal_mask
+from attnlab.validate import integer, nonneg_int, positive_int
 
 __all__ = ["selective_scan", "selective_scan_reference", "selective_scan_step", "SSMMixer", "RecurrentCache"]
 
@@ -119,9 +118,8 @@ def _check_scan(x, dt, A, B, C, D, state, chunk_size, *, step=False):
             raise TypeError(f"state: expected None or a tensor (b, H, P, S), got {type(state).__name__}")
         if tuple(state.shape) != (b, H, P, S):
             raise ValueError(f"state: expected (b, H, P, S) = {(b, H, P, S)}, got {_shape(state)}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
-                                   or chunk_size < 1):
-        raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
+    if chunk_size is not None:
+        integer(chunk_size, "chunk_size", lo=1)
     return b, N, H, P, S
 
 

@@ -47,12 +47,11 @@ mask's block classifier, :mod:`attnlab.masks`).  Only the projections ``W_q q`` 
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
+from attnlab.ops.args import normalize
 from attnlab.ops.blockmask import BlockMask
-from attnlab.ops.checks import FLOAT_DTYPES as _FLOAT_DTYPES, check_qkv
+from attnlab.validate import FLOAT_DTYPES, integer
 
 __all__ = ["additive_attention", "naive_additive_attention"]
 
@@ -89,8 +88,8 @@ def additive_attention(q, k, v, w_q, w_k, v_a, *, bias=None, mask=None, q_offset
     """
     B, H, Hkv, Nq, Nk, q_offset, kv_offset = _check(q, k, v, w_q, w_k, v_a, bias, mask, q_offset, kv_offset,
                                                     return_lse)
-    bq = _pos_int(q_chunk_size, "q_chunk_size")
-    bk = _pos_int(chunk_size, "chunk_size")
+    bq = integer(q_chunk_size, "q_chunk_size", lo=1)
+    bk = integer(chunk_size, "chunk_size", lo=1)
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
     pq = _project_q(q, w_q, bias, Hkv, acc)                       # (B, Hkv, G, Nq, A)
@@ -309,38 +308,20 @@ def _vec(x, Hkv, G, acc):
     return x.view(1, 1, -1) if x.dim() == 1 else x.reshape(Hkv, G, -1)
 
 
-def _pos_int(x, name):
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
-    if x < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {x}")
-    return int(x)
-
-
-def _int(x, name):
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
-    return int(x)
-
-
 def _check(q, k, v, w_q, w_k, v_a, bias, mask, q_offset, kv_offset, return_lse):
-    check_qkv(q, k, v, _LAYOUT)
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    # q/k/v, offsets and the mask (BlockMasks: built for this problem); q and k may differ in head dim
+    pr = normalize(q, k, v, mask=mask, q_offset=q_offset, kv_offset=kv_offset, layout=_LAYOUT, same_head_dim=False,
+                   positive_head_dim=False)
     B, H, Nq, Dq = q.shape
     _, Hkv, Nk, Dk = k.shape
-    if not (k.shape[0] == v.shape[0] == B):
-        raise ValueError(f"q, k, v: batch sizes differ: {shapes}")
-    if v.shape[1:3] != k.shape[1:3]:
-        raise ValueError(f"v: expected (B, Hkv, Nk) = {tuple(k.shape[:3])} as k, got {shapes}")
-    if Hkv == 0 or H % Hkv:
-        raise ValueError(f"k: its Hkv={Hkv} kv heads must divide q's H={H} heads (GQA): {shapes}")
+    q_offset, kv_offset = pr.q_offset, pr.kv_offset
     weights = {"w_q": w_q, "w_k": w_k, "v_a": v_a, "bias": bias}
     for name, w in weights.items():
         if w is None and name == "bias":
             continue
         if not isinstance(w, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(w).__name__}")
-        if w.dtype not in _FLOAT_DTYPES:
+        if w.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name}: expected a floating tensor, got {w.dtype}")
         if w.device != q.device:
             raise ValueError(f"{name}: expected device {q.device} (as q), got {w.device}")
@@ -358,18 +339,8 @@ def _check(q, k, v, w_q, w_k, v_a, bias, mask, q_offset, kv_offset, return_lse):
         if w is not None and not (tuple(w.shape) == (A,) or tuple(w.shape) == (H, A)):
             raise ValueError(f"{name}: expected ({A},) shared or ({H}, {A}) per head (A from w_q "
                              f"{tuple(w_q.shape)}, H from q), got {tuple(w.shape)}")
-    kv_offset = _int(kv_offset, "kv_offset")
-    q_offset = kv_offset + Nk - Nq if q_offset is None else _int(q_offset, "q_offset")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
-    if mask is not None:
-        if isinstance(mask, BlockMask):
-            mask.check_shape(B, H, Nq, Nk, q_offset, kv_offset)
-        elif hasattr(mask, "block_mask") and hasattr(mask, "predicate") and hasattr(mask, "validate"):
-            mask.validate(B, H, Nq, Nk, q_offset, kv_offset)
-        else:
-            raise TypeError(f"mask: expected an attnlab mask (attnlab.masks.causal(), ..., masks.custom(fn)) "
-                            f"or a BlockMask, got {type(mask).__name__}")
     return B, H, Hkv, Nq, Nk, q_offset, kv_offset
 
 

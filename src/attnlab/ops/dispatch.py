@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
 from attnlab.ops import conventions
+from attnlab.ops.args import normalize
 from attnlab.ops.dropout import check_dropout, make_dropout
 from attnlab.ops.finite import maybe_nonfinite, traced
 from attnlab.ops.flash import flash_attention
@@ -16,7 +14,6 @@ from attnlab.ops.reference import reference_attention, reference_probs
 from attnlab.ops.sdpa import is_causal_mask, sdpa_attention, sdpa_dense_mask, sdpa_unsupported
 
 BACKENDS = ("auto", "reference", "flash", "sdpa", "triton")
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, kv_offset=0,
@@ -104,18 +101,14 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
         return conventions.apply(attention, q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
                                  kv_offset=kv_offset, return_lse=return_lse, backend=backend, layout=layout,
                                  dropout_p=dropout_p, dropout_seed=dropout_seed)
-    _check_tensors(q, k, v)
-    B, H, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    scale = _scale_arg(scale, D)
-    kv_offset = _int_arg(kv_offset, "kv_offset")
-    q_offset = kv_offset + Nk - Nq if q_offset is None else _int_arg(q_offset, "q_offset")
+    pr = normalize(q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset,
+                   shared_kv_batch=True)
+    B, H, Nq, Nk = pr.B, pr.H, pr.Nq, pr.Nk
+    scale, q_offset, kv_offset = pr.scale, pr.q_offset, pr.kv_offset
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    _check_mask(mask, B, H, Nq, Nk, q_offset, kv_offset)
-    _check_score_mod(score_mod, B, H)
     dropout_p, dropout_seed = check_dropout(dropout_p, dropout_seed)
     if dropout_p:
         return _dropout_attention(q, k, v, mask, score_mod, scale, q_offset, kv_offset, return_lse, backend,
@@ -134,7 +127,7 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
         if why is not None:
             raise ValueError(f"backend='triton': {why}; use backend='flash' or 'auto'")
     elif backend == "auto":
-        backend = _auto(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=v)
+        backend = choose_backend(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=v)
         if backend == "flash" and mask is not None and score_mod is None and not return_lse and not traced(q, k, v) \
                 and B * H * Nq * Nk <= _DENSE_MASK_MAX and not _wants_grad(q, k, v) \
                 and not maybe_nonfinite(q, k, v):
@@ -225,35 +218,12 @@ def attention_probs(q, k, *, mask=None, score_mod=None, scale=None, q_offset=Non
     >>> p.shape, p[0, 0, 0].tolist()[1:]
     (torch.Size([1, 2, 3, 3]), [0.0, 0.0])
     """
-    _check_tensors(q, k, k)
-    B, H, Nq, D = q.shape
-    Nk = k.shape[2]
-    scale = _scale_arg(scale, D)
-    kv_offset = _int_arg(kv_offset, "kv_offset")
-    q_offset = kv_offset + Nk - Nq if q_offset is None else _int_arg(q_offset, "q_offset")
-    _check_mask(mask, B, H, Nq, Nk, q_offset, kv_offset)
-    _check_score_mod(score_mod, B, H)
+    pr = normalize(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset,
+                   shared_kv_batch=True)
     if hasattr(mask, "plan"):
         mask = mask.mask
-    return reference_probs(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
-                           kv_offset=kv_offset, need_lse=False)[0]
-
-
-def _scale_arg(scale, D):
-    if scale is None:
-        return 1.0 / math.sqrt(D)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale == 0:
-        raise ValueError(f"scale: expected a finite non-zero number, got {scale!r}")
-    return float(scale)
-
-
-def _check_score_mod(score_mod, B, H):
-    if score_mod is not None:
-        if not callable(score_mod):
-            raise TypeError(f"score_mod: expected a callable (score, b, h, q_pos, kv_pos) -> score, "
-                            f"got {type(score_mod).__name__}")
-        if hasattr(score_mod, "validate"):
-            score_mod.validate(B, H)
+    return reference_probs(q, k, mask=mask, score_mod=score_mod, scale=pr.scale, q_offset=pr.q_offset,
+                           kv_offset=pr.kv_offset, need_lse=False)[0]
 
 
 # Measured choice (docs/benchmarks.md, `attnlab bench attention`, 2 threads): torch SDPA
@@ -274,7 +244,8 @@ def _wants_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
-def _auto(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=None) -> str:
+def choose_backend(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=None) -> str:
+    """The backend ``backend="auto"`` runs for a validated request (before the dense-mask shortcut)."""
     if sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse) is None:
         wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
         if q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-1] >= _BF16_FLASH_MIN_D[wants_grad]:
@@ -285,55 +256,6 @@ def _auto(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=None) -> str
         if triton_unsupported(q, k, k if v is None else v, mask, score_mod, q_offset, kv_offset) is None:
             return "triton"
     return "flash"
-
-
-def _int_arg(x, name):
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
-    return int(x)
-
-
-def _check_tensors(q, k, v):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: expected 4 dims {_LAYOUT[name]}, got shape {tuple(t.shape)}")
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{name}: dtype {t.dtype} is not supported; use float16, bfloat16, float32 or float64")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"batch sizes differ: {shapes} (k/v may also have batch 1, shared by the batch)")
-    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(f"k and v must have the same (B, Hkv, Nk): {shapes}{_BNHD_HINT}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"query heads H={q.shape[1]} must be a multiple of kv heads Hkv={k.shape[1]} (GQA): "
-                         f"{shapes}{_BNHD_HINT}")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"q and k head dims differ (D={q.shape[3]} vs {k.shape[3]}): {shapes}")
-    if q.shape[3] == 0:
-        raise ValueError(f"head dim D must be >= 1: {shapes}")
-
-
-_BNHD_HINT = ("; attnlab reads q/k/v as (B, H, N, D) (heads before tokens): flash-attn's (B, N, H, D) "
-              "tensors need layout='bnhd'")
-_LAYOUT = {"q": "(B, H, Nq, D)", "k": "(B, Hkv, Nk, D)", "v": "(B, Hkv, Nk, Dv)"}
-
-
-def _check_mask(mask, B, H, Nq, Nk, q_offset, kv_offset):
-    if mask is None:
-        return
-    if hasattr(mask, "plan") and hasattr(mask, "check_shape"):  # BlockMask
-        mask.check_shape(B, H, Nq, Nk, q_offset, kv_offset)
-        return
-    if not (hasattr(mask, "block_mask") and hasattr(mask, "predicate")):
-        raise TypeError(f"mask: expected an attnlab mask (attnlab.masks.causal(), ..., or masks.custom(fn)) "
-                        f"or a BlockMask, got {type(mask).__name__}")
-    mask.validate(B, H, Nq, Nk, q_offset, kv_offset)
 
 
 __all__ = ["attention", "attention_probs", "BACKENDS", "is_causal_mask"]

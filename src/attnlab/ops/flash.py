@@ -23,161 +23,25 @@ product (``zmm``), so a NaN in a key or value the row cannot see has no effect �
 is a backward whose gradients are not finite.  The all-finite path pays one check of
 its output per q-block and of its gradients per call.  The fused fast path runs only
 while ``|scale·q·k| <= FUSED_MAX`` (huge scales take the exact path).
+
+The pieces shared with the other tiled passes (the tile plan, the score/mask/mod tile,
+the LSE merge step) are :mod:`attnlab.ops.tiling`; this module is the forward and
+backward loops and their ``autograd.Function``.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
-from attnlab.ops.finite import all_finite, traced, zmm
-from attnlab.ops.modparams import check_tile_graph, marker, score_mod_params
+from attnlab.ops.finite import all_finite, zmm
+from attnlab.ops.modparams import score_mod_params
 from attnlab.ops.reference import acc_dtype
-from attnlab.ops.tiles import choose_tiles, tile_candidates
+from attnlab.ops.tiles import choose_tiles
+from attnlab.ops.tiling import (FUSED_MAX, LOG2E, NEG_INF, TileProblem, drop_tile, exp_shifted_fast, fast_tile,
+                                finish, fused_ok, mm_dtype, pick_block_mask, prepare, rescale, rows, score_tile)
 
-_NEG_INF = float("-inf")
-_PICKS_KEPT = 8  # tile choices remembered per mask (one per problem shape)
-LOG2E = 1.4426950408889634  # exp(x) = exp2(x·log2 e), and exp2 is the cheaper kernel
-# The fused ``scale·x − m`` of the fast path rounds once more than ``x·scale − m`` and can
-# land above 0 by about ulp(|m|); past this bound on |scale·q·k| (where ulp(|m|) reaches
-# 2^-4) the exact unfused path runs, so a huge finite ``scale`` cannot overflow exp2.
-FUSED_MAX = float(2**19)
-
-
-def _mm_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    # CPU float16 matmul has no fast kernel (about 1 GFLOP/s here); compute it in float32.
-    if dtype == torch.float16 and device.type == "cpu":
-        return torch.float32
-    return dtype
-
-
-class _Problem:
-    """Everything the kernel needs besides the tensors (kept out of autograd's inputs)."""
-
-    def __init__(self, block_mask, score_mod, scale, q_offset, kv_offset, Nq, Nk, bq, bk):
-        self.block_mask, self.score_mod = block_mask, score_mod
-        self.scale, self.q_offset, self.kv_offset = scale, q_offset, kv_offset
-        self.bq, self.bk = bq, bk
-        self.fused_ok = True  # |scale·q·k| <= FUSED_MAX: the fused fast path is exact enough
-        self.mod_clone = False  # the mod writes into its input: hand it a copy under autograd
-        self.check_graph = None  # the params handed to autograd: the forward's first modded tile checks
-        # under autograd that the mod reads no other tensor requiring grad (it would lose its gradient)
-        self.dropout = None  # an attnlab.ops.dropout.Dropout: its keep-mask is regenerated per tile
-        nqb, nkb = -(-Nq // bq), -(-Nk // bk)
-        if block_mask is None:
-            self.plan = [[(j, False) for j in range(nkb)] for _ in range(nqb)]
-        else:
-            self.plan = block_mask.plan()
-
-    def grids(self, B, H, device):
-        return torch.arange(B, device=device).view(B, 1, 1, 1), torch.arange(H, device=device).view(1, H, 1, 1)
-
-
-def _prepare(q, k, v, mmd):
-    """Flatten to the kernel's 3-D layout (no per-head copies of K/V).
-
-    q -> (B, Hkv, G, Nq, D) view (any strides: a (B, N, H, D) layout's transpose too);
-    kT -> (B*Hkv, D, Nk) (the one copy: K transposed, so every ``Q_i K_jᵀ`` is a plain
-    row-major GEMM);  k -> (B*Hkv, Nk, D) a view of kT;  v -> (B*Hkv, Nk, Dv), a view
-    where the strides allow it (always for (B, H, N, D) and for B = 1), else a copy.
-    """
-    B, H, Nq, D = q.shape
-    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    qf = q.unflatten(1, (Hkv, H // Hkv))
-    kT = k.transpose(2, 3).reshape(B * Hkv, D, Nk).to(mmd).contiguous()
-    kf = kT.transpose(1, 2)
-    vf = v.reshape(B * Hkv, Nk, Dv).to(mmd)
-    if vf.stride(-1) != 1:
-        vf = vf.contiguous()
-    return qf, kf, kT, vf
-
-
-def _rows(xf, qs, qe, dtype):
-    """Rows ``qs:qe`` of a ``(B, Hkv, G, N, D)`` tensor as ``(B*Hkv, G*n, D)`` in ``dtype``."""
-    B, Hkv, G, _, D = xf.shape
-    return xf[:, :, :, qs:qe].reshape(B * Hkv, G * (qe - qs), D).to(dtype)
-
-
-def _fast(pb, needs_mask) -> bool:
-    return pb.score_mod is None and not needs_mask and pb.scale > 0 and getattr(pb, "fused_ok", True)
-
-
-def _exp_shifted_fast(pb, X, shift):
-    """``exp(scale·X − shift)`` in place on X (acc dtype), no mask and no mod.
-
-    One fused scale-and-shift pass, then ``2^(log2e·x)``: exp2 is ~3x cheaper than exp
-    in torch on CPU.  The shift is subtracted in natural units *before* the change of
-    base, so large scores lose no more precision than the reference's ``exp(s − m)``.
-    """
-    return torch.add(shift.neg(), X, alpha=pb.scale, out=X).mul_(LOG2E).exp2_()
-
-
-def _score_tile(pb, S, b, h, qs, qe, ks, ke, needs_mask, acc, B, H, with_grad=False, careful=False):
-    """The exact score tile ``mask(mod(scale · S))`` as ``(B*Hkv, G*n, m)`` in ``acc``;
-    ``S`` is the raw ``Q_i K_jᵀ`` tile, already in ``acc`` and consumed (overwritten).
-
-    Returns ``(X, leaf, mod_out)``; with ``with_grad`` the score mod runs under
-    autograd and ``leaf``/``mod_out`` carry its graph (``mod_out`` may not require grad:
-    a mod that ignores its input).  With ``careful`` (non-finite inputs) a masked score
-    that is not finite reaches the mod as 0: its output there is discarded, and its
-    gradients stay finite.
-    """
-    n, m = qe - qs, ke - ks
-    leaf = mod_out = None
-    X = S.mul_(pb.scale)
-    X4 = X.view(B, H, n, m)
-    dev = X.device
-    qp = (torch.arange(qs, qe, device=dev) + pb.q_offset).view(1, 1, n, 1)
-    kp = (torch.arange(ks, ke, device=dev) + pb.kv_offset).view(1, 1, 1, m)
-    mo = None
-    if careful and needs_mask and pb.score_mod is not None:
-        mo = pb.block_mask.masked_out(b, h, qs, qe, ks, ke)
-        X4 = X4.masked_fill(mo & ~torch.isfinite(X4), 0.0)
-    if pb.score_mod is not None:
-        check = pb.check_graph is not None and not with_grad
-        if with_grad or check:
-            leaf = X4.requires_grad_(True)
-            before = marker(X4.device) if check else None
-            with torch.enable_grad():
-                mod_out = _call_mod_under_grad(pb, leaf, b, h, qp, kp)
-            Y = mod_out
-            if isinstance(mod_out, torch.Tensor):
-                Y = mod_out.detach().clone()  # later in-place ops must not touch the graph's tensors
-                if check:
-                    check_tile_graph(pb.score_mod, mod_out, leaf, pb.check_graph, before)
-            if check:
-                pb.check_graph = leaf = mod_out = None
-        else:
-            Y = pb.score_mod(X4, b, h, qp, kp)
-        if not isinstance(Y, torch.Tensor) or Y.shape != (B, H, n, m):
-            raise ValueError(f"score_mod: returned {tuple(getattr(Y, 'shape', ()))} for a score tile of shape "
-                             f"{(B, H, n, m)}; a score mod must be elementwise")
-        X4 = Y.to(acc) if Y.dtype != acc else Y
-    if needs_mask:
-        X4 = X4.masked_fill_(pb.block_mask.masked_out(b, h, qs, qe, ks, ke) if mo is None else mo, _NEG_INF)
-    return X4.reshape(S.shape), leaf, mod_out
-
-
-def _drop_tile(pb, B, H, qs, qe, ks, ke, acc, shape, dev):
-    """The dropout tile ``Z / (1 − p)`` in the kernel's ``(B*Hkv, G*n, m)`` layout, from the
-    counters (b, h, q_pos, kv_pos): the same bits whatever the tiling, forward or backward."""
-    qp = torch.arange(qs, qe, device=dev) + pb.q_offset
-    kp = torch.arange(ks, ke, device=dev) + pb.kv_offset
-    return pb.dropout.scale_tile(B, H, qp, kp, acc).view(shape)
-
-
-def _call_mod_under_grad(pb, leaf, b, h, qp, kp):
-    """The mod on a leaf that requires grad; a mod that writes into its input gets a copy
-    (autograd refuses in-place writes to a leaf), remembered for the later tiles."""
-    if not pb.mod_clone:
-        try:
-            return pb.score_mod(leaf, b, h, qp, kp)
-        except RuntimeError as e:
-            if "in-place" not in str(e) and "inplace" not in str(e):
-                raise
-            pb.mod_clone = True
-    return pb.score_mod(leaf.clone(), b, h, qp, kp)
+__all__ = ["flash_attention", "flash_forward", "flash_backward", "make_problem", "tiled_function",
+           "refuse_double_backward", "DoubleBackwardError", "DOUBLE_BACKWARD", "FUSED_MAX", "LOG2E"]
 
 
 def _forward_row(pb, i, qf, kT, vf, outf, lsef, b, h, Nq, Nk, acc, mmd, B, H, careful=False):
@@ -188,57 +52,52 @@ def _forward_row(pb, i, qf, kT, vf, outf, lsef, b, h, Nq, Nk, acc, mmd, B, H, ca
     BH, G = qf.shape[0] * qf.shape[1], qf.shape[2]
     Dv = vf.shape[-1]
     row = pb.plan[i]
-    qs, qe = i * pb.bq, min(Nq, (i + 1) * pb.bq)
+    qs, qe = pb.q_block(i, Nq)
     n = qe - qs
     if not row:
         outf[:, :, qs:qe] = 0
-        lsef[:, :, qs:qe] = _NEG_INF
+        lsef[:, :, qs:qe] = NEG_INF
         return
     dev = qf.device
-    Qi = _rows(qf, qs, qe, mmd)
-    m = torch.full((BH, G * n, 1), _NEG_INF, dtype=acc, device=dev)
+    Qi = rows(qf, qs, qe, mmd)
+    m = torch.full((BH, G * n, 1), NEG_INF, dtype=acc, device=dev)
     l = torch.zeros((BH, G * n, 1), dtype=acc, device=dev)
     o = torch.zeros((BH, G * n, Dv), dtype=acc, device=dev)
     for j, needs_mask in row:
-        ks, ke = j * pb.bk, min(Nk, (j + 1) * pb.bk)
+        ks, ke = pb.kv_block(j, Nk)
         S = torch.bmm(Qi, kT[:, :, ks:ke])
         X = S.to(acc) if S.dtype != acc else S
         hidden = None
-        if _fast(pb, needs_mask):
-            m_new = torch.maximum(m, X.amax(-1, keepdim=True).mul_(pb.scale))
-            m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
-            P = _exp_shifted_fast(pb, X, m_safe)
+        if fast_tile(pb, needs_mask):
+            m_new, m_safe, alpha = rescale(m, X.amax(-1, keepdim=True).mul_(pb.scale))
+            P = exp_shifted_fast(pb, X, m_safe)
         else:
-            X, _, _ = _score_tile(pb, X, b, h, qs, qe, ks, ke, needs_mask, acc, B, H, careful=careful)
+            X, _, _ = score_tile(pb, X, b, h, qs, qe, ks, ke, needs_mask, acc, B, H, careful=careful)
             if careful:
-                hidden = X == _NEG_INF
-            m_new = torch.maximum(m, X.amax(-1, keepdim=True))
-            m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
+                hidden = X == NEG_INF
+            m_new, m_safe, alpha = rescale(m, X.amax(-1, keepdim=True))
             P = X.sub_(m_safe).mul_(LOG2E).exp2_()
-        alpha = torch.exp(m - m_safe)
         l.mul_(alpha).add_(P.sum(-1, keepdim=True))  # the LSE is of the undropped probabilities
         if pb.dropout is not None:
-            P.mul_(_drop_tile(pb, B, H, qs, qe, ks, ke, acc, P.shape, dev))
+            P.mul_(drop_tile(pb, B, H, qs, qe, ks, ke, acc, P.shape, dev))
         Vj = vf[:, ks:ke]
         o.mul_(alpha).add_(torch.bmm(P.to(mmd), Vj) if hidden is None else zmm(P.to(mmd), Vj, hidden).to(acc))
         m = m_new
     if not careful and not bool(torch.isfinite(o).all()):
         return _forward_row(pb, i, qf, kT, vf, outf, lsef, b, h, Nq, Nk, acc, mmd, B, H, careful=True)
-    empty = l == 0
-    l_safe = l.masked_fill(empty, 1.0)
+    _, l_safe, lse_i = finish(m, l)
     outf[:, :, qs:qe] = (o / l_safe).view(BH, G, n, Dv).to(outf.dtype)
-    lse_i = torch.where(empty, torch.full_like(l, _NEG_INF), m + torch.log(l_safe))
     lsef[:, :, qs:qe] = lse_i.view(BH, G, n)
 
 
-def _forward(pb: _Problem, q, k, v):
+def _forward(pb: TileProblem, q, k, v):
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     BH = B * Hkv
     acc = acc_dtype(q.dtype)
-    mmd = _mm_dtype(q.dtype, q.device)
-    qf, _, kT, vf = _prepare(q, k, v, mmd)
+    mmd = mm_dtype(q.dtype, q.device)
+    qf, _, kT, vf = prepare(q, k, v, mmd)
     out = torch.empty(B, H, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Nq, dtype=acc, device=q.device)
     outf, lsef = out.view(BH, G, Nq, Dv), lse.view(BH, G, Nq)
@@ -248,7 +107,7 @@ def _forward(pb: _Problem, q, k, v):
     return out, lse
 
 
-def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params, careful=False):
+def _backward(pb: TileProblem, q, k, v, out, lse, dout, dlse, params, careful=False):
     """The tiled backward; a non-finite gradient makes it run again ``careful``: hidden
     entries of P and dS are exact zeros in every product (:func:`zmm`)."""
     B, H, Nq, D = q.shape
@@ -256,8 +115,8 @@ def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params, careful=False
     G = H // Hkv
     BH = B * Hkv
     acc = acc_dtype(q.dtype)
-    mmd = _mm_dtype(q.dtype, q.device)
-    qf, kf, kT, vf = _prepare(q, k, v, mmd)
+    mmd = mm_dtype(q.dtype, q.device)
+    qf, kf, kT, vf = prepare(q, k, v, mmd)
     vT = vf.transpose(1, 2).contiguous()
     dof = dout.unflatten(1, (Hkv, G))
     # Δ = rowsum(dO ∘ O) − dLSE, per query row
@@ -273,29 +132,29 @@ def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params, careful=False
     for i, row in enumerate(pb.plan):
         if not row:
             continue
-        qs, qe = i * pb.bq, min(Nq, (i + 1) * pb.bq)
+        qs, qe = pb.q_block(i, Nq)
         n = qe - qs
-        Qi, dOi = _rows(qf, qs, qe, mmd), _rows(dof, qs, qe, mmd)
+        Qi, dOi = rows(qf, qs, qe, mmd), rows(dof, qs, qe, mmd)
         L = lsef[:, :, qs:qe].reshape(BH, G * n, 1)
-        L_safe = L.masked_fill(L == _NEG_INF, 0.0)
+        L_safe = L.masked_fill(L == NEG_INF, 0.0)
         Di = deltaf[:, :, qs:qe].reshape(BH, G * n, 1)
         dQi = torch.zeros(BH, G * n, D, dtype=acc, device=q.device)
         for j, needs_mask in row:
-            ks, ke = j * pb.bk, min(Nk, (j + 1) * pb.bk)
+            ks, ke = pb.kv_block(j, Nk)
             S = torch.bmm(Qi, kT[:, :, ks:ke])
             X = S.to(acc) if S.dtype != acc else S
             leaf = hidden = None
-            if _fast(pb, needs_mask):
-                P = _exp_shifted_fast(pb, X, L_safe)
+            if fast_tile(pb, needs_mask):
+                P = exp_shifted_fast(pb, X, L_safe)
             else:
-                X, leaf, mod_out = _score_tile(pb, X, b, h, qs, qe, ks, ke, needs_mask, acc, B, H,
+                X, leaf, mod_out = score_tile(pb, X, b, h, qs, qe, ks, ke, needs_mask, acc, B, H,
                                                with_grad=pb.score_mod is not None, careful=careful)
                 if careful:
-                    hidden = X == _NEG_INF
+                    hidden = X == NEG_INF
                 P = X.sub_(L_safe).mul_(LOG2E).exp2_()
             Zs = Pv = None
             if pb.dropout is not None:  # out = (P∘Zs)V: dV = (P∘Zs)ᵀdO, dP = Zs∘(dO Vᵀ), Δ unchanged
-                Zs = _drop_tile(pb, B, H, qs, qe, ks, ke, acc, P.shape, q.device)
+                Zs = drop_tile(pb, B, H, qs, qe, ks, ke, acc, P.shape, q.device)
                 Pv = P * Zs
             Pv = P if Pv is None else Pv
             if hidden is None:
@@ -452,7 +311,7 @@ def make_problem(q, k, *, mask, score_mod, scale, q_offset, kv_offset, block=Non
         block_mask = mask
         block = (mask.block_q, mask.block_k)
     elif mask is not None and Nq > 0 and Nk > 0:
-        block_mask = _pick_block_mask(mask, q.dtype, B, H, Nq, Nk, D, q_offset, kv_offset, block, q.device)
+        block_mask = pick_block_mask(mask, q.dtype, B, H, Nq, Nk, D, q_offset, kv_offset, block, q.device)
         block = (block_mask.block_q, block_mask.block_k)
     else:
         block_mask = None
@@ -466,44 +325,9 @@ def make_problem(q, k, *, mask, score_mod, scale, q_offset, kv_offset, block=Non
                                   kv_offset=kv_offset)
     else:
         params = []
-    pb = _Problem(block_mask, score_mod, scale, q_offset, kv_offset, Nq, Nk, *block)
-    pb.fused_ok = _fused_ok(q, k, scale)
+    pb = TileProblem(block_mask, score_mod, scale, q_offset, kv_offset, Nq, Nk, *block)
+    pb.fused_ok = fused_ok(q, k, scale)
     pb.dropout = dropout
     if score_mod is not None and torch.is_grad_enabled():
         pb.check_graph = params
     return pb, params
-
-
-def _fused_ok(q, k, scale) -> bool:
-    """``|scale·q·k| <= FUSED_MAX`` for every pair (Cauchy-Schwarz on the row norms); one
-    pass over q and k.  False for non-finite q/k, which then take the exact path too."""
-    if q.numel() == 0 or k.numel() == 0:
-        return True
-    if traced(q, k):  # under torch.func: no value-dependent choice (the exact path is always right)
-        return False
-    f = torch.float64 if q.dtype == torch.float64 else torch.float32
-    with torch.no_grad():
-        nq = torch.linalg.vector_norm(q, dim=-1, dtype=f).amax()
-        nk = torch.linalg.vector_norm(k, dim=-1, dtype=f).amax()
-        return bool(nq * nk * abs(scale) <= FUSED_MAX)
-
-
-def _pick_block_mask(mask, dtype, B, H, Nq, Nk, D, q_offset, kv_offset, block, device):
-    """The BlockMask for ``mask``: at ``block`` if given; else, when the mask classifies
-    cheaply, the candidate tiling with the lowest estimated cost."""
-    kw = dict(q_offset=q_offset, kv_offset=kv_offset)
-    if block is not None:
-        return mask.block_mask(B, H, Nq, Nk, block=block, **kw)
-    cands = tile_candidates(dtype, D, B * H, device)
-    if not getattr(mask, "cheap_classify", False):
-        return mask.block_mask(B, H, Nq, Nk, block=cands[0], **kw)
-    picks = mask.__dict__.setdefault("_tile_picks", OrderedDict())  # the choice per problem (LRU)
-    key = (B, H, Nq, Nk, q_offset, kv_offset, tuple(cands))
-    if key in picks:
-        picks.move_to_end(key)
-        return picks[key]
-    bms = [mask.block_mask(B, H, Nq, Nk, block=c, **kw) for c in cands]
-    picks[key] = min(bms, key=lambda bm: bm.cost(B * H))
-    if len(picks) > _PICKS_KEPT:
-        picks.popitem(last=False)
-    return picks[key]

@@ -34,13 +34,13 @@ is an error, not a broadcast.
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
+from attnlab import validate
+
 __all__ = ["hopfield_update", "hopfield_retrieve", "hopfield_energy"]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def hopfield_update(xi, patterns, beta):
@@ -103,10 +103,8 @@ def hopfield_retrieve(xi, patterns, beta, *, steps=100, tol=1e-6):
     (True, True)
     """
     beta = _check(xi, patterns, beta)
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
-        raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
-    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not (0 <= float(tol) < math.inf):
-        raise ValueError(f"tol: expected a finite number >= 0, got {tol!r}")
+    steps = validate.integer(steps, "steps", lo=1)
+    validate.real(tol, "tol", ge=0.0)
     state = xi
     for n in range(1, int(steps) + 1):  # noqa: B007 - n, the steps taken, is returned after the loop
         new = _update(state, patterns, beta)
@@ -134,10 +132,8 @@ def _acc_dtype(dtype):
 
 def _check(xi, patterns, beta):
     for name, t in (("xi", xi), ("patterns", patterns)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name}: expected a float16/bfloat16/float32/float64 tensor, got {t.dtype}")
+        validate.tensor(t, name)
+        validate.float_dtype(t, name)
     if xi.dim() not in (2, 3) or patterns.dim() != xi.dim():
         raise ValueError(f"xi, patterns: expected xi (B, M, d) with patterns (B, N, d), or xi (M, d) with "
                          f"patterns (N, d); got xi {tuple(xi.shape)}, patterns {tuple(patterns.shape)}")
@@ -146,10 +142,6 @@ def _check(xi, patterns, beta):
     if xi.shape[-1] != patterns.shape[-1]:
         raise ValueError(f"xi, patterns: pattern dimension d differs: xi {tuple(xi.shape)}, "
                          f"patterns {tuple(patterns.shape)}")
-    if xi.dtype != patterns.dtype:
-        raise TypeError(f"xi, patterns: expected one dtype, got xi {xi.dtype}, patterns {patterns.dtype}")
-    if xi.device != patterns.device:
-        raise ValueError(f"xi, patterns: expected one device, got xi {xi.device}, patterns {patterns.device}")
-    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not (0 < float(beta) < math.inf):
-        raise ValueError(f"beta: expected a positive finite number, got {beta!r}")
-    return float(beta)
+    validate.same_dtype(xi=xi, patterns=patterns)
+    validate.same_device(xi=xi, patterns=patterns)
+    return validate.positive_float(beta, "beta")

@@ -39,13 +39,13 @@ FAVOR+ numerator is only defined up to these positive factors; pass
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from attnlab.ops.checks import check_qkv
+from attnlab.ops.args import check_qkv
+from attnlab.validate import integer, positive_float
 
 __all__ = ["elu_feature", "FavorFeatures", "LinearState", "linear_attention",
            "linear_attention_step", "naive_linear_attention"]
@@ -88,8 +88,8 @@ class FavorFeatures:
 
     def __init__(self, d_head: int, n_features: int, *, seed: int, orthogonal: bool = True,
                  stabilize: bool = True):
-        self.d_head = _pos_int(d_head, "d_head")
-        self.n_features = _pos_int(n_features, "n_features")
+        self.d_head = integer(d_head, "d_head", lo=1)
+        self.n_features = integer(n_features, "n_features", lo=1)
         if not isinstance(orthogonal, bool):
             raise TypeError(f"orthogonal: expected a bool, got {type(orthogonal).__name__}")
         if not isinstance(stabilize, bool):
@@ -100,9 +100,7 @@ class FavorFeatures:
 
     def redraw(self, seed: int) -> FavorFeatures:
         """Draw new random features from ``seed`` (same seed, same features); returns self."""
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-            raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
-        self.seed = int(seed)
+        self.seed = integer(seed, "seed", hi=None)
         g = torch.Generator().manual_seed(self.seed)
         m, d = self.n_features, self.d_head
         if self.orthogonal:
@@ -353,27 +351,10 @@ def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _pos_int(x, name):
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
-    if x < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {x}")
-    return int(x)
-
-
 def _check(q, k, v, feature_map, causal, normalize, chunk_size, eps):
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, positive_head_dim=False)
     B, H, Nq, D = q.shape
     _, Hkv, Nk, _ = k.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"q, k, v: batch sizes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape[-1] != D:
-        raise ValueError(f"k: expected head dim D={D} (as q {tuple(q.shape)}), got k {tuple(k.shape)}")
-    if v.shape[1:3] != k.shape[1:3]:
-        raise ValueError(f"v: expected (B, Hkv, Nk) = {tuple(k.shape[:3])} as k, got v {tuple(v.shape)}")
-    if Hkv == 0 or H % Hkv:
-        raise ValueError(f"k: its {Hkv} kv heads must divide q's {H} heads (GQA), got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     if not isinstance(normalize, bool):
@@ -381,9 +362,8 @@ def _check(q, k, v, feature_map, causal, normalize, chunk_size, eps):
     if causal and Nq != Nk:
         raise ValueError(f"causal: needs Nq == Nk (one sequence), got q {tuple(q.shape)}, k {tuple(k.shape)}; "
                          "for new tokens after a prefix use linear_attention_step with the prefix's state")
-    _pos_int(chunk_size, "chunk_size")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (0 < float(eps) < math.inf):
-        raise ValueError(f"eps: expected a positive finite number, got {eps!r}")
+    integer(chunk_size, "chunk_size", lo=1)
+    positive_float(eps, "eps")
     if isinstance(feature_map, str):
         if feature_map != "elu":
             raise ValueError(f"feature_map: unknown name {feature_map!r}; expected 'elu', a FavorFeatures, "

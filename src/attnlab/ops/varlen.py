@@ -18,13 +18,13 @@ Positions are per sequence and bottom-right aligned, as in flash-attn: with
 
 from __future__ import annotations
 
-import numbers
 
 import torch
 
 from attnlab import scores
 from attnlab.masks_extra import varlen as varlen_mask
 from attnlab.ops.dispatch import attention
+from attnlab.validate import integer
 
 
 class _LocalPositions(scores.ScoreMod):
@@ -49,8 +49,7 @@ def _max_seqlen(x, name, cu):
     actual = int(lens.max()) if lens.numel() else 0
     if x is None:
         return actual
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
+    x = integer(x, name, hi=None, type_error=TypeError)
     if int(x) < actual:
         raise ValueError(f"{name}={int(x)} is shorter than the longest sequence ({actual}); flash-attn would "
                          "read past it, attnlab refuses")

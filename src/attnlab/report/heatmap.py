@@ -175,7 +175,7 @@ def _check(layers: list[np.ndarray]) -> list[np.ndarray]:
     return layers
 
 
-def _tokens(tokens, n: int, name: str, dim: str) -> list[str]:
+def token_strings(tokens, n: int, name: str, dim: str) -> list[str]:
     if tokens is None:
         return [str(i) for i in range(n)]
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
@@ -185,7 +185,7 @@ def _tokens(tokens, n: int, name: str, dim: str) -> list[str]:
     return [t.decode("utf-8", "replace") if isinstance(t, bytes) else str(t) for t in tokens]
 
 
-def _labels(labels, shape: list[int]) -> list[list[str]]:
+def head_labels(labels, shape: list[int]) -> list[list[str]]:
     out = [[""] * h for h in shape]
     if labels is None:
         return out
@@ -212,12 +212,12 @@ def heatmap_html(patterns, tokens_q=None, tokens_k=None, *, title: str, labels=N
         raise ValueError(f"pool: expected one of {POOL_MODES}, got {pool!r}")
     layers = normalize_patterns(patterns)
     nq, nk = (int(s) for s in layers[0].shape[-2:])
-    tq = _tokens(tokens_q, nq, "tokens_q", "Nq")
+    tq = token_strings(tokens_q, nq, "tokens_q", "Nq")
     if tokens_k is None and nk != nq:
         raise ValueError(f"tokens_k: the patterns have Nk = {nk} ≠ Nq = {nq}, so pass the key tokens too")
-    tk = tq if tokens_k is None else _tokens(tokens_k, nk, "tokens_k", "Nk")
+    tk = tq if tokens_k is None else token_strings(tokens_k, nk, "tokens_k", "Nk")
     shape = [int(p.shape[0]) for p in layers]
-    names = _labels(labels, shape)
+    names = head_labels(labels, shape)
     heads: list[dict] = []
     blocks: list[str] = []
     fallback = ""

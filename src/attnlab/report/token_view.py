@@ -23,7 +23,7 @@ import numpy as np
 
 from attnlab.report._colors import SEQUENTIAL
 from attnlab.report._html import esc, json_for_script
-from attnlab.report.heatmap import _labels, _tokens, normalize_patterns
+from attnlab.report.heatmap import head_labels, token_strings, normalize_patterns
 
 __all__ = ["token_view_html", "MAX_TOKENS", "HEAD_COLORS"]
 
@@ -41,10 +41,10 @@ def token_view_html(patterns, tokens_q, tokens_k=None, *, title: str, fig_id: st
     if max(nq, nk) > MAX_TOKENS:
         raise ValueError(f"patterns: Nq={nq}, Nk={nk}; the token view draws Nq·Nk lines and takes up to "
                          f"{MAX_TOKENS} tokens; use Report.heatmaps for longer sequences (or slice the patterns)")
-    tq = _tokens(tokens_q, nq, "tokens_q", "Nq")
+    tq = token_strings(tokens_q, nq, "tokens_q", "Nq")
     if tokens_k is None and nk != nq:
         raise ValueError(f"tokens_k: the patterns have Nk = {nk} ≠ Nq = {nq}, so pass the key tokens too")
-    tk = tq if tokens_k is None else _tokens(tokens_k, nk, "tokens_k", "Nk")
+    tk = tq if tokens_k is None else token_strings(tokens_k, nk, "tokens_k", "Nk")
     shape = [int(p.shape[0]) for p in layers]
     L = len(layers)
     if isinstance(layer, bool) or not isinstance(layer, int) or not -L <= layer < L:
@@ -60,7 +60,7 @@ def token_view_html(patterns, tokens_q, tokens_k=None, *, title: str, fig_id: st
         if m > 1 + 1e-3:
             raise ValueError(f"patterns: layer {i} has weights up to {m:.4g}; the token view shows attention "
                              "probabilities in [0, 1]")
-    names = _labels(labels, shape)
+    names = head_labels(labels, shape)
     heads: list[dict] = []
     blocks: list[str] = []
     for li, p in enumerate(layers):
