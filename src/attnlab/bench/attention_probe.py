@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import sys
 
-from attnlab.bench.attention import MiB, Case, _Runner
+from attnlab.bench.attention import MiB, Case, Runner
 from attnlab.bench.measure import peak_extra_bytes
 
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
-    runner = _Runner(Case(**spec["case"]))
+    runner = Runner(Case(**spec["case"]))
     fn = runner.backends(with_flex=False)[spec["backend"]]
     fn()  # warm-up: one-time allocations (thread pools, workspaces) are not the kernel's
     for t in (runner.q, runner.k, runner.v):

@@ -347,7 +347,7 @@ def run(configs: list[Config], *, memory: bool = True, progress: bool = True, ti
         c.reps * sum(1 for v in VARIANTS if v[0] == "ring" or c.H % c.P == 0) for c in configs)
     bar = tqdm(total=total, desc="bench distributed", unit="run", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
-    res = {"machine": _machine(), "cases": []}
+    res = {"machine": machine_info(), "cases": []}
     singles = {}
     try:
         for cfg in configs:
@@ -367,7 +367,7 @@ def run(configs: list[Config], *, memory: bool = True, progress: bool = True, ti
     return res
 
 
-def _machine() -> dict:
+def machine_info() -> dict:
     return {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
             "cpu": torch.backends.cpu.get_cpu_capability(), "platform": platform.platform(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": os.getloadavg()}
