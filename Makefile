@@ -3,23 +3,34 @@
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
-STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+SUM     := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# Two stamps: the demo needs attnlab and transformers (the pretrained MiniLM) only; the
+# tests add pytest, triton, transformer-lens (with wandb, datasets, pandas, pyarrow) and
+# playwright.  The test stamp implies the demo one (a superset is installed).
+DEMO_STAMP := $(VENV)/.installed-demo-$(SUM)
+STAMP      := $(VENV)/.installed-test-$(SUM)
 
 .PHONY: demo test lint bench venv clean
+
+$(DEMO_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	test -f $(STAMP) || $(BIN)/python -m pip install -q -e '.[transformers]'
+	rm -f $(VENV)/.installed-demo-*
+	touch $(DEMO_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,transformers,triton,interp-parity]'
 	rm -f $(VENV)/.installed-*
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
 
 venv: $(STAMP)
 
 # The main job: trains the induction models (cached in out/lab-cache), analyses the
 # pretrained MiniLM's sinks, decodes with the KV cache, runs the seeds' claims, prints a
 # summary and writes the offline report out/report.html.
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/attnlab demo --out out/report.html
 
 # Style (ruff: lint and format) and types (mypy) first: a minute at most, and they fail

@@ -28,3 +28,27 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# ----------------------------------------------------------------------------- the lab's trained models
+# Several tests read the same trained models (the induction pair, the text models of the streaming
+# claim).  Each is trained once per run into the lab cache (out/lab-cache, or $ATTNLAB_CACHE); under
+# pytest-xdist a file lock makes one worker train it while the others wait, then read the cache,
+# instead of every worker training its own copy at the same time.
+@pytest.fixture(scope="session")
+def induction_models():
+    """The lab's 2-layer and 1-layer induction models, ``{n_layers: (model, log)}``."""
+    from attnlab.lab import induction as I
+    from tests.helpers import lab_lock
+    cfg = I.InductionConfig()
+    with lab_lock("induction"):
+        return {n: I.load_or_train(cfg, n, progress=False) for n in (2, 1)}
+
+
+@pytest.fixture(scope="session")
+def text_models():
+    """The small text models the streaming claim and ``attnlab bench inference`` read."""
+    from attnlab.train.textmodels import load_or_train
+    from tests.helpers import lab_lock
+    with lab_lock("text-models"):
+        return load_or_train(progress=False)

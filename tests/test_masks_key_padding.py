@@ -9,21 +9,16 @@ query, so every tile is decidable from the keep pattern alone).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
 import attnlab  # noqa: E402
 from attnlab import masks  # noqa: E402
 from attnlab.masks import EMPTY, FULL, PARTIAL  # noqa: E402
 from tests import helpers  # noqa: E402
-from tests.helpers import assert_close_rule  # noqa: E402
+from tests.helpers import F64_FLOOR, assert_close_rule  # noqa: E402
 
 B, H, L = 3, 2, 24  # keep covers absolute key positions 0..23
 
@@ -170,7 +165,7 @@ def test_sdpa_mapping_matches_reference(Hq, Hkv, Nq, Nk, ko):
     s = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double().repeat_interleave(G, 1)) / 8 ** 0.5
     s = s.masked_fill(~keep[:, None, None, ko:], float("-inf"))
     want = torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1), v.double().repeat_interleave(G, 1))
-    torch.testing.assert_close(oracle[0], want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(oracle[0], want, **F64_FLOOR)
     for backend in ("sdpa", "auto", "flash"):
         fast = run(q, k, v, backend, m, kv_offset=ko)
         for name, f, r, o in zip(("out", "dq", "dk", "dv"), fast, ref, oracle):
@@ -224,7 +219,7 @@ def test_flash_with_block_mask_tiles_matches_reference(block):
     bm = m.block_mask(B, 2, 11, 11, block=block)
     want = attnlab.attention(q, k, v, mask=m, backend="reference")
     got = attnlab.attention(q, k, v, mask=bm, backend="flash")
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got, want, **F64_FLOOR)
 
 
 # ----------------------------------------------------------------------------- errors

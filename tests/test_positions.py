@@ -8,6 +8,7 @@ from attnlab.positions import (
     ALiBi, DynamicNTKScaling, LearnedEmbedding, Llama3Scaling, LinearScaling, NTKScaling, RoPE,
     SinusoidalEmbedding, YaRNScaling, alibi_slopes, rope_from_hf, sinusoidal,
 )
+from tests.helpers import EXACT  # noqa: E402
 
 
 def test_alibi_slopes_power_of_two_is_the_papers_geometric_sequence():
@@ -149,7 +150,7 @@ def test_rope_offset_equals_the_row_of_the_full_sequence(interleaved):
     full = rope(x, 0)
     torch.testing.assert_close(rope(x[:, :, -1:], 8), full[:, :, -1:], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(rope(x[:, :, 4:], torch.tensor(4)), full[:, :, 4:], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(rope(x, torch.arange(9)), full, rtol=0, atol=0)
+    torch.testing.assert_close(rope(x, torch.arange(9)), full, **EXACT)
 
 
 def test_rope_per_sequence_positions():
@@ -158,7 +159,7 @@ def test_rope_per_sequence_positions():
     pos = torch.tensor([[0, 1, 2, 3, 4], [1, 1, 1, 2, 3], [7, 8, 9, 10, 11]])  # e.g. left padding
     out = rope(x, pos)
     for b in range(3):
-        torch.testing.assert_close(out[b:b + 1], rope(x[b:b + 1], pos[b]), rtol=0, atol=0)
+        torch.testing.assert_close(out[b:b + 1], rope(x[b:b + 1], pos[b]), **EXACT)
     c, s = rope.cos_sin(pos)
     assert c.shape == s.shape == (3, 5, 8)
 
@@ -167,7 +168,7 @@ def test_rope_partial_rotary_leaves_the_tail_untouched():
     x = torch.randn(2, 2, 6, 40)
     out = RoPE(40, rotary_dim=10)(x, 3)
     assert torch.equal(out[..., 10:], x[..., 10:])
-    torch.testing.assert_close(out[..., :10], RoPE(10)(x[..., :10].contiguous(), 3), rtol=0, atol=0)
+    torch.testing.assert_close(out[..., :10], RoPE(10)(x[..., :10].contiguous(), 3), **EXACT)
     assert not torch.allclose(out[..., :10], x[..., :10])
 
 

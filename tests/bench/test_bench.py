@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -28,6 +29,12 @@ def test_time_call_is_a_median_of_positive_times():
     calls = []
     t = time_call(lambda: calls.append(1), reps=5, warmup=2)
     assert t >= 0 and len(calls) == 7
+    # timed calls sleeping 0, 0, 50, 50, 50 ms after two 200 ms warm-ups (not timed): the median is
+    # at least 50 ms (sleep never returns early), where the mean (30 ms) and the minimum (0) are not,
+    # and a timed warm-up would not leave it under 200 ms
+    naps = iter([0.2, 0.2, 0.0, 0.0, 0.05, 0.05, 0.05])
+    t = time_call(lambda: time.sleep(next(naps)), reps=5, warmup=2)
+    assert 0.05 <= t < 0.2
 
 
 def test_tiny_case_end_to_end_reports_ratios_and_auto_choice():
@@ -42,13 +49,30 @@ def test_tiny_case_end_to_end_reports_ratios_and_auto_choice():
     # window 256 over 512 keys: exactly sum_{i<512} min(i+1, 256) allowed pairs per head
     expect = sum(min(i + 1, 256) for i in range(512)) / 512 ** 2
     assert win["density"] == pytest.approx(expect)
-    for r in win["results"] + cz["results"]:
-        assert r["seconds"] > 0 and r["gflops"] > 0 and r["vs_torch_sdpa"] > 0
+    assert set(res) == {"machine", "cases", "matmul_gflops"}
+    # a CPU's float32 matmul rate: above 0.1 GFLOP/s, below 100 TFLOP/s
+    assert 0.1 < res["matmul_gflops"]["float32"] < 1e5
+    for case, c in zip(cases, res["cases"]):
+        assert {k: c[k] for k in case.__dataclass_fields__} == {k: getattr(case, k) for k in case.__dataclass_fields__}
+        # the work counted: 4·D flops per allowed pair forward, 3.5x that forward and backward
+        work = 4 * case.D * c["density"] * case.B * case.H * case.N ** 2 * (3.5 if case.mode == "fwdbwd" else 1)
+        assert c["flops"] == pytest.approx(work) == bench.case_flops(case)
+        anchor = next(r for r in c["results"] if r["backend"].startswith("torch sdpa"))
+        assert anchor["vs_torch_sdpa"] == pytest.approx(1.0)
+        for r in c["results"]:
+            assert "error" not in r, r
+            assert r["seconds"] > 0
+            assert r["gflops"] == pytest.approx(c["flops"] / r["seconds"] / 1e9)
+            assert r["pct_of_matmul"] == pytest.approx(100 * r["gflops"] / res["matmul_gflops"]["float32"])
+            assert r["vs_torch_sdpa"] == pytest.approx(anchor["seconds"] / r["seconds"])
+            # physical bounds: no attention call runs 10x above the machine's own matmul rate, none
+            # is 10^4 times slower than SDPA on a 512-token problem
+            assert r["pct_of_matmul"] < 1000 and 1e-4 < r["vs_torch_sdpa"] < 1e4
     auto = next(r for r in cz["results"] if r["backend"] == "attnlab auto")
     assert auto["auto_choice"] == "sdpa"  # float32 causal Nq == Nk maps onto SDPA
     text = bench.format_table(res)
     assert "tiny window" in text and "x sdpa" in text
-    json.dumps(res, default=str)
+    assert json.loads(json.dumps(res, default=str))["cases"][0]["results"][0]["backend"] == "attnlab auto"
 
 
 def test_dense_mask_matches_the_attnlab_predicate():

@@ -1,6 +1,8 @@
 """`attnlab bench capture` on a tiny model: every contender runs, and the memory it reports as kept is
 exactly the bytes of the tensors it keeps (counted here from the model's shapes, not from the bench)."""
 
+import pytest
+
 from attnlab.bench import capture as bench
 
 
@@ -9,6 +11,8 @@ def test_capture_bench_runs_and_kept_memory_is_the_tensors_bytes():
     res = bench.run(reps=1, memory=False, shape=(L, d, H, B, N))
     assert set(res["seconds"]) == set(bench.MODES) and all(t > 0 for t in res["seconds"].values())
     assert res["ratio_to_plain"]["plain"] == 1.0
+    for m, t in res["seconds"].items():
+        assert res["ratio_to_plain"][m] == pytest.approx(t / res["seconds"]["plain"])
     kept = {m: v * 2 ** 20 for m, v in res["kept_mib"].items()}
     f32, V, BN = 4, 4096, B * N
     # run_with_cache without patterns, per layer: ln1 scale (B,N,1) and output, the fused qkv projection that

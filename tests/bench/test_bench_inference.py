@@ -27,6 +27,9 @@ def test_decode_speed_runs_both_and_they_agree():
     rows = bench.decode_speed(reps=1, new_tokens=8, shapes=((1, 64, 256, 2),))
     r = rows[0]
     assert r["attnlab_tok_s"] > 0 and r["transformers_tok_s"] > 0
+    assert r["ratio"] == pytest.approx(r["attnlab_tok_s"] / r["transformers_tok_s"])
+    assert 1e-2 < r["ratio"] < 1e2, r   # the same weights decoding the same tokens: within two orders of magnitude
+    assert (r["batch"], r["prompt"], r["new_tokens"]) == (2, 64, 8)
     assert r["same_tokens"] == "16/16"  # same weights, greedy: the same continuation
 
 
@@ -60,5 +63,6 @@ def test_paged_waste_is_under_a_block_per_sequence():
 def test_streaming_generation_keeps_the_cache_bounded():
     g = bench.streaming_generation(tiny_models(), n_tokens=1_000, sinks=2, window=30)
     assert g["tokens"] == 1_000 and g["tok_s"] > 0
+    assert [m["tokens"] for m in g["marks"]] == [250, 500, 1_000]
     sizes = {m["cache_bytes"] for m in g["marks"]}
     assert len(sizes) == 1  # the same bytes at 250, 500 and 1,000 tokens

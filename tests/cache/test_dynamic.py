@@ -10,6 +10,7 @@ from attnlab import masks
 from attnlab.cache import DenseKV, DynamicCache, StaticCache
 from attnlab.nn import Decoder, DecoderConfig, MultiHeadAttention
 from attnlab.positions import RoPE
+from tests.helpers import F64_FLOOR  # noqa: E402
 
 
 def kv(B, H, n, D, Dv=None, seed=0):
@@ -102,7 +103,7 @@ def test_static_window_eviction_is_sliding_window_attention():
     full = mha(x, mask=masks.causal() & masks.sliding_window(W))
     c = StaticCache(1, 1, 2, 4, W, dtype=torch.float64, evict="window")
     out = torch.cat([mha(x[:, t:t + 1], mask=masks.causal(), cache=c[0]) for t in range(12)], 1)
-    torch.testing.assert_close(out, full, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, full, **F64_FLOOR)
     assert c.length == W and c.seen == 12 and c.offsets[0] == 12 - W
 
 
@@ -115,10 +116,10 @@ def test_mha_with_cache_equals_full_forward_and_fills_the_cache(kind):
     c = DynamicCache(1) if kind == "dynamic" else StaticCache(1, 2, 2, 4, 8, dtype=torch.float64)
     out = torch.cat([mha(x[:, :3], mask=masks.causal(), cache=c[0])] +
                     [mha(x[:, t:t + 1], mask=masks.causal(), cache=c[0]) for t in range(3, 7)], 1)
-    torch.testing.assert_close(out, full, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, full, **F64_FLOOR)
     K = c.k[0][:, :, :7]
     q, k, v = mha.project(x)
-    torch.testing.assert_close(K, mha.positions(k, 0), rtol=0, atol=1e-12)  # rotated at absolute positions
+    torch.testing.assert_close(K, mha.positions(k, 0), **F64_FLOOR)  # rotated at absolute positions
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "static"])

@@ -15,6 +15,7 @@ from attnlab.cache.paged import PagedCache, PagedKV
 from attnlab.nn import Decoder, DecoderConfig
 from attnlab.ops.decode import split_kv_attention
 from attnlab.ops.dispatch import attention
+from tests.helpers import F64_FLOOR  # noqa: E402
 
 TOL = dict(rtol=0, atol=1e-5)  # the bar for float32 logits, cached vs recomputed
 
@@ -99,8 +100,8 @@ def test_attend_equals_the_op_on_the_dense_equivalent(nq, mask_name):
         rep = lambda t: t.unsqueeze(0).expand(B, *t.shape)  # noqa: E731
         o_ref, l_ref = attention(q[r:r + 1].expand(B, -1, -1, -1), rep(k), rep(v), mask=mask, score_mod=mod,
                                  q_offset=q_off, kv_offset=start, return_lse=True, backend="reference")
-        torch.testing.assert_close(out[r], o_ref[r], rtol=0, atol=1e-12)
-        torch.testing.assert_close(lse[r], l_ref[r], rtol=0, atol=1e-12)
+        torch.testing.assert_close(out[r], o_ref[r], **F64_FLOOR)
+        torch.testing.assert_close(lse[r], l_ref[r], **F64_FLOOR)
 
 
 def test_attend_of_equal_length_rows_equals_one_batched_call():
@@ -118,8 +119,8 @@ def test_attend_of_equal_length_rows_equals_one_batched_call():
     dense = kv.dense()
     assert dense.k.shape == (2, 1, 12, 8) and dense.q_offset == 9 and kv.q_offset == 9
     ref = attention(q, dense.k, dense.v, mask=mask, q_offset=9, backend="reference")
-    torch.testing.assert_close(kv.attend(q, mask=mask), ref, rtol=0, atol=1e-12)
-    torch.testing.assert_close(kv.attend(q, mask=mask.block_mask(2, 4, 3, 12, q_offset=9)), ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(kv.attend(q, mask=mask), ref, **F64_FLOOR)
+    torch.testing.assert_close(kv.attend(q, mask=mask.block_mask(2, 4, 3, 12, q_offset=9)), ref, **F64_FLOOR)
 
 
 def test_pieces_are_views_of_the_pool_one_per_run_of_adjacent_blocks(monkeypatch):
@@ -389,7 +390,7 @@ def test_evict_oldest_blocks_keeps_positions_and_attends_what_is_held():
     assert start == 4 and torch.equal(k[:, :3], k_all[:, 4:])
     q = rand(1, 4, 1, 4, seed=2)
     ref = attention(q, k[None], v[None], mask=masks.causal(), kv_offset=4, q_offset=7, backend="reference")
-    torch.testing.assert_close(kv.attend(q, mask=masks.causal()), ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(kv.attend(q, mask=masks.causal()), ref, **F64_FLOOR)
     with pytest.raises(ValueError, match=r"n_blocks must be an int in \[0, 2\]"):
         c.evict(a, 3)
 

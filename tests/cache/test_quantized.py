@@ -17,6 +17,7 @@ from attnlab.cache.quantize import pack, packed_size, quantize, unpack
 from attnlab.cache.quantized import QuantizedCache, QuantizedKV
 from attnlab.nn import Decoder, DecoderConfig
 from attnlab.ops.dispatch import attention
+from tests.helpers import F64_FLOOR  # noqa: E402
 
 # -- a straightforward reference quantizer: one group at a time -------------------------------
 
@@ -172,15 +173,15 @@ def test_attend_matches_the_op_on_the_dequantized_tensors(mask, mod, monkeypatch
     d = view.dense()
     ref, ref_lse = attention(q, d.k, d.v, mask=mask, score_mod=mod, q_offset=95, return_lse=True,
                              backend="reference")
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
-    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, ref, **F64_FLOOR)
+    torch.testing.assert_close(lse, ref_lse, **F64_FLOOR)
     if mask is not None and "custom" in repr(mask):
         assert (out[:, :, 0::2] == 0).all() and (lse[:, :, 0::2] == float("-inf")).all()  # q_pos 95, 97, 99
         assert torch.isfinite(lse[:, :, 1::2]).all()
     # the stored state's view: queries default to the newest positions
     kvs = cache.view(0)
     torch.testing.assert_close(kvs.attend(q, mask=mask, score_mod=mod), attention(
-        q, *(lambda d: (d.k, d.v))(kvs.dense()), mask=mask, score_mod=mod, backend="reference"), rtol=0, atol=1e-12)
+        q, *(lambda d: (d.k, d.v))(kvs.dense()), mask=mask, score_mod=mod, backend="reference"), **F64_FLOOR)
 
 
 def test_empty_cache_attends_nothing():

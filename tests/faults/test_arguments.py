@@ -16,17 +16,12 @@ import contextlib
 import os
 import resource
 import signal
-import sys
-from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/ops/triton/conftest.py: triton runs on CPU tensors
 
 import pytest
 import torch
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
 import attnlab
 from attnlab import masks, scores

@@ -8,6 +8,7 @@ import torch
 
 from attnlab import cache as C
 from attnlab.cache import DynamicCache, H2OCache, PagedCache, StaticCache, StreamingCache
+from tests.helpers import EXACT  # noqa: E402
 
 # looked up so that, run against code without it, each test fails on its own instead of the module
 StaleViewError = getattr(C, "StaleViewError", type("NoStaleViewError", (Exception,), {}))
@@ -117,7 +118,7 @@ def test_paged_view_stays_valid_while_its_blocks_are_held():
     c.select([b]).update(0, *kv(4, seed=4))
     c.free(b)
     c.select([a]).update(0, *kv(1, seed=5))
-    torch.testing.assert_close(view.attend(q), want, rtol=0, atol=0)
+    torch.testing.assert_close(view.attend(q), want, **EXACT)
 
 
 @pytest.mark.parametrize("token", [2 ** 63, 10 ** 30])

@@ -24,16 +24,11 @@ import math
 import os
 import re
 import signal
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:  # the spawned ranks import this file as tests.faults.test_distributed
-    sys.path.insert(0, str(_ROOT))
 
 import attnlab.distributed as D  # noqa: E402
 from attnlab import masks, scores  # noqa: E402

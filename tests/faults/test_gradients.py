@@ -19,20 +19,14 @@ the float32 and float64 reference under the DESIGN.md rule (tests/helpers.py).
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
 import attnlab  # noqa: E402
 from attnlab import masks, scores  # noqa: E402
-from tests.helpers import assert_close_rule  # noqa: E402
-from tests.ops.conftest import check_param_grad  # noqa: E402
+from tests.helpers import assert_close_rule, check_param_grad  # noqa: E402
 
 BACKENDS = ["flash", "auto"]
 F32, F64 = torch.float32, torch.float64

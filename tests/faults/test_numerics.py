@@ -20,16 +20,12 @@ from __future__ import annotations
 import math
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 if "attnlab.ops.triton.forward" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"  # as tests/ops/triton/conftest.py: before the kernels are defined
 

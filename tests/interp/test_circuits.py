@@ -16,9 +16,10 @@ from attnlab.interp.circuits import (Baseline, composition_baseline, composition
 from attnlab.interp.factored import FactoredMatrix
 from attnlab.nn import Decoder, DecoderConfig, MultiHeadAttention
 from attnlab.positions import RoPE
+from tests.helpers import F64_REORDER  # noqa: E402
 
 D = torch.float64
-TOL = dict(rtol=1e-10, atol=1e-10)  # float64 algebra on O(1) numbers: roundoff is ~1e-14
+TOL = dict(**F64_REORDER)  # float64 algebra on O(1) numbers: roundoff is ~1e-14
 
 
 def rnd(*shape, seed=0):

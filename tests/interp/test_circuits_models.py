@@ -20,9 +20,10 @@ from attnlab.interp.ablation import hidden_change, lm_loss  # noqa: E402
 from attnlab.interp.weights import model_weights  # noqa: E402
 from attnlab.models import load  # noqa: E402
 from attnlab.nn import Encoder, EncoderConfig  # noqa: E402
+from tests.helpers import EXACT, F64_REORDER  # noqa: E402
 
 D = torch.float64
-TOL = dict(rtol=1e-10, atol=1e-10)  # float64 products of O(1) numbers: roundoff ~1e-14
+TOL = dict(**F64_REORDER)  # float64 products of O(1) numbers: roundoff ~1e-14
 V = 41
 
 
@@ -176,7 +177,7 @@ def test_minilm_circuits_equal_the_transformers_bert_of_the_same_folder():
     from attnlab.models import minilm_path
     ours, _ = load("minilm")
     hf = T.BertModel.from_pretrained(str(minilm_path())).eval()
-    torch.testing.assert_close(C.qk_circuit(hf, -1).AB, C.qk_circuit(ours, -1).AB, rtol=0, atol=0)
+    torch.testing.assert_close(C.qk_circuit(hf, -1).AB, C.qk_circuit(ours, -1).AB, **EXACT)
     s = C.composition_scores(ours, "K")
     assert s.shape == (6, 12, 6, 12) and torch.isfinite(s).all()
     assert C.copying_score(ours, 0).shape == (12,)

@@ -10,6 +10,7 @@ import attnlab.nn.attention as attn_mod
 from attnlab import masks
 from attnlab.interp import hook_names, hook_points, hooks, run_with_cache, run_with_hooks
 from attnlab.nn import Decoder, DecoderConfig, Encoder, EncoderConfig
+from tests.helpers import EXACT  # noqa: E402
 
 V, D, L, H = 40, 32, 3, 4
 # float32 sums over d_model=32 and a 3-layer forward: observing must be exact, editing paths
@@ -416,7 +417,7 @@ def test_copied_and_pickled_models_start_without_hooks():
     with hooks(model, [(lambda n: True, lambda x, h: None)]):
         for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
             assert all(not p.point.fns for p in hook_points(other).values())
-            torch.testing.assert_close(other(ids).logits, model(ids).logits, atol=0, rtol=0)
+            torch.testing.assert_close(other(ids).logits, model(ids).logits, **EXACT)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])

@@ -16,15 +16,16 @@ from attnlab.interp import (activation_patching, agreement, attribution_patching
                             logit_lens, path_patching)
 from attnlab.nn import Decoder, DecoderConfig, Encoder, EncoderConfig
 from attnlab.report import Report
+from tests.helpers import F32_REORDER, F64_REORDER_DEEP  # noqa: E402
 
 D = torch.float64
-TOL = dict(rtol=1e-9, atol=1e-9)      # float64 forward passes of a tiny model: roundoff ~1e-14
+TOL = dict(**F64_REORDER_DEEP)      # float64 forward passes of a tiny model: roundoff ~1e-14
 #: attribution patching must agree with real patching at least this well (Pearson r) on the
 #: induction circuit; measured 0.993 (heads) and 0.994 (residual stream × position)
 ATTRIBUTION_AGREEMENT = 0.9
 #: transformers' Llama computes RMSNorm and RoPE in float32 even for float64 inputs (attnlab keeps
 #: float64): its results agree to float32 roundoff only; GPT-2 stays in float64 throughout
-HF_TOL = {"gpt2": dict(rtol=1e-9, atol=1e-9), "llama-gqa": dict(rtol=1e-5, atol=1e-5)}
+HF_TOL = {"gpt2": dict(**F64_REORDER_DEEP), "llama-gqa": dict(**F32_REORDER)}
 
 
 def _model(**kw):
@@ -234,14 +235,15 @@ T_REP, B_REP = 12, 8
 
 
 @pytest.fixture(scope="module")
-def induction():
-    """The lab's trained 2-layer induction model (trained once into the lab cache, then reused)
+def induction(induction_models):
+    """The lab's trained 2-layer induction model (trained once per run into the lab cache: the root
+    conftest's ``induction_models``)
     and a clean/corrupted pair: ``[x₁..x_T, x₁..x_{T-1}]``, corrupted at position ``T−2`` (the
     earlier copy of the last token), answer ``x_T``, wrong the corrupting token."""
     from attnlab.lab import induction as I
     from attnlab.lab.circuits import induction_pair
     cfg = I.InductionConfig()
-    model, _ = I.load_or_train(cfg, 2, progress=False)
+    model, _ = induction_models[2]
     clean, corrupted, answer, wrong = induction_pair(cfg, T_REP, B_REP, seed=5)
     scores = detect(model, I.repeated_tokens(cfg, 16, 8, seed=1), detectors=("previous_token", "induction"))
     return model, clean, corrupted, answer, wrong, scores

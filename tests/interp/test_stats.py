@@ -19,15 +19,10 @@ moves between tiles.
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
 from attnlab import masks, scores  # noqa: E402
 from attnlab.interp.stats import HeadStats, head_stats, stats_from_probs  # noqa: E402
@@ -44,14 +39,7 @@ PEAK = 2.0  # q and k are N(0, PEAK²): scores of a few units to ~20, peaky soft
 B = 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These problems are small: one torch thread avoids OpenMP spin-waits on a loaded
-    2-core machine (several times faster there), and changes no result."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the root conftest's one-thread fixture
 
 
 def _ids(n):

@@ -16,15 +16,21 @@ LAB = {"induction-heads-need-two-layers": Verdict.HOLDS,
 
 
 
+#: the trained models each claim reads (root conftest fixtures: trained once per run, shared by the workers)
+NEEDS = {"induction-heads-need-two-layers": "induction_models", "evicting-the-sink-collapses-quality": "text_models"}
+
+
 @pytest.mark.parametrize("claim_id", sorted(LAB))
-def test_verdict(claim_id):
+def test_verdict(claim_id, request):
+    if claim_id in NEEDS:
+        request.getfixturevalue(NEEDS[claim_id])
     (r,) = C.run_claims([claim_id], progress=False)
     assert r.ok, r.error
     assert r.verdict is LAB[claim_id], (r.key_figure, r.evidence)
     assert r.key_figure and r.evidence
 
 
-def test_a_blind_induction_detector_flips_the_induction_claim(monkeypatch):
+def test_a_blind_induction_detector_flips_the_induction_claim(monkeypatch, induction_models):
     import torch
     from attnlab.interp import detectors
     # the induction score is recomputed from the (cached) models: a detector that sees nothing flips the verdict
@@ -47,7 +53,7 @@ def test_sinks_vanish_when_attention_ignores_the_special_tokens(monkeypatch):
     monkeypatch.setattr(sinks.D, "keys_mass", real)
 
 
-def test_a_window_that_loses_quality_flips_the_streaming_claim(monkeypatch):
+def test_a_window_that_loses_quality_flips_the_streaming_claim(monkeypatch, text_models):
     import attnlab.lab.streaming as inf
     real = inf.streaming_table
 

@@ -40,8 +40,8 @@ def test_phase_change_step():
 
 
 @pytest.mark.slow
-def test_two_layers_form_an_induction_head_one_layer_does_not():
-    res = I.run(progress=False)                   # trains once, then the lab cache serves it
+def test_two_layers_form_an_induction_head_one_layer_does_not(induction_models):
+    res = I.run(progress=False)                   # the models trained once per run (induction_models)
     two, one = res["models"]["2L"], res["models"]["1L"]
     f2, f1 = two["final"], one["final"]
     assert max(map(max, f2["induction"][1:])) > 0.5          # an induction head in layer 1

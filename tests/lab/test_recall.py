@@ -14,13 +14,7 @@ TINY = RecallConfig(vocab_size=17, seq_len=16, n_pairs=(2, 4), d_model=16, n_lay
                     steps=3, batch_size=4, warmup_steps=0, eval_sequences=8)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes: one torch thread (two OpenMP threads stall each other on busy shared cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the root conftest's one-thread fixture
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ import torch
 from attnlab.cache import DynamicCache
 from attnlab.models import load
 
-from conftest import VOCAB
+from tests.models.conftest import VOCAB
+from tests.helpers import EXACT  # noqa: E402
 
 DECODERS = ["gpt2", "gpt2-untied", "llama-gqa", "llama-mqa-tied-bias", "llama-yarn", "llama3-rope"]
 
@@ -61,9 +62,9 @@ def test_llama_gqa_keeps_kv_heads(hf_checkpoint):
     assert (attn.n_heads, attn.n_kv_heads, attn.d_head) == (4, 2, 16)
     # the per-head views are the checkpoint's projections, head by head
     q_proj = hf.model.layers[0].self_attn.q_proj.weight  # (H*dh, d)
-    torch.testing.assert_close(attn.W_Q[1], q_proj[16:32].t(), atol=0, rtol=0)
+    torch.testing.assert_close(attn.W_Q[1], q_proj[16:32].t(), **EXACT)
     o_proj = hf.model.layers[0].self_attn.o_proj.weight  # (d, H*dh)
-    torch.testing.assert_close(attn.W_O[3], o_proj[:, 48:64].t(), atol=0, rtol=0)
+    torch.testing.assert_close(attn.W_O[3], o_proj[:, 48:64].t(), **EXACT)
 
 
 def test_tied_embeddings_stay_tied(hf_checkpoint):

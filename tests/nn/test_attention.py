@@ -14,21 +14,16 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
 from attnlab import masks  # noqa: E402
 from attnlab.cache import DynamicCache  # noqa: E402
 from attnlab.nn import MultiHeadAttention  # noqa: E402
 from attnlab.positions import ALiBi, RoPE, alibi_slopes  # noqa: E402
-from tests.helpers import assert_close_rule  # noqa: E402
+from tests.helpers import F32_REORDER_UNIT, assert_close_rule  # noqa: E402
 
 F64_TOL = 1e-10  # float64 module vs float64 reference: both exact to ~1e-15 at these sizes
 
@@ -342,7 +337,7 @@ def test_cache_float32_matches_full_forward():
     cache = DynamicCache(1)[0]
     outs = [mha(x[:, :5], mask=masks.causal(), cache=cache)]
     outs += [mha(x[:, t:t + 1], mask=masks.causal(), cache=cache) for t in range(5, 8)]
-    torch.testing.assert_close(torch.cat(outs, 1), full, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(outs, 1), full, **F32_REORDER_UNIT)
 
 
 def test_cache_stores_rotated_keys_of_kv_heads():

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from attnlab import masks
 from attnlab.nn import Decoder, Encoder
 from attnlab.nn.config import DecoderConfig, EncoderConfig
+from tests.helpers import F64_FLOOR  # noqa: E402
 
 V = 32
 
@@ -38,9 +39,9 @@ def test_decoder_sliding_window_training_step_compiles_with_zero_graph_breaks(de
     g_got = torch.autograd.grad(got, params)
     want = _loss(decoder, ids, 4)
     g_want = torch.autograd.grad(want, params)
-    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)  # float64: summation order only
+    torch.testing.assert_close(got, want, **F64_FLOOR)  # float64: summation order only
     for a, b in zip(g_got, g_want):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+        torch.testing.assert_close(a, b, **F64_FLOOR)
 
 
 def test_encoder_with_padding_compiles_with_zero_graph_breaks():

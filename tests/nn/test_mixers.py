@@ -14,15 +14,10 @@ from attnlab.ops.linear import FavorFeatures, naive_linear_attention
 from attnlab.positions import RoPE
 from attnlab.train.data import TokenStream
 from attnlab.train.loop import TrainConfig, train
+from tests.helpers import F32_REORDER, F64_REORDER, F64_REORDER_DEEP
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes: one torch thread (two OpenMP threads stall each other on busy shared cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the root conftest's one-thread fixture
 
 
 def randomize(module, seed=0):
@@ -55,7 +50,7 @@ def test_linear_mixer_equals_hand_computation(causal, kw):
     m = randomize(LinearAttentionMixer(24, 4, **kw)).double()
     x = torch.randn(2, 13, 24, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     got = m(x, mask=masks.causal() if causal else None)
-    torch.testing.assert_close(got, hand_linear(m, x, causal), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got, hand_linear(m, x, causal), **F64_REORDER)
 
 
 def test_linear_mixer_with_rope_and_favor_equals_hand_computation():
@@ -64,7 +59,7 @@ def test_linear_mixer_with_rope_and_favor_equals_hand_computation():
     assert isinstance(m.feature_map, FavorFeatures) and m.feature_map.n_features == 32
     x = torch.randn(1, 9, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     got = m(x, mask=masks.causal(), pos=5)
-    torch.testing.assert_close(got, hand_linear(m, x, True, m.feature_map, pos=5), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(got, hand_linear(m, x, True, m.feature_map, pos=5), **F64_REORDER_DEEP)
     # the positions matter: a different offset gives a different output
     assert (m(x, mask=masks.causal(), pos=0) - got).abs().max() > 1e-6
 
@@ -78,7 +73,7 @@ def test_linear_mixer_pattern_averages_v():
     _, _, v = m.project(x)
     z = w.double() @ v.expand(-1, 2, -1, -1)
     want = torch.einsum("bhne,hed->bnd", z, m.W_O) + m.out_bias
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)   # the pattern is float32
+    torch.testing.assert_close(out, want, **F32_REORDER)   # the pattern is float32
 
 
 def test_linear_mixer_has_multiheadattention_parameters():
@@ -96,7 +91,7 @@ def test_linear_mixer_cache_equals_full():
     c = RecurrentCache()
     parts = [m(x[:, :4], mask=masks.causal(), cache=c)] + [m(x[:, t:t + 1], mask=masks.causal(), cache=c)
                                                              for t in range(4, 10)]
-    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(torch.cat(parts, 1), full, **F64_REORDER)
     assert c.seen == 10
 
 
@@ -182,7 +177,7 @@ def test_decoder_recurrent_cache_equals_full_forward(mixer):
     cache = RecurrentCache.for_layers(2)
     parts = [model(ids[:, :5], cache=cache).logits] + [model(ids[:, t:t + 1], cache=cache).logits
                                                         for t in range(5, 9)]
-    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(torch.cat(parts, 1), full, **F64_REORDER)
 
 
 def test_decoder_mixer_errors_and_patterns():

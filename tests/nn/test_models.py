@@ -11,6 +11,7 @@ from attnlab import masks
 from attnlab.cache import DynamicCache
 from attnlab.nn import Decoder, DecoderConfig, Encoder, EncoderConfig, ModelOutput, mean_pool
 from attnlab.positions import LinearScaling, Llama3Scaling, YaRNScaling
+from tests.helpers import F32_REORDER  # noqa: E402
 
 V = 37
 
@@ -193,8 +194,8 @@ def test_attn_only_has_no_norms_or_mlps_and_is_a_sum_of_attention_outputs(positi
     resid = x
     for b in m.blocks:
         resid = resid + b.attn(resid, mask=masks.causal())
-    torch.testing.assert_close(out.last_hidden_state, resid, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out.logits, resid @ m.lm_head.weight.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.last_hidden_state, resid, **F32_REORDER)
+    torch.testing.assert_close(out.logits, resid @ m.lm_head.weight.T, **F32_REORDER)
     # the residual stream is exactly the embedding plus every layer's attention output
     deltas = [out.hidden_states[i + 1] - out.hidden_states[i] for i in range(3)]
     torch.testing.assert_close(out.hidden_states[0] + sum(deltas), out.last_hidden_state)

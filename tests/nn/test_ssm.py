@@ -10,15 +10,10 @@ import torch
 from attnlab import masks
 from attnlab.nn.ssm import (RecurrentCache, SSMMixer, selective_scan, selective_scan_reference,
                             selective_scan_step)
+from tests.helpers import EXACT, F64_REORDER, F64_REORDER_DEEP
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes: one torch thread (two OpenMP threads stall each other on busy shared cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the root conftest's one-thread fixture
 
 
 def scan_inputs(b=2, N=23, H=3, P=4, S=5, *, seed=0, dtype=torch.float64, dt_scale=1.0, with_D=True,
@@ -66,14 +61,14 @@ def test_chunked_equals_reference_float64(N, chunk, with_state):
     y_ref, h_ref = call(selective_scan_reference, inp, return_state=True)
     y, h = call(selective_scan, inp, chunk_size=chunk, return_state=True)
     assert y.dtype == h.dtype == torch.float64 and y.shape == (2, N, 3, 4) and h.shape == (2, 3, 4, 5)
-    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(h, h_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(y, y_ref, **F64_REORDER)
+    torch.testing.assert_close(h, h_ref, **F64_REORDER)
 
 
 def test_chunked_equals_reference_per_channel_heads_without_D():
     inp = scan_inputs(b=1, N=19, H=6, P=1, S=3, with_D=False)   # P = 1: one decay per channel
     torch.testing.assert_close(call(selective_scan, inp, chunk_size=4), call(selective_scan_reference, inp),
-                               rtol=1e-10, atol=1e-10)
+                               **F64_REORDER)
 
 
 def test_gradients_match_reference_float64():
@@ -86,7 +81,7 @@ def test_gradients_match_reference_float64():
         g = torch.autograd.grad((y * w).sum() + h.square().sum(), list(leaves.values()))
         grads.append(g)
     for name, a, b in zip(leaves, *grads):
-        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9, msg=lambda m, n=name: f"grad of {n}: {m}")
+        torch.testing.assert_close(b, a, **F64_REORDER_DEEP, msg=lambda m, n=name: f"grad of {n}: {m}")
         assert a.abs().max() > 0  # not vacuous
 
 
@@ -116,7 +111,7 @@ def test_large_steps_stay_finite_and_exact():
     inp = scan_inputs(N=40, dt_scale=300.0, with_state=True)
     y = call(selective_scan, inp, chunk_size=16)
     assert torch.isfinite(y).all()
-    torch.testing.assert_close(y, call(selective_scan_reference, inp), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(y, call(selective_scan_reference, inp), **F64_REORDER)
 
 
 def test_half_precision_inputs_accumulate_in_float32():
@@ -137,8 +132,8 @@ def test_steps_equal_the_scan():
         y, h = selective_scan_step(inp["x"][:, t], inp["dt"][:, t], inp["A"], inp["B"][:, t], inp["C"][:, t],
                                    inp["D"], state=h)
         ys.append(y)
-    torch.testing.assert_close(torch.stack(ys, 1), y_scan, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(h, h_scan, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(torch.stack(ys, 1), y_scan, **F64_REORDER)
+    torch.testing.assert_close(h, h_scan, **F64_REORDER)
 
 
 def test_scan_in_pieces_carries_the_state():
@@ -149,8 +144,8 @@ def test_scan_in_pieces_carries_the_state():
     y1, h1 = call(selective_scan, first, chunk_size=4, return_state=True)
     second["state"] = h1
     y2, h2 = call(selective_scan, second, chunk_size=7, return_state=True)
-    torch.testing.assert_close(torch.cat([y1, y2], 1), whole, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(h2, h_whole, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(torch.cat([y1, y2], 1), whole, **F64_REORDER)
+    torch.testing.assert_close(h2, h_whole, **F64_REORDER)
 
 
 def test_empty_sequence_returns_the_state_unchanged():
@@ -169,7 +164,7 @@ def test_scan_is_causal(fn):
     for k in ("x", "dt", "B", "C"):
         later[k][:, t0 + 1:] = later[k][:, t0 + 1:] * 3 + 1  # change everything after t0
     y, y2 = call(fn, inp, chunk_size=8), call(fn, {**inp, **later}, chunk_size=8)
-    torch.testing.assert_close(y2[:, :t0 + 1], y[:, :t0 + 1], rtol=0, atol=0)
+    torch.testing.assert_close(y2[:, :t0 + 1], y[:, :t0 + 1], **EXACT)
     assert (y2[:, t0 + 1:] - y[:, t0 + 1:]).abs().max() > 1e-3
 
 
@@ -205,7 +200,7 @@ def test_mixer_cache_token_by_token_equals_full(d_conv):
     cache = RecurrentCache()
     pieces = [m(x[:, :3], cache=cache)] + [m(x[:, t:t + 1], cache=cache) for t in range(3, 7)]
     pieces.append(m(x[:, 7:], cache=cache))
-    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, **F64_REORDER)
     assert cache.seen == 11
 
 

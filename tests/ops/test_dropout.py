@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import attnlab
 from attnlab import masks
 from tests.ops.conftest import dense_allowed, loss_weights, make_qkv
-from tests.helpers import FLOOR, assert_close_rule
+from tests.helpers import FLOOR, check_rule
 
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
 # Statistical tests fail with probability ~ 1e-6 per check at this many standard deviations
@@ -51,9 +51,7 @@ def _run(q, k, v, *, backend, grad=True, **kw):
 
 
 def _rule(fast, ref, oracle, dtype, what):
-    for key in fast:
-        assert_close_rule(fast[key], ref[key], oracle[key], dtype, factor=2.0 if key in ("out", "lse") else 3.0,
-                          what=f"{what} {key}")
+    check_rule(fast, ref, oracle, dtype, what, keys=tuple(fast))
 
 
 CASES = {  # (B, H, Hkv, Nq, Nk, D, Dv), mask

@@ -16,6 +16,7 @@ from attnlab.train.checkpoint import (
     MODEL_FILE, OPTIMIZER_FILE, TRAINER_JSON, latest_checkpoint, load_checkpoint, save_checkpoint)
 from attnlab.train.data import TokenStream
 from attnlab.train.loop import TrainConfig, configure_optimizer, evaluate, lr_at, train
+from tests.helpers import F32_PRODUCT
 
 # Checkpoints need the safetensors package (the training loop itself does not).
 needs_safetensors = pytest.mark.skipif(importlib.util.find_spec("safetensors") is None,
@@ -24,13 +25,7 @@ needs_safetensors = pytest.mark.skipif(importlib.util.find_spec("safetensors") i
 VOCAB, SEQ, BATCH = 16, 32, 8
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Bitwise reproducibility needs a fixed thread count; restore the caller's afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the root conftest's one-thread fixture; bitwise reproducibility needs a fixed thread count
 
 
 def make_model(seed=0, **kw) -> Decoder:
@@ -132,7 +127,7 @@ def test_weight_decay_only_on_matrices_and_tied_weight_once():
     opt.step()
     for n, p in model.named_parameters():
         if p.dim() >= 2:
-            torch.testing.assert_close(p.detach(), before[n] * (1 - 0.1 * 0.5), rtol=1e-6, atol=0)
+            torch.testing.assert_close(p.detach(), before[n] * (1 - 0.1 * 0.5), **F32_PRODUCT)
         else:
             assert torch.equal(p.detach(), before[n]), n
 
