@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from attnlab.masks import Mask
-from attnlab.ops.blockmask import EMPTY, FULL, PARTIAL
+from attnlab.masks import EMPTY, FULL, PARTIAL
 from attnlab.scores import ScoreMod
 
 __all__ = ["ShardMask", "ShardScoreMod", "HeadView", "HeadScoreMod", "need_matrix", "runs"]

@@ -92,7 +92,7 @@ class AttentionCall:
         idx = idx % H  # Python's meaning of negative indices
         kv = idx // (H // Hkv)  # the kv head each chosen query head reads
         mask, mod = self.mask, self.score_mod
-        if hasattr(mask, "plan"):  # a BlockMask: its predicate
+        if isinstance(mask, masks.BlockMask):  # a BlockMask: its predicate
             mask = mask.mask
         if heads is not None:  # masks and score mods must see the original head indices
             dev = idx.to(self.q.device)

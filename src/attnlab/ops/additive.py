@@ -51,7 +51,7 @@ import numbers
 
 import torch
 
-from attnlab.ops.blockmask import BlockMask
+from attnlab.masks import BlockMask
 from attnlab.ops.checks import FLOAT_DTYPES as _FLOAT_DTYPES, check_qkv
 
 __all__ = ["additive_attention", "naive_additive_attention"]

@@ -27,17 +27,16 @@ while ``|scale·q·k| <= FUSED_MAX`` (huge scales take the exact path).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
+from attnlab.masks import BlockMask
+from attnlab.masks import cache as mask_cache
 from attnlab.ops.finite import all_finite, traced, zmm
 from attnlab.ops.modparams import check_tile_graph, marker, score_mod_params
 from attnlab.ops.reference import acc_dtype
 from attnlab.ops.tiles import choose_tiles, tile_candidates
 
 _NEG_INF = float("-inf")
-_PICKS_KEPT = 8  # tile choices remembered per mask (one per problem shape)
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x·log2 e), and exp2 is the cheaper kernel
 # The fused ``scale·x − m`` of the fast path rounds once more than ``x·scale − m`` and can
 # land above 0 by about ulp(|m|); past this bound on |scale·q·k| (where ulp(|m|) reaches
@@ -448,7 +447,7 @@ def make_problem(q, k, *, mask, score_mod, scale, q_offset, kv_offset, block=Non
     non-finite inputs)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    if mask is not None and hasattr(mask, "plan"):
+    if isinstance(mask, BlockMask):
         block_mask = mask
         block = (mask.block_q, mask.block_k)
     elif mask is not None and Nq > 0 and Nk > 0:
@@ -497,13 +496,9 @@ def _pick_block_mask(mask, dtype, B, H, Nq, Nk, D, q_offset, kv_offset, block, d
     cands = tile_candidates(dtype, D, B * H, device)
     if not getattr(mask, "cheap_classify", False):
         return mask.block_mask(B, H, Nq, Nk, block=cands[0], **kw)
-    picks = mask.__dict__.setdefault("_tile_picks", OrderedDict())  # the choice per problem (LRU)
-    key = (B, H, Nq, Nk, q_offset, kv_offset, tuple(cands))
-    if key in picks:
-        picks.move_to_end(key)
-        return picks[key]
+    key = (mask_cache.mask_id(mask), B, H, Nq, Nk, q_offset, kv_offset, tuple(cands))  # the choice per problem
+    hit = mask_cache.tile_picks.get(key)
+    if hit is not None:
+        return hit
     bms = [mask.block_mask(B, H, Nq, Nk, block=c, **kw) for c in cands]
-    picks[key] = min(bms, key=lambda bm: bm.cost(B * H))
-    if len(picks) > _PICKS_KEPT:
-        picks.popitem(last=False)
-    return picks[key]
+    return mask_cache.tile_picks.put(key, min(bms, key=lambda bm: bm.cost(B * H)))

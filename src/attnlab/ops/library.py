@@ -31,6 +31,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
+from attnlab.masks import BlockMask, mask_from_key, mask_key
 from attnlab.ops.flash import DOUBLE_BACKWARD, DoubleBackwardError, flash_backward, flash_forward, make_problem, refuse_double_backward
 from attnlab.ops.reference import acc_dtype
 
@@ -45,7 +46,6 @@ def _tensor_id(t: Tensor):
 def _mask(spec: str, tensors, ints):
     if not spec:
         return None
-    from attnlab.masks import mask_from_key
     key = (spec, tuple(int(i) for i in ints), tuple(_tensor_id(t) for t in tensors))
     hit = _rebuilt.get(key)
     if hit is not None:
@@ -237,9 +237,8 @@ torch.library.register_vmap("attnlab::flash_bwd", _loop_rule(torch.ops.attnlab.f
 def op_args(q, k, mask, score_mod, q_offset, kv_offset, block=None):
     """The operator's non-``q/k/v`` arguments for ``mask``/``score_mod``, or None when one
     has no structural key (``custom``)."""
-    from attnlab.masks import mask_key
     from attnlab.scores import mod_key
-    if mask is not None and hasattr(mask, "plan"):  # a BlockMask: its mask and tile sizes
+    if isinstance(mask, BlockMask):  # a BlockMask: its mask and tile sizes
         block = (mask.block_q, mask.block_k)
         mask = mask.mask
     mk = ("", [], []) if mask is None else mask_key(mask)

@@ -23,7 +23,7 @@ import numbers
 import torch
 
 from attnlab import scores
-from attnlab.masks_extra import varlen as varlen_mask
+from attnlab.masks import varlen as varlen_mask
 from attnlab.ops.dispatch import attention
 
 

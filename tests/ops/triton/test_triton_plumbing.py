@@ -18,7 +18,7 @@ import torch
 
 import attnlab
 from attnlab import masks, scores
-from attnlab.ops.blockmask import EMPTY, FULL, PARTIAL
+from attnlab.masks import EMPTY, FULL, PARTIAL
 from attnlab.ops.dispatch import _auto
 from attnlab.ops.triton import config
 from attnlab.ops.triton.masking import block_lists, lower_mask, plan_for, tile_table
