@@ -12,7 +12,7 @@ from attnlab import masks
 from attnlab.masks import MaskStructure
 
 B, NQ, NK = 2, 5, 9
-SETTINGS = settings(max_examples=150, deadline=None)
+SETTINGS = settings(max_examples=100, deadline=None)
 
 
 def _grid(m, B, Nq, Nk, q_offset, kv_offset, H=1):
@@ -84,6 +84,34 @@ def test_lowered_structure_evaluates_to_the_masks_predicate(data, kv_offset, ext
     assert torch.equal(got.expand(B, 1, NQ, NK), want), f"{m!r} lowered to {s!r}"
 
 
+@SETTINGS
+@given(data=st.data(), bq=st.integers(1, 4), bk=st.integers(1, 4))
+def test_structure_tile_states_are_exact_where_they_say_so(data, bq, bk):
+    q_offset, kv_offset, total = 4, 0, NK
+    m = data.draw(combos(total, total))
+    s = m.lower()
+    if s is None:
+        return
+    nqb, nkb = -(-NQ // bq), -(-NK // bk)
+    ql = (torch.arange(nqb) * bq + q_offset).view(-1, 1)
+    qh = (torch.clamp(torch.arange(1, nqb + 1) * bq, max=NQ) - 1 + q_offset).view(-1, 1)
+    kl = (torch.arange(nkb) * bk + kv_offset).view(1, -1)
+    kh = (torch.clamp(torch.arange(1, nkb + 1) * bk, max=NK) - 1 + kv_offset).view(1, -1)
+    states = s.classify(B, 1, ql, qh, kl, kh)
+    if states is None:
+        assert not s.fields() <= MaskStructure.CLASSIFIED
+        return
+    states = states.expand(B, 1, nqb, nkb)
+    want = s.evaluate(B, NQ, NK, q_offset, kv_offset).expand(B, 1, NQ, NK)
+    for i in range(nqb):
+        for j in range(nkb):
+            tile = want[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+            for b in range(B):
+                st_ = int(states[b, 0, i, j])
+                assert st_ != masks.FULL or bool(tile[b].all()), (m, i, j)
+                assert st_ != masks.EMPTY or not bool(tile[b].any()), (m, i, j)
+
+
 def test_enough_combinations_lower():
     """The property test is not vacuous: `&` of bands, paddings and documents lowers."""
     ids = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2, 2])
@@ -102,7 +130,7 @@ def test_builtins_lower_to_the_contracts_fields():
     ids = torch.tensor([0, 0, 1])
     lens = torch.tensor([2, 3])
     keep = torch.ones(2, 3, dtype=torch.bool)
-    f = lambda m: {k: getattr(m.lower(), k) for k in m.lower().fields()}  # noqa: E731
+    f = lambda m: {k: getattr(m.lower(), k) for k in m.lower().fields()}
     assert f(masks.causal()) == {"right": 0}
     assert f(masks.sliding_window(4)) == {"left": 3, "right": 0}
     assert f(masks.sliding_window(4, right=2)) == {"left": 3, "right": 2}
@@ -159,6 +187,19 @@ class _MyCausal(masks.Mask):
 
     def lower(self):
         return MaskStructure(right=0)
+
+
+def test_flash_tile_classifier_reads_the_structure_of_a_mask_without_classify():
+    class Lowered(masks.Mask):  # no classify(): the structure classifies its tiles exactly
+        def predicate(self, b, h, q, kv):
+            return kv <= q
+
+        def lower(self):
+            return MaskStructure(right=0)
+
+    got = Lowered().block_mask(1, 1, 64, 64, block=(16, 16)).states
+    assert torch.equal(got, masks.causal().block_mask(1, 1, 64, 64, block=(16, 16)).states)
+    assert (got == masks.EMPTY).sum() == 6 and (got == masks.PARTIAL).sum() == 4
 
 
 def test_sdpa_recognises_a_new_mask_lowering_to_causal():

@@ -73,7 +73,7 @@ class Mask:
         """This mask as a :class:`~attnlab.masks.MaskStructure` (band, sinks, padding,
         document ids, ...) that kernels read, or ``None`` when it has none (``custom``,
         ``tree``, most ``|``/``~``).  Kernels never recognise masks any other way."""
-        return None
+        return
 
     def key(self):
         """``(spec, tensors, ints)``: this mask by structure and parameters, what compiled code
@@ -89,7 +89,7 @@ class Mask:
         tensors of inclusive absolute positions.  Returns int8 states broadcastable to
         ``(B, H, nqb, nkb)``.  ``EMPTY``/``FULL`` must be certain; ``PARTIAL`` is always safe.
         """
-        return None
+        return
 
     def validate(self, B: int, H: int, Nq: int, Nk: int, q_offset: int, kv_offset: int) -> None:
         """Raise ``ValueError`` if this mask cannot describe that problem."""
@@ -125,6 +125,8 @@ class Mask:
         kv_lo = (torch.arange(nkb) * bk + kv_offset).view(1, -1)
         kv_hi = (torch.clamp(torch.arange(1, nkb + 1) * bk, max=Nk) - 1 + kv_offset).view(1, -1)
         states = None if nqb == 0 or nkb == 0 else self.classify(B, H, q_lo, q_hi, kv_lo, kv_hi)
+        if states is None and nqb and nkb and (s := self.lower()) is not None:
+            states = s.classify(B, H, q_lo, q_hi, kv_lo, kv_hi)  # a mask that lowers but has no classifier
         if nqb == 0 or nkb == 0:  # no tile at all
             states = torch.zeros(1, 1, nqb, nkb, dtype=torch.int8)
         elif states is None:
@@ -162,15 +164,15 @@ class Mask:
         return torch.cat(rows, dim=-2)
 
     # -- algebra -------------------------------------------------------------------
-    def __and__(self, other: "Mask") -> "Mask":
+    def __and__(self, other: Mask) -> Mask:
         from attnlab.masks.combinators import And
         return And(self, _check_mask(other, "&"))
 
-    def __or__(self, other: "Mask") -> "Mask":
+    def __or__(self, other: Mask) -> Mask:
         from attnlab.masks.combinators import Or
         return Or(self, _check_mask(other, "|"))
 
-    def __invert__(self) -> "Mask":
+    def __invert__(self) -> Mask:
         from attnlab.masks.combinators import Not
         return Not(self)
 

@@ -7,7 +7,7 @@ Each is a :class:`~attnlab.masks.Mask` with an exact tile classifier and (but fo
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -15,8 +15,17 @@ from attnlab.masks.base import Mask, _states
 from attnlab.masks.structure import MaskStructure
 from attnlab.validate import ArgumentTypeError, integer, tensor_check
 
-__all__ = ["causal", "sliding_window", "prefix_lm", "sink_window", "document", "padding", "key_padding",
-           "tree", "custom"]
+__all__ = [
+    "causal",
+    "custom",
+    "document",
+    "key_padding",
+    "padding",
+    "prefix_lm",
+    "sink_window",
+    "sliding_window",
+    "tree",
+]
 
 
 class _Causal(Mask):

@@ -1,9 +1,9 @@
 """The caches the kernels keep for masks, in one bounded place.
 
 Classified tiles (:class:`~attnlab.masks.BlockMask` per mask and shape), the flash
-backend's tile-size pick per problem, and the Triton kernels' per-device plans used to
-be attributes written onto the mask and BlockMask objects; they live here now, each an
-LRU of bounded length.  Keys hold the object they describe alive (the cached value
+backend's tile-size pick per problem and the Triton kernels' per-device plans used to
+be attributes written onto the mask and BlockMask objects; they live here now, with the
+masks the flash custom ops rebuild from keys, each an LRU of bounded length.  Keys hold the object they describe alive (the cached value
 refers to it), so an ``id`` in a key is never reused while its entry exists.
 
 :func:`mask_id` keys a built-in mask without tensors by its structural key (so a
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-__all__ = ["LRU", "block_masks", "tile_picks", "plans", "mask_id", "clear"]
+__all__ = ["LRU", "block_masks", "clear", "mask_id", "plans", "rebuilt", "tile_picks"]
 
 
 class LRU:
@@ -47,12 +47,16 @@ class LRU:
 
 
 #: BlockMasks by (mask_id, B, H, Nq, Nk, q_offset, kv_offset, block_q, block_k).  The
-#: flash backend classifies up to 9 tilings of one problem; 128 covers a dozen problems.
-block_masks = LRU(128)
+#: flash backend classifies up to 9 tilings of one problem: 64 covers about 7 problems
+#: (each BlockMask keeps at most ``BlockMask.TILE_CACHE_BYTES`` of evaluated tiles).
+block_masks = LRU(64)
 #: The flash backend's tile pick by (mask_id, problem, dtype, device): (mask, block).
 tile_picks = LRU(256)
 #: Triton plans by (id(block_mask), device): the Plan (which holds its BlockMask).
 plans = LRU(64)
+#: Masks the ``attnlab::flash_*`` custom ops rebuilt from structural keys, by (spec, ints,
+#: tensor identities): (mask, tensors), so the tensors stay alive while their key is cached.
+rebuilt = LRU(32)
 
 
 def mask_id(mask):
@@ -66,5 +70,5 @@ def mask_id(mask):
 
 def clear():
     """Empty every cache (tests; freeing memory)."""
-    for c in (block_masks, tile_picks, plans):
+    for c in (block_masks, tile_picks, plans, rebuilt):
         c.clear()

@@ -8,7 +8,7 @@ from attnlab.masks.base import Mask
 from attnlab.masks.blockmask import FULL
 from attnlab.masks.structure import and_structures, or_structures
 
-__all__ = ["And", "Or", "Not"]
+__all__ = ["And", "Not", "Or"]
 
 
 class And(Mask):

@@ -17,7 +17,7 @@ from attnlab.masks.builtins import _block_minmax
 from attnlab.masks.structure import MaskStructure
 from attnlab.validate import integer
 
-__all__ = ["band", "dense", "per_batch_q_offset", "varlen", "check_dense", "dense_mask"]
+__all__ = ["band", "check_dense", "dense", "dense_mask", "per_batch_q_offset", "varlen"]
 
 
 class _Band(Mask):

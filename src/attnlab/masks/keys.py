@@ -15,11 +15,20 @@ from __future__ import annotations
 import torch
 
 from attnlab.masks.base import Mask
-from attnlab.masks.builtins import _Causal, _Document, _KeyPadding, _Padding, _PrefixLM, _SinkWindow, _SlidingWindow, _Tree
+from attnlab.masks.builtins import (
+    _Causal,
+    _Document,
+    _KeyPadding,
+    _Padding,
+    _PrefixLM,
+    _SinkWindow,
+    _SlidingWindow,
+    _Tree,
+)
 from attnlab.masks.combinators import And, Not, Or
 from attnlab.masks.extra import _Band, _Dense, _ShiftedMask, _Varlen
 
-__all__ = ["KeyBuilder", "mask_key", "parse_key", "mask_from_key"]
+__all__ = ["KeyBuilder", "mask_from_key", "mask_key", "parse_key"]
 
 
 class KeyBuilder:
@@ -127,7 +136,7 @@ def parse_key(spec: str):
     return out
 
 
-def mask_from_key(spec: str, tensors, ints) -> "Mask":
+def mask_from_key(spec: str, tensors, ints) -> Mask:
     """The mask :func:`mask_key` described (no validation: the original was validated)."""
     def leaf(x):
         if x[0] == "t":

@@ -31,10 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MaskStructure", "ALL", "and_structures", "or_structures"]
-
-_DEFAULTS = None  # filled below: field name -> default value
-
+__all__ = ["ALL", "MaskStructure", "and_structures", "or_structures"]
 
 @dataclass(frozen=True, eq=False)
 class MaskStructure:
@@ -88,7 +85,7 @@ class MaskStructure:
                 out.append(name)
         return frozenset(out)
 
-    def replace(self, **kw) -> "MaskStructure":
+    def replace(self, **kw) -> MaskStructure:
         return dataclasses.replace(self, **kw)
 
     @property
@@ -149,6 +146,49 @@ class MaskStructure:
         Bo = B if out.shape[0] > 1 else 1
         Ho = H if out.shape[1] > 1 else 1
         return out.expand(Bo, Ho, Nq, Nk)
+
+    # -- tile classification --------------------------------------------------------
+    #: The fields :meth:`classify` reads; with any other the tiles need evaluation.
+    CLASSIFIED = frozenset({"left", "right", "sinks", "sinks_right", "kv_len", "key_keep", "q_ids", "kv_ids"})
+
+    def classify(self, B, H, ql, qh, kl, kh):
+        """Exact tile states from the structure (as :meth:`attnlab.masks.Mask.classify`:
+        inclusive absolute bounds ``ql, qh (nqb, 1)``, ``kl, kh (1, nkb)``; int8 states
+        broadcastable to ``(B, H, nqb, nkb)``), or None when a field needs evaluation."""
+        if not self.fields() <= self.CLASSIFIED:
+            return None
+        from attnlab.masks.base import _states
+        from attnlab.masks.builtins import _block_minmax
+        full = torch.ones((1, 1, ql.shape[0], kl.shape[1]), dtype=torch.bool)
+        empty = torch.zeros_like(full)
+        if self.has_band:  # q - kv ranges over [ql - kh, qh - kl] in a tile
+            bf, be = torch.ones_like(full), torch.zeros_like(full)
+            if self.left is not None:
+                bf, be = bf & (qh - kl <= self.left), be | (ql - kh > self.left)
+            if self.right is not None:
+                bf, be = bf & (kh - ql <= self.right), be | (kl - qh > self.right)
+            if self.sinks:
+                sf, se = kh < self.sinks, kl >= self.sinks
+                if self.sinks_right is not None:
+                    sf, se = sf & (kh - ql <= self.sinks_right), se | (kl - qh > self.sinks_right)
+                bf, be = bf | sf, be & se
+            full, empty = full & bf, empty | be
+        if self.kv_len is not None:
+            L = self.kv_len.view(-1, 1, 1, 1)
+            full, empty = full & (kh < L), empty | (kl >= L)
+        if self.key_keep is not None:
+            c = torch.nn.functional.pad(self.key_keep.to(torch.int32).cumsum(-1), (1, 0))
+            lo, hi = kl.flatten(), kh.flatten() + 1
+            n = (c[:, hi] - c[:, lo]).view(c.shape[0], 1, 1, -1)
+            full, empty = full & (n == (hi - lo)), empty | (n == 0)
+        if self.q_ids is not None:
+            qmin, qmax = _block_minmax(self.q_ids, ql, qh)
+            kmin, kmax = _block_minmax(self.kv_ids, kl, kh)
+            qmin, qmax = qmin[:, None, :, None], qmax[:, None, :, None]
+            kmin, kmax = kmin[:, None, None, :], kmax[:, None, None, :]
+            full = full & (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
+            empty = empty | (qmax < kmin) | (kmax < qmin)
+        return _states(full, empty)
 
     def __repr__(self):
         parts = []
@@ -220,15 +260,12 @@ def and_structures(a: MaskStructure | None, b: MaskStructure | None) -> MaskStru
             return None
         keep = a.key_keep & b.key_keep
     try:
-        if (a.q_ids is None) == (b.q_ids is None) and a.q_ids is not None:
-            raise KeyError
-        q_ids = _one(a.q_ids, b.q_ids)
-        kv_ids = a.kv_ids if a.q_ids is not None else b.kv_ids
-        if (a.dense is not None and b.dense is not None):
-            raise KeyError
-        d = a if a.dense is not None else b
+        q_ids = _one(a.q_ids, b.q_ids)  # two id comparisons, or two dense tensors, do not merge
+        _one(a.dense, b.dense)
     except KeyError:
         return None
+    kv_ids = a.kv_ids if a.q_ids is not None else b.kv_ids
+    d = a if a.dense is not None else b
     return MaskStructure(kv_len=kv_len, q_ids=q_ids, kv_ids=kv_ids, key_keep=keep, dense=d.dense,
                          dense_q_offset=d.dense_q_offset, dense_kv_offset=d.dense_kv_offset,
                          q_shift=a.q_shift if a.q_shift is not None else b.q_shift, **band)

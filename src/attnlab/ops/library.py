@@ -26,17 +26,14 @@ that names ``backend="reference"`` (docs/compile.md).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 from torch import Tensor
 
 from attnlab.masks import BlockMask, mask_from_key, mask_key
+from attnlab.masks import cache as mask_cache
 from attnlab.ops.flash import DOUBLE_BACKWARD, DoubleBackwardError, flash_backward, flash_forward, make_problem, refuse_double_backward
 from attnlab.ops.reference import acc_dtype
 
-_KEEP = 32  # masks rebuilt from keys, kept with their classified tiles
-_rebuilt: OrderedDict = OrderedDict()
 
 
 def _tensor_id(t: Tensor):
@@ -47,14 +44,11 @@ def _mask(spec: str, tensors, ints):
     if not spec:
         return None
     key = (spec, tuple(int(i) for i in ints), tuple(_tensor_id(t) for t in tensors))
-    hit = _rebuilt.get(key)
+    hit = mask_cache.rebuilt.get(key)
     if hit is not None:
-        _rebuilt.move_to_end(key)
         return hit[0]
     m = mask_from_key(spec, list(tensors), [int(i) for i in ints])
-    _rebuilt[key] = (m, list(tensors))  # the tensors stay alive while their key is cached
-    if len(_rebuilt) > _KEEP:
-        _rebuilt.popitem(last=False)
+    mask_cache.rebuilt.put(key, (m, list(tensors)))  # the tensors stay alive while their key is cached
     return m
 
 
