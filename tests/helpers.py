@@ -142,7 +142,7 @@ def assert_tiles_sound(states, dense, bq, bk, where, exact):
     """A BlockMask's tile states (expanded to (B, H, nqb, nkb)) against the truth from the
     dense mask: EMPTY tiles hold no allowed pair, FULL tiles no forbidden one, and with
     ``exact`` every tile has the one verdict the truth gives."""
-    from attnlab.ops.blockmask import EMPTY, FULL, PARTIAL
+    from attnlab.masks import EMPTY, FULL, PARTIAL
     anyt, allt = tile_truth(dense, bq, bk)
     assert not ((states == EMPTY) & anyt).any(), f"{where}: a tile marked EMPTY has an allowed pair"
     assert not ((states == FULL) & ~allt).any(), f"{where}: a tile marked FULL has a forbidden pair"

@@ -26,9 +26,6 @@ PKG = SRC / "attnlab"
 
 # (importing module, imported module, name): left for the helper or issue that owns the files
 ALLOWED = {
-    # masks.py / masks_extra.py are being turned into the attnlab.masks package (issue 14, masks-pkg)
-    ("attnlab.masks_extra", "attnlab.masks", "_states"),
-    ("attnlab.masks_extra", "attnlab.masks", "_block_minmax"),
     # lab/ is outside this change (issue 14: lab/ is reorganised separately)
     ("attnlab.lab.sinks", "attnlab.interp.detectors", "_masked_mean"),
 }

@@ -1,5 +1,5 @@
 """masks.band / sliding_window(w, right=r) (flash-attn's window_size=(left, right)) and
-masks.dense: predicates and exact tile classification (masks_extra.py, issue 15)."""
+masks.dense: predicates and exact tile classification (attnlab/masks/extra.py, issue 15)."""
 
 from __future__ import annotations
 

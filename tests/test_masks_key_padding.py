@@ -174,11 +174,13 @@ def test_sdpa_mapping_matches_reference(Hq, Hkv, Nq, Nk, ko):
 
 
 def test_sdpa_bool_mask_is_the_keep_slice():
+    from attnlab.ops.sdpa import key_keep_slice
     keep = random_keep(3, "left")
     m = masks.key_padding(keep)
-    got = m.sdpa_bool_mask(B, 4, 10, 7)
-    assert got.shape == (B, 1, 1, 10) and got.dtype == torch.bool
-    assert torch.equal(got[:, 0, 0], keep[:, 7:17])
+    assert m.lower().fields() == {"key_keep"} and m.lower().key_keep is keep
+    got = key_keep_slice(m, 10, 7)
+    assert got.shape == (B, 10) and got.dtype == torch.bool
+    assert torch.equal(got, keep[:, 7:17])
 
 
 @pytest.mark.parametrize("backend", ["auto", "flash", "reference"])

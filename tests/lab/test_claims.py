@@ -187,12 +187,18 @@ def test_scale_of_one_flips_the_variance_claims(monkeypatch):
 
 def test_leaky_causal_mask_flips_the_past_fixed_claim(monkeypatch):
     from attnlab import masks
+    from attnlab.masks import cache as mask_cache
     from attnlab.nn import decoder
-    monkeypatch.setattr(masks._Causal, "predicate", lambda self, b, h, q, kv: kv <= q + 1)  # peeks one ahead
-    monkeypatch.setattr(masks._Causal, "classify", lambda self, *a: None)
-    monkeypatch.setattr(masks._Causal, "sdpa_causal", False)
-    monkeypatch.setattr(decoder, "_CAUSAL", masks.causal())  # keep the shared instance's caches clean
-    assert _verdict("causal-mask-keeps-past-fixed") is N
+    causal = type(masks.causal())
+    mask_cache.clear()  # tiles classified before the leak would hide it; tiles classified with it must not stay
+    monkeypatch.setattr(causal, "predicate", lambda self, b, h, q, kv: kv <= q + 1)  # peeks one ahead
+    monkeypatch.setattr(causal, "classify", lambda self, *a: None)
+    monkeypatch.setattr(causal, "lower", lambda self: None)  # no kernel takes it for causal()
+    monkeypatch.setattr(decoder, "_CAUSAL", masks.causal())
+    try:
+        assert _verdict("causal-mask-keeps-past-fixed") is N
+    finally:
+        mask_cache.clear()
 
 
 def test_stale_kv_cache_flips_the_cache_claim(monkeypatch):

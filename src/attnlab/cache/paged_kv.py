@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 
 from attnlab.cache.base import KV, DenseKV
-from attnlab.masks import Mask
-from attnlab.ops.blockmask import EMPTY, FULL, PARTIAL
+from attnlab.masks import EMPTY, FULL, PARTIAL, BlockMask, Mask
 from attnlab.ops.decode import split_kv_attention
 from attnlab.ops.merge import merge_states
 from attnlab.scores import ScoreMod
@@ -133,7 +132,7 @@ class PagedKV(KV):
         if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != B:
             raise ValueError(f"PagedKV.attend: expected q (B={B}, H, Nq, D) for the {B} selected sequences, got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
-        if mask is not None and hasattr(mask, "plan") and hasattr(mask, "mask"):
+        if isinstance(mask, BlockMask):
             mask = mask.mask  # a BlockMask was built for a dense shape: its predicate is what counts
         H, Nq, Dv = q.shape[1], q.shape[2], self.cache.v_pool[self.layer].shape[3]
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -14,6 +14,7 @@ import torch
 
 from attnlab.distributed.fingerprint import FIELDS, call_fields, decode, diff_message, digests, encode
 from attnlab.distributed.layouts import check_layout, shard_len
+from attnlab.masks import BlockMask
 from attnlab.ops.args import check_qkv, check_score_mod, scale_arg
 from attnlab.validate import integer
 
@@ -37,7 +38,7 @@ def check_call(op, q, k, v, *, mask, score_mod, scale, layout, seq_len, return_l
             raise ValueError(f"{op}: seq_len={seq_len} over {world} ranks ({layout}) gives shards of "
                              f"{shard_len(seq_len, world, layout)} tokens, but q has {C} (q {tuple(q.shape)})")
     if mask is not None:
-        if hasattr(mask, "plan"):
+        if isinstance(mask, BlockMask):
             raise TypeError(f"mask: {op} takes a Mask (masks.causal(), ...), not a BlockMask: a BlockMask is built "
                             "for one shape and every step here has another")
         if not (hasattr(mask, "predicate") and hasattr(mask, "classify") and hasattr(mask, "validate")):

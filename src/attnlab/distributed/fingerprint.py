@@ -55,13 +55,12 @@ _MAX_TEXT = 240  # characters of one leaf's text
 _MAX_DEPTH = 8
 _MAX_LEAVES = 256  # leaves shown one by one; the rest are compared by one digest
 
-# the built-ins' classes (attnlab.masks / attnlab.scores) by the public name that builds them
-_NAMES = {"_Causal": "causal", "_SlidingWindow": "sliding_window", "_PrefixLM": "prefix_lm",
-          "_SinkWindow": "sink_window", "_Document": "document", "_Padding": "padding",
-          "_KeyPadding": "key_padding", "_Tree": "tree", "_Custom": "custom", "_Alibi": "alibi",
-          "_Softcap": "softcap", "_RelativeBias": "relative_bias", "_Compose": "compose"}
-_OPS = {"_And": "&", "_Or": "|"}
-_SKIP = {"cheap_classify", "sdpa_causal"}  # derived from other attributes
+# the built-in score mods' classes (attnlab.scores) by the public name that builds them;
+# masks name themselves (Mask.kind, the name their structural key uses)
+_NAMES = {"_Alibi": "alibi", "_Softcap": "softcap", "_RelativeBias": "relative_bias", "_Compose": "compose",
+          "_Custom": "custom"}
+_OPS = {"and": "&", "or": "|"}
+_SKIP = {"cheap_classify"}  # derived from other attributes
 
 
 def _clip(s: str) -> str:
@@ -100,9 +99,17 @@ def _is_mask_like(obj) -> bool:
         (callable(getattr(obj, "predicate", None)) or callable(getattr(obj, "apply", None)))
 
 
+def _kind(obj) -> str | None:
+    """A built-in mask's own kind (set on its class, not inherited by a user subclass)."""
+    return type(obj).__dict__.get("kind") if isinstance(obj, Mask) else None
+
+
 def _type_name(obj) -> str:
     n = type(obj).__name__
-    if type(obj).__module__ in ("attnlab.masks", "attnlab.scores") and n in _NAMES:
+    kind = _kind(obj)
+    if kind is not None:
+        return kind
+    if type(obj).__module__ == "attnlab.scores" and n in _NAMES:
         return _NAMES[n]
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
@@ -111,13 +118,13 @@ def _skeleton(obj, depth=0) -> str:
     """The structure of a mask or score mod without its parameters: ``document & causal``."""
     if obj is None:
         return "None"
-    n = type(obj).__name__
-    if depth < _MAX_DEPTH and type(obj).__module__ == "attnlab.masks":
-        if n in _OPS:
-            return f"{_skeleton(obj.a, depth + 1)} {_OPS[n]} {_skeleton(obj.b, depth + 1)}"
-        if n == "_Not":
+    kind = _kind(obj)
+    if depth < _MAX_DEPTH:
+        if kind in _OPS:
+            return f"{_skeleton(obj.a, depth + 1)} {_OPS[kind]} {_skeleton(obj.b, depth + 1)}"
+        if kind == "not":
             return f"~{_skeleton(obj.a, depth + 1)}"
-    if n in _OPS or n == "_Not":
+    if kind in _OPS or kind == "not":
         return f"({_type_name(obj)})"
     return _type_name(obj)
 

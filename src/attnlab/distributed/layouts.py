@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import torch
 
 from attnlab.validate import integer
+from attnlab.ops.sdpa import is_causal_mask
 
 __all__ = ["LAYOUTS", "padded_len", "shard_len", "shard_positions", "shard_sequence", "unshard_sequence",
            "gather_sequence", "work_per_rank", "balance"]
@@ -182,7 +183,7 @@ def work_per_rank(seq_len: int, world_size: int, layout: str, mask=None) -> list
         pos = pos[pos < seq_len]
         if mask is None:
             out.append(int(pos.numel()) * seq_len)
-        elif mask == "causal" or getattr(mask, "sdpa_causal", False) is True:
+        elif (isinstance(mask, str) and mask == "causal") or is_causal_mask(mask):
             out.append(int((pos + 1).sum()))
         else:
             kv = torch.arange(seq_len).view(1, 1, 1, -1)

@@ -33,7 +33,7 @@ import torch
 
 from attnlab.distributed.local import mod_params
 from attnlab.masks import Mask
-from attnlab.ops.blockmask import EMPTY, FULL, PARTIAL
+from attnlab.masks import EMPTY, FULL, PARTIAL
 from attnlab.scores import ScoreMod
 
 __all__ = ["ShardMask", "ShardScoreMod", "HeadView", "HeadScoreMod", "need_matrix", "runs"]

@@ -64,6 +64,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from attnlab.masks import BlockMask
 from attnlab.ops.args import normalize, offsets
 from attnlab.ops.reference import acc_dtype
 from attnlab.ops.tiles import choose_tiles
@@ -208,7 +209,7 @@ def head_stats(q, k, *, mask=None, score_mod=None, scale=None, q_offset=None, kv
     acc = acc_dtype(q.dtype)
     w = _key_weights(key_positions, B, Nk, kv_offset, acc, q.device)
 
-    if mask is not None and hasattr(mask, "plan"):  # a BlockMask: its tiling is the plan
+    if isinstance(mask, BlockMask):  # a BlockMask: its tiling is the plan
         if (bq or mask.block_q, bk or mask.block_k) != (mask.block_q, mask.block_k):
             raise ValueError(f"block_q, block_k: ({bq}, {bk}) differ from the BlockMask's tiles "
                              f"({mask.block_q}, {mask.block_k}); pass the Mask itself to choose tiles")

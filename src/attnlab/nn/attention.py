@@ -58,6 +58,13 @@ from attnlab.scores import compose
 
 
 @dataclass
+def _head_independent(mask) -> bool:
+    """True when ``mask`` says by its structure that it reads no head index (every built-in but a dense
+    per-head tensor): a pattern of some heads may then evaluate it as it is, keeping its tile structure."""
+    s = mask.lower()
+    return s is not None and s.dense is None
+
+
 class AttentionCall:
     """What one attention call saw, handed to each of a module's ``hooks``.
 
@@ -92,11 +99,12 @@ class AttentionCall:
         idx = idx % H  # Python's meaning of negative indices
         kv = idx // (H // Hkv)  # the kv head each chosen query head reads
         mask, mod = self.mask, self.score_mod
-        if hasattr(mask, "plan"):  # a BlockMask: its predicate
+        if isinstance(mask, masks.BlockMask):  # a BlockMask: its predicate
             mask = mask.mask
         if heads is not None:  # masks and score mods must see the original head indices
             dev = idx.to(self.q.device)
-            mask = None if mask is None else masks.custom(lambda b, h, qp, kp, m=mask: m(b, dev[h], qp, kp))
+            if mask is not None and not _head_independent(mask):
+                mask = masks.custom(lambda b, h, qp, kp, m=mask: m(b, dev[h], qp, kp))
             mod = None if mod is None else (lambda s, b, h, qp, kp, f=mod: f(s, b, dev[h], qp, kp))
         return attention_probs(self.q[:, idx], self.k[:, kv], mask=mask, score_mod=mod, scale=self.scale,
                                q_offset=self.q_offset, kv_offset=self.kv_offset)
@@ -116,7 +124,7 @@ class AttentionCall:
         b, h, qp, kp = index_grids(B, H, Nq, Nk, q_off, self.kv_offset, q.device)
         if self.score_mod is not None:
             s = self.score_mod(s, b, h, qp, kp)
-        mask = self.mask.mask if hasattr(self.mask, "plan") else self.mask
+        mask = self.mask.mask if isinstance(self.mask, masks.BlockMask) else self.mask
         if mask is not None:
             s = s.masked_fill(~torch.as_tensor(mask(b, h, qp, kp), device=q.device), float("-inf"))
         return s

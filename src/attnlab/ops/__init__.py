@@ -1,6 +1,6 @@
 """Functional attention: no parameters, no state.  See :func:`attnlab.attention`."""
 
-from attnlab.ops.blockmask import BlockMask
+from attnlab.masks import BlockMask
 from attnlab.ops.dispatch import BACKENDS, attention, attention_probs
 from attnlab.ops.dropout import dropout_mask
 from attnlab.ops.flash import flash_attention

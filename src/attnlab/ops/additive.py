@@ -49,8 +49,8 @@ from __future__ import annotations
 
 import torch
 
+from attnlab.masks import BlockMask
 from attnlab.ops.args import normalize
-from attnlab.ops.blockmask import BlockMask
 from attnlab.validate import FLOAT_DTYPES, integer
 
 __all__ = ["additive_attention", "naive_additive_attention"]

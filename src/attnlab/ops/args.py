@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from attnlab import validate
+from attnlab.masks import BlockMask
 
 __all__ = ["Problem", "normalize", "check_qkv", "scale_arg", "offsets", "check_mask", "check_score_mod", "LAYOUT",
            "BNHD_HINT"]
@@ -104,7 +105,7 @@ def check_mask(mask, B, H, Nq, Nk, q_offset, kv_offset) -> None:
     """``mask`` is None, a BlockMask built for this problem, or an attnlab mask that accepts it."""
     if mask is None:
         return
-    if hasattr(mask, "plan") and hasattr(mask, "check_shape"):  # BlockMask
+    if isinstance(mask, BlockMask):
         mask.check_shape(B, H, Nq, Nk, q_offset, kv_offset)
         return
     if not (hasattr(mask, "block_mask") and hasattr(mask, "predicate")):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from attnlab.masks import BlockMask, dense_mask
 from attnlab.ops import conventions
 from attnlab.ops.args import normalize
 from attnlab.ops.dropout import check_dropout, make_dropout
@@ -144,7 +145,7 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
     if backend == "sdpa":
         return sdpa_attention(q, k, v, **kw)
     if backend == "reference":
-        if hasattr(mask, "plan"):  # a BlockMask: the reference reads its predicate
+        if isinstance(mask, BlockMask):  # a BlockMask: the reference reads its predicate
             kw["mask"] = mask.mask
         out, lse = reference_attention(q, k, v, **kw)
     elif backend == "triton":
@@ -165,13 +166,12 @@ def _flash(q, k, v, kw):
     args = op_args(q, k, mask, mod, kw["q_offset"], kw["kv_offset"])
     if args is None and traced(q, k, v):
         if mod is not None and op_args(q, k, None, mod, 0, 0) is None:
-            ref_kw = dict(kw, mask=mask.mask if hasattr(mask, "plan") else mask)
+            ref_kw = dict(kw, mask=mask.mask if isinstance(mask, BlockMask) else mask)
             if drop is None:
                 ref_kw.pop("dropout", None)
             return reference_attention(q, k, v, **ref_kw)
-        from attnlab.masks import dense_mask
         B, H, Nq, _ = q.shape
-        dm = dense_mask(mask.mask if hasattr(mask, "plan") else mask, B, H, Nq, k.shape[2], kw["q_offset"],
+        dm = dense_mask(mask.mask if isinstance(mask, BlockMask) else mask, B, H, Nq, k.shape[2], kw["q_offset"],
                         kw["kv_offset"], q.device)
         args = op_args(q, k, dm, mod, kw["q_offset"], kw["kv_offset"])
     if args is None:
@@ -194,7 +194,7 @@ def _dropout_attention(q, k, v, mask, score_mod, scale, q_offset, kv_offset, ret
             backend = "triton" if why is None else "flash"
     kw = dict(mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset, dropout=dropout)
     if backend == "reference" and q.shape[2] and k.shape[2]:
-        if hasattr(mask, "plan"):
+        if isinstance(mask, BlockMask):
             kw["mask"] = mask.mask
         out, lse = reference_attention(q, k, v, **kw)
     elif backend == "triton":
@@ -220,7 +220,7 @@ def attention_probs(q, k, *, mask=None, score_mod=None, scale=None, q_offset=Non
     """
     pr = normalize(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset,
                    shared_kv_batch=True)
-    if hasattr(mask, "plan"):
+    if isinstance(mask, BlockMask):
         mask = mask.mask
     return reference_probs(q, k, mask=mask, score_mod=score_mod, scale=pr.scale, q_offset=pr.q_offset,
                            kv_offset=pr.kv_offset, need_lse=False)[0]

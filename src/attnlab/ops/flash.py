@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from attnlab.masks import BlockMask
 from attnlab.ops.finite import all_finite, zmm
 from attnlab.ops.modparams import score_mod_params
 from attnlab.ops.reference import acc_dtype
@@ -307,7 +308,7 @@ def make_problem(q, k, *, mask, score_mod, scale, q_offset, kv_offset, block=Non
     non-finite inputs)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    if mask is not None and hasattr(mask, "plan"):
+    if isinstance(mask, BlockMask):
         block_mask = mask
         block = (mask.block_q, mask.block_k)
     elif mask is not None and Nq > 0 and Nk > 0:

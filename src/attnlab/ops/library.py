@@ -26,8 +26,6 @@ that names ``backend="reference"`` (docs/compile.md).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 from torch import Tensor
 
@@ -39,10 +37,10 @@ from attnlab.ops.flash import (
     make_problem,
     refuse_double_backward,
 )
+from attnlab.masks import BlockMask, mask_from_key, mask_key
+from attnlab.masks import cache as mask_cache
 from attnlab.ops.reference import acc_dtype
 
-_KEEP = 32  # masks rebuilt from keys, kept with their classified tiles
-_rebuilt: OrderedDict = OrderedDict()
 
 
 def _tensor_id(t: Tensor):
@@ -52,16 +50,12 @@ def _tensor_id(t: Tensor):
 def _mask(spec: str, tensors, ints):
     if not spec:
         return None
-    from attnlab.masks import mask_from_key
     key = (spec, tuple(int(i) for i in ints), tuple(_tensor_id(t) for t in tensors))
-    hit = _rebuilt.get(key)
+    hit = mask_cache.rebuilt.get(key)
     if hit is not None:
-        _rebuilt.move_to_end(key)
         return hit[0]
     m = mask_from_key(spec, list(tensors), [int(i) for i in ints])
-    _rebuilt[key] = (m, list(tensors))  # the tensors stay alive while their key is cached
-    if len(_rebuilt) > _KEEP:
-        _rebuilt.popitem(last=False)
+    mask_cache.rebuilt.put(key, (m, list(tensors)))  # the tensors stay alive while their key is cached
     return m
 
 
@@ -245,8 +239,7 @@ torch.library.register_vmap("attnlab::flash_bwd", _loop_rule(torch.ops.attnlab.f
 def op_args(q, k, mask, score_mod, q_offset, kv_offset, block=None):
     """The operator's non-``q/k/v`` arguments for ``mask``/``score_mod``, or None when one
     has no structural key (``custom``)."""
-    from attnlab.masks import mask_key
-    if mask is not None and hasattr(mask, "plan"):  # a BlockMask: its mask and tile sizes
+    if isinstance(mask, BlockMask):  # a BlockMask: its mask and tile sizes
         block = (mask.block_q, mask.block_k)
         mask = mask.mask
     mk = ("", [], []) if mask is None else mask_key(mask)

@@ -16,14 +16,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from attnlab.masks import BlockMask, Mask
+
 
 # A causal mask whose queries sit after the first key (a prefill chunk over a cache) is
 # passed to SDPA as an explicit boolean (Nq, Nk) mask up to this many elements.
 _DENSE_CAUSAL_MAX = 1 << 20
 
 
+def _structure(mask):
+    return mask.lower() if isinstance(mask, Mask) else None
+
+
 def is_causal_mask(mask) -> bool:
-    return getattr(mask, "sdpa_causal", False) is True
+    """Whether ``mask`` lowers to exactly ``causal()`` (the band ``(None, 0)``, nothing else)."""
+    s = _structure(mask)
+    return s is not None and s.fields() == {"right"} and s.right == 0
+
+
+def key_keep_slice(mask, Nk, kv_offset):
+    """The ``(B, Nk)`` keep slice of a mask that lowers to exactly ``key_padding(keep)``, else None."""
+    s = _structure(mask)
+    if s is None or s.fields() != {"key_keep"}:
+        return None
+    return s.key_keep[:, kv_offset:kv_offset + Nk]
 
 
 def sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse) -> str | None:
@@ -34,10 +50,10 @@ def sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse) -> 
         return "SDPA takes no score_mod"
     if return_lse:
         return "SDPA returns no LSE"
-    if mask is not None and hasattr(mask, "sdpa_bool_mask"):  # key padding: a (B,1,1,Nk) bool mask
+    keep = None if mask is None else key_keep_slice(mask, k.shape[2], kv_offset)
+    if keep is not None:  # key padding: a (B,1,1,Nk) bool mask
         if torch.compiler.is_compiling():
             return "under torch.compile the check for sequences with no visible key would break the graph"
-        keep = mask.sdpa_bool_mask(q.shape[0], q.shape[2], k.shape[2], kv_offset)
         if not bool(keep.any(-1).all()):
             return "a sequence with no visible key: SDPA would give NaN where attnlab gives zeros"
         return None
@@ -57,8 +73,9 @@ def sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse) -> 
 def sdpa_attention(q, k, v, *, mask=None, scale, **_):
     """Run SDPA; inputs validated and :func:`sdpa_unsupported` already checked."""
     gqa = q.shape[1] != k.shape[1]
-    if mask is not None and hasattr(mask, "sdpa_bool_mask"):
-        keep = mask.sdpa_bool_mask(q.shape[0], q.shape[2], k.shape[2], _.get("kv_offset", 0))
+    keep = None if mask is None else key_keep_slice(mask, k.shape[2], _.get("kv_offset", 0))
+    if keep is not None:
+        keep = keep.view(q.shape[0], 1, 1, k.shape[2])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
     q_offset, kv_offset = _["q_offset"], _.get("kv_offset", 0)
     if mask is not None and q_offset != kv_offset:  # bottom-right causal: explicit mask
@@ -74,7 +91,7 @@ def sdpa_dense_mask(q, k, v, mask, *, scale, q_offset, kv_offset):
     from attnlab.ops.reference import index_grids
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
-    pred = mask.mask if hasattr(mask, "plan") else mask  # a BlockMask: its predicate
+    pred = mask.mask if isinstance(mask, BlockMask) else mask  # a BlockMask: its predicate
     allowed = torch.as_tensor(pred(*index_grids(B, H, Nq, Nk, q_offset, kv_offset, q.device)), device=q.device)
     if not bool(allowed.any(-1).all()):
         return None

@@ -38,10 +38,9 @@ q-block ``i`` is at ``q_offset + qs + r``, key column ``c`` of kv-block ``j`` at
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
+from attnlab.masks import cache as mask_cache
 from attnlab.ops.finite import traced
 from attnlab.ops.modparams import check_tile_graph, marker
 from attnlab.ops.tiles import tile_candidates
@@ -50,7 +49,6 @@ __all__ = ["LOG2E", "FUSED_MAX", "NEG_INF", "TileProblem", "mm_dtype", "prepare"
            "exp_shifted_fast", "score_tile", "drop_tile", "rescale", "finish", "fused_ok", "pick_block_mask"]
 
 NEG_INF = float("-inf")
-_PICKS_KEPT = 8  # tile choices remembered per mask (one per problem shape)
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x·log2 e), and exp2 is the cheaper kernel
 # The fused ``scale·x − m`` of the fast path rounds once more than ``x·scale − m`` and can
 # land above 0 by about ulp(|m|); past this bound on |scale·q·k| (where ulp(|m|) reaches
@@ -266,13 +264,9 @@ def pick_block_mask(mask, dtype, B, H, Nq, Nk, D, q_offset, kv_offset, block, de
     cands = tile_candidates(dtype, D, B * H, device)
     if not getattr(mask, "cheap_classify", False):
         return mask.block_mask(B, H, Nq, Nk, block=cands[0], **kw)
-    picks = mask.__dict__.setdefault("_tile_picks", OrderedDict())  # the choice per problem (LRU)
-    key = (B, H, Nq, Nk, q_offset, kv_offset, tuple(cands))
-    if key in picks:
-        picks.move_to_end(key)
-        return picks[key]
+    key = (mask_cache.mask_id(mask), B, H, Nq, Nk, q_offset, kv_offset, tuple(cands))  # the choice per problem
+    hit = mask_cache.tile_picks.get(key)
+    if hit is not None:
+        return hit
     bms = [mask.block_mask(B, H, Nq, Nk, block=c, **kw) for c in cands]
-    picks[key] = min(bms, key=lambda bm: bm.cost(B * H))
-    if len(picks) > _PICKS_KEPT:
-        picks.popitem(last=False)
-    return picks[key]
+    return mask_cache.tile_picks.put(key, min(bms, key=lambda bm: bm.cost(B * H)))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from attnlab import scores
-from attnlab.masks_extra import varlen as varlen_mask
+from attnlab.masks import varlen as varlen_mask
 from attnlab.ops.dispatch import attention
 from attnlab.validate import integer
 

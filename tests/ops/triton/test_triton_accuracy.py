@@ -108,6 +108,7 @@ MASKS = {  # name -> (factory, lowered kind or "table")
     "padding": (lambda: masks.padding([50, 97]), "keep"),
     "key_padding&window": (lambda: masks.key_padding(torch.arange(97).view(1, -1).expand(2, -1) % 5 != 1)
                            & masks.sliding_window(30), "band+keep"),
+    "band(5,3)": (lambda: masks.band(5, 3), "band"),  # a right extent: compiled in from the structure
     "tree": (lambda: masks.tree(PARENTS, prefix_len=87), "table"),
     "custom-head": (lambda: masks.custom(_headmod), "table"),
     "causal&~window": (lambda: masks.causal() & ~masks.sliding_window(5), "table"),

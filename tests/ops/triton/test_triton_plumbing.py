@@ -18,7 +18,7 @@ import torch
 
 import attnlab
 from attnlab import masks, scores
-from attnlab.ops.blockmask import EMPTY, FULL, PARTIAL
+from attnlab.masks import EMPTY, FULL, PARTIAL
 from attnlab.ops.dispatch import choose_backend as _auto
 from attnlab.ops.triton import config
 from attnlab.ops.triton.masking import block_lists, lower_mask, plan_for, tile_table
@@ -52,6 +52,7 @@ LOWERED = [
     (masks.causal() & masks.sliding_window(6), "band"), (masks.padding([9, 20]) & masks.key_padding(
         torch.arange(23).view(1, -1).expand(2, -1) % 3 > 0), "keep"),
     (masks.document(torch.tensor([0] * 9 + [1] * 14)) & masks.causal() & masks.padding([20, 15]), "band+doc+keep"),
+    (masks.band(3, 2), "band"), (masks.band(None, 2) & masks.prefix_lm(3), "band"),  # read from the structure
     (masks.prefix_lm(3) & masks.sliding_window(4), None), (masks.causal() | masks.prefix_lm(3), None),
     (~masks.causal(), None), (masks.tree(torch.tensor([-1, 0, 0, 1]), prefix_len=19), None),
     (masks.custom(lambda b, h, q, kv: (q + kv) % 2 == 0), None),

@@ -2,7 +2,7 @@
 
 Two things travel from a mask to a kernel.
 
-**Which tiles to visit** comes from the :class:`~attnlab.ops.blockmask.BlockMask` built
+**Which tiles to visit** comes from the :class:`~attnlab.masks.BlockMask` built
 at the kernel's own tile sizes.  :func:`block_lists` turns its states into compact
 per-(b, h, row-block) lists (FlexAttention's ``kv_num_blocks``/``kv_indices``)::
 
@@ -39,12 +39,15 @@ Why both: the compiled family costs nothing on the host and nothing in memory, a
 covers what training and serving mostly use (causal, windows, packed documents,
 padding); a Python predicate cannot run inside a Triton kernel, so ``custom`` masks need
 the table, which FlexAttention avoids only by compiling the predicate with Inductor.
-The lowered masks are recognised by their class in :mod:`attnlab.masks` without
-importing it (ops must not import masks); an unrecognised class is never wrong, it
-only takes the table path.
+The lowered masks are recognised by their structure (:meth:`attnlab.masks.Mask.lower`,
+:class:`~attnlab.masks.MaskStructure`; fields outside :data:`LOWERED_FIELDS` such as
+varlen's band positions or a dense tensor take the table path), never by class, so a
+subclass or a new mask that lowers to a band is compiled in; a mask that does not lower
+is never wrong, it only takes the table path.
 
-Plans (lists, lowered spec, table) are cached on the BlockMask, per device, so the
-forward, the backward and later calls with the same BlockMask build nothing again.
+Plans (lists, lowered spec, table) are cached per BlockMask and device in
+:mod:`attnlab.masks.cache`, so the forward, the backward and later calls with the same
+BlockMask build nothing again.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnlab.ops.blockmask import FULL, PARTIAL
+from attnlab.masks import FULL, PARTIAL, BlockMask, Mask
+from attnlab.masks import cache as mask_cache
 
 INT_MAX = 2**31 - 1
 INT_MIN = -(2**31)
@@ -92,54 +96,35 @@ class MaskSpec:
         return "+".join(parts) or "none"
 
 
-def _kind(m) -> str | None:
-    t = type(m)
-    return t.__name__ if t.__module__ == "attnlab.masks" else None
-
-
 def _int32(x) -> int:
     return max(INT_MIN, min(INT_MAX, int(x)))
 
 
+#: The structure fields the compiled family implements; any other takes the table path.
+LOWERED_FIELDS = frozenset({"left", "right", "sinks", "sinks_right", "kv_len", "q_ids", "kv_ids", "key_keep"})
+
+
 def _lower(m):
-    """A mask as a dict of family terms (positions not yet applied), or None."""
-    kind = _kind(m)
-    if kind == "_Causal":
-        return {"band": (0, INT_MAX)}
-    if kind == "_SlidingWindow":
-        return {"band": (0, _int32(int(m.w) - 1))}
-    if kind == "_PrefixLM":
-        return {"band": (0, INT_MAX), "sink": (_int32(m.n), INT_MIN)}
-    if kind == "_SinkWindow":
-        return {"band": (0, _int32(int(m.window) - 1)), "sink": (_int32(m.sinks), 0)}
-    if kind == "_Document":
-        return {"doc": (m.q_ids, m.kv_ids)}
-    if kind == "_Padding":
-        return {"keep": [("lengths", m.lengths)]}
-    if kind == "_KeyPadding":
-        return {"keep": [("keep", m.keep)]}
-    if kind == "_And":
-        a, b = _lower(m.a), _lower(m.b)
-        if a is None or b is None:
-            return None
-        out = dict(a)
-        if "band" in b:
-            if "band" in a:
-                if "sink" in a or "sink" in b:
-                    return None  # (band | sink) & band is not in the family
-                out["band"] = (max(a["band"][0], b["band"][0]), min(a["band"][1], b["band"][1]))
-            else:
-                out["band"] = b["band"]
-                if "sink" in b:
-                    out["sink"] = b["sink"]
-        if "doc" in b:
-            if "doc" in a:
-                return None
-            out["doc"] = b["doc"]
-        if "keep" in b:
-            out["keep"] = a.get("keep", []) + b["keep"]
-        return out
-    return None
+    """A mask as a dict of family terms (positions not yet applied), or None: read from
+    its :class:`~attnlab.masks.MaskStructure`, never from its class."""
+    s = m.lower() if isinstance(m, Mask) else None
+    if s is None or not s.fields() <= LOWERED_FIELDS:
+        return None
+    out = {}
+    if s.has_band:  # left/right on q - kv: -right <= q - kv <= left
+        out["band"] = (INT_MIN if s.right is None else _int32(-s.right), INT_MAX if s.left is None else _int32(s.left))
+        if s.sinks:
+            out["sink"] = (_int32(s.sinks), INT_MIN if s.sinks_right is None else _int32(-s.sinks_right))
+    if s.q_ids is not None:
+        out["doc"] = (s.q_ids, s.kv_ids)
+    keep = []
+    if s.kv_len is not None:
+        keep.append(("lengths", s.kv_len))
+    if s.key_keep is not None:
+        keep.append(("keep", s.key_keep))
+    if keep:
+        out["keep"] = keep
+    return out
 
 
 def lower_mask(mask, B, Nq, Nk, q_offset, kv_offset, device) -> MaskSpec | None:
@@ -258,13 +243,11 @@ def plan_for(mask, B, H, Nq, Nk, q_offset, kv_offset, tiles, device) -> Plan:
 
     A BlockMask built at other tile sizes is re-classified from its mask (cached on the
     mask, as every BlockMask is)."""
-    if hasattr(mask, "plan") and hasattr(mask, "states"):  # a BlockMask
+    if isinstance(mask, BlockMask):
         bm = mask if (mask.block_q, mask.block_k) == tuple(tiles) else mask.mask.block_mask(
             B, H, Nq, Nk, q_offset=q_offset, kv_offset=kv_offset, block=tuple(tiles))
     else:
         bm = mask.block_mask(B, H, Nq, Nk, q_offset=q_offset, kv_offset=kv_offset, block=tuple(tiles))
-    cache = bm.__dict__.setdefault("_triton_plans", {})
-    key = str(device)
-    if key not in cache:
-        cache[key] = Plan(bm, device)
-    return cache[key]
+    key = (id(bm), str(device))  # the Plan holds bm: its id is not reused while cached
+    plan = mask_cache.plans.get(key)
+    return plan if plan is not None else mask_cache.plans.put(key, Plan(bm, device))

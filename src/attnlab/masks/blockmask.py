@@ -1,8 +1,8 @@
 """The tile map a kernel reads: which (q-block, kv-block) tiles are empty, full or partial.
 
-This file is the contract between the mask objects (``attnlab.masks``) and the
-kernels (``attnlab.ops``).  Kernels never import the mask classes; they read a
-:class:`BlockMask` and, on partial tiles only, call ``block_mask.mask(b, h, q_pos, kv_pos)``.
+Built by ``mask.block_mask(...)`` (:class:`attnlab.masks.Mask`); the kernels
+(``attnlab.ops``) read its states and, on partial tiles only, call
+``block_mask.mask(b, h, q_pos, kv_pos)``.
 
 Tile states::
 

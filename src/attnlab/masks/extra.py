@@ -1,5 +1,6 @@
-"""More mask kinds, re-exported by :mod:`attnlab.masks`: a band with a right extent
-(flash-attn's ``window_size=(left, right)``) and dense tensor masks (SDPA's ``attn_mask``).
+"""More mask kinds: a band with a right extent (flash-attn's ``window_size=(left, right)``),
+dense tensor masks (SDPA's ``attn_mask``), packed variable-length sequences and
+per-batch query offsets.
 
 Positions are absolute as everywhere in attnlab (:mod:`attnlab.masks`); a *dense* mask
 is the exception that proves the rule: it is indexed by query **row** and key
@@ -11,19 +12,25 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.masks import Mask, _states
+from attnlab.masks.base import Mask, _states
+from attnlab.masks.builtins import _block_minmax
+from attnlab.masks.structure import MaskStructure
 from attnlab.validate import integer
 
-__all__ = ["band", "dense", "per_batch_q_offset", "varlen"]
+__all__ = ["band", "check_dense", "dense", "dense_mask", "per_batch_q_offset", "varlen"]
 
 
 class _Band(Mask):
     """``q_pos - left <= kv_pos <= q_pos + right``; ``None`` = unbounded on that side."""
 
     cheap_classify = True
+    kind = "band"
 
     def __init__(self, left, right):
         self.left, self.right = left, right
+
+    def lower(self):
+        return MaskStructure(left=self.left, right=self.right)
 
     def predicate(self, b, h, q, kv):
         ok = torch.ones((), dtype=torch.bool, device=q.device if isinstance(q, torch.Tensor) else None)
@@ -95,8 +102,13 @@ def check_dense(t, B, H, Nq, Nk, name="mask"):
 class _Dense(Mask):
     """A bool ``(B?, H?, Nq, Nk)`` tensor (True = attend), indexed by row and column."""
 
+    kind = "dense"
+
     def __init__(self, t, q_offset, kv_offset):
         self.t, self.q_offset, self.kv_offset = t, q_offset, kv_offset
+
+    def lower(self):
+        return MaskStructure(dense=self.t, dense_q_offset=self.q_offset, dense_kv_offset=self.kv_offset)
 
     def predicate(self, b, h, q, kv):
         return _lookup(self.t, b, h, q - self.q_offset, kv - self.kv_offset)
@@ -135,8 +147,18 @@ class _ShiftedMask(Mask):
     """``inner`` seen from per-batch query positions ``q_offset[b] + i`` (the kernel runs
     with ``q_offset = 0``).  Classified by evaluation (cached per shape)."""
 
+    kind = "shift"
+
     def __init__(self, inner, qo):
         self.inner, self.qo = inner, qo
+        # the offsets' range, read once here (validate then reads no tensor value, so compiled
+        # code that gets this mask passes it to the flash op with no graph break); built
+        # inside a compiled region it is read when the op rebuilds the mask from its key
+        self._range = None if torch.compiler.is_compiling() else (int(qo.min()), int(qo.max())) if qo.numel() else (0, 0)
+
+    def lower(self):
+        s = self.inner.lower()
+        return None if s is None or s.q_shift is not None else s.replace(q_shift=self.qo)
 
     def predicate(self, b, h, q, kv):
         qo = self.qo.to(q.device)
@@ -151,7 +173,7 @@ class _ShiftedMask(Mask):
     def validate(self, B, H, Nq, Nk, q_offset, kv_offset):
         if self.qo.shape[0] != B:
             raise ValueError(f"q_offset: {self.qo.shape[0]} per-batch offsets for batch size B={B}")
-        for o in sorted({int(self.qo.min()), int(self.qo.max())}):
+        for o in sorted(set(self._range or ())):
             self.inner.validate(B, H, Nq, Nk, q_offset + o, kv_offset)
 
     def __repr__(self):
@@ -182,6 +204,13 @@ class _Varlen(Mask):
     """Packed sequences with per-sequence positions (flash-attn's varlen convention)."""
 
     cheap_classify = True
+    kind = "varlen"
+
+    def lower(self):
+        band = self.left is not None or self.right is not None
+        return MaskStructure(left=self.left, right=self.right, q_ids=self.q_ids.view(1, -1),
+                             kv_ids=self.k_ids.view(1, -1), q_pos=self.q_loc if band else None,
+                             kv_pos=self.k_loc if band else None)
 
     def __init__(self, cu_q, cu_k, left, right):
         self.cu_q, self.cu_k, self.left, self.right = cu_q, cu_k, left, right
@@ -193,6 +222,7 @@ class _Varlen(Mask):
         self.q_loc = torch.arange(int(cu_q[-1])) - cu_q[:-1][self.q_ids] + (lk - lq)[self.q_ids]
         self.k_loc = torch.arange(int(cu_k[-1])) - cu_k[:-1][self.k_ids]
         self._dev = {}
+        self._n = (int(cu_q[-1]), int(cu_k[-1]))  # read once: validate reads no tensor value
 
     def _on(self, device):
         key = str(device)
@@ -218,13 +248,12 @@ class _Varlen(Mask):
         return qi[q], ql[q], kl[kv]
 
     def validate(self, B, H, Nq, Nk, q_offset, kv_offset):
-        if (Nq, Nk, q_offset, kv_offset) != (int(self.cu_q[-1]), int(self.cu_k[-1]), 0, 0) or B != 1:
-            raise ValueError(f"masks.varlen: built for {int(self.cu_q[-1])} packed queries and {int(self.cu_k[-1])} "
+        if (Nq, Nk, q_offset, kv_offset) != (*self._n, 0, 0) or B != 1:
+            raise ValueError(f"masks.varlen: built for {self._n[0]} packed queries and {self._n[1]} "
                              f"packed keys (B=1, q_offset=kv_offset=0), got B={B}, Nq={Nq}, Nk={Nk}, "
                              f"q_offset={q_offset}, kv_offset={kv_offset}")
 
     def classify(self, B, H, ql, qh, kl, kh):
-        from attnlab.masks import _block_minmax
         qmin, qmax = _block_minmax(self.q_ids.view(1, -1), ql, qh)
         kmin, kmax = _block_minmax(self.k_ids.view(1, -1), kl, kh)
         qmin, qmax = qmin.view(-1, 1), qmax.view(-1, 1)
@@ -266,3 +295,17 @@ def varlen(cu_seqlens_q, cu_seqlens_k=None, *, window=(None, None)) -> Mask:
         raise ValueError(f"window: expected (left, right), got {window!r}")
     b = band(*window)
     return _Varlen(cu_q, cu_k, b.left, b.right)
+
+
+def dense_mask(mask, B, H, Nq, Nk, q_offset, kv_offset, device) -> Mask:
+    """``mask`` evaluated on the whole ``(B, H, Nq, Nk)`` problem (bool, broadcast dims kept
+    at 1) as a :func:`dense` mask, which has a structural key: O(Nq·Nk) memory, what
+    compiled code hands the flash op in place of a Python predicate (traced)."""
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = torch.arange(H, device=device).view(1, H, 1, 1)
+    qp = (torch.arange(Nq, device=device) + q_offset).view(1, 1, Nq, 1)
+    kp = (torch.arange(Nk, device=device) + kv_offset).view(1, 1, 1, Nk)
+    a = torch.as_tensor(mask.predicate(b, h, qp, kp), device=device)
+    while a.dim() < 4:
+        a = a.unsqueeze(0)
+    return _Dense(a.expand(a.shape[0], a.shape[1], Nq, Nk), q_offset, kv_offset)
