@@ -88,10 +88,10 @@ class Usage:
 
     def row(self) -> dict:
         v = self.variant
-        return dict(kernel=v.kernel, arch=f"sm_{v.arch}", dtype=v.dtype, D=v.D, mask=v.mask,
-                    tile=f"{self.tile[0]}x{self.tile[1]}", warps=v.warps, stages=v.stages,
-                    registers=self.registers, spill_stores=self.spill_stores, spill_loads=self.spill_loads,
-                    stack=self.stack, shared=self.shared)
+        return {"kernel": v.kernel, "arch": f"sm_{v.arch}", "dtype": v.dtype, "D": v.D, "mask": v.mask,
+                "tile": f"{self.tile[0]}x{self.tile[1]}", "warps": v.warps, "stages": v.stages,
+                "registers": self.registers, "spill_stores": self.spill_stores, "spill_loads": self.spill_loads,
+                "stack": self.stack, "shared": self.shared}
 
 
 def tool(name: str = "cuobjdump") -> str | None:
@@ -220,8 +220,8 @@ def read_cubin(cubin: bytes) -> dict:
     if m is None:
         raise RuntimeError(f"cuobjdump printed no resource line:\n{res}")
     stores, loads = spill_bytes(sass)
-    return dict(registers=int(m.group(1)), stack=int(m.group(2)), shared=int(m.group(3)),
-                spill_stores=stores, spill_loads=loads)
+    return {"registers": int(m.group(1)), "stack": int(m.group(2)), "shared": int(m.group(3)),
+            "spill_stores": stores, "spill_loads": loads}
 
 
 def spill_bytes(sass: str) -> tuple[int, int]:
@@ -270,12 +270,14 @@ def run(variants, on_error="record") -> list[dict]:
     rows = []
     for v in variants:
         try:
-            rows.append(measure(v).row() | {"spill_free": measure(v).spill_free})
+            u = measure(v)
+            rows.append(u.row() | {"spill_free": u.spill_free})
         except Exception as e:  # the compiler's own errors (e.g. shared memory) are part of the record
             if on_error == "raise":
                 raise
-            rows.append(dict(kernel=v.kernel, arch=f"sm_{v.arch}", dtype=v.dtype, D=v.D, mask=v.mask,
-                             tile="?", warps=v.warps, stages=v.stages, error=f"{type(e).__name__}: {str(e)[:200]}"))
+            rows.append({"kernel": v.kernel, "arch": f"sm_{v.arch}", "dtype": v.dtype, "D": v.D, "mask": v.mask,
+                         "tile": "?", "warps": v.warps, "stages": v.stages,
+                         "error": f"{type(e).__name__}: {str(e)[:200]}"})
     return rows
 
 
