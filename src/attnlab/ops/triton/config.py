@@ -31,9 +31,11 @@ GPU_TILES = {
 # attnlab.ops.triton.resources``, tests/ops/triton/test_resources.py; the figures are in
 # docs/triton.md).  A 4-warp program at D = 128 holds a 128-row float32 accumulator at
 # 128 registers per thread on top of its operands and spilled, so D = 128 offers 8
-# warps only; 4-warp dQ spilled at D = 64 on sm_80.  num_stages=1 is the fallback that
-# fits shared memory for float32 at D = 256 (the autotuner scores a config that does not
-# fit as infinitely slow); D = 256 is not yet spill-free (docs/triton.md).
+# warps only; 4-warp dQ spilled at D = 64 on sm_80, 4-warp dK/dV at D = 256 by
+# kilobytes.  num_stages=1 is the fallback that fits shared memory for float32 at D = 256
+# (the autotuner scores a config that does not fit as infinitely slow); at D = 256 all
+# bfloat16 candidates are spill-free but dQ's (4, 1) fallback (8 bytes on sm_90).
+# float32 is not spill-free at any head dim (docs/triton.md).
 AUTOTUNE = {
     64: {"fwd": [(4, 3), (8, 3), (8, 2)],
          "dq": [(8, 2), (8, 3)],
@@ -43,9 +45,9 @@ AUTOTUNE = {
           "dq": [(8, 2), (8, 3)],
           "dkdv": [(8, 2), (8, 3)],
           "delta": [(4, 1)]},
-    256: {"fwd": [(4, 3), (8, 3), (8, 2), (4, 1)],
-          "dq": [(4, 2), (8, 2), (4, 3), (4, 1)],
-          "dkdv": [(4, 2), (8, 2), (4, 3), (4, 1)],
+    256: {"fwd": [(4, 3), (8, 2), (4, 1)],
+          "dq": [(8, 2), (4, 1)],
+          "dkdv": [(8, 2), (8, 1)],
           "delta": [(4, 1)]},
 }
 
