@@ -7,7 +7,8 @@ is read with the ``cuobjdump`` that ships inside the triton package:
 * ``cuobjdump --dump-resource-usage`` gives the registers per thread (``REG``), the
   stack frame (``STACK``, bytes per thread) and the static shared memory;
 * ``cuobjdump -sass`` gives the spill traffic: every ``STL``/``LDL`` (store to / load
-  from local memory) is a spill, since the kernels declare no local arrays; the bytes
+  from local memory) is a spill, since the kernels declare no local arrays (float32's
+  FMA-lowered IEEE dots use local memory heavily: docs/triton.md); the bytes
   are summed from the access widths (``STL.64`` = 8 bytes, ...), the same figures as
   ``ptxas -v``'s "bytes spill stores / loads".
 
@@ -27,8 +28,10 @@ Compiled kernels land in triton's own cache (``~/.triton/cache`` or
 
 Command line (the table in docs/triton.md)::
 
-    python -m attnlab.ops.triton.resources                  # defaults, markdown table
-    python -m attnlab.ops.triton.resources --all --json out.json
+    python -m attnlab.ops.triton.resources --dtype bfloat16 --mask causal --head-dim 64 128
+    python -m attnlab.ops.triton.resources --json out.json  # everything (~170 compiles)
+    python -m attnlab.ops.triton.resources --kernel dkdv --arch 80 --head-dim 128 \
+        --tile 32 64 --warps 8 --stages 2 --check            # try a config; exit 1 if it spills
 """
 
 from __future__ import annotations
