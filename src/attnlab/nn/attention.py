@@ -57,7 +57,6 @@ from attnlab.validate import head_shape, nonzero_real, positive_int, probability
 from attnlab.scores import compose
 
 
-@dataclass
 def _head_independent(mask) -> bool:
     """True when ``mask`` says by its structure that it reads no head index (every built-in but a dense
     per-head tensor): a pattern of some heads may then evaluate it as it is, keeping its tile structure."""
@@ -65,6 +64,7 @@ def _head_independent(mask) -> bool:
     return s is not None and s.dense is None
 
 
+@dataclass
 class AttentionCall:
     """What one attention call saw, handed to each of a module's ``hooks``.
 

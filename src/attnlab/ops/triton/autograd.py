@@ -2,7 +2,7 @@
 
 Host work per call: lower the score mod (:mod:`.scoremods`), fetch the cached plan of
 the mask at each kernel's tiling (:mod:`.masking`), and launch.  On a GPU each kernel
-is wrapped in ``triton.autotune`` over :data:`.config.AUTOTUNE` and the pick is written
+is wrapped in ``triton.autotune`` over :func:`.config.candidates` (per head-dim bucket) and the pick is written
 to :data:`.config.CHOSEN`; under the interpreter the kernels are called directly.
 """
 
@@ -37,10 +37,12 @@ def _launch(name, grid, **kw):
     if interpreting():
         fn[grid](**kw)
         return
-    tuned = _TUNED.get(name)
+    bd = max(kw.get("BD", 0), kw["BDV"])  # the candidates depend on the head-dim bucket
+    tuned = _TUNED.get((name, config.bucket(bd)))
     if tuned is None:
-        cfgs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in config.AUTOTUNE[name]]
-        tuned = _TUNED[name] = triton.autotune(cfgs, key=_KEYS[name], reset_to_zero=_RESET.get(name))(fn)
+        cfgs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in config.candidates(name, bd)]
+        tuned = triton.autotune(cfgs, key=_KEYS[name], reset_to_zero=_RESET.get(name))(fn)
+        _TUNED[(name, config.bucket(bd))] = tuned
     tuned[grid](**kw)
     key = (*(kw[k] for k in _KEYS[name]), str((kw["Q"] if "Q" in kw else kw["O"]).dtype))
     config.CHOSEN[(name, key)] = str(tuned.best_config)

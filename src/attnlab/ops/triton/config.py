@@ -6,9 +6,10 @@ tuning them would re-classify the mask per candidate.  ``triton.autotune`` choos
 only among a few ``(num_warps, num_stages)`` pairs per kernel, keyed by the head-dim
 blocks and the dtype; what it picked is recorded in :data:`CHOSEN` (the GPU benchmark
 prints it).  The starting points follow the Triton fused-attention tutorial's choices
-for Hopper (forward 128×64; backward 32×128 for dK/dV and 128×32 for dQ); they are
-**not measured here** (no GPU on the CI machine): ``attnlab bench triton``
-measures them on a GPU.
+for Hopper (forward 128×64; backward 32×128 for dK/dV and 128×32 for dQ), cut down
+where the compile for sm_80 / sm_90 showed spills (:mod:`.resources`: dK/dV 32×64, dQ
+64×64 at D = 128, more warps); their speed is **not measured here** (no GPU on the CI
+machine): ``attnlab bench triton`` measures them on a GPU.
 
 Under the interpreter (CPU, tests) every kernel uses 32×32 tiles: enough tiles on the
 small test shapes to exercise the block lists, few enough programs to keep it quick.
@@ -18,21 +19,36 @@ from __future__ import annotations
 
 INTERPRET_TILES = (32, 32)
 
-# largest head-dim block -> kernel -> (BM, BN)
+# head-dim bucket (largest head-dim block) -> kernel -> (BM, BN)
 GPU_TILES = {
-    64: {"fwd": (128, 64), "dq": (128, 32), "dkdv": (32, 128)},
-    128: {"fwd": (128, 64), "dq": (128, 32), "dkdv": (32, 128)},
+    64: {"fwd": (128, 64), "dq": (128, 32), "dkdv": (32, 64)},
+    128: {"fwd": (128, 64), "dq": (64, 64), "dkdv": (32, 64)},
     256: {"fwd": (64, 32), "dq": (64, 32), "dkdv": (32, 64)},
 }
 
-# kernel -> candidate (num_warps, num_stages).  num_stages=1 is the fallback that fits
-# shared memory for float32 at D=256 (the autotuner scores a config that does not fit as
-# infinitely slow).
+# head-dim bucket -> kernel -> candidate (num_warps, num_stages).  At D = 64 and 128
+# every candidate compiles spill-free for sm_80 and sm_90 in bfloat16 (``python -m
+# attnlab.ops.triton.resources``, tests/ops/triton/test_resources.py; the figures are in
+# docs/triton.md).  A 4-warp program at D = 128 holds a 128-row float32 accumulator at
+# 128 registers per thread on top of its operands and spilled, so D = 128 offers 8
+# warps only; 4-warp dQ spilled at D = 64 on sm_80, 4-warp dK/dV at D = 256 by
+# kilobytes.  num_stages=1 is the fallback that fits shared memory for float32 at D = 256
+# (the autotuner scores a config that does not fit as infinitely slow); at D = 256 all
+# bfloat16 candidates are spill-free but dQ's (4, 1) fallback (8 bytes on sm_90).
+# float32 is not spill-free at any head dim (docs/triton.md).
 AUTOTUNE = {
-    "fwd": [(4, 3), (8, 3), (8, 2), (4, 1)],
-    "dq": [(4, 2), (8, 2), (4, 3), (4, 1)],
-    "dkdv": [(4, 2), (8, 2), (4, 3), (4, 1)],
-    "delta": [(4, 1)],
+    64: {"fwd": [(4, 3), (8, 3), (8, 2)],
+         "dq": [(8, 2), (8, 3)],
+         "dkdv": [(4, 2), (8, 2), (4, 3)],
+         "delta": [(4, 1)]},
+    128: {"fwd": [(8, 2), (8, 3)],
+          "dq": [(8, 2), (8, 3)],
+          "dkdv": [(8, 2), (8, 3)],
+          "delta": [(4, 1)]},
+    256: {"fwd": [(4, 3), (8, 2), (4, 1)],
+          "dq": [(8, 2), (4, 1)],
+          "dkdv": [(8, 2), (8, 1)],
+          "delta": [(4, 1)]},
 }
 
 #: (kernel, autotune key) -> the config triton.autotune picked, filled as kernels run on a GPU
@@ -43,6 +59,16 @@ MAX_HEAD_DIM = 256
 
 def pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
+
+
+def bucket(bd: int) -> int:
+    """The head-dim bucket (a key of :data:`GPU_TILES` / :data:`AUTOTUNE`) of a head-dim block."""
+    return 64 if bd <= 64 else 128 if bd <= 128 else 256
+
+
+def candidates(kernel: str, bd: int) -> list:
+    """The autotune candidates ``[(num_warps, num_stages), ...]`` of ``kernel`` at head-dim block ``bd``."""
+    return AUTOTUNE[bucket(bd)][kernel]
 
 
 def head_block(d: int) -> int:
@@ -72,7 +98,6 @@ def kernel_tiles(D: int, Dv: int, Nq: int, Nk: int, interpret: bool, block=None)
     if interpret:
         tiles = {"fwd": INTERPRET_TILES, "dq": INTERPRET_TILES, "dkdv": INTERPRET_TILES}
     else:
-        bd = max(head_block(D), head_block(Dv))
-        tiles = dict(GPU_TILES[64 if bd <= 64 else 128 if bd <= 128 else 256])
+        tiles = dict(GPU_TILES[bucket(max(head_block(D), head_block(Dv)))])
     cap_m, cap_n = max(16, pow2(Nq)), max(16, pow2(Nk))
     return {name: (min(bm, cap_m), min(bn, cap_n)) for name, (bm, bn) in tiles.items()}

@@ -1,0 +1,96 @@
+"""The Triton kernels compiled for sm_80 and sm_90 here, with no GPU: registers and spills.
+
+Every shipped default configuration (the tiles of ``config.GPU_TILES`` with each of
+the autotune candidates of ``config.AUTOTUNE``) of the forward, dK/dV and dQ kernels,
+bfloat16, causal (block lists: the masked partial-tile loop and the unmasked full-tile
+loop in one kernel), D = 64 and 128, must compile for both archs with no spill: no
+local-memory stores or loads, a stack frame of at most ``resources.STACK_LIMIT`` bytes.
+float16 and float32, D = 256 and the unmasked variants are recorded in docs/triton.md
+(``python -m attnlab.ops.triton.resources``) rather than compiled on every test run.
+
+This session's kernels are defined for the interpreter (conftest.py), so the compiles
+run in one subprocess per module, without ``TRITON_INTERPRET``; triton's on-disk cache
+keeps the cubins, so a second run takes seconds (cold: about 3 s per kernel on an idle
+core).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnlab.ops.triton import config, resources
+from tests.ops.triton.conftest import TRITON
+
+pytestmark = [TRITON, pytest.mark.skipif(resources.tool("cuobjdump") is None,
+                                         reason="cuobjdump not found in the triton package (triton/backends/nvidia/bin)")]
+ROOT = Path(__file__).resolve().parents[3]
+HEAD_DIMS = (64, 128)
+CASES = [(k, a, d) for k in resources.KERNELS for a in resources.ARCHS for d in HEAD_DIMS]
+COMPILE_TIMEOUT_S = 1800  # the cold compile of the whole matrix on a loaded 2-core machine
+
+
+def _compile(*args) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, stated (silences its warning)
+    r = subprocess.run([sys.executable, "-m", "attnlab.ops.triton.resources", "--json", "-", *args],
+                       check=False, capture_output=True, text=True, env=env, cwd=str(ROOT),
+                       timeout=COMPILE_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def defaults() -> dict:
+    rows = _compile("--dtype", "bfloat16", "--mask", "causal", "--head-dim", *map(str, HEAD_DIMS))
+    out: dict = {}
+    for r in rows:
+        out.setdefault((r["kernel"], int(r["arch"][3:]), r["D"]), []).append(r)
+    return out
+
+
+@pytest.mark.parametrize("kernel,arch,D", CASES, ids=[f"{k}-sm{a}-D{d}" for k, a, d in CASES])
+def test_shipped_config_compiles_spill_free(defaults, kernel, arch, D):
+    rows = defaults[(kernel, arch, D)]
+    want = config.candidates(kernel, config.head_block(D))
+    assert sorted((r["warps"], r["stages"]) for r in rows) == sorted(want)  # every autotune candidate
+    for r in rows:
+        assert "error" not in r, r
+        tile = config.GPU_TILES[config.bucket(D)][kernel]
+        assert r["tile"] == f"{tile[0]}x{tile[1]}"
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+        assert r["stack"] <= resources.STACK_LIMIT, r
+        assert 0 < r["registers"] <= resources.REG_LIMIT, r
+
+
+def test_a_spilling_config_is_reported():
+    """The old dK/dV default at D = 128 (32×128, 4 warps) spills on sm_90: the reader sees it."""
+    (r,) = _compile("--kernel", "dkdv", "--arch", "90", "--dtype", "bfloat16", "--head-dim", "128",
+                    "--mask", "causal", "--tile", "32", "128", "--warps", "4", "--stages", "2")
+    assert r["registers"] == resources.REG_LIMIT and r["stack"] > 0 and r["spill_stores"] > 0 and r["spill_loads"] > 0
+    assert not r["spill_free"]
+
+
+def test_spill_bytes_count_local_memory_widths():
+    sass = """
+        /*0a30*/                   STL.64 [R1+0x8], R4 ;
+        /*0a40*/                   STL [R1], R2 ;
+        /*0a50*/                   LDL.LU.128 R8, [R1+0x10] ;
+        /*0a60*/                   LDL.U8 R3, [R1+0x20] ;
+        /*0a70*/                   STG.E.64 desc[UR4][R2.64], R6 ;
+        /*0a80*/                   LDS.128 R12, [R0] ;
+    """
+    assert resources.spill_bytes(sass) == (12, 17)
+    assert resources.spill_bytes("LDG.E R2, desc[UR4][R4.64] ;") == (0, 0)
+
+
+def test_refuses_interpreted_kernels_in_process():
+    """Here the kernels are defined for the interpreter: no silent compile of something else."""
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        resources.launch_kwargs("fwd", "bfloat16", 64, "causal")
