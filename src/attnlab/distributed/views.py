@@ -39,7 +39,7 @@ from attnlab.scores import ScoreMod
 __all__ = ["ShardMask", "ShardScoreMod", "HeadView", "HeadScoreMod", "need_matrix", "runs"]
 
 
-def _states(full: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+def tile_states(full: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
     s = torch.full(torch.broadcast_shapes(full.shape, empty.shape), PARTIAL, dtype=torch.int8, device=full.device)
     s = torch.where(full, torch.tensor(FULL, dtype=torch.int8, device=full.device), s)
     return torch.where(empty, torch.tensor(EMPTY, dtype=torch.int8, device=full.device), s)
@@ -64,7 +64,7 @@ class ShardMask(Mask):
         N = self.seq_len
         gql, gqh = self.q_pos[ql], self.q_pos[qh]
         gkl, gkh = self.kv_pos[kl], self.kv_pos[kh]
-        valid = _states((gqh < N) & (gkh < N), (gql >= N) | (gkl >= N))
+        valid = tile_states((gqh < N) & (gkh < N), (gql >= N) | (gkl >= N))
         if self.inner is None:
             return valid
         s = self.inner.classify(B, H, gql.clamp(max=N - 1), gqh.clamp(max=N - 1), gkl.clamp(max=N - 1),

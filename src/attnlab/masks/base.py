@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 
+from typing import ClassVar
+
 import torch
 
 from attnlab.masks import cache
@@ -19,7 +21,7 @@ __all__ = ["Mask"]
 _EVAL_CHUNK = 1 << 24
 
 
-def _states(full: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+def tile_states(full: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
     s = torch.full(torch.broadcast_shapes(full.shape, empty.shape), PARTIAL, dtype=torch.int8)
     s = torch.where(full, torch.tensor(FULL, dtype=torch.int8), s)
     return torch.where(empty, torch.tensor(EMPTY, dtype=torch.int8), s)
@@ -56,9 +58,15 @@ class Mask:
     #: The public name of a built-in kind (``"causal"``, ``"and"``, ...): the name its
     #: structural key and the distributed fingerprint use; None for user subclasses.
     kind: str | None = None
+    #: kind -> the class that defines it (the first to claim a kind keeps it): how
+    #: :func:`attnlab.masks.mask_from_key` rebuilds a mask; a subclass that does not
+    #: name its own kind has no structural key (it may behave differently).
+    KINDS: ClassVar[dict[str, type]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("kind"):
+            Mask.KINDS.setdefault(cls.__dict__["kind"], cls)
         v = cls.__dict__.get("validate")
         if v is not None and not getattr(v, "checks_positions", False):
             cls.validate = _checks_positions(v)
@@ -68,6 +76,13 @@ class Mask:
 
     def __call__(self, b, h, q_pos, kv_pos) -> torch.Tensor:
         return self.predicate(b, h, q_pos, kv_pos)
+
+    def key_parts(self):
+        """This mask's constructor arguments as ``(how, value)`` pairs, in order, so that
+        ``type(self)(*values)`` rebuilds an equal mask; ``how`` is ``"int"``, ``"opt"`` (an
+        int or None), ``"tensor"`` or ``"mask"`` (a sub-mask).  None (the default): no
+        structural key (``custom``, user subclasses)."""
+        return None
 
     def lower(self):
         """This mask as a :class:`~attnlab.masks.MaskStructure` (band, sinks, padding,
@@ -160,7 +175,7 @@ class Mask:
             sh = (*m.shape[:2], i1 - i0, bq, nkb, bk)
             a = anyv.reshape(sh).any(-1).any(-2)
             f = allv.reshape(sh).all(-1).all(-2)
-            rows.append(_states(f, ~a))
+            rows.append(tile_states(f, ~a))
         return torch.cat(rows, dim=-2)
 
     # -- algebra -------------------------------------------------------------------

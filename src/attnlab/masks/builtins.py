@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from attnlab.masks.base import Mask, _states
+from attnlab.masks.base import Mask, tile_states
 from attnlab.masks.structure import MaskStructure
 from attnlab.validate import ArgumentTypeError, integer, tensor_check
 
@@ -32,6 +32,9 @@ class _Causal(Mask):
     cheap_classify = True
     kind = "causal"
 
+    def key_parts(self):
+        return ()
+
     def lower(self):
         return MaskStructure(left=None, right=0)
 
@@ -39,7 +42,7 @@ class _Causal(Mask):
         return kv <= q
 
     def classify(self, B, H, ql, qh, kl, kh):
-        return _states(kh <= ql, kl > qh)
+        return tile_states(kh <= ql, kl > qh)
 
     def __repr__(self):
         return "causal()"
@@ -58,6 +61,9 @@ class _SlidingWindow(Mask):
     cheap_classify = True
     kind = "sliding_window"
 
+    def key_parts(self):
+        return (("int", self.w),)
+
     def lower(self):
         return MaskStructure(left=self.w - 1, right=0)
 
@@ -68,7 +74,7 @@ class _SlidingWindow(Mask):
         return (kv <= q) & (q - kv < self.w)
 
     def classify(self, B, H, ql, qh, kl, kh):
-        return _states((kh <= ql) & (qh - kl < self.w), (kl > qh) | (ql - kh >= self.w))
+        return tile_states((kh <= ql) & (qh - kl < self.w), (kl > qh) | (ql - kh >= self.w))
 
     def __repr__(self):
         return f"sliding_window({self.w})"
@@ -93,6 +99,9 @@ class _PrefixLM(Mask):
     cheap_classify = True
     kind = "prefix_lm"
 
+    def key_parts(self):
+        return (("int", self.n),)
+
     def lower(self):
         return MaskStructure(left=None, right=0, sinks=self.n)
 
@@ -103,7 +112,7 @@ class _PrefixLM(Mask):
         return (kv < self.n) | (kv <= q)
 
     def classify(self, B, H, ql, qh, kl, kh):
-        return _states((kh < self.n) | (kh <= ql), (kl >= self.n) & (kl > qh))
+        return tile_states((kh < self.n) | (kh <= ql), (kl >= self.n) & (kl > qh))
 
     def __repr__(self):
         return f"prefix_lm({self.n})"
@@ -118,6 +127,9 @@ class _SinkWindow(Mask):
     cheap_classify = True
     kind = "sink_window"
 
+    def key_parts(self):
+        return (("int", self.sinks), ("int", self.window))
+
     def lower(self):  # the sinks are causal too: kv < sinks and kv <= q
         return MaskStructure(left=self.window - 1, right=0, sinks=self.sinks,
                              sinks_right=0 if self.sinks else None)
@@ -131,7 +143,7 @@ class _SinkWindow(Mask):
     def classify(self, B, H, ql, qh, kl, kh):
         full = (kh <= ql) & ((kh < self.sinks) | (qh - kl < self.window))
         empty = (kl > qh) | ((kl >= self.sinks) & (ql - kh >= self.window))
-        return _states(full, empty)
+        return tile_states(full, empty)
 
     def __repr__(self):
         return f"sink_window({self.sinks}, {self.window})"
@@ -167,7 +179,7 @@ def _ids_tensor(x, name):
     return x.unsqueeze(0) if x.dim() == 1 else x
 
 
-def _block_minmax(ids: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
+def block_minmax(ids: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
     """Min and max of ``ids[:, lo[i]:hi[i]+1]`` for each block i: (B', nblocks)."""
     starts, ends = lo.flatten(), hi.flatten() + 1
     n = ids.shape[-1]
@@ -182,6 +194,9 @@ def _block_minmax(ids: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
 class _Document(Mask):
     cheap_classify = True
     kind = "document"
+
+    def key_parts(self):
+        return (("tensor", self.q_ids), ("tensor", self.kv_ids))
 
     def lower(self):
         return MaskStructure(q_ids=self.q_ids, kv_ids=self.kv_ids)
@@ -205,13 +220,13 @@ class _Document(Mask):
                     f"positions {lo}..{lo + n - 1} (ids are looked up by absolute position)")
 
     def classify(self, B, H, ql, qh, kl, kh):
-        qmin, qmax = _block_minmax(self.q_ids, ql, qh)  # (B', nqb)
-        kmin, kmax = _block_minmax(self.kv_ids, kl, kh)  # (B', nkb)
+        qmin, qmax = block_minmax(self.q_ids, ql, qh)  # (B', nqb)
+        kmin, kmax = block_minmax(self.kv_ids, kl, kh)  # (B', nkb)
         qmin, qmax = qmin[:, None, :, None], qmax[:, None, :, None]
         kmin, kmax = kmin[:, None, None, :], kmax[:, None, None, :]
         full = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
         empty = (qmax < kmin) | (kmax < qmin)
-        return _states(full, empty)
+        return tile_states(full, empty)
 
     def __repr__(self):
         return f"document(<{tuple(self.kv_ids.shape)} ids>)"
@@ -237,6 +252,9 @@ class _Padding(Mask):
     cheap_classify = True
     kind = "padding"
 
+    def key_parts(self):
+        return (("tensor", self.lengths),)
+
     def lower(self):
         return MaskStructure(kv_len=self.lengths)
 
@@ -255,7 +273,7 @@ class _Padding(Mask):
 
     def classify(self, B, H, ql, qh, kl, kh):
         L = self._len()
-        return _states((kh < L).expand(-1, -1, ql.shape[0], -1), (kl >= L).expand(-1, -1, ql.shape[0], -1))
+        return tile_states((kh < L).expand(-1, -1, ql.shape[0], -1), (kl >= L).expand(-1, -1, ql.shape[0], -1))
 
     def __repr__(self):
         return f"padding({self.lengths.tolist()})"
@@ -280,6 +298,9 @@ class _KeyPadding(Mask):
     cheap_classify = True
     kind = "key_padding"
 
+    def key_parts(self):
+        return (("tensor", self.keep),)
+
     def lower(self):
         return MaskStructure(key_keep=self.keep)
 
@@ -303,7 +324,7 @@ class _KeyPadding(Mask):
         n = c[:, hi] - c[:, lo]  # (B, nkb)
         full = (n == (hi - lo)).view(B, 1, 1, -1)
         empty = (n == 0).view(B, 1, 1, -1)
-        return _states(full, empty).expand(B, 1, ql.shape[0], lo.numel())
+        return tile_states(full, empty).expand(B, 1, ql.shape[0], lo.numel())
 
     def __repr__(self):
         return f"key_padding(<{tuple(self.keep.shape)}, {int(self.keep.sum())} kept>)"
@@ -336,6 +357,9 @@ def key_padding(keep) -> Mask:
 
 class _Tree(Mask):
     kind = "tree"
+
+    def key_parts(self):
+        return (("tensor", self.anc), ("int", self.prefix_len))
 
     def __init__(self, anc, prefix_len):
         self.anc, self.prefix_len = anc, prefix_len

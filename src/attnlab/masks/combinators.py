@@ -16,6 +16,9 @@ class And(Mask):
 
     kind = "and"
 
+    def key_parts(self):
+        return (("mask", self.a), ("mask", self.b))
+
     def __init__(self, a, b):
         self.a, self.b = a, b
         self.cheap_classify = a.cheap_classify and b.cheap_classify
@@ -64,6 +67,9 @@ class Not(Mask):
     """``~a``."""
 
     kind = "not"
+
+    def key_parts(self):
+        return (("mask", self.a),)
 
     def __init__(self, a):
         self.a = a

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.masks.base import Mask, _states
-from attnlab.masks.builtins import _block_minmax
+from attnlab.masks.base import Mask, tile_states
+from attnlab.masks.builtins import block_minmax
 from attnlab.masks.structure import MaskStructure
 from attnlab.validate import integer
 
@@ -25,6 +25,9 @@ class _Band(Mask):
 
     cheap_classify = True
     kind = "band"
+
+    def key_parts(self):
+        return (("opt", self.left), ("opt", self.right))
 
     def __init__(self, left, right):
         self.left, self.right = left, right
@@ -49,7 +52,7 @@ class _Band(Mask):
         if self.right is not None:
             full = full & (kh - ql <= self.right)
             empty = empty | (kl - qh > self.right)
-        return _states(full, empty)
+        return tile_states(full, empty)
 
     def __repr__(self):
         return f"band({self.left}, {self.right})"
@@ -104,6 +107,9 @@ class _Dense(Mask):
 
     kind = "dense"
 
+    def key_parts(self):
+        return (("tensor", self.t), ("int", self.q_offset), ("int", self.kv_offset))
+
     def __init__(self, t, q_offset, kv_offset):
         self.t, self.q_offset, self.kv_offset = t, q_offset, kv_offset
 
@@ -148,6 +154,9 @@ class _ShiftedMask(Mask):
     with ``q_offset = 0``).  Classified by evaluation (cached per shape)."""
 
     kind = "shift"
+
+    def key_parts(self):
+        return (("mask", self.inner), ("tensor", self.qo))
 
     def __init__(self, inner, qo):
         self.inner, self.qo = inner, qo
@@ -206,6 +215,9 @@ class _Varlen(Mask):
     cheap_classify = True
     kind = "varlen"
 
+    def key_parts(self):
+        return (("tensor", self.cu_q), ("tensor", self.cu_k), ("opt", self.left), ("opt", self.right))
+
     def lower(self):
         band = self.left is not None or self.right is not None
         return MaskStructure(left=self.left, right=self.right, q_ids=self.q_ids.view(1, -1),
@@ -254,8 +266,8 @@ class _Varlen(Mask):
                              f"q_offset={q_offset}, kv_offset={kv_offset}")
 
     def classify(self, B, H, ql, qh, kl, kh):
-        qmin, qmax = _block_minmax(self.q_ids.view(1, -1), ql, qh)
-        kmin, kmax = _block_minmax(self.k_ids.view(1, -1), kl, kh)
+        qmin, qmax = block_minmax(self.q_ids.view(1, -1), ql, qh)
+        kmin, kmax = block_minmax(self.k_ids.view(1, -1), kl, kh)
         qmin, qmax = qmin.view(-1, 1), qmax.view(-1, 1)
         kmin, kmax = kmin.view(1, -1), kmax.view(1, -1)
         same = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
@@ -271,7 +283,7 @@ class _Varlen(Mask):
         if self.right is not None:
             full = full & (khi - qlo <= self.right)
             empty = empty | (klo - qhi > self.right)
-        return _states(same & full, disjoint | (same & empty))
+        return tile_states(same & full, disjoint | (same & empty))
 
     def __repr__(self):
         return f"varlen({self.cu_q.numel() - 1} seqs, window=({self.left}, {self.right}))"

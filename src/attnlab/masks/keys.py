@@ -12,21 +12,11 @@ a user subclass (which may override the predicate) has none.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from attnlab.masks.base import Mask
-from attnlab.masks.builtins import (
-    _Causal,
-    _Document,
-    _KeyPadding,
-    _Padding,
-    _PrefixLM,
-    _SinkWindow,
-    _SlidingWindow,
-    _Tree,
-)
-from attnlab.masks.combinators import And, Not, Or
-from attnlab.masks.extra import _Band, _Dense, _ShiftedMask, _Varlen
 
 __all__ = ["KeyBuilder", "mask_from_key", "mask_key", "parse_key"]
 
@@ -52,43 +42,30 @@ class KeyBuilder:
 
 def _key_into(mask, kb: KeyBuilder) -> str | None:
     """The structural key of ``mask`` (tensors/ints added to ``kb``), or None for a mask
-    that has none (``custom``, or a user subclass of :class:`Mask`)."""
+    that has none (``custom``, or a user subclass of :class:`Mask`).  Each built-in
+    describes itself (:meth:`Mask.key_parts`); nothing here knows the classes."""
     t = type(mask)
-    if t is _Causal:
-        return "causal"
-    if t is _SlidingWindow:
-        return f"sliding_window({kb.int(mask.w)})"
-    if t is _PrefixLM:
-        return f"prefix_lm({kb.int(mask.n)})"
-    if t is _SinkWindow:
-        return f"sink_window({kb.int(mask.sinks)},{kb.int(mask.window)})"
-    if t is _Document:
-        return f"document({kb.tensor(mask.q_ids)},{kb.tensor(mask.kv_ids)})"
-    if t is _Padding:
-        return f"padding({kb.tensor(mask.lengths)})"
-    if t is _KeyPadding:
-        return f"key_padding({kb.tensor(mask.keep)})"
-    if t is _Tree:
-        return f"tree({kb.tensor(mask.anc)},{kb.int(mask.prefix_len)})"
-    if t is _Dense:
-        return f"dense({kb.tensor(mask.t)},{kb.int(mask.q_offset)},{kb.int(mask.kv_offset)})"
-    if t is _Band:
-        return f"band({_opt(kb, mask.left)},{_opt(kb, mask.right)})"
-    if t is _Varlen:
-        return (f"varlen({kb.tensor(mask.cu_q)},{kb.tensor(mask.cu_k)},{_opt(kb, mask.left)},"
-                f"{_opt(kb, mask.right)})")
-    if t is _ShiftedMask:
-        a = _key_into(mask.inner, kb)
-        return None if a is None else f"shift({a},{kb.tensor(mask.qo)})"
-    if t in (And, Or):
-        a, b = _key_into(mask.a, kb), _key_into(mask.b, kb)
-        if a is None or b is None:
-            return None
-        return f"{'and' if t is And else 'or'}({a},{b})"
-    if t is Not:
-        a = _key_into(mask.a, kb)
-        return None if a is None else f"not({a})"
-    return None
+    if t.kind is None or Mask.KINDS.get(t.kind) is not t:
+        return None
+    parts = mask.key_parts()
+    if parts is None:
+        return None
+    enc = []
+    for how, x in parts:
+        if how == "mask":
+            a = _key_into(x, kb)
+            if a is None:
+                return None
+            enc.append(a)
+        elif how == "tensor":
+            enc.append(kb.tensor(x))
+        elif how == "int":
+            enc.append(kb.int(x))
+        elif how == "opt":
+            enc.append(_opt(kb, x))
+        else:
+            raise ValueError(f"{t.__name__}.key_parts: unknown part kind {how!r}")
+    return t.kind if not enc else f"{t.kind}({','.join(enc)})"
 
 
 def _opt(kb: KeyBuilder, x) -> str:
@@ -136,6 +113,9 @@ def parse_key(spec: str):
     return out
 
 
+_LEAF = re.compile(r"[ti]\d+|n")  # a tensor, an int, or None; anything else names a mask
+
+
 def mask_from_key(spec: str, tensors, ints) -> Mask:
     """The mask :func:`mask_key` described (no validation: the original was validated)."""
     def leaf(x):
@@ -149,22 +129,10 @@ def mask_from_key(spec: str, tensors, ints) -> Mask:
 
     def build(node):
         name, args = (node, []) if isinstance(node, str) else node
-        if name == "causal":
-            return _Causal()
-        if name in ("and", "or"):
-            a, b = build(args[0]), build(args[1])
-            return And(a, b) if name == "and" else Or(a, b)
-        if name == "not":
-            return Not(build(args[0]))
-        if name == "shift":
-            return _ShiftedMask(build(args[0]), leaf(args[1]))
-        vals = [leaf(a) for a in args]
-        ctor = {"sliding_window": _SlidingWindow, "prefix_lm": _PrefixLM, "sink_window": _SinkWindow,
-                "document": _Document, "padding": _Padding, "key_padding": _KeyPadding, "tree": _Tree,
-                "dense": _Dense, "band": _Band, "varlen": _Varlen}.get(name)
-        if ctor is None:
+        cls = Mask.KINDS.get(name)
+        if cls is None:
             raise ValueError(f"structural key: unknown mask {name!r}")
-        return ctor(*vals)
+        return cls(*(leaf(a) if isinstance(a, str) and _LEAF.fullmatch(a) else build(a) for a in args))
 
     return build(parse_key(spec))
 

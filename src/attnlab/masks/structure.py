@@ -157,8 +157,8 @@ class MaskStructure:
         broadcastable to ``(B, H, nqb, nkb)``), or None when a field needs evaluation."""
         if not self.fields() <= self.CLASSIFIED:
             return None
-        from attnlab.masks.base import _states
-        from attnlab.masks.builtins import _block_minmax
+        from attnlab.masks.base import tile_states
+        from attnlab.masks.builtins import block_minmax
         full = torch.ones((1, 1, ql.shape[0], kl.shape[1]), dtype=torch.bool)
         empty = torch.zeros_like(full)
         if self.has_band:  # q - kv ranges over [ql - kh, qh - kl] in a tile
@@ -182,13 +182,13 @@ class MaskStructure:
             n = (c[:, hi] - c[:, lo]).view(c.shape[0], 1, 1, -1)
             full, empty = full & (n == (hi - lo)), empty | (n == 0)
         if self.q_ids is not None:
-            qmin, qmax = _block_minmax(self.q_ids, ql, qh)
-            kmin, kmax = _block_minmax(self.kv_ids, kl, kh)
+            qmin, qmax = block_minmax(self.q_ids, ql, qh)
+            kmin, kmax = block_minmax(self.kv_ids, kl, kh)
             qmin, qmax = qmin[:, None, :, None], qmax[:, None, :, None]
             kmin, kmax = kmin[:, None, None, :], kmax[:, None, None, :]
             full = full & (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
             empty = empty | (qmax < kmin) | (kmax < qmin)
-        return _states(full, empty)
+        return tile_states(full, empty)
 
     def __repr__(self):
         parts = []
