@@ -259,3 +259,21 @@ def test_newer_kinds_have_keys_that_rebuild_them(make):
     Bm = 2 if "shift" in k[0] else 1
     assert type(r) is type(m)
     assert torch.equal(_grid(r, Bm, 8, 8, 0, 0), _grid(m, Bm, 8, 8, 0, 0))
+
+
+def test_structural_keys_round_trip_every_kind_and_refuse_subclasses():
+    import torch
+    from attnlab import masks
+    ids = torch.tensor([[0, 0, 1, 1, 1]])
+    every = [masks.causal(), masks.sliding_window(3), masks.prefix_lm(2), masks.sink_window(1, 2),
+             masks.document(ids), masks.padding(torch.tensor([4])), masks.key_padding(torch.ones(1, 5, dtype=torch.bool)),
+             masks.tree([-1, 0, 0]), masks.band(1, None), masks.varlen(torch.tensor([0, 2, 5])),
+             masks.per_batch_q_offset(masks.causal(), torch.tensor([1]))]
+    for m in every + [every[0] & ~every[1] | every[8]]:
+        spec, ts, ints = m.key()
+        again = masks.mask_from_key(spec, ts, ints)
+        assert type(again) is type(m) and again.key()[0] == spec
+    class Shifted(type(masks.causal())):  # may change the predicate: a key would rebuild the parent
+        def predicate(self, b, h, q, kv):
+            return kv < q
+    assert Shifted().key() is None and (Shifted() & masks.causal()).key() is None
