@@ -30,6 +30,7 @@ from collections import OrderedDict
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from attnlab.ops.flash import DOUBLE_BACKWARD, DoubleBackwardError, flash_backward, flash_forward, make_problem, refuse_double_backward
 from attnlab.ops.reference import acc_dtype
@@ -196,6 +197,44 @@ def _no_grad(xs):
 
 
 flash_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- FLOPs
+# torch.utils.flop_counter.FlopCounterMode sees each operator as one call: without a
+# formula it counts 0.  The formulas are torch's own SDPA ones (forward: 2·B·H·Nq·Nk·(D+Dv);
+# backward, which recomputes the scores: 2·B·H·Nq·Nk·(3D+2Dv)) scaled by the fraction of the
+# Nq·Nk score elements the kernel computes: the area of the tiles it visits (partial tiles
+# count whole; every (batch, head) row of a visited tile is computed), from the same tile plan
+# the kernel runs.  On fake/meta tensors (no values to classify a mask) the count is the
+# dense one, as torch counts varlen on fake offsets.
+
+
+def visited_fraction(q, k, mask_spec, mask_tensors, ints, scale, q_offset, kv_offset, block) -> float:
+    """The fraction of the ``Nq·Nk`` score elements the flash kernel computes for this call
+    (1.0 without a mask, or on fake tensors)."""
+    from torch._subclasses.fake_tensor import is_fake
+    Nq, Nk = q.shape[2], k.shape[2]
+    if not mask_spec or Nq == 0 or Nk == 0 or any(is_fake(t) or t.device.type == "meta" for t in (q, k, *mask_tensors)):
+        return 1.0
+    pb = _problem(q, k, mask_spec, mask_tensors, ints, None, scale, q_offset, kv_offset, block, [])
+    area = sum((min(Nq, (i + 1) * pb.bq) - i * pb.bq) * (min(Nk, (j + 1) * pb.bk) - j * pb.bk)
+               for i, row in enumerate(pb.plan) for j, _ in row)
+    return area / (Nq * Nk)
+
+
+@register_flop_formula(torch.ops.attnlab.flash_fwd, get_raw=True)
+def _flash_fwd_flops(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale, q_offset, kv_offset,
+                     block, *rest, out_val=None, **kw) -> int:
+    frac = visited_fraction(q, k, mask_spec, mask_tensors, ints, scale, q_offset, kv_offset, block)
+    return int(round(sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape)) * frac))
+
+
+@register_flop_formula(torch.ops.attnlab.flash_bwd, get_raw=True)
+def _flash_bwd_flops(dout, dlse, q, k, v, out, lse, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale,
+                     q_offset, kv_offset, block, *rest, out_val=None, **kw) -> int:
+    frac = visited_fraction(q, k, mask_spec, mask_tensors, ints, scale, q_offset, kv_offset, block)
+    dense = sdpa_backward_flop_count(tuple(dout.shape), tuple(q.shape), tuple(k.shape), tuple(v.shape))
+    return int(round(dense * frac))
 
 
 # ----------------------------------------------------------------------------- vmap
