@@ -67,3 +67,20 @@ def test_masked_flash_flops_count_only_the_visited_tiles(qkv, mask):
     both, per_op = _flops(lambda: attnlab.attention(q, k, v, mask=bm, backend="flash").sum().backward())
     eager, _ = _flops(lambda: flash_attention(q, k, v, mask=bm, scale=D ** -0.5, q_offset=0)[0].sum().backward())
     assert both == eager and per_op["attnlab.flash_fwd"] == fwd
+
+
+def test_formulas_are_registered_by_the_import_hook_when_flop_counter_is_imported_after_attnlab():
+    """attnlab does not import torch.utils.flop_counter (it imports triton: seconds); a one-shot
+    import hook registers the formulas when it is imported.  Run here on a fresh copy of the module."""
+    import importlib.util
+
+    import torch.utils
+
+    from attnlab.ops import library
+    spec = library._OnFlopCounterImport().find_spec("torch.utils.flop_counter", torch.utils.__path__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    q = torch.randn(1, 2, 8, 4)
+    with fresh.FlopCounterMode(display=False) as fc:
+        attnlab.attention(q, q, q, backend="flash")
+    assert fc.get_total_flops() == 2 * 1 * 2 * 8 * 8 * (4 + 4)

@@ -25,6 +25,7 @@ import torch
 from attnlab import scores
 from attnlab.masks_extra import varlen as varlen_mask
 from attnlab.ops.dispatch import attention
+from attnlab.ops.dropout import check_dropout
 
 
 class _LocalPositions(scores.ScoreMod):
@@ -59,7 +60,8 @@ def _max_seqlen(x, name, cu):
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
                      softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     deterministic=False, return_attn_probs=False, *, return_lse=False, backend="flash"):
+                     deterministic=False, return_attn_probs=False, *, return_lse=False, backend="flash",
+                     dropout_seed=None):
     """flash-attn's ``flash_attn_varlen_func`` on attnlab's kernels (shapes: module doc).
 
     Args (flash-attn's names and meanings):
@@ -71,7 +73,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         alibi_slopes: ``(H,)`` or ``(num_seqs, H)``: adds ``-slope·|i + Lk - Lq - j|``
             (flash-attn's sign; = ``scores.alibi(slopes, symmetric=True)`` on local positions).
         softmax_scale: default ``1/sqrt(D)``.
-        dropout_p: only 0 here.
+        dropout_p: attention dropout (inverted, after the softmax; 0 in eval) with the
+            counter-based RNG of :mod:`attnlab.ops.dropout` on the *packed* problem: the
+            keep bit of a pair is ``hash(seed, 0, h, t_q, t_k)`` at packed token indices
+            ``t_q``/``t_k``, regenerated per tile in the backward.  The keep-mask is
+            ``dropout_mask(1, H, total_q, total_k, p=p, seed=seed, q_offset=0)``.
+        dropout_seed: (attnlab's) an int, a ``torch.Generator``, or None: one int64 drawn
+            from torch's default generator (``torch.manual_seed`` reproduces it), as in
+            :func:`attnlab.attention`.
         return_attn_probs: as flash-attn, returns ``(out, lse, None)`` (attnlab does not
             materialise the probabilities); ``return_lse=True`` returns ``(out, lse)``.
         backend: ``"flash"`` or ``"reference"``.
@@ -81,8 +90,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3:
             raise ValueError(f"{name}: varlen expects 3 dims {what} (packed tokens), got shape {tuple(t.shape)}")
-    if dropout_p != 0:
-        raise ValueError(f"dropout_p: varlen_attention runs without dropout, got {dropout_p!r}; pass 0.0")
+    dropout_p, dropout_seed = check_dropout(dropout_p, dropout_seed)
     if backend not in ("flash", "reference"):
         raise ValueError(f"backend: varlen_attention runs on 'flash' or 'reference', got {backend!r}")
     if causal not in (True, False):
@@ -117,7 +125,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
             if sl.shape[-1] != q.shape[1]:
                 raise ValueError(f"alibi_slopes: {sl.shape[-1]} slopes for H={q.shape[1]} query heads")
     res = attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask=mask, score_mod=mod, scale=softmax_scale,
-                    q_offset=0, kv_offset=0, return_lse=True, backend=backend, layout="bnhd")
+                    q_offset=0, kv_offset=0, return_lse=True, backend=backend, layout="bnhd", dropout_p=dropout_p,
+                    dropout_seed=dropout_seed)
     out, lse = res[0][0], res[1][0]
     if return_attn_probs:
         return out, lse, None
