@@ -191,6 +191,9 @@ def test_the_custom_ops_pass_torch_library_opcheck():
     args = (q, k, v, "sliding_window(i0)", [], "alibi(t0,0)", [slopes], [3], 0.5, 0, 0, [], 0.0, 0)
     res = torch.library.opcheck(torch.ops.attnlab.flash_fwd.default, args)
     assert set(res.values()) == {"SUCCESS"}, res
+    # with dropout and a seed drawn in a graph (the optional seed_tensor input)
+    res = torch.library.opcheck(torch.ops.attnlab.flash_fwd.default, args[:-2] + (0.3, 0, torch.tensor(5)))
+    assert set(res.values()) == {"SUCCESS"}, res
 
 
 class _OpRecorder:

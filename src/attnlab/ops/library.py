@@ -181,7 +181,9 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     seed = [t for t in seed if t is not None]
     ctx.save_for_backward(q, k, v, out, lse, *mask_tensors, *mod_tensors, *seed)
-    ctx.n_mask, ctx.n_seed = len(mask_tensors), len(seed)
+    # the dispatcher drops an argument equal to its default (seed_tensor=None) from the inputs
+    # whose gradients the backward returns (setup_context sees it filled back in)
+    ctx.n_mask, ctx.n_seed, ctx.n_inputs = len(mask_tensors), len(seed), len(inputs) - 1 + len(seed)
     ctx.args = (mask_spec, mod_spec, ints, scale, q_offset, kv_offset, block, dropout_p, dropout_seed)
 
 
@@ -198,8 +200,9 @@ def _backward(ctx, dout, dlse):
     dq, dk, dv, dmod = torch.ops.attnlab.flash_bwd(dout, dlse, q, k, v, out, lse, mask_spec, list(mask_tensors),
                                                    mod_spec, list(mod_tensors), ints, scale, q_offset, kv_offset,
                                                    block, dropout_p, dropout_seed, *seed)
-    return (dq, dk, dv, None, [None] * len(mask_tensors), None, list(dmod), _no_grad(ints), None, None, None,
-            _no_grad(block), None, None, None)
+    grads = (dq, dk, dv, None, [None] * len(mask_tensors), None, list(dmod), _no_grad(ints), None, None, None,
+             _no_grad(block), None, None, None)
+    return grads[:ctx.n_inputs]
 
 
 def _no_grad(xs):
