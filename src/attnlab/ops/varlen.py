@@ -12,6 +12,9 @@ Shapes (flash-attn's)::
 It runs as one ``B = 1`` problem over the packed tokens with the block-skipping mask
 :func:`attnlab.masks.varlen` (tiles across two sequences are never computed; nothing
 is padded), forward and backward, on the ``flash`` (default) or ``reference`` backend.
+On ``flash`` the tiles are classified exactly and sized for the packed problem, and the
+map is cached by ``cu_seqlens`` (:mod:`attnlab.ops.varlen_tiles`), so the layers of a
+model reuse it.
 Positions are per sequence and bottom-right aligned, as in flash-attn: with
 ``causal=True`` the last query of a sequence sees every key of it.
 """
@@ -26,6 +29,7 @@ from attnlab import scores
 from attnlab.masks_extra import varlen as varlen_mask
 from attnlab.ops.dispatch import attention
 from attnlab.ops.dropout import check_dropout
+from attnlab.ops.varlen_tiles import varlen_block_mask
 
 
 class _LocalPositions(scores.ScoreMod):
@@ -124,7 +128,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
             sl = mods[-1].slopes
             if sl.shape[-1] != q.shape[1]:
                 raise ValueError(f"alibi_slopes: {sl.shape[-1]} slopes for H={q.shape[1]} query heads")
-    res = attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask=mask, score_mod=mod, scale=softmax_scale,
+    kernel_mask = mask
+    if backend == "flash" and total_q and total_k:  # exact tile states, tiles chosen for the packed problem
+        kernel_mask = varlen_block_mask(mask, q.shape[1], q.shape[2], q.dtype, q.device)
+    res = attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask=kernel_mask, score_mod=mod, scale=softmax_scale,
                     q_offset=0, kv_offset=0, return_lse=True, backend=backend, layout="bnhd", dropout_p=dropout_p,
                     dropout_seed=dropout_seed)
     out, lse = res[0][0], res[1][0]
