@@ -29,11 +29,10 @@ that names ``backend="reference"`` (docs/compile.md).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import importlib.abc
 import importlib.machinery
 import sys
+from collections import OrderedDict
 
 import torch
 from torch import Tensor
@@ -248,14 +247,14 @@ def _register_flop_formulas(fc) -> None:
     def _flash_fwd_flops(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale, q_offset, kv_offset,
                          block, *rest, out_val=None, **kw) -> int:
         frac = visited_fraction(q, k, mask_spec, mask_tensors, ints, scale, q_offset, kv_offset, block)
-        return int(round(fc.sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape)) * frac))
+        return round(fc.sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape)) * frac)
 
     @fc.register_flop_formula(torch.ops.attnlab.flash_bwd, get_raw=True)
     def _flash_bwd_flops(dout, dlse, q, k, v, out, lse, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale,
                          q_offset, kv_offset, block, *rest, out_val=None, **kw) -> int:
         frac = visited_fraction(q, k, mask_spec, mask_tensors, ints, scale, q_offset, kv_offset, block)
         dense = fc.sdpa_backward_flop_count(tuple(dout.shape), tuple(q.shape), tuple(k.shape), tuple(v.shape))
-        return int(round(dense * frac))
+        return round(dense * frac)
 
 
 class _OnFlopCounterImport(importlib.abc.MetaPathFinder):

@@ -234,7 +234,7 @@ def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params):
 # read.  There the backward goes through an operator: the dispatcher unwraps its inputs
 # (and a vmap rule loops over the mapped dimension), as for attnlab::flash_bwd.  The plan
 # ``pb`` is not a tensor: it travels as a handle into ``_HANDLES`` (held while ctx holds it).
-_HANDLES: "weakref.WeakValueDictionary[int, _Problem]" = weakref.WeakValueDictionary()
+_HANDLES: weakref.WeakValueDictionary[int, _Problem] = weakref.WeakValueDictionary()
 
 
 @torch.library.custom_op("attnlab::triton_bwd", mutates_args=())
