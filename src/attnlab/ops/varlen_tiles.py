@@ -31,7 +31,8 @@ import torch
 from attnlab.ops.blockmask import EMPTY, FULL, PARTIAL, BlockMask
 from attnlab.ops.tiles import tile_candidates
 
-_KEEP = 8  # packed problems remembered (one per distinct cu_seqlens / window / heads / dtype)
+_KEEP = 4  # packed problems remembered (one per cu_seqlens / window / heads / dtype); each holds its
+# BlockMask with up to BlockMask.TILE_CACHE_BYTES of evaluated partial tiles
 _cache: OrderedDict = OrderedDict()
 _CHUNK = 1 << 22  # tile-rows x tile-cols x sequences evaluated at once
 
