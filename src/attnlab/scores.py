@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from attnlab.validate import boolean, finite_tensor, real
+from attnlab.validate import ArgumentTypeError, boolean, finite_tensor, real, tensor_check
 
 __all__ = ["ScoreMod", "alibi", "softcap", "relative_bias", "custom", "compose", "bias"]
 
@@ -209,7 +209,8 @@ def compose(*mods: ScoreMod) -> ScoreMod:
 # ----------------------------------------------------------------------------- structural keys
 # See :func:`attnlab.masks.mask_key`: the same scheme for score mods.  Floats (softcap's
 # ``c``) are written into the spec (dynamo specializes Python floats anyway); tensors
-# (ALiBi slopes, bias tables) are inputs, so a learnable one gets its gradient.
+# (ALiBi slopes, bias tables, a dense additive bias) are inputs, so a learnable one gets its
+# gradient.
 
 
 def _key_into(mod, kb) -> str | None:
@@ -220,6 +221,8 @@ def _key_into(mod, kb) -> str | None:
         return f"softcap({float(mod.c)!r})"
     if t is _RelativeBias:
         return f"relative_bias({kb.tensor(mod.table)})"
+    if t is _Bias:  # its offsets bind the rows/columns: written into the spec (dynamo specializes ints here)
+        return f"bias({kb.tensor(mod.t)},{int(mod.q_offset)},{int(mod.kv_offset)})"
     if t is _Compose:
         parts = [_key_into(m, kb) for m in mod.mods]
         known = [p for p in parts if p is not None]
@@ -251,6 +254,8 @@ def mod_from_key(spec: str, tensors, ints) -> ScoreMod:
         if name == "relative_bias":
             tab = tensors[int(args[0][1:])]
             return _RelativeBias(tab, tab.shape[1] // 2)
+        if name == "bias":
+            return _Bias(tensors[int(args[0][1:])], int(args[1]), int(args[2]))
         if name == "compose":
             return _Compose([build(a) for a in args])
         raise ValueError(f"structural key: unknown score mod {name!r}")
@@ -293,6 +298,8 @@ def bias(t: torch.Tensor, *, q_offset: int, kv_offset: int = 0) -> ScoreMod:
         raise ValueError(f"scores.bias(t): at most 4 dims (B, H, Nq, Nk), got shape {tuple(t.shape)}")
     while t.dim() < 4:
         t = t.unsqueeze(0)
-    if torch.isnan(t).any() or torch.isposinf(t).any():
-        raise ValueError("scores.bias(t): holds NaN or +inf; an additive mask may hold finite values and -inf")
+    msg = "scores.bias(t): holds NaN or +inf; an additive mask may hold finite values and -inf"
+    with torch.no_grad():  # under torch.compile an in-graph assertion (no data-dependent branch)
+        if not tensor_check(~(torch.isnan(t) | torch.isposinf(t)).any(), msg):
+            raise ValueError(msg)
     return _Bias(t, int(q_offset), int(kv_offset))

@@ -191,3 +191,81 @@ def test_the_custom_ops_pass_torch_library_opcheck():
     args = (q, k, v, "sliding_window(i0)", [], "alibi(t0,0)", [slopes], [3], 0.5, 0, 0, [], 0.0, 0)
     res = torch.library.opcheck(torch.ops.attnlab.flash_fwd.default, args)
     assert set(res.values()) == {"SUCCESS"}, res
+    # with dropout and a seed drawn in a graph (the optional seed_tensor input)
+    res = torch.library.opcheck(torch.ops.attnlab.flash_fwd.default, args[:-2] + (0.3, 0, torch.tensor(5)))
+    assert set(res.values()) == {"SUCCESS"}, res
+
+
+class _OpRecorder:
+    """A torch.compile backend that records the operators of dynamo's graph and of its
+    subgraphs (an autograd.Function's forward is one), then runs it eagerly."""
+
+    def __init__(self):
+        self.targets = []
+
+    def __call__(self, gm, example_inputs):
+        for m in gm.modules():
+            if hasattr(m, "graph"):
+                self.targets += [str(n.target) for n in m.graph.nodes if n.op == "call_function"]
+        return gm.forward
+
+
+@pytest.mark.parametrize("backend", ["flash", "reference"])
+def test_dropout_without_a_seed_compiles_fullgraph_and_draws_what_eager_draws(data, backend):
+    """``dropout_seed=None`` draws the seed with a traced op (no graph break); under aot_eager it
+    is torch's default generator's draw, so after ``torch.manual_seed`` compiled == eager,
+    outputs and gradients (the backward regenerates the same mask); each call draws anew."""
+    q = data[0].clone().requires_grad_()
+
+    def f(q):
+        return attnlab.attention(q, q, q, mask=masks.causal(), dropout_p=0.3, backend=backend)
+
+    dynamo.reset()
+    ex = dynamo.explain(f)(q)
+    assert ex.graph_break_count == 0, [str(r.reason)[:200] for r in ex.break_reasons]
+    dynamo.reset()
+    cf = torch.compile(f, backend="aot_eager", fullgraph=True)
+    torch.manual_seed(5)
+    got = cf(q)
+    torch.manual_seed(5)
+    want = f(q)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), q)[0], torch.autograd.grad(want.sum(), q)[0],
+                               atol=1e-12, rtol=0)
+    assert not torch.equal(cf(q), got)  # a fresh seed per call
+
+
+def test_a_dense_additive_bias_has_a_structural_key_and_compiles_to_the_flash_op(data):
+    """``mask=float_tensor`` (scores.bias) goes to attnlab::flash_fwd under compile (not the
+    materialized reference math), and a learnable bias gets its gradient there."""
+    q, k, v = data[:3]
+    g = torch.Generator().manual_seed(8)
+    bias = torch.randn(1, 2, 8, 8, dtype=F64, generator=g)
+    bias[..., 0, 3:] = float("-inf")  # a hidden pair too
+    mod = scores.bias(bias, q_offset=-2)
+    spec, tensors, _ = mod.key()
+    assert spec == "bias(t0,-2,0)" and tensors[0] is mod.t
+    rebuilt = scores.mod_from_key(spec, tensors, [])
+    s = torch.randn(2, 2, 8, 8, dtype=F64, generator=g)
+    b, h = torch.arange(2).view(2, 1, 1, 1), torch.arange(2).view(1, 2, 1, 1)
+    qp, kp = (torch.arange(8) - 2).view(1, 1, 8, 1), torch.arange(8).view(1, 1, 1, 8)
+    torch.testing.assert_close(rebuilt(s, b, h, qp, kp), mod(s, b, h, qp, kp), atol=0, rtol=0)
+
+    learn = bias.clone().requires_grad_()
+
+    def f(q, bias):
+        return attnlab.attention(q, k, v, mask=bias, backend="flash")
+
+    rec = _OpRecorder()
+    dynamo.reset()
+    got = torch.compile(f, backend=rec, fullgraph=True)(q, learn)
+    assert any("attnlab.flash_fwd" in t for t in rec.targets), rec.targets
+    dynamo.reset()
+    cf = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got = cf(q, learn)
+    want = f(q, learn)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    ga, = torch.autograd.grad(got.sum(), learn)
+    gb, = torch.autograd.grad(want.sum(), learn)
+    torch.testing.assert_close(ga, gb, atol=1e-12, rtol=0)
+    assert ga.abs().sum() > 0

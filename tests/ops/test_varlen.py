@@ -132,7 +132,7 @@ def test_varlen_errors():
     with pytest.raises(ValueError, match="cu_seqlens_q and cu_seqlens_k must hold the same number"):
         attnlab.varlen_attention(q, k, v, cq, ck[:-1])
     with pytest.raises(ValueError, match="dropout_p"):
-        attnlab.varlen_attention(q, k, v, cq, ck, dropout_p=0.1)
+        attnlab.varlen_attention(q, k, v, cq, ck, dropout_p=1.0)
     with pytest.raises(ValueError, match=r"alibi_slopes: 3 slopes for H=4"):
         attnlab.varlen_attention(q, k, v, cq, ck, alibi_slopes=torch.ones(3, dtype=F64))
 

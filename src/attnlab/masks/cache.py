@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-__all__ = ["LRU", "block_masks", "clear", "mask_id", "plans", "rebuilt", "tile_picks"]
+__all__ = ["LRU", "block_masks", "clear", "mask_id", "plans", "rebuilt", "tile_picks", "varlen"]
 
 
 class LRU:
@@ -57,6 +57,9 @@ plans = LRU(64)
 #: Masks the ``attnlab::flash_*`` custom ops rebuilt from structural keys, by (spec, ints,
 #: tensor identities): (mask, tensors), so the tensors stay alive while their key is cached.
 rebuilt = LRU(32)
+#: Exact varlen BlockMasks (:mod:`attnlab.ops.varlen_tiles`) by (cu_seqlens bytes, window, H, D,
+#: dtype, device): every layer and the backward of one packed batch reuse one.
+varlen = LRU(4)
 
 
 def mask_id(mask):
@@ -70,5 +73,5 @@ def mask_id(mask):
 
 def clear():
     """Empty every cache (tests; freeing memory)."""
-    for c in (block_masks, tile_picks, plans, rebuilt):
+    for c in (block_masks, tile_picks, plans, rebuilt, varlen):
         c.clear()

@@ -92,7 +92,13 @@ def apply(attention, q, k, v, *, mask, score_mod, scale, q_offset, kv_offset, re
         elif t.dtype.is_floating_point:
             mods.append(scores.bias(t, q_offset=qo_int, kv_offset=ko))
             ninf = torch.isneginf(t.detach())
-            base_mask = dense(~ninf, q_offset=qo_int, kv_offset=ko) if bool(ninf.any()) else None
+            # traced (torch.compile): no data-dependent branch and no masks.dense (its lookup does not
+            # trace); the -inf entries are scores of -inf in the kernel, which hides them exactly
+            # (fully hidden rows: out 0, LSE -inf), only without skipping their tiles
+            if torch.compiler.is_compiling() or not bool(ninf.any()):
+                base_mask = None
+            else:
+                base_mask = dense(~ninf, q_offset=qo_int, kv_offset=ko)
         else:
             raise TypeError(f"mask: a tensor mask must be bool (True = attend) or float (additive), got {t.dtype}")
     mod = None if not mods else mods[0] if len(mods) == 1 else scores.compose(*mods)

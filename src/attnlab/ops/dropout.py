@@ -77,11 +77,14 @@ class Dropout:
     Kernels hold one of these (``None`` when ``p == 0``) and call :meth:`scale_tile` for
     each tile they visit, forward and backward."""
 
-    def __init__(self, p: float, seed: int):
-        self.p, self.seed = float(p), int(seed)
-        self.threshold = min(M32, round(self.p * 2.0**32))
+    def __init__(self, p: float, seed):
+        self.p = float(p)
+        # an int, or (under torch.compile, drawn in the graph) a 0-d int64 tensor: the same
+        # 64 bits in two's complement, so ``s & M32`` and ``(s >> 32) & M32`` agree
+        self.seed = seed if isinstance(seed, torch.Tensor) else int(seed)
+        self.threshold = min(M32, int(round(self.p * 2.0**32)))
         self.inv_keep = 1.0 / (1.0 - self.p)
-        s = self.seed & ((1 << 64) - 1)
+        s = self.seed if isinstance(seed, torch.Tensor) else self.seed & ((1 << 64) - 1)
         self.key_r = absorb(absorb(_ROW0, s & M32), (s >> 32) & M32)
         self.key_c = absorb(self.key_r, _COL0)
 
@@ -108,7 +111,15 @@ class Dropout:
 def draw_seed(generator=None) -> int:
     """One int64 seed drawn from ``generator`` (default: torch's default CPU generator, so
     ``torch.manual_seed`` makes it reproducible).  CPU: no device synchronisation."""
-    return int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, generator=generator))
+    return int(draw_seed_tensor(generator))
+
+
+def draw_seed_tensor(generator=None) -> torch.Tensor:
+    """The draw of :func:`draw_seed` as a 0-d int64 tensor: what compiled code uses (a
+    traced op, where ``int()`` of it would graph-break).  Under ``backend="aot_eager"`` it is
+    the same value as the eager draw; inductor draws with its own RNG (seeded from torch's
+    generator, so ``torch.manual_seed`` still makes runs reproducible, with other values)."""
+    return torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, generator=generator)
 
 
 def check_dropout(dropout_p, dropout_seed):
@@ -132,6 +143,8 @@ def make_dropout(p: float, seed_arg) -> Dropout | None:
     """The draw for one call: ``None`` when ``p == 0`` (the no-dropout path, exactly)."""
     if p == 0.0:
         return None
+    if seed_arg is None and torch.compiler.is_compiling():
+        return Dropout(p, draw_seed_tensor())  # no graph break: the seed stays a tensor
     if seed_arg is None or isinstance(seed_arg, torch.Generator):
         seed_arg = draw_seed(seed_arg)
     return Dropout(p, seed_arg)
@@ -153,4 +166,4 @@ def dropout_mask(B, H, Nq, Nk, *, p, seed, q_offset=None, kv_offset=0, device=No
     return torch.broadcast_to(d.keep(b, h, qp, kp), (B, H, Nq, Nk))
 
 
-__all__ = ["Dropout", "check_dropout", "draw_seed", "dropout_mask", "fmix32", "make_dropout"]
+__all__ = ["Dropout", "check_dropout", "draw_seed", "draw_seed_tensor", "dropout_mask", "fmix32", "make_dropout"]

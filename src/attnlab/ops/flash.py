@@ -245,7 +245,7 @@ def refuse_double_backward(name, anchors, grads):
 
 
 def tiled_function(fwd, bwd, name: str) -> type:
-    """The autograd.Function of a tiled kernel pair: ``fwd(pb, q, k, v) -> (out, lse)`` and
+    """The autograd.Function of a tiled kernel pair: ``fwd(pb, q, k, v, *params) -> (out, lse)`` and
     ``bwd(pb, q, k, v, out, lse, dout, dlse, params) -> (dq, dk, dv, dparams)``, where
     ``pb`` is the kernel's plan and ``params`` the score mod's learnable tensors.  The
     gradient reaches the LSE too; only ``out, lse`` are saved (no score matrix)."""
@@ -253,7 +253,7 @@ def tiled_function(fwd, bwd, name: str) -> type:
     class Fn(torch.autograd.Function):
         @staticmethod
         def forward(pb, q, k, v, *params):
-            return fwd(pb, q, k, v)
+            return fwd(pb, q, k, v, *params)  # params: what a kernel reads must come from its inputs (torch.func)
 
         @staticmethod
         def setup_context(ctx, inputs, output):  # separate from forward: torch.func transforms need it
@@ -284,7 +284,7 @@ def tiled_function(fwd, bwd, name: str) -> type:
     return Fn
 
 
-_FlashFn = tiled_function(_forward, _backward, "_FlashFn")
+_FlashFn = tiled_function(lambda pb, q, k, v, *params: _forward(pb, q, k, v), _backward, "_FlashFn")
 flash_forward, flash_backward = _forward, _backward  # the kernel pair, for backends that fall back on it
 
 

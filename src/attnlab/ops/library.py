@@ -17,14 +17,21 @@ kernel rebuilds the mask from the key (cached per key, so classified tiles are r
 Schema (``ints`` are the mask's; a mod's floats are written into its spec)::
 
     flash_fwd(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints,
-              scale, q_offset, kv_offset, block, dropout_p, dropout_seed) -> (out, lse)
+              scale, q_offset, kv_offset, block, dropout_p, dropout_seed, seed_tensor?) -> (out, lse)
     flash_bwd(dout, dlse?, q, k, v, out, lse, <same>) -> (dq, dk, dv, dmod_tensors)
+
+``seed_tensor`` (0-d int64, replaces ``dropout_seed``) is a seed drawn inside a compiled
+graph (``dropout_seed=None`` under torch.compile), where ``int()`` of it would graph-break.
 
 Double backward (``create_graph=True`` through ``flash_bwd``) is refused with an error
 that names ``backend="reference"`` (docs/compile.md).
 """
 
 from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
 
 import torch
 from torch import Tensor
@@ -87,10 +94,12 @@ def _signed64(seed: int) -> int:
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
-def _dropout(p: float, seed: int):
+def _dropout(p: float, seed: int, seed_tensor=None):
     if not p:
         return None
     from attnlab.ops.dropout import Dropout
+    if seed_tensor is not None:  # drawn inside a compiled graph (dropout_seed=None): a 0-d int64 tensor
+        seed = int(seed_tensor)
     return Dropout(p, int(seed) & ((1 << 64) - 1))
 
 
@@ -119,19 +128,20 @@ class _autograd_inside:
 @torch.library.custom_op("attnlab::flash_fwd", mutates_args=())
 def flash_fwd(q: Tensor, k: Tensor, v: Tensor, mask_spec: str, mask_tensors: list[Tensor], mod_spec: str,
               mod_tensors: list[Tensor], ints: list[int], scale: float, q_offset: int, kv_offset: int,
-              block: list[int], dropout_p: float, dropout_seed: int) -> tuple[Tensor, Tensor]:
+              block: list[int], dropout_p: float, dropout_seed: int,
+              seed_tensor: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Tiled forward: ``(out (B, H, Nq, Dv), lse (B, H, Nq) float32/64)``."""
     with torch.no_grad():
         pb = _problem(q, k, mask_spec, mask_tensors, ints, _mod(mod_spec, mod_tensors), scale, q_offset,
                       kv_offset, block, [])
-        pb.dropout = _dropout(dropout_p, dropout_seed)
+        pb.dropout = _dropout(dropout_p, dropout_seed, seed_tensor)
         out, lse = flash_forward(pb, q, k, v)
         return out.contiguous(), lse.contiguous()
 
 
 @flash_fwd.register_fake
 def _flash_fwd_fake(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale, q_offset, kv_offset,
-                    block, dropout_p, dropout_seed):
+                    block, dropout_p, dropout_seed, seed_tensor=None):
     B, H, Nq, _ = q.shape
     return q.new_empty((B, H, Nq, v.shape[-1])), q.new_empty((B, H, Nq), dtype=acc_dtype(q.dtype))
 
@@ -140,7 +150,7 @@ def _flash_fwd_fake(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, int
 def flash_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               mask_spec: str, mask_tensors: list[Tensor], mod_spec: str, mod_tensors: list[Tensor], ints: list[int],
               scale: float, q_offset: int, kv_offset: int, block: list[int], dropout_p: float,
-              dropout_seed: int) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+              dropout_seed: int, seed_tensor: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """Tiled backward: ``(dq, dk, dv, [d mod_tensors[i]])`` (zeros for a tensor the mod
     does not differentiate)."""
     leaves = [t.detach().requires_grad_(t.dtype.is_floating_point) for t in mod_tensors]
@@ -148,7 +158,7 @@ def flash_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor
     with torch.no_grad():
         pb = _problem(q, k, mask_spec, mask_tensors, ints, _mod(mod_spec, leaves), scale, q_offset, kv_offset,
                       block, params)
-        pb.dropout = _dropout(dropout_p, dropout_seed)
+        pb.dropout = _dropout(dropout_p, dropout_seed, seed_tensor)
     q, k, v, out, lse, dout = (t.detach() for t in (q, k, v, out, lse, dout))
     dlse = None if dlse is None else dlse.detach()
     with _autograd_inside():  # only the mod's leaves require grad: nothing else records a graph
@@ -160,7 +170,7 @@ def flash_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor
 
 @flash_bwd.register_fake
 def _flash_bwd_fake(dout, dlse, q, k, v, out, lse, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale,
-                    q_offset, kv_offset, block, dropout_p, dropout_seed):
+                    q_offset, kv_offset, block, dropout_p, dropout_seed, seed_tensor=None):
     # contiguous, as the kernel returns them (inductor checks the strides against the fake's)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             [t.new_empty(t.shape) for t in mod_tensors])
@@ -168,15 +178,20 @@ def _flash_bwd_fake(dout, dlse, q, k, v, out, lse, mask_spec, mask_tensors, mod_
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale, q_offset, kv_offset, block,
-     dropout_p, dropout_seed) = inputs
+     dropout_p, dropout_seed, *seed) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *mask_tensors, *mod_tensors)
-    ctx.n_mask = len(mask_tensors)
+    seed = [t for t in seed if t is not None]
+    ctx.save_for_backward(q, k, v, out, lse, *mask_tensors, *mod_tensors, *seed)
+    # the dispatcher drops an argument equal to its default (seed_tensor=None) from the inputs
+    # whose gradients the backward returns (setup_context sees it filled back in)
+    ctx.n_mask, ctx.n_seed, ctx.n_inputs = len(mask_tensors), len(seed), len(inputs) - 1 + len(seed)
     ctx.args = (mask_spec, mod_spec, ints, scale, q_offset, kv_offset, block, dropout_p, dropout_seed)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *rest = ctx.saved_tensors
+    seed = rest[len(rest) - ctx.n_seed:] if ctx.n_seed else []
+    rest = rest[:len(rest) - ctx.n_seed]
     mask_tensors, mod_tensors = rest[:ctx.n_mask], rest[ctx.n_mask:]
     mask_spec, mod_spec, ints, scale, q_offset, kv_offset, block, dropout_p, dropout_seed = ctx.args
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (dout, dlse, q, k, v, *mod_tensors)):
@@ -185,9 +200,10 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv, dmod = torch.ops.attnlab.flash_bwd(dout, dlse, q, k, v, out, lse, mask_spec, list(mask_tensors),
                                                    mod_spec, list(mod_tensors), ints, scale, q_offset, kv_offset,
-                                                   block, dropout_p, dropout_seed)
-    return (dq, dk, dv, None, [None] * len(mask_tensors), None, list(dmod), _no_grad(ints), None, None, None,
-            _no_grad(block), None, None)
+                                                   block, dropout_p, dropout_seed, *seed)
+    grads = (dq, dk, dv, None, [None] * len(mask_tensors), None, list(dmod), _no_grad(ints), None, None, None,
+             _no_grad(block), None, None, None)
+    return grads[:ctx.n_inputs]
 
 
 def _no_grad(xs):
@@ -197,6 +213,80 @@ def _no_grad(xs):
 
 
 flash_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- FLOPs
+# torch.utils.flop_counter.FlopCounterMode sees each operator as one call: without a
+# formula it counts 0.  The formulas are torch's own SDPA ones (forward: 2·B·H·Nq·Nk·(D+Dv);
+# backward, which recomputes the scores: 2·B·H·Nq·Nk·(3D+2Dv)) scaled by the fraction of the
+# Nq·Nk score elements the kernel computes: the area of the tiles it visits (partial tiles
+# count whole; every (batch, head) row of a visited tile is computed), from the same tile plan
+# the kernel runs.  On fake/meta tensors (no values to classify a mask) the count is the
+# dense one, as torch counts varlen on fake offsets.
+#
+# torch.utils.flop_counter imports triton (seconds), so attnlab does not import it: the
+# formulas are registered when it is imported (now, if it already is; else by a one-shot
+# import hook), before any FlopCounterMode can copy the registry.
+
+
+def visited_fraction(q, k, mask_spec, mask_tensors, ints, scale, q_offset, kv_offset, block) -> float:
+    """The fraction of the ``Nq·Nk`` score elements the flash kernel computes for this call
+    (1.0 without a mask, or on fake tensors)."""
+    from torch._subclasses.fake_tensor import is_fake
+    Nq, Nk = q.shape[2], k.shape[2]
+    if not mask_spec or Nq == 0 or Nk == 0 or any(is_fake(t) or t.device.type == "meta" for t in (q, k, *mask_tensors)):
+        return 1.0
+    pb = _problem(q, k, mask_spec, mask_tensors, ints, None, scale, q_offset, kv_offset, block, [])
+    area = sum((min(Nq, (i + 1) * pb.bq) - i * pb.bq) * (min(Nk, (j + 1) * pb.bk) - j * pb.bk)
+               for i, row in enumerate(pb.plan) for j, _ in row)
+    return area / (Nq * Nk)
+
+
+def _register_flop_formulas(fc) -> None:
+    """Register the formulas with the module ``torch.utils.flop_counter`` (``fc``)."""
+
+    @fc.register_flop_formula(torch.ops.attnlab.flash_fwd, get_raw=True)
+    def _flash_fwd_flops(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale, q_offset, kv_offset,
+                         block, *rest, out_val=None, **kw) -> int:
+        frac = visited_fraction(q, k, mask_spec, mask_tensors, ints, scale, q_offset, kv_offset, block)
+        return round(fc.sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape)) * frac)
+
+    @fc.register_flop_formula(torch.ops.attnlab.flash_bwd, get_raw=True)
+    def _flash_bwd_flops(dout, dlse, q, k, v, out, lse, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale,
+                         q_offset, kv_offset, block, *rest, out_val=None, **kw) -> int:
+        frac = visited_fraction(q, k, mask_spec, mask_tensors, ints, scale, q_offset, kv_offset, block)
+        dense = fc.sdpa_backward_flop_count(tuple(dout.shape), tuple(q.shape), tuple(k.shape), tuple(v.shape))
+        return round(dense * frac)
+
+
+class _OnFlopCounterImport(importlib.abc.MetaPathFinder):
+    """One-shot import hook: once ``torch.utils.flop_counter`` has executed, register the
+    formulas (then the hook removes itself)."""
+
+    NAME = "torch.utils.flop_counter"
+
+    def find_spec(self, name, path, target=None):
+        if name != self.NAME:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _register_flop_formulas(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if _OnFlopCounterImport.NAME in sys.modules:
+    _register_flop_formulas(sys.modules[_OnFlopCounterImport.NAME])
+else:
+    sys.meta_path.insert(0, _OnFlopCounterImport())
 
 
 # ----------------------------------------------------------------------------- vmap
@@ -261,11 +351,12 @@ class _FlashOp(torch.autograd.Function):
 
     @staticmethod
     def forward(meta, q, k, v, *tensors):
-        mask_spec, mod_spec, n_mask, ints, scale, q_offset, kv_offset, block, dp, ds = meta
+        mask_spec, mod_spec, n_mask, ints, scale, q_offset, kv_offset, block, dp, ds, n_seed = meta
+        tensors, seed = _split_seed(tensors, n_seed)
         with torch.no_grad():  # this Function is the autograd (torch.func sees it, not the op's)
             return torch.ops.attnlab.flash_fwd(q, k, v, mask_spec, list(tensors[:n_mask]), mod_spec,
                                                list(tensors[n_mask:]), ints, scale, q_offset, kv_offset, block,
-                                               dp, ds)
+                                               dp, ds, *seed)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -276,29 +367,44 @@ class _FlashOp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
-        mask_spec, mod_spec, n_mask, ints, scale, q_offset, kv_offset, block, dp, ds = ctx.meta
+        mask_spec, mod_spec, n_mask, ints, scale, q_offset, kv_offset, block, dp, ds, n_seed = ctx.meta
+        tensors, seed = _split_seed(tensors, n_seed)
         if dout is None:
             dout = torch.zeros_like(out)
         with torch.no_grad():
             dq, dk, dv, dmod = torch.ops.attnlab.flash_bwd(dout, dlse, q, k, v, out, lse, mask_spec,
                                                            list(tensors[:n_mask]), mod_spec, list(tensors[n_mask:]),
-                                                           ints, scale, q_offset, kv_offset, block, dp, ds)
+                                                           ints, scale, q_offset, kv_offset, block, dp, ds, *seed)
         grads = refuse_double_backward("flash backend", (q, k, v, dout, dlse, *tensors), [dq, dk, dv, *dmod])
-        return (None, *grads[:3], *([None] * n_mask), *grads[3:])
+        return (None, *grads[:3], *([None] * n_mask), *grads[3:], *([None] * n_seed))
+
+
+def _split_seed(tensors, n_seed):
+    """``(tensors, [seed tensor])``: a seed drawn in a compiled graph rides last among the tensors."""
+    if not n_seed:
+        return tensors, []
+    return tensors[:-1], [tensors[-1]]
 
 
 def flash_op(q, k, v, args, scale, dropout=None):
     """``(out, lse)`` through ``torch.ops.attnlab.flash_fwd``; ``args`` from :func:`op_args`;
     ``dropout`` an :class:`attnlab.ops.dropout.Dropout` (its p and seed travel as op inputs)."""
     mask_spec, mask_tensors, mod_spec, mod_tensors, ints, q_offset, kv_offset, block = args
-    dp, ds = (0.0, 0) if dropout is None else (float(dropout.p), _signed64(dropout.seed))
+    seed = []
+    if dropout is None:
+        dp, ds = 0.0, 0
+    elif isinstance(dropout.seed, Tensor):  # drawn in a compiled graph: an op input, not an int
+        dp, ds, seed = float(dropout.p), 0, [dropout.seed]
+    else:
+        dp, ds = float(dropout.p), _signed64(dropout.seed)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *mod_tensors))):
         # no gradient wanted: the operator itself (dynamo mis-inlines a setup_context-style
         # Function whose inputs need no grad)
         return torch.ops.attnlab.flash_fwd(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints,
-                                           float(scale), q_offset, kv_offset, block, dp, ds)
-    meta = (mask_spec, mod_spec, len(mask_tensors), ints, float(scale), q_offset, kv_offset, block, dp, ds)
-    ts = [q, k, v, *mask_tensors, *mod_tensors]
+                                           float(scale), q_offset, kv_offset, block, dp, ds, *seed)
+    meta = (mask_spec, mod_spec, len(mask_tensors), ints, float(scale), q_offset, kv_offset, block, dp, ds,
+            len(seed))
+    ts = [q, k, v, *mask_tensors, *mod_tensors, *seed]
     for i in range(1, len(ts)):  # one tensor passed twice (q, q, q): distinct views (dynamo refuses duplicates)
         if any(ts[i] is t for t in ts[:i]):
             ts[i] = ts[i].view_as(ts[i])

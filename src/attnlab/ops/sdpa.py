@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.masks import BlockMask, Mask
+from attnlab.ops.flash import refuse_double_backward
 
 
 # A causal mask whose queries sit after the first key (a prefill chunk over a cache) is
@@ -71,18 +72,44 @@ def sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse) -> 
 
 
 def sdpa_attention(q, k, v, *, mask=None, scale, **_):
-    """Run SDPA; inputs validated and :func:`sdpa_unsupported` already checked."""
+    """Run SDPA; inputs validated and :func:`sdpa_unsupported` already checked.  Where torch
+    picks a fused kernel, a second derivative raises :class:`attnlab.ops.flash.DoubleBackwardError`
+    naming ``backend='reference'`` (:func:`_refuse_fused_double_backward`)."""
     gqa = q.shape[1] != k.shape[1]
     keep = None if mask is None else key_keep_slice(mask, k.shape[2], _.get("kv_offset", 0))
     if keep is not None:
         keep = keep.view(q.shape[0], 1, 1, k.shape[2])
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
+        return _refuse_fused_double_backward(out, q, k, v)
     q_offset, kv_offset = _["q_offset"], _.get("kv_offset", 0)
     if mask is not None and q_offset != kv_offset:  # bottom-right causal: explicit mask
         qp = torch.arange(q.shape[2], device=q.device).view(-1, 1) + q_offset
         kp = torch.arange(k.shape[2], device=q.device).view(1, -1) + kv_offset
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=kp <= qp, scale=scale, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=mask is not None, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=kp <= qp, scale=scale, enable_gqa=gqa)
+        return _refuse_fused_double_backward(out, q, k, v)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=mask is not None, scale=scale, enable_gqa=gqa)
+    return _refuse_fused_double_backward(out, q, k, v)
+
+
+def _refuse_fused_double_backward(out, q, k, v):
+    """``out``, with torch's fused SDPA backward (not differentiable: torch says "derivative
+    for ..._backward is not implemented") marked so that a second derivative raises attnlab's
+    :class:`~attnlab.ops.flash.DoubleBackwardError` naming ``backend='reference'``.  A post-hook
+    on the SDPA node passes its gradients through :func:`~attnlab.ops.flash.refuse_double_backward`,
+    which acts only when a graph is recorded (``create_graph=True``).  The math kernel
+    (differentiable twice) and compiled code are left alone."""
+    node = out.grad_fn
+    if node is None or torch.compiler.is_compiling() or not type(node).__name__.startswith("ScaledDotProduct"):
+        return out
+
+    def hook(grad_inputs, grad_outputs):
+        if not torch.is_grad_enabled():
+            return None
+        live = [g for g in grad_inputs if g is not None]
+        return tuple(refuse_double_backward("sdpa backend (torch's fused kernel)", live, list(grad_inputs)))
+
+    node.register_hook(hook)
+    return out
 
 
 def sdpa_dense_mask(q, k, v, mask, *, scale, q_offset, kv_offset):

@@ -12,6 +12,9 @@ Shapes (flash-attn's)::
 It runs as one ``B = 1`` problem over the packed tokens with the block-skipping mask
 :func:`attnlab.masks.varlen` (tiles across two sequences are never computed; nothing
 is padded), forward and backward, on the ``flash`` (default) or ``reference`` backend.
+On ``flash`` the tiles are classified exactly and sized for the packed problem, and the
+map is cached by ``cu_seqlens`` (:mod:`attnlab.ops.varlen_tiles`), so the layers of a
+model reuse it.
 Positions are per sequence and bottom-right aligned, as in flash-attn: with
 ``causal=True`` the last query of a sequence sees every key of it.
 """
@@ -24,6 +27,8 @@ import torch
 from attnlab import scores
 from attnlab.masks import varlen as varlen_mask
 from attnlab.ops.dispatch import attention
+from attnlab.ops.dropout import check_dropout
+from attnlab.ops.varlen_tiles import varlen_block_mask
 from attnlab.validate import integer
 
 
@@ -58,7 +63,8 @@ def _max_seqlen(x, name, cu):
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
                      softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     deterministic=False, return_attn_probs=False, *, return_lse=False, backend="flash"):
+                     deterministic=False, return_attn_probs=False, *, return_lse=False, backend="flash",
+                     dropout_seed=None):
     """flash-attn's ``flash_attn_varlen_func`` on attnlab's kernels (shapes: module doc).
 
     Args (flash-attn's names and meanings):
@@ -70,7 +76,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         alibi_slopes: ``(H,)`` or ``(num_seqs, H)``: adds ``-slope·|i + Lk - Lq - j|``
             (flash-attn's sign; = ``scores.alibi(slopes, symmetric=True)`` on local positions).
         softmax_scale: default ``1/sqrt(D)``.
-        dropout_p: only 0 here.
+        dropout_p: attention dropout (inverted, after the softmax; 0 in eval) with the
+            counter-based RNG of :mod:`attnlab.ops.dropout` on the *packed* problem: the
+            keep bit of a pair is ``hash(seed, 0, h, t_q, t_k)`` at packed token indices
+            ``t_q``/``t_k``, regenerated per tile in the backward.  The keep-mask is
+            ``dropout_mask(1, H, total_q, total_k, p=p, seed=seed, q_offset=0)``.
+        dropout_seed: (attnlab's) an int, a ``torch.Generator``, or None: one int64 drawn
+            from torch's default generator (``torch.manual_seed`` reproduces it), as in
+            :func:`attnlab.attention`.
         return_attn_probs: as flash-attn, returns ``(out, lse, None)`` (attnlab does not
             materialise the probabilities); ``return_lse=True`` returns ``(out, lse)``.
         backend: ``"flash"`` or ``"reference"``.
@@ -80,8 +93,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3:
             raise ValueError(f"{name}: varlen expects 3 dims {what} (packed tokens), got shape {tuple(t.shape)}")
-    if dropout_p != 0:
-        raise ValueError(f"dropout_p: varlen_attention runs without dropout, got {dropout_p!r}; pass 0.0")
+    dropout_p, dropout_seed = check_dropout(dropout_p, dropout_seed)
     if backend not in ("flash", "reference"):
         raise ValueError(f"backend: varlen_attention runs on 'flash' or 'reference', got {backend!r}")
     if causal not in (True, False):
@@ -115,8 +127,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
             sl = mods[-1].slopes
             if sl.shape[-1] != q.shape[1]:
                 raise ValueError(f"alibi_slopes: {sl.shape[-1]} slopes for H={q.shape[1]} query heads")
-    res = attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask=mask, score_mod=mod, scale=softmax_scale,
-                    q_offset=0, kv_offset=0, return_lse=True, backend=backend, layout="bnhd")
+    kernel_mask = mask
+    if backend == "flash" and total_q and total_k:  # exact tile states, tiles chosen for the packed problem
+        kernel_mask = varlen_block_mask(mask, q.shape[1], q.shape[2], q.dtype, q.device)
+    res = attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask=kernel_mask, score_mod=mod, scale=softmax_scale,
+                    q_offset=0, kv_offset=0, return_lse=True, backend=backend, layout="bnhd", dropout_p=dropout_p,
+                    dropout_seed=dropout_seed)
     out, lse = res[0][0], res[1][0]
     if return_attn_probs:
         return out, lse, None

@@ -8,10 +8,12 @@ to :data:`.config.CHOSEN`; under the interpreter the kernels are called directly
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 
-from attnlab.ops.finite import all_finite
+from attnlab.ops.finite import all_finite, traced
 from attnlab.ops.flash import flash_backward, flash_forward, make_problem, tiled_function
 from attnlab.ops.triton import config
 from attnlab.ops.triton.backward import attn_bwd_delta, attn_bwd_dkdv, attn_bwd_dq
@@ -73,9 +75,10 @@ class _Problem:
         self.tiles = config.kernel_tiles(D, self.Dv, Nq, self.Nk, interp, block)
         self.BD, self.BDV = config.head_block(D), config.head_block(self.Dv)
         self.fix_bf16 = interp and q.dtype == torch.bfloat16
-        self.dummy_i = torch.zeros(1, dtype=torch.int32, device=q.device)
-        self.dummy_f = torch.zeros(1, dtype=torch.float32, device=q.device)
-        self.mod_kw = self._mod_args()
+        # where the mod's learnable tensors sit among the Function's inputs (``mod.params``)
+        self.i_slopes, self.i_table = (next((i for i, p in enumerate(mod.params) if p is t), None)
+                                       for t in (mod.slopes, mod.table))
+        self.bind(mod.params)
         self.dropout = dropout  # an attnlab.ops.dropout.Dropout: the kernels hash its counters per tile
         d = dropout
         self.drop_kw = dict(key_r=0, key_c=0, thr=0, inv_keep=1.0, DROPOUT=False) if d is None else dict(
@@ -96,14 +99,25 @@ class _Problem:
         return plan_for(self.mask, self.B, self.H, self.Nq, self.Nk, self.q_offset, self.kv_offset,
                         self.tiles[kernel], self.device)
 
-    def _mod_args(self):
+    def bind(self, params):
+        """Make the tensors the launches read from the Function's own inputs ``params`` (the
+        mod's learnable tensors) and fresh dummies.  Under ``torch.func.grad`` the Function's
+        forward sees unwrapped tensors while anything built before ``apply`` (the mod's
+        tensors, dummies) is a functorch wrapper, whose storage the kernels cannot read."""
+        self.dummy_i = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.dummy_f = torch.zeros(1, dtype=torch.float32, device=self.device)
+        self.mod_kw = self._mod_args(params)
+
+    def _mod_args(self, params):
         m, f32 = self.mod, torch.float32
+        slopes = m.slopes if self.i_slopes is None else params[self.i_slopes]
+        table = m.table if self.i_table is None else params[self.i_table]
         kw = dict(SLOPES=self.dummy_f, RTAB=self.dummy_f, s_rtab=0, R=0, cap=1.0,
                   ALIBI=m.alibi, SOFTCAP=m.softcap, RELBIAS=m.relbias)
         if m.alibi:
-            kw["SLOPES"] = m.slopes.detach().to(device=self.device, dtype=f32).contiguous()
+            kw["SLOPES"] = slopes.detach().to(device=self.device, dtype=f32).contiguous()
         if m.relbias:
-            t = m.table.detach().to(device=self.device, dtype=f32).contiguous()
+            t = table.detach().to(device=self.device, dtype=f32).contiguous()
             kw.update(RTAB=t, s_rtab=t.stride(0), R=(t.shape[1] - 1) // 2)
         if m.softcap:
             kw["cap"] = float(m.cap)
@@ -148,7 +162,8 @@ class _Problem:
             **self.mask_args(plan, direction), **self.mod_kw, **self.drop_kw)
 
 
-def _forward(pb: _Problem, q, k, v):
+def _forward(pb: _Problem, q, k, v, *params):
+    pb.bind(params)
     B, H, Nq = pb.B, pb.H, pb.Nq
     out = torch.empty(B, H, Nq, pb.Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Nq, dtype=torch.float32, device=q.device)
@@ -179,13 +194,15 @@ def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params):
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     m = pb.mod
-    alibi_grad = m.alibi and any(p is m.slopes for p in params)
-    rel_grad = m.relbias and any(p is m.table for p in params)
+    pb.bind(params)
+    alibi_grad = bool(m.alibi) and pb.i_slopes is not None and pb.i_slopes < len(params)
+    rel_grad = bool(m.relbias) and pb.i_table is not None and pb.i_table < len(params)
+    table = m.table if not rel_grad else params[pb.i_table]
 
     BM, BN, kw = pb.common("dq", "kv")
     nqb = _cdiv(Nq, BM)
     dslope = torch.zeros(B * H, nqb, dtype=torch.float32, device=q.device) if alibi_grad else pb.dummy_f
-    drtab = torch.zeros(m.table.shape, dtype=torch.float32, device=q.device) if rel_grad else pb.dummy_f
+    drtab = torch.zeros(table.shape, dtype=torch.float32, device=q.device) if rel_grad else pb.dummy_f
     _launch("dq", (nqb, B * H), Q=q, K=k, V=v, DO=dout, DQ=dq, LSE=lse, DELTA=delta,
             **_strides("sq", q), **_strides("sk", k), **_strides("sv", v), **_strides("sd", dout),
             **_strides("sg", dq), n_q_blocks=nqb, DSLOPE=dslope, DRTAB=drtab,
@@ -201,10 +218,10 @@ def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params):
             Hkv=pb.Hkv, n_q_blocks=_cdiv(Nq, BM), **kw)
 
     dparams = []
-    for p in params:
-        if alibi_grad and p is m.slopes:
+    for i, p in enumerate(params):
+        if alibi_grad and i == pb.i_slopes:
             g = dslope.view(B, H, -1).sum((0, 2))
-        elif rel_grad and p is m.table:
+        elif rel_grad and i == pb.i_table:
             g = drtab
         else:
             g = torch.zeros_like(p)
@@ -214,7 +231,55 @@ def _backward(pb: _Problem, q, k, v, out, lse, dout, dlse, params):
     return dq, dk, dv, dparams
 
 
-_TritonAttention = tiled_function(_forward, _backward, "_TritonAttention")
+# ----------------------------------------------------------------------------- torch.func
+# Under torch.func.grad the backward runs *inside* the transform, on functorch wrappers
+# (GradTrackingTensor, BatchedTensor under vmap(grad)), whose storage a Triton kernel cannot
+# read.  There the backward goes through an operator: the dispatcher unwraps its inputs
+# (and a vmap rule loops over the mapped dimension), as for attnlab::flash_bwd.  The plan
+# ``pb`` is not a tensor: it travels as a handle into ``_HANDLES`` (held while ctx holds it).
+_HANDLES: weakref.WeakValueDictionary[int, _Problem] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("attnlab::triton_bwd", mutates_args=())
+def triton_bwd(handle: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
+               params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The Triton backward as an operator: ``[dq, dk, dv, *dparams]``."""
+    pb = _HANDLES[handle]
+    dq, dk, dv, dparams = _backward(pb, q, k, v, out, lse, dout, dlse, list(params))
+    return [t.contiguous() for t in (dq, dk, dv, *dparams)]
+
+
+@triton_bwd.register_fake
+def _triton_bwd_fake(handle, q, k, v, out, lse, dout, dlse, params):
+    return [t.new_empty(t.shape) for t in (q, k, v, *params)]
+
+
+def _triton_bwd_vmap(info, in_dims, handle, *args):
+    res = []
+    for i in range(info.batch_size):
+        sl = []
+        for a, d in zip(args, in_dims[1:]):
+            if isinstance(a, (list, tuple)):
+                sl.append([x if dx is None else x.select(dx, i) for x, dx in zip(a, d or [None] * len(a))])
+            else:
+                sl.append(a if d is None or a is None else a.select(d, i))
+        res.append(torch.ops.attnlab.triton_bwd(handle, *sl))
+    return [torch.stack([r[j] for r in res]) for j in range(len(res[0]))], [0] * len(res[0])
+
+
+torch.library.register_vmap("attnlab::triton_bwd", _triton_bwd_vmap)
+
+
+def _backward_any_level(pb, q, k, v, out, lse, dout, dlse, params):
+    if not traced(q, k, v, out, lse, dout, *([] if dlse is None else [dlse]), *params):
+        return _backward(pb, q, k, v, out, lse, dout, dlse, params)
+    _HANDLES[id(pb)] = pb
+    dq, dk, dv, *dparams = torch.ops.attnlab.triton_bwd(id(pb), q, k, v, out, lse, dout, dlse, list(params))
+    return dq, dk, dv, dparams
+
+
+_TritonAttention = tiled_function(_forward, _backward_any_level, "_TritonAttention")
 
 
 def triton_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, block=None, dropout=None):
