@@ -1,0 +1,422 @@
+// attnlab's native CPU attention kernel: forward and backward, fp32 / bf16 / fp16 inputs,
+// float32 accumulation of S = QKᵀ, P·V, dP = dO·Vᵀ and dS; LSE in natural log (float32).
+//
+// Layout (any strides): q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv);
+// out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) float32.  Query head h reads kv head
+// h / (H / Hkv) (GQA): K/V are read in place, never copied per head.
+//
+// Positions are absolute: row i sits at qp = q_offset + i, column j at kp = kv_offset + j.
+// The mask is evaluated here from its structure (MASK_STRUCTURE.md):
+//     visible = ((no left or qp - kp <= left) and (no right or kp - qp <= right)) or kp < sinks
+//               and (no kv_len or kp < kv_len[b])
+// For one row that is the union of two column intervals [0, s1) and [b0, b1).
+//
+// One at::parallel_for region per pass; each work item runs a tile loop with per-thread
+// float32 buffers: forward over (b, h, q-block); backward in two atomics-free passes,
+// dK/dV over (b, kv-head, kv-block) and dQ over (b, h, q-block).  Hidden entries
+// (masked) are exact zeros in every product, so a NaN/inf in a key or value a row cannot
+// see has no effect.  The inner loops are unit-stride saxpys the compiler vectorises
+// (the build picks -mavx512* / -mavx2 from the CPU's flags).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_f(c10::Half x) { return static_cast<float>(x); }
+
+// exp(x) in float32 (Cephes' polynomial, about 1 ulp); x < -87 (and -inf) gives exactly 0.
+// Branch-free, so the loops that call it vectorise.
+inline float exp_f(float x) {
+  const float xc = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = xc * 1.44269504088896341f;
+  const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest
+  float r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float y = p * r * r + r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float s;
+  std::memcpy(&s, &e, sizeof s);
+  y = y * s;
+  return x < -87.0f ? 0.0f : y;
+}
+
+template <typename T>
+struct View {  // a 4-D tensor read through its strides
+  const T* p;
+  int64_t s0, s1, s2, s3;
+  const T* row(int64_t b, int64_t h, int64_t n) const { return p + b * s0 + h * s1 + n * s2; }
+};
+
+template <typename T>
+View<T> view_of(const at::Tensor& t) {
+  return View<T>{t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+}
+
+template <typename T>
+inline void load_row(float* dst, const T* src, int64_t n, int64_t stride) {
+  if (stride == 1) {
+    for (int64_t d = 0; d < n; ++d) dst[d] = to_f(src[d]);
+  } else {
+    for (int64_t d = 0; d < n; ++d) dst[d] = to_f(src[d * stride]);
+  }
+}
+
+struct Mask {
+  bool has_left, has_right;
+  int64_t left, right, sinks;
+  const int64_t* kv_len;  // (B,) or nullptr
+  int64_t q_offset, kv_offset, Nk;
+
+  static int64_t clamp(__int128 x, int64_t lo, int64_t hi) {
+    return x < lo ? lo : (x > hi ? hi : static_cast<int64_t>(x));
+  }
+  // visible columns of row i (batch b): [0, s1) ∪ [b0, b1), each within [0, end)
+  void ranges(int64_t b, int64_t i, int64_t& s1, int64_t& b0, int64_t& b1) const {
+    int64_t end = Nk;
+    if (kv_len != nullptr) end = clamp(static_cast<__int128>(kv_len[b]) - kv_offset, 0, Nk);
+    const __int128 qp = static_cast<__int128>(q_offset) + i;
+    s1 = clamp(static_cast<__int128>(sinks) - kv_offset, 0, end);
+    b0 = has_left ? clamp(qp - left - kv_offset, 0, end) : 0;
+    b1 = has_right ? clamp(qp + right - kv_offset + 1, 0, end) : end;
+    if (b1 < b0) b0 = b1;
+  }
+};
+
+struct RowMask {  // one row's visible intervals, relative to a tile starting at column c0
+  int64_t s1, b0, b1;
+  bool full(int64_t c0, int64_t c1) const {
+    if (c1 <= s1) return true;
+    if (c0 >= b0 && c1 <= b1) return true;
+    return b0 <= s1 && c1 <= std::max(s1, b1);
+  }
+  bool none(int64_t c0, int64_t c1) const { return c0 >= s1 && (c1 <= b0 || c0 >= b1); }
+  bool visible(int64_t c) const { return c < s1 || (c >= b0 && c < b1); }
+};
+
+// Does any row in [r0, r1) of batch b see a column of [c0, c1)?  (b0, b1 grow with the row.)
+inline bool block_visits(const Mask& mk, int64_t b, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  int64_t s1, b0, b1, t0, t1;
+  mk.ranges(b, r0, s1, b0, t1);
+  mk.ranges(b, r1 - 1, s1, t0, b1);
+  return c0 < s1 || (c0 < b1 && c1 > b0);
+}
+
+struct Dims {
+  int64_t B, H, Hkv, G, Nq, Nk, D, Dv, bq, bk;
+};
+
+// S[r, 0:m] = scale · Q[r] · K[c0:c0+m]ᵀ, masked entries -inf (KT is D × bk, row-major).
+inline void score_row(float* S, const float* Qr, const float* KT, int64_t D, int64_t bk, int64_t m, float scale,
+                      const RowMask& rm, int64_t c0) {
+  for (int64_t c = 0; c < m; ++c) S[c] = 0.0f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float qv = Qr[d];
+    const float* kt = KT + d * bk;
+    for (int64_t c = 0; c < m; ++c) S[c] += qv * kt[c];
+  }
+  for (int64_t c = 0; c < m; ++c) S[c] *= scale;
+  if (!rm.full(c0, c0 + m)) {
+    for (int64_t c = 0; c < m; ++c)
+      if (!rm.visible(c0 + c)) S[c] = NEG_INF;
+  }
+}
+
+template <typename T>
+void load_kt(float* KT, const View<T>& k, int64_t b, int64_t hk, int64_t c0, int64_t m, int64_t D, int64_t bk) {
+  for (int64_t c = 0; c < m; ++c) {
+    const T* src = k.row(b, hk, c0 + c);
+    for (int64_t d = 0; d < D; ++d) KT[d * bk + c] = to_f(src[d * k.s3]);
+  }
+}
+
+template <typename T>
+void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+                  const Dims& dm, const Mask& mk, float scale) {
+  const View<T> qv = view_of<T>(q), kv = view_of<T>(k), vv = view_of<T>(v);
+  T* op = out.data_ptr<T>();
+  float* lp = lse.data_ptr<float>();
+  const int64_t nqb = (dm.Nq + dm.bq - 1) / dm.bq, nkb = (dm.Nk + dm.bk - 1) / dm.bk;
+  const int64_t items = dm.B * dm.H * nqb;
+  at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
+    const int64_t D = dm.D, Dv = dm.Dv, bq = dm.bq, bk = dm.bk;
+    std::vector<float> Qb(bq * D), KT(D * bk), Vb(bk * Dv), S(bk), acc(bq * Dv), mrow(bq), lrow(bq);
+    std::vector<RowMask> rms(bq);
+    for (int64_t it = lo; it < hi; ++it) {
+      const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
+      const int64_t hk = h / dm.G;
+      const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
+      for (int64_t r = 0; r < n; ++r) {
+        load_row(Qb.data() + r * D, qv.row(b, h, r0 + r), D, qv.s3);
+        mk.ranges(b, r0 + r, rms[r].s1, rms[r].b0, rms[r].b1);
+        mrow[r] = NEG_INF;
+        lrow[r] = 0.0f;
+      }
+      std::fill(acc.begin(), acc.begin() + n * Dv, 0.0f);
+      for (int64_t jk = 0; jk < nkb; ++jk) {
+        const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0;
+        if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+        load_kt(KT.data(), kv, b, hk, c0, m, D, bk);
+        for (int64_t c = 0; c < m; ++c) load_row(Vb.data() + c * Dv, vv.row(b, hk, c0 + c), Dv, vv.s3);
+        for (int64_t r = 0; r < n; ++r) {
+          const RowMask& rm = rms[r];
+          if (rm.none(c0, c1)) continue;
+          float* Sr = S.data();
+          score_row(Sr, Qb.data() + r * D, KT.data(), D, bk, m, scale, rm, c0);
+          float mx = NEG_INF;
+          for (int64_t c = 0; c < m; ++c) mx = std::max(mx, Sr[c]);
+          for (int64_t c = 0; c < m; ++c) mx = std::isnan(Sr[c]) ? Sr[c] : mx;
+          const float m_new = std::isnan(mx) ? mx : std::max(mrow[r], mx);  // a visible NaN propagates
+          if (m_new == NEG_INF) continue;  // nothing visible yet
+          const float alpha = exp_f(mrow[r] - m_new);
+          float* ar = acc.data() + r * Dv;
+          float sum = 0.0f;
+          if (alpha != 1.0f)
+            for (int64_t e = 0; e < Dv; ++e) ar[e] *= alpha;
+          for (int64_t c = 0; c < m; ++c) {
+            const float s = Sr[c];
+            const float p = exp_f(s - m_new);
+            sum += p;
+            if (s == NEG_INF) continue;  // hidden: an exact zero, whatever V holds
+            const float* vr = Vb.data() + c * Dv;
+            for (int64_t e = 0; e < Dv; ++e) ar[e] += p * vr[e];
+          }
+          lrow[r] = lrow[r] * alpha + sum;
+          mrow[r] = m_new;
+        }
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        T* orow = op + ((b * dm.H + h) * dm.Nq + r0 + r) * Dv;
+        const float l = lrow[r];
+        float* ar = acc.data() + r * Dv;
+        if (l == 0.0f) {
+          for (int64_t e = 0; e < Dv; ++e) orow[e] = static_cast<T>(0.0f);
+          lp[(b * dm.H + h) * dm.Nq + r0 + r] = NEG_INF;
+        } else {
+          const float inv = 1.0f / l;
+          for (int64_t e = 0; e < Dv; ++e) orow[e] = static_cast<T>(ar[e] * inv);
+          lp[(b * dm.H + h) * dm.Nq + r0 + r] = mrow[r] + std::log(l);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& lse, const at::Tensor& delta, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                   const Dims& dm, const Mask& mk, float scale) {
+  const View<T> qv = view_of<T>(q), kv = view_of<T>(k), vv = view_of<T>(v), gv = view_of<T>(dout);
+  const float* lp = lse.data_ptr<float>();   // (B, H, Nq) contiguous
+  const float* dp = delta.data_ptr<float>(); // (B, H, Nq) contiguous
+  T* dqp = dq.data_ptr<T>();
+  T* dkp = dk.data_ptr<T>();
+  T* dvp = dv.data_ptr<T>();
+  const int64_t nqb = (dm.Nq + dm.bq - 1) / dm.bq, nkb = (dm.Nk + dm.bk - 1) / dm.bk;
+  const int64_t D = dm.D, Dv = dm.Dv, bq = dm.bq, bk = dm.bk;
+
+  // ---- pass 1: dK, dV per (b, kv head, kv block), over the G query heads and the q blocks
+  at::parallel_for(0, dm.B * dm.Hkv * nkb, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> KT(D * bk), VT(Dv * bk), dKb(bk * D), dVb(bk * Dv), Qr(D), dOr(Dv), S(bk), P(bk), dP(bk);
+    for (int64_t it = lo; it < hi; ++it) {
+      const int64_t jk = it % nkb, hk = (it / nkb) % dm.Hkv, b = it / (nkb * dm.Hkv);
+      const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0;
+      load_kt(KT.data(), kv, b, hk, c0, m, D, bk);
+      load_kt(VT.data(), vv, b, hk, c0, m, Dv, bk);
+      std::fill(dKb.begin(), dKb.begin() + m * D, 0.0f);
+      std::fill(dVb.begin(), dVb.begin() + m * Dv, 0.0f);
+      for (int64_t h = hk * dm.G; h < (hk + 1) * dm.G; ++h) {
+        for (int64_t iq = 0; iq < nqb; ++iq) {
+          const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq);
+          if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+          for (int64_t i = r0; i < r1; ++i) {
+            const float L = lp[(b * dm.H + h) * dm.Nq + i];
+            if (L == NEG_INF) continue;  // fully masked row: no gradient
+            RowMask rm;
+            mk.ranges(b, i, rm.s1, rm.b0, rm.b1);
+            if (rm.none(c0, c1)) continue;
+            const float Di = dp[(b * dm.H + h) * dm.Nq + i];
+            load_row(Qr.data(), qv.row(b, h, i), D, qv.s3);
+            load_row(dOr.data(), gv.row(b, h, i), Dv, gv.s3);
+            score_row(S.data(), Qr.data(), KT.data(), D, bk, m, scale, rm, c0);
+            for (int64_t c = 0; c < m; ++c) P[c] = exp_f(S[c] - L);
+            for (int64_t c = 0; c < m; ++c) dP[c] = 0.0f;
+            for (int64_t e = 0; e < Dv; ++e) {
+              const float g = dOr[e];
+              const float* vt = VT.data() + e * bk;
+              for (int64_t c = 0; c < m; ++c) dP[c] += g * vt[c];
+            }
+            for (int64_t c = 0; c < m; ++c) {
+              if (S[c] == NEG_INF) continue;  // hidden
+              const float p = P[c];
+              float* dvr = dVb.data() + c * Dv;
+              for (int64_t e = 0; e < Dv; ++e) dvr[e] += p * dOr[e];
+              const float ds = p * (dP[c] - Di) * scale;
+              float* dkr = dKb.data() + c * D;
+              for (int64_t d = 0; d < D; ++d) dkr[d] += ds * Qr[d];
+            }
+          }
+        }
+      }
+      for (int64_t c = 0; c < m; ++c) {
+        T* dkr = dkp + ((b * dm.Hkv + hk) * dm.Nk + c0 + c) * D;
+        T* dvr = dvp + ((b * dm.Hkv + hk) * dm.Nk + c0 + c) * Dv;
+        for (int64_t d = 0; d < D; ++d) dkr[d] = static_cast<T>(dKb[c * D + d]);
+        for (int64_t e = 0; e < Dv; ++e) dvr[e] = static_cast<T>(dVb[c * Dv + e]);
+      }
+    }
+  });
+
+  // ---- pass 2: dQ per (b, h, q block), over the kv blocks its rows see
+  at::parallel_for(0, dm.B * dm.H * nqb, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> KT(D * bk), Kb(bk * D), VT(Dv * bk), Qb(bq * D), dOb(bq * Dv), dQb(bq * D), S(bk), dP(bk);
+    std::vector<RowMask> rms(bq);
+    for (int64_t it = lo; it < hi; ++it) {
+      const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
+      const int64_t hk = h / dm.G;
+      const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
+      for (int64_t r = 0; r < n; ++r) {
+        load_row(Qb.data() + r * D, qv.row(b, h, r0 + r), D, qv.s3);
+        load_row(dOb.data() + r * Dv, gv.row(b, h, r0 + r), Dv, gv.s3);
+        mk.ranges(b, r0 + r, rms[r].s1, rms[r].b0, rms[r].b1);
+      }
+      std::fill(dQb.begin(), dQb.begin() + n * D, 0.0f);
+      for (int64_t jk = 0; jk < nkb; ++jk) {
+        const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0;
+        if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+        load_kt(KT.data(), kv, b, hk, c0, m, D, bk);
+        load_kt(VT.data(), vv, b, hk, c0, m, Dv, bk);
+        for (int64_t c = 0; c < m; ++c) load_row(Kb.data() + c * D, kv.row(b, hk, c0 + c), D, kv.s3);
+        for (int64_t r = 0; r < n; ++r) {
+          const int64_t i = r0 + r;
+          const float L = lp[(b * dm.H + h) * dm.Nq + i];
+          if (L == NEG_INF || rms[r].none(c0, c1)) continue;
+          const float Di = dp[(b * dm.H + h) * dm.Nq + i];
+          score_row(S.data(), Qb.data() + r * D, KT.data(), D, bk, m, scale, rms[r], c0);
+          const float* g = dOb.data() + r * Dv;
+          for (int64_t c = 0; c < m; ++c) dP[c] = 0.0f;
+          for (int64_t e = 0; e < Dv; ++e) {
+            const float ge = g[e];
+            const float* vt = VT.data() + e * bk;
+            for (int64_t c = 0; c < m; ++c) dP[c] += ge * vt[c];
+          }
+          float* dqr = dQb.data() + r * D;
+          for (int64_t c = 0; c < m; ++c) {
+            if (S[c] == NEG_INF) continue;  // hidden
+            const float ds = exp_f(S[c] - L) * (dP[c] - Di) * scale;
+            const float* kr = Kb.data() + c * D;
+            for (int64_t d = 0; d < D; ++d) dqr[d] += ds * kr[d];
+          }
+        }
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        T* dst = dqp + ((b * dm.H + h) * dm.Nq + r0 + r) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(dQb[r * D + d]);
+      }
+    }
+  });
+}
+
+Dims dims_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t bq, int64_t bk) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attnlab native: q, k, v must be 4-D");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "attnlab native: q, k, v must share a dtype");
+  Dims d{q.size(0), q.size(1), k.size(1), 0, q.size(2), k.size(2), q.size(3), v.size(3), bq, bk};
+  TORCH_CHECK(d.Hkv > 0 && d.H % d.Hkv == 0, "attnlab native: H must be a multiple of Hkv");
+  TORCH_CHECK(bq > 0 && bk > 0, "attnlab native: block sizes must be positive");
+  d.G = d.H / d.Hkv;
+  return d;
+}
+
+Mask mask_of(const c10::optional<at::Tensor>& kv_len, bool has_left, int64_t left, bool has_right, int64_t right,
+             int64_t sinks, int64_t q_offset, int64_t kv_offset, int64_t Nk) {
+  const int64_t* kl = nullptr;
+  if (kv_len.has_value() && kv_len->defined()) {
+    TORCH_CHECK(kv_len->scalar_type() == at::kLong && kv_len->is_contiguous(), "attnlab native: kv_len int64");
+    kl = kv_len->data_ptr<int64_t>();
+  }
+  return Mask{has_left, has_right, left, right, sinks, kl, q_offset, kv_offset, Nk};
+}
+
+}  // namespace
+
+std::vector<at::Tensor> native_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                   int64_t q_offset, int64_t kv_offset, bool has_left, int64_t left, bool has_right,
+                                   int64_t right, int64_t sinks, const c10::optional<at::Tensor>& kv_len, int64_t bq,
+                                   int64_t bk) {
+  const Dims dm = dims_of(q, k, v, bq, bk);
+  const Mask mk = mask_of(kv_len, has_left, left, has_right, right, sinks, q_offset, kv_offset, dm.Nk);
+  auto out = at::empty({dm.B, dm.H, dm.Nq, dm.Dv}, q.options());
+  auto lse = at::empty({dm.B, dm.H, dm.Nq}, q.options().dtype(at::kFloat));
+  switch (q.scalar_type()) {
+    case at::kFloat: forward_impl<float>(q, k, v, out, lse, dm, mk, static_cast<float>(scale)); break;
+    case at::kBFloat16: forward_impl<c10::BFloat16>(q, k, v, out, lse, dm, mk, static_cast<float>(scale)); break;
+    case at::kHalf: forward_impl<c10::Half>(q, k, v, out, lse, dm, mk, static_cast<float>(scale)); break;
+    default: TORCH_CHECK(false, "attnlab native: dtype must be float32, bfloat16 or float16");
+  }
+  return {out, lse};
+}
+
+std::vector<at::Tensor> native_bwd(const at::Tensor& dout, const c10::optional<at::Tensor>& dlse, const at::Tensor& q,
+                                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                   const at::Tensor& lse, double scale, int64_t q_offset, int64_t kv_offset,
+                                   bool has_left, int64_t left, bool has_right, int64_t right, int64_t sinks,
+                                   const c10::optional<at::Tensor>& kv_len, int64_t bq, int64_t bk) {
+  const Dims dm = dims_of(q, k, v, bq, bk);
+  const Mask mk = mask_of(kv_len, has_left, left, has_right, right, sinks, q_offset, kv_offset, dm.Nk);
+  // Δ = rowsum(dO ∘ O) − dLSE in float32 (from the upcast output)
+  at::Tensor delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
+  if (dlse.has_value() && dlse->defined()) delta = delta - dlse->to(at::kFloat);
+  delta = delta.contiguous();
+  at::Tensor lse_c = lse.to(at::kFloat).contiguous();
+  auto dq = at::empty({dm.B, dm.H, dm.Nq, dm.D}, q.options());
+  auto dk = at::empty({dm.B, dm.Hkv, dm.Nk, dm.D}, q.options());
+  auto dv = at::empty({dm.B, dm.Hkv, dm.Nk, dm.Dv}, q.options());
+  const float s = static_cast<float>(scale);
+  switch (q.scalar_type()) {
+    case at::kFloat: backward_impl<float>(dout, q, k, v, lse_c, delta, dq, dk, dv, dm, mk, s); break;
+    case at::kBFloat16: backward_impl<c10::BFloat16>(dout, q, k, v, lse_c, delta, dq, dk, dv, dm, mk, s); break;
+    case at::kHalf: backward_impl<c10::Half>(dout, q, k, v, lse_c, delta, dq, dk, dv, dm, mk, s); break;
+    default: TORCH_CHECK(false, "attnlab native: dtype must be float32, bfloat16 or float16");
+  }
+  return {dq, dk, dv};
+}
+
+std::string native_features() {
+  std::string f;
+#if defined(__AVX512F__)
+  f += "avx512f ";
+#endif
+#if defined(__AVX512BF16__)
+  f += "avx512bf16 ";
+#endif
+#if defined(__AVX2__)
+  f += "avx2 ";
+#endif
+#if defined(__FMA__)
+  f += "fma ";
+#endif
+  return f.empty() ? std::string("portable") : f.substr(0, f.size() - 1);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fwd", &native_fwd, "attnlab native attention forward -> [out, lse]");
+  m.def("bwd", &native_bwd, "attnlab native attention backward -> [dq, dk, dv]");
+  m.def("features", &native_features, "the instruction sets this build was compiled for");
+}
