@@ -128,6 +128,12 @@ def load():
     return _state["module"]
 
 
+def loaded() -> bool:
+    """True when the extension is already loaded (no build, no file access: safe to call
+    while torch.compile traces)."""
+    return _state.get("module") is not None
+
+
 def status() -> str:
     """One line: which CPU kernel runs and why (for ``attnlab doctor`` and benchmark headers)."""
     if disabled():

@@ -31,6 +31,13 @@ namespace {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
+// a·b + c, fused where the CPU has FMA: Δ and dP use it in the same order, so they agree bit for bit
+#if defined(__FMA__)
+#define MADD(a, b, c) __builtin_fmaf((a), (b), (c))
+#else
+#define MADD(a, b, c) ((a) * (b) + (c))
+#endif
+
 inline float to_f(float x) { return x; }
 inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_f(c10::Half x) { return static_cast<float>(x); }
@@ -156,7 +163,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t items = dm.B * dm.H * nqb;
   at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
     const int64_t D = dm.D, Dv = dm.Dv, bq = dm.bq, bk = dm.bk;
-    std::vector<float> Qb(bq * D), KT(D * bk), Vb(bk * Dv), S(bk), acc(bq * Dv), mrow(bq), lrow(bq);
+    std::vector<float> Qb(bq * D), KT(D * bk), Vb(bk * Dv), S(bk), acc(bq * Dv), mrow(bq), lrow(bq), tile(Dv);
     std::vector<RowMask> rms(bq);
     for (int64_t it = lo; it < hi; ++it) {
       const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
@@ -186,17 +193,18 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           if (m_new == NEG_INF) continue;  // nothing visible yet
           const float alpha = exp_f(mrow[r] - m_new);
           float* ar = acc.data() + r * Dv;
+          float* tr = tile.data();  // this tile's P·V, added once: two-level sums keep long rows accurate
           float sum = 0.0f;
-          if (alpha != 1.0f)
-            for (int64_t e = 0; e < Dv; ++e) ar[e] *= alpha;
+          for (int64_t e = 0; e < Dv; ++e) tr[e] = 0.0f;
           for (int64_t c = 0; c < m; ++c) {
             const float s = Sr[c];
             const float p = exp_f(s - m_new);
             sum += p;
             if (s == NEG_INF) continue;  // hidden: an exact zero, whatever V holds
             const float* vr = Vb.data() + c * Dv;
-            for (int64_t e = 0; e < Dv; ++e) ar[e] += p * vr[e];
+            for (int64_t e = 0; e < Dv; ++e) tr[e] += p * vr[e];
           }
+          for (int64_t e = 0; e < Dv; ++e) ar[e] = ar[e] * alpha + tr[e];
           lrow[r] = lrow[r] * alpha + sum;
           mrow[r] = m_new;
         }
@@ -233,7 +241,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
 
   // ---- pass 1: dK, dV per (b, kv head, kv block), over the G query heads and the q blocks
   at::parallel_for(0, dm.B * dm.Hkv * nkb, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> KT(D * bk), VT(Dv * bk), dKb(bk * D), dVb(bk * Dv), Qr(D), dOr(Dv), S(bk), P(bk), dP(bk);
+    std::vector<float> KT(D * bk), VT(Dv * bk), dKb(bk * D), dVb(bk * Dv), dKt(bk * D), dVt(bk * Dv), Qr(D), dOr(Dv),
+        S(bk), P(bk), dP(bk);
     for (int64_t it = lo; it < hi; ++it) {
       const int64_t jk = it % nkb, hk = (it / nkb) % dm.Hkv, b = it / (nkb * dm.Hkv);
       const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0;
@@ -245,6 +254,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         for (int64_t iq = 0; iq < nqb; ++iq) {
           const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq);
           if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+          // this q block's sums, added once (two-level sums keep long columns accurate)
+          std::fill(dKt.begin(), dKt.begin() + m * D, 0.0f);
+          std::fill(dVt.begin(), dVt.begin() + m * Dv, 0.0f);
           for (int64_t i = r0; i < r1; ++i) {
             const float L = lp[(b * dm.H + h) * dm.Nq + i];
             if (L == NEG_INF) continue;  // fully masked row: no gradient
@@ -260,18 +272,20 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             for (int64_t e = 0; e < Dv; ++e) {
               const float g = dOr[e];
               const float* vt = VT.data() + e * bk;
-              for (int64_t c = 0; c < m; ++c) dP[c] += g * vt[c];
+              for (int64_t c = 0; c < m; ++c) dP[c] = MADD(g, vt[c], dP[c]);
             }
             for (int64_t c = 0; c < m; ++c) {
               if (S[c] == NEG_INF) continue;  // hidden
               const float p = P[c];
-              float* dvr = dVb.data() + c * Dv;
+              float* dvr = dVt.data() + c * Dv;
               for (int64_t e = 0; e < Dv; ++e) dvr[e] += p * dOr[e];
               const float ds = p * (dP[c] - Di) * scale;
-              float* dkr = dKb.data() + c * D;
+              float* dkr = dKt.data() + c * D;
               for (int64_t d = 0; d < D; ++d) dkr[d] += ds * Qr[d];
             }
           }
+          for (int64_t x = 0; x < m * D; ++x) dKb[x] += dKt[x];
+          for (int64_t x = 0; x < m * Dv; ++x) dVb[x] += dVt[x];
         }
       }
       for (int64_t c = 0; c < m; ++c) {
@@ -285,7 +299,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
 
   // ---- pass 2: dQ per (b, h, q block), over the kv blocks its rows see
   at::parallel_for(0, dm.B * dm.H * nqb, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> KT(D * bk), Kb(bk * D), VT(Dv * bk), Qb(bq * D), dOb(bq * Dv), dQb(bq * D), S(bk), dP(bk);
+    std::vector<float> KT(D * bk), Kb(bk * D), VT(Dv * bk), Qb(bq * D), dOb(bq * Dv), dQb(bq * D), S(bk), dP(bk),
+        dQt(D);
     std::vector<RowMask> rms(bq);
     for (int64_t it = lo; it < hi; ++it) {
       const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
@@ -314,20 +329,48 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           for (int64_t e = 0; e < Dv; ++e) {
             const float ge = g[e];
             const float* vt = VT.data() + e * bk;
-            for (int64_t c = 0; c < m; ++c) dP[c] += ge * vt[c];
+            for (int64_t c = 0; c < m; ++c) dP[c] = MADD(ge, vt[c], dP[c]);
           }
           float* dqr = dQb.data() + r * D;
+          float* tq = dQt.data();
+          for (int64_t d = 0; d < D; ++d) tq[d] = 0.0f;
           for (int64_t c = 0; c < m; ++c) {
             if (S[c] == NEG_INF) continue;  // hidden
             const float ds = exp_f(S[c] - L) * (dP[c] - Di) * scale;
             const float* kr = Kb.data() + c * D;
-            for (int64_t d = 0; d < D; ++d) dqr[d] += ds * kr[d];
+            for (int64_t d = 0; d < D; ++d) tq[d] += ds * kr[d];
           }
+          for (int64_t d = 0; d < D; ++d) dqr[d] += tq[d];
         }
       }
       for (int64_t r = 0; r < n; ++r) {
         T* dst = dqp + ((b * dm.H + h) * dm.Nq + r0 + r) * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(dQb[r * D + d]);
+      }
+    }
+  });
+}
+
+// Δ = rowsum(dO ∘ O) − dLSE in float32 from the upcast output, summed in the same order and
+// with the same fused multiply-adds as the kernel's dP = dO · v: where a row sees one key
+// (O = v exactly) dP − Δ is exactly 0, as in the math.
+template <typename T>
+void delta_impl(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& dlse, at::Tensor& delta,
+                const Dims& dm) {
+  const View<T> gv = view_of<T>(dout), ov = view_of<T>(out);
+  const float* dl = dlse.defined() ? dlse.data_ptr<float>() : nullptr;
+  float* dp = delta.data_ptr<float>();
+  at::parallel_for(0, dm.B * dm.H, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> g(dm.Dv), o(dm.Dv);
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      const int64_t b = bh / dm.H, h = bh % dm.H;
+      for (int64_t i = 0; i < dm.Nq; ++i) {
+        load_row(g.data(), gv.row(b, h, i), dm.Dv, gv.s3);
+        load_row(o.data(), ov.row(b, h, i), dm.Dv, ov.s3);
+        float d = 0.0f;
+        for (int64_t e = 0; e < dm.Dv; ++e) d = MADD(g[e], o[e], d);
+        const int64_t idx = bh * dm.Nq + i;
+        dp[idx] = dl != nullptr ? d - dl[idx] : d;
       }
     }
   });
@@ -373,22 +416,28 @@ std::vector<at::Tensor> native_fwd(const at::Tensor& q, const at::Tensor& k, con
   return {out, lse};
 }
 
-std::vector<at::Tensor> native_bwd(const at::Tensor& dout, const c10::optional<at::Tensor>& dlse, const at::Tensor& q,
-                                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+std::vector<at::Tensor> native_bwd(const at::Tensor& dout_in, const c10::optional<at::Tensor>& dlse,
+                                   const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out_in,
                                    const at::Tensor& lse, double scale, int64_t q_offset, int64_t kv_offset,
                                    bool has_left, int64_t left, bool has_right, int64_t right, int64_t sinks,
                                    const c10::optional<at::Tensor>& kv_len, int64_t bq, int64_t bk) {
   const Dims dm = dims_of(q, k, v, bq, bk);
   const Mask mk = mask_of(kv_len, has_left, left, has_right, right, sinks, q_offset, kv_offset, dm.Nk);
-  // Δ = rowsum(dO ∘ O) − dLSE in float32 (from the upcast output)
-  at::Tensor delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
-  if (dlse.has_value() && dlse->defined()) delta = delta - dlse->to(at::kFloat);
-  delta = delta.contiguous();
+  const at::Tensor dout = dout_in.to(q.scalar_type()), out = out_in.to(q.scalar_type());
   at::Tensor lse_c = lse.to(at::kFloat).contiguous();
+  at::Tensor delta = at::empty({dm.B, dm.H, dm.Nq}, q.options().dtype(at::kFloat));
+  at::Tensor dlse_c;
+  if (dlse.has_value() && dlse->defined()) dlse_c = dlse->to(at::kFloat).contiguous();
   auto dq = at::empty({dm.B, dm.H, dm.Nq, dm.D}, q.options());
   auto dk = at::empty({dm.B, dm.Hkv, dm.Nk, dm.D}, q.options());
   auto dv = at::empty({dm.B, dm.Hkv, dm.Nk, dm.Dv}, q.options());
   const float s = static_cast<float>(scale);
+  switch (q.scalar_type()) {
+    case at::kFloat: delta_impl<float>(dout, out, dlse_c, delta, dm); break;
+    case at::kBFloat16: delta_impl<c10::BFloat16>(dout, out, dlse_c, delta, dm); break;
+    case at::kHalf: delta_impl<c10::Half>(dout, out, dlse_c, delta, dm); break;
+    default: TORCH_CHECK(false, "attnlab native: dtype must be float32, bfloat16 or float16");
+  }
   switch (q.scalar_type()) {
     case at::kFloat: backward_impl<float>(dout, q, k, v, lse_c, delta, dq, dk, dv, dm, mk, s); break;
     case at::kBFloat16: backward_impl<c10::BFloat16>(dout, q, k, v, lse_c, delta, dq, dk, dv, dm, mk, s); break;

@@ -27,7 +27,7 @@ _BQ = 64
 
 def blocks(D: int) -> list[int]:
     """``[bq, bk]``: a K tile of ``D × bk`` floats stays within 32 KiB of L1."""
-    return [_BQ, max(16, min(128, 8192 // max(D, 1)))]
+    return [_BQ, max(16, min(128, 8192 // max(D, 1)) // 16 * 16)]
 
 
 def _ext():
@@ -105,7 +105,8 @@ def plan(q, k, v, mask, score_mod, q_offset, kv_offset):
         return None, "score mods run on the flash path"
     if not isinstance(q_offset, int) or not isinstance(kv_offset, int):
         return None, "per-batch offsets"
-    if _functorch(q, k, v):
+    compiling = torch.compiler.is_compiling()
+    if not compiling and _functorch(q, k, v):
         return None, "torch.func transform (the flash path's autograd.Function composes with it)"
     s = _structure_of(mask, q_offset)
     if s is None:
@@ -114,7 +115,7 @@ def plan(q, k, v, mask, score_mod, q_offset, kv_offset):
         return None, f"mask fields {sorted(s.fields() - IMPLEMENTED)} are not implemented natively"
     if s.kv_len is not None and (s.kv_len.device.type != "cpu" or s.kv_len.shape != (q.shape[0],)):
         return None, "kv_len not a (B,) CPU tensor"
-    if build.load() is None:
+    if not (build.loaded() if compiling else build.load() is not None):
         return None, "the extension could not be built"
     return s, None
 

@@ -98,7 +98,7 @@ def _structure_of(mask, q_offset: int | None = None) -> Structure | None:
         mask = mask.mask
     if hasattr(mask, "lower"):
         return mask.lower()
-    if repr(mask).startswith("band(") and hasattr(mask, "left") and hasattr(mask, "right"):
+    if type(mask).__name__ == "_Band":  # masks_extra.band(l, r): no structural key on main
         return Structure(left=mask.left, right=mask.right)
     from attnlab.masks import mask_key, parse_key
     key = mask_key(mask)
