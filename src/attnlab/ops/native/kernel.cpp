@@ -153,6 +153,89 @@ void load_kt(float* KT, const View<T>& k, int64_t b, int64_t hk, int64_t c0, int
   }
 }
 
+// ---------------------------------------------------------------- register-blocked micro-kernels
+// GCC vector extensions: 16 floats = one zmm register with -mavx512f, two ymm with -mavx2,
+// four xmm on a portable build (same results: every lane is an independent FMA chain).
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+inline v16 ld(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void st(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+inline v16 splat(float x) { return v16{} + x; }
+
+// exp_f on 16 lanes (the same polynomial; x < -87 and -inf give exactly 0)
+inline v16 exp16(v16 x) {
+  const v16 lo = splat(-87.0f), hi = splat(88.0f);
+  v16 xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const v16 t = xc * 1.44269504088896341f;
+  const v16 n = (t + 12582912.0f) - 12582912.0f;
+  v16 r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  v16 y = p * r * r + r + 1.0f;
+  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16 sc;
+  std::memcpy(&sc, &e, sizeof sc);
+  y = y * sc;
+  return x < lo ? v16{} : y;
+}
+
+inline float hmax(v16 m) {
+  float r = m[0];
+  for (int j = 1; j < 16; ++j) r = std::max(r, m[j]);
+  return r;
+}
+inline float hsum(v16 s) {
+  float r = 0.0f;
+  for (int j = 0; j < 16; ++j) r += s[j];
+  return r;
+}
+
+// C[0:R, 0:16·NC] = A[0:R, 0:K] · B[0:K, 0:16·NC]  (row strides lda, ldb, ldc)
+template <int R, int NC>
+inline void mm_tile(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t K) {
+  v16 acc[R][NC];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NC; ++j) acc[r][j] = v16{};
+  for (int64_t kk = 0; kk < K; ++kk) {
+    v16 bv[NC];
+    for (int j = 0; j < NC; ++j) bv[j] = ld(B + kk * ldb + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const float a = A[r * lda + kk];
+      for (int j = 0; j < NC; ++j) acc[r][j] += a * bv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NC; ++j) st(C + r * ldc + 16 * j, acc[r][j]);
+}
+
+template <int R>
+inline void mm_rows(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t N,
+                    int64_t K) {
+  int64_t c = 0;
+  for (; c + 64 <= N; c += 64) mm_tile<R, 4>(A, lda, B + c, ldb, C + c, ldc, K);
+  for (; c + 32 <= N; c += 32) mm_tile<R, 2>(A, lda, B + c, ldb, C + c, ldc, K);
+  for (; c + 16 <= N; c += 16) mm_tile<R, 1>(A, lda, B + c, ldb, C + c, ldc, K);
+}
+
+// C[0:n, 0:N] = A[0:n, 0:K] · B[0:K, 0:N], N a multiple of 16
+inline void matmul(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t n,
+                   int64_t N, int64_t K) {
+  int64_t r = 0;
+  for (; r + 4 <= n; r += 4) mm_rows<4>(A + r * lda, lda, B, ldb, C + r * ldc, ldc, N, K);
+  for (; r < n; ++r) mm_rows<1>(A + r * lda, lda, B, ldb, C + r * ldc, ldc, N, K);
+}
+
 template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
                   const Dims& dm, const Mask& mk, float scale) {
@@ -163,9 +246,93 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t items = dm.B * dm.H * nqb;
   at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
     const int64_t D = dm.D, Dv = dm.Dv, bq = dm.bq, bk = dm.bk;
-    std::vector<float> Qb(bq * D), KT(D * bk), Vb(bk * Dv), S(bk), acc(bq * Dv), mrow(bq), lrow(bq), tile(Dv);
+    std::vector<float> Qb(bq * D), KT(D * bk), Vb(bk * Dv), S(bk), Pc(bk), acc(bq * Dv), mrow(bq), lrow(bq), tile(Dv);
     std::vector<RowMask> rms(bq);
-    for (int64_t it = lo; it < hi; ++it) {
+    const int64_t Dvp = (Dv + 15) / 16 * 16;
+    std::vector<float> St(bq * bk), Vp(bk * Dvp, 0.0f), accp(bq * Dvp), tmp(bq * Dvp), alph(bq), KTz(D * bk, 0.0f);
+    // The fast path: S and P·V tiles through the register-blocked matmul.  A hidden entry is
+    // P = 0 there, so a NaN/inf in a hidden value would leak (0·NaN): a q block whose result
+    // is not finite runs again on the careful path below, where hidden entries are skipped.
+    auto fast = [&](int64_t it) -> bool {
+      const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
+      const int64_t hk = h / dm.G;
+      const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
+      for (int64_t r = 0; r < n; ++r) {
+        load_row(Qb.data() + r * D, qv.row(b, h, r0 + r), D, qv.s3);
+        mk.ranges(b, r0 + r, rms[r].s1, rms[r].b0, rms[r].b1);
+        mrow[r] = NEG_INF;
+        lrow[r] = 0.0f;
+      }
+      std::fill(accp.begin(), accp.begin() + n * Dvp, 0.0f);
+      for (int64_t jk = 0; jk < nkb; ++jk) {
+        const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0, mp = (m + 15) / 16 * 16;
+        if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+        load_kt(KTz.data(), kv, b, hk, c0, m, D, bk);
+        for (int64_t c = 0; c < m; ++c) load_row(Vp.data() + c * Dvp, vv.row(b, hk, c0 + c), Dv, vv.s3);
+        matmul(Qb.data(), D, KTz.data(), bk, St.data(), bk, n, mp, D);
+        for (int64_t r = 0; r < n; ++r) {
+          float* Sr = St.data() + r * bk;
+          const RowMask& rm = rms[r];
+          if (rm.none(c0, c1)) {
+            for (int64_t c = 0; c < mp; ++c) Sr[c] = 0.0f;
+            alph[r] = 1.0f;
+            continue;
+          }
+          for (int64_t c = 0; c < m; ++c) Sr[c] *= scale;
+          for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
+          if (!rm.full(c0, c1))
+            for (int64_t c = 0; c < m; ++c)
+              if (!rm.visible(c0 + c)) Sr[c] = NEG_INF;
+          v16 vm = ld(Sr);
+          for (int64_t c = 16; c < mp; c += 16) {
+            const v16 y = ld(Sr + c);
+            vm = vm > y ? vm : y;
+          }
+          const float mx = hmax(vm);
+          const float m_new = std::isnan(mx) ? mx : std::max(mrow[r], mx);
+          if (m_new == NEG_INF) {
+            for (int64_t c = 0; c < mp; ++c) Sr[c] = 0.0f;
+            alph[r] = 1.0f;
+            continue;
+          }
+          alph[r] = exp_f(mrow[r] - m_new);
+          v16 vs = v16{};
+          for (int64_t c = 0; c < mp; c += 16) {
+            const v16 p = exp16(ld(Sr + c) - m_new);
+            st(Sr + c, p);
+            vs += p;
+          }
+          lrow[r] = lrow[r] * alph[r] + hsum(vs);
+          mrow[r] = m_new;
+        }
+        matmul(St.data(), bk, Vp.data(), Dvp, tmp.data(), Dvp, n, Dvp, m);
+        for (int64_t r = 0; r < n; ++r) {
+          float* ar = accp.data() + r * Dvp;
+          const float* tr = tmp.data() + r * Dvp;
+          const float a = alph[r];
+          for (int64_t e = 0; e < Dvp; ++e) ar[e] = ar[e] * a + tr[e];
+        }
+      }
+      bool finite = true;
+      for (int64_t r = 0; r < n; ++r) {
+        T* orow = op + ((b * dm.H + h) * dm.Nq + r0 + r) * Dv;
+        const float l = lrow[r];
+        const float* ar = accp.data() + r * Dvp;
+        float z = l - l;
+        for (int64_t e = 0; e < Dv; ++e) z += ar[e] - ar[e];
+        finite = finite && z == 0.0f;
+        if (l == 0.0f) {
+          for (int64_t e = 0; e < Dv; ++e) orow[e] = static_cast<T>(0.0f);
+          lp[(b * dm.H + h) * dm.Nq + r0 + r] = NEG_INF;
+        } else {
+          const float inv = 1.0f / l;
+          for (int64_t e = 0; e < Dv; ++e) orow[e] = static_cast<T>(ar[e] * inv);
+          lp[(b * dm.H + h) * dm.Nq + r0 + r] = mrow[r] + std::log(l);
+        }
+      }
+      return finite;
+    };
+    auto careful = [&](int64_t it) {
       const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
       const int64_t hk = h / dm.G;
       const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
@@ -194,13 +361,20 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           const float alpha = exp_f(mrow[r] - m_new);
           float* ar = acc.data() + r * Dv;
           float* tr = tile.data();  // this tile's P·V, added once: two-level sums keep long rows accurate
-          float sum = 0.0f;
+          // P and its sum exactly as the fast path computes them (the same bits on finite inputs)
+          const int64_t mp = (m + 15) / 16 * 16;
+          for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
+          v16 vs = v16{};
+          for (int64_t c = 0; c < mp; c += 16) {
+            const v16 p = exp16(ld(Sr + c) - m_new);
+            st(Pc.data() + c, p);
+            vs += p;
+          }
+          const float sum = hsum(vs);
           for (int64_t e = 0; e < Dv; ++e) tr[e] = 0.0f;
           for (int64_t c = 0; c < m; ++c) {
-            const float s = Sr[c];
-            const float p = exp_f(s - m_new);
-            sum += p;
-            if (s == NEG_INF) continue;  // hidden: an exact zero, whatever V holds
+            if (Sr[c] == NEG_INF) continue;  // hidden: an exact zero, whatever V holds
+            const float p = Pc[c];
             const float* vr = Vb.data() + c * Dv;
             for (int64_t e = 0; e < Dv; ++e) tr[e] += p * vr[e];
           }
@@ -222,7 +396,9 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           lp[(b * dm.H + h) * dm.Nq + r0 + r] = mrow[r] + std::log(l);
         }
       }
-    }
+    };
+    for (int64_t it = lo; it < hi; ++it)
+      if (!fast(it)) careful(it);
   });
 }
 
@@ -382,7 +558,7 @@ Dims dims_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int6
               "attnlab native: q, k, v must share a dtype");
   Dims d{q.size(0), q.size(1), k.size(1), 0, q.size(2), k.size(2), q.size(3), v.size(3), bq, bk};
   TORCH_CHECK(d.Hkv > 0 && d.H % d.Hkv == 0, "attnlab native: H must be a multiple of Hkv");
-  TORCH_CHECK(bq > 0 && bk > 0, "attnlab native: block sizes must be positive");
+  TORCH_CHECK(bq > 0 && bk > 0 && bk % 16 == 0, "attnlab native: block sizes must be positive, bk a multiple of 16");
   d.G = d.H / d.Hkv;
   return d;
 }
