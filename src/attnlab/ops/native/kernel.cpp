@@ -419,7 +419,83 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   at::parallel_for(0, dm.B * dm.Hkv * nkb, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> KT(D * bk), VT(Dv * bk), dKb(bk * D), dVb(bk * Dv), dKt(bk * D), dVt(bk * Dv), Qr(D), dOr(Dv),
         S(bk), P(bk), dP(bk);
-    for (int64_t it = lo; it < hi; ++it) {
+    const int64_t Dp = (D + 15) / 16 * 16, Dvp = (Dv + 15) / 16 * 16;
+    std::vector<float> KTz(D * bk, 0.0f), VTz(Dv * bk, 0.0f), Qp(bq * Dp, 0.0f), dOp(bq * Dvp, 0.0f), St(bq * bk),
+        dPt(bq * bk), PT(bk * bq), dST(bk * bq), dKa(bk * Dp), dVa(bk * Dvp), tk(bk * Dp), tv(bk * Dvp), Lr(bq), Dr(bq);
+    // The fast path: five register-blocked matmuls per tile (S, dP, dV += Pᵀ dO, dK += dSᵀ Q);
+    // hidden entries are P = dS = 0 there, so a kv block whose gradients are not finite (a
+    // NaN/inf in a hidden value) runs again on the careful path below.
+    auto fast = [&](int64_t it) -> bool {
+      const int64_t jk = it % nkb, hk = (it / nkb) % dm.Hkv, b = it / (nkb * dm.Hkv);
+      const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0, mp = (m + 15) / 16 * 16;
+      load_kt(KTz.data(), kv, b, hk, c0, m, D, bk);
+      load_kt(VTz.data(), vv, b, hk, c0, m, Dv, bk);
+      std::fill(dKa.begin(), dKa.begin() + m * Dp, 0.0f);
+      std::fill(dVa.begin(), dVa.begin() + m * Dvp, 0.0f);
+      for (int64_t h = hk * dm.G; h < (hk + 1) * dm.G; ++h) {
+        for (int64_t iq = 0; iq < nqb; ++iq) {
+          const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
+          if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+          for (int64_t r = 0; r < n; ++r) {
+            load_row(Qp.data() + r * Dp, qv.row(b, h, r0 + r), D, qv.s3);
+            load_row(dOp.data() + r * Dvp, gv.row(b, h, r0 + r), Dv, gv.s3);
+            Lr[r] = lp[(b * dm.H + h) * dm.Nq + r0 + r];
+            Dr[r] = dp[(b * dm.H + h) * dm.Nq + r0 + r];
+          }
+          matmul(Qp.data(), Dp, KTz.data(), bk, St.data(), bk, n, mp, D);
+          matmul(dOp.data(), Dvp, VTz.data(), bk, dPt.data(), bk, n, mp, Dv);
+          for (int64_t r = 0; r < n; ++r) {
+            float* Sr = St.data() + r * bk;
+            float* dPr = dPt.data() + r * bk;
+            RowMask rm;
+            mk.ranges(b, r0 + r, rm.s1, rm.b0, rm.b1);
+            if (Lr[r] == NEG_INF || rm.none(c0, c1)) {
+              for (int64_t c = 0; c < mp; ++c) {
+                PT[c * bq + r] = 0.0f;
+                dST[c * bq + r] = 0.0f;
+              }
+              continue;
+            }
+            for (int64_t c = 0; c < m; ++c) Sr[c] *= scale;
+            for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
+            if (!rm.full(c0, c1))
+              for (int64_t c = 0; c < m; ++c)
+                if (!rm.visible(c0 + c)) Sr[c] = NEG_INF;
+            const float L = Lr[r], Di = Dr[r];
+            for (int64_t c = 0; c < mp; c += 16) {
+              const v16 p = exp16(ld(Sr + c) - L);
+              st(Sr + c, p);
+              st(dPr + c, p * (ld(dPr + c) - Di) * scale);
+            }
+            for (int64_t c = 0; c < mp; ++c) {
+              PT[c * bq + r] = Sr[c];
+              dST[c * bq + r] = dPr[c];
+            }
+          }
+          matmul(PT.data(), bq, dOp.data(), Dvp, tv.data(), Dvp, m, Dvp, n);
+          matmul(dST.data(), bq, Qp.data(), Dp, tk.data(), Dp, m, Dp, n);
+          for (int64_t x = 0; x < m * Dvp; ++x) dVa[x] += tv[x];
+          for (int64_t x = 0; x < m * Dp; ++x) dKa[x] += tk[x];
+        }
+      }
+      float z = 0.0f;
+      for (int64_t c = 0; c < m; ++c) {
+        T* dkr = dkp + ((b * dm.Hkv + hk) * dm.Nk + c0 + c) * D;
+        T* dvr = dvp + ((b * dm.Hkv + hk) * dm.Nk + c0 + c) * Dv;
+        for (int64_t d = 0; d < D; ++d) {
+          const float x = dKa[c * Dp + d];
+          z += x - x;
+          dkr[d] = static_cast<T>(x);
+        }
+        for (int64_t e = 0; e < Dv; ++e) {
+          const float x = dVa[c * Dvp + e];
+          z += x - x;
+          dvr[e] = static_cast<T>(x);
+        }
+      }
+      return z == 0.0f;
+    };
+    auto careful = [&](int64_t it) {
       const int64_t jk = it % nkb, hk = (it / nkb) % dm.Hkv, b = it / (nkb * dm.Hkv);
       const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0;
       load_kt(KT.data(), kv, b, hk, c0, m, D, bk);
@@ -470,7 +546,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         for (int64_t d = 0; d < D; ++d) dkr[d] = static_cast<T>(dKb[c * D + d]);
         for (int64_t e = 0; e < Dv; ++e) dvr[e] = static_cast<T>(dVb[c * Dv + e]);
       }
-    }
+    };
+    for (int64_t it = lo; it < hi; ++it)
+      if (!fast(it)) careful(it);
   });
 
   // ---- pass 2: dQ per (b, h, q block), over the kv blocks its rows see
@@ -478,7 +556,62 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
     std::vector<float> KT(D * bk), Kb(bk * D), VT(Dv * bk), Qb(bq * D), dOb(bq * Dv), dQb(bq * D), S(bk), dP(bk),
         dQt(D);
     std::vector<RowMask> rms(bq);
-    for (int64_t it = lo; it < hi; ++it) {
+    const int64_t Dp = (D + 15) / 16 * 16;
+    std::vector<float> KTz(D * bk, 0.0f), VTz(Dv * bk, 0.0f), Kp(bk * Dp, 0.0f), dQa(bq * Dp), tq(bq * Dp),
+        St(bq * bk), dPt(bq * bk), Lr(bq), Dr(bq);
+    // The fast path: S, dP and dQ += dS·K through the register-blocked matmul; a q block whose
+    // gradient is not finite runs again on the careful path below.
+    auto fast = [&](int64_t it) -> bool {
+      const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
+      const int64_t hk = h / dm.G;
+      const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
+      for (int64_t r = 0; r < n; ++r) {
+        load_row(Qb.data() + r * D, qv.row(b, h, r0 + r), D, qv.s3);
+        load_row(dOb.data() + r * Dv, gv.row(b, h, r0 + r), Dv, gv.s3);
+        mk.ranges(b, r0 + r, rms[r].s1, rms[r].b0, rms[r].b1);
+        Lr[r] = lp[(b * dm.H + h) * dm.Nq + r0 + r];
+        Dr[r] = dp[(b * dm.H + h) * dm.Nq + r0 + r];
+      }
+      std::fill(dQa.begin(), dQa.begin() + n * Dp, 0.0f);
+      for (int64_t jk = 0; jk < nkb; ++jk) {
+        const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0, mp = (m + 15) / 16 * 16;
+        if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+        load_kt(KTz.data(), kv, b, hk, c0, m, D, bk);
+        load_kt(VTz.data(), vv, b, hk, c0, m, Dv, bk);
+        for (int64_t c = 0; c < m; ++c) load_row(Kp.data() + c * Dp, kv.row(b, hk, c0 + c), D, kv.s3);
+        matmul(Qb.data(), D, KTz.data(), bk, St.data(), bk, n, mp, D);
+        matmul(dOb.data(), Dv, VTz.data(), bk, dPt.data(), bk, n, mp, Dv);
+        for (int64_t r = 0; r < n; ++r) {
+          float* Sr = St.data() + r * bk;
+          const float* dPr = dPt.data() + r * bk;
+          const RowMask& rm = rms[r];
+          if (Lr[r] == NEG_INF || rm.none(c0, c1)) {
+            for (int64_t c = 0; c < mp; ++c) Sr[c] = 0.0f;
+            continue;
+          }
+          for (int64_t c = 0; c < m; ++c) Sr[c] *= scale;
+          for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
+          if (!rm.full(c0, c1))
+            for (int64_t c = 0; c < m; ++c)
+              if (!rm.visible(c0 + c)) Sr[c] = NEG_INF;
+          const float L = Lr[r], Di = Dr[r];
+          for (int64_t c = 0; c < mp; c += 16) st(Sr + c, exp16(ld(Sr + c) - L) * (ld(dPr + c) - Di) * scale);
+        }
+        matmul(St.data(), bk, Kp.data(), Dp, tq.data(), Dp, n, Dp, m);
+        for (int64_t x = 0; x < n * Dp; ++x) dQa[x] += tq[x];
+      }
+      float z = 0.0f;
+      for (int64_t r = 0; r < n; ++r) {
+        T* dst = dqp + ((b * dm.H + h) * dm.Nq + r0 + r) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float x = dQa[r * Dp + d];
+          z += x - x;
+          dst[d] = static_cast<T>(x);
+        }
+      }
+      return z == 0.0f;
+    };
+    auto careful = [&](int64_t it) {
       const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
       const int64_t hk = h / dm.G;
       const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
@@ -523,7 +656,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         T* dst = dqp + ((b * dm.H + h) * dm.Nq + r0 + r) * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(dQb[r * D + d]);
       }
-    }
+    };
+    for (int64_t it = lo; it < hi; ++it)
+      if (!fast(it)) careful(it);
   });
 }
 
