@@ -174,3 +174,20 @@ def test_compiled_call_runs_the_native_op(native_ext):
     assert torch.equal(out, eager[0])
     for a, b in zip(grads, eager[2:]):
         assert torch.equal(a, b)
+
+
+def test_threads_give_the_same_bits(native_ext):
+    """One parallel region of independent work items: 2 threads compute what 1 thread does,
+    bit for bit (forward and both backward passes)."""
+    q, k, v = make_qkv(2, 4, 2, 130, 150, 48, 40, seed=9)
+    kw = dict(mask=masks.causal() & masks.padding([120, 150]), backend="native")
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _grads(q, k, v, **kw)
+        torch.set_num_threads(2)
+        two = _grads(q, k, v, **kw)
+    finally:
+        torch.set_num_threads(n)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)

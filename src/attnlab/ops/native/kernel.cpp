@@ -244,12 +244,23 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   float* lp = lse.data_ptr<float>();
   const int64_t nqb = (dm.Nq + dm.bq - 1) / dm.bq, nkb = (dm.Nk + dm.bk - 1) / dm.bk;
   const int64_t items = dm.B * dm.H * nqb;
+  // float32 copies made once per call (O(N·D)): Q, Kᵀ (D × Nk padded to 16) and V (Dv padded
+  // to 16), so the tile loop reads its operands in place instead of converting every tile
+  const int64_t Nkp = (dm.Nk + 15) / 16 * 16, Dvp0 = (dm.Dv + 15) / 16 * 16;
+  const at::Tensor q32 = q.to(at::kFloat).contiguous();
+  at::Tensor kt32 = at::zeros({dm.B, dm.Hkv, dm.D, Nkp}, q.options().dtype(at::kFloat));
+  kt32.narrow(3, 0, dm.Nk).copy_(k.transpose(2, 3));
+  at::Tensor v32 = at::zeros({dm.B, dm.Hkv, dm.Nk, Dvp0}, q.options().dtype(at::kFloat));
+  v32.narrow(3, 0, dm.Dv).copy_(v);
+  const float* q32p = q32.data_ptr<float>();
+  const float* kt32p = kt32.data_ptr<float>();
+  const float* v32p = v32.data_ptr<float>();
   at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
     const int64_t D = dm.D, Dv = dm.Dv, bq = dm.bq, bk = dm.bk;
     std::vector<float> Qb(bq * D), KT(D * bk), Vb(bk * Dv), S(bk), Pc(bk), acc(bq * Dv), mrow(bq), lrow(bq), tile(Dv);
     std::vector<RowMask> rms(bq);
     const int64_t Dvp = (Dv + 15) / 16 * 16;
-    std::vector<float> St(bq * bk), Vp(bk * Dvp, 0.0f), accp(bq * Dvp), tmp(bq * Dvp), alph(bq), KTz(D * bk, 0.0f);
+    std::vector<float> St(bq * bk), accp(bq * Dvp), tmp(bq * Dvp), alph(bq);
     // The fast path: S and P·V tiles through the register-blocked matmul.  A hidden entry is
     // P = 0 there, so a NaN/inf in a hidden value would leak (0·NaN): a q block whose result
     // is not finite runs again on the careful path below, where hidden entries are skipped.
@@ -257,8 +268,10 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
       const int64_t hk = h / dm.G;
       const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
+      const float* Qf = q32p + ((b * dm.H + h) * dm.Nq + r0) * D;
+      const float* KTf = kt32p + (b * dm.Hkv + hk) * D * Nkp;
+      const float* Vf = v32p + (b * dm.Hkv + hk) * dm.Nk * Dvp;
       for (int64_t r = 0; r < n; ++r) {
-        load_row(Qb.data() + r * D, qv.row(b, h, r0 + r), D, qv.s3);
         mk.ranges(b, r0 + r, rms[r].s1, rms[r].b0, rms[r].b1);
         mrow[r] = NEG_INF;
         lrow[r] = 0.0f;
@@ -267,9 +280,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       for (int64_t jk = 0; jk < nkb; ++jk) {
         const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0, mp = (m + 15) / 16 * 16;
         if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
-        load_kt(KTz.data(), kv, b, hk, c0, m, D, bk);
-        for (int64_t c = 0; c < m; ++c) load_row(Vp.data() + c * Dvp, vv.row(b, hk, c0 + c), Dv, vv.s3);
-        matmul(Qb.data(), D, KTz.data(), bk, St.data(), bk, n, mp, D);
+        matmul(Qf, D, KTf + c0, Nkp, St.data(), bk, n, mp, D);
         for (int64_t r = 0; r < n; ++r) {
           float* Sr = St.data() + r * bk;
           const RowMask& rm = rms[r];
@@ -305,7 +316,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           lrow[r] = lrow[r] * alph[r] + hsum(vs);
           mrow[r] = m_new;
         }
-        matmul(St.data(), bk, Vp.data(), Dvp, tmp.data(), Dvp, n, Dvp, m);
+        matmul(St.data(), bk, Vf + c0 * Dvp, Dvp, tmp.data(), Dvp, n, Dvp, m);
         for (int64_t r = 0; r < n; ++r) {
           float* ar = accp.data() + r * Dvp;
           const float* tr = tmp.data() + r * Dvp;
@@ -551,14 +562,24 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       if (!fast(it)) careful(it);
   });
 
-  // ---- pass 2: dQ per (b, h, q block), over the kv blocks its rows see
+  // ---- pass 2: dQ per (b, h, q block), over the kv blocks its rows see.  float32 copies of
+  // Kᵀ, Vᵀ (columns padded to 16) and K (D padded to 16), made once: tiles read them in place.
+  const int64_t Nkp = (dm.Nk + 15) / 16 * 16, Dp0 = (dm.D + 15) / 16 * 16;
+  at::Tensor kt32 = at::zeros({dm.B, dm.Hkv, dm.D, Nkp}, q.options().dtype(at::kFloat));
+  kt32.narrow(3, 0, dm.Nk).copy_(k.transpose(2, 3));
+  at::Tensor vt32 = at::zeros({dm.B, dm.Hkv, dm.Dv, Nkp}, q.options().dtype(at::kFloat));
+  vt32.narrow(3, 0, dm.Nk).copy_(v.transpose(2, 3));
+  at::Tensor k32 = at::zeros({dm.B, dm.Hkv, dm.Nk, Dp0}, q.options().dtype(at::kFloat));
+  k32.narrow(3, 0, dm.D).copy_(k);
+  const float* kt32p = kt32.data_ptr<float>();
+  const float* vt32p = vt32.data_ptr<float>();
+  const float* k32p = k32.data_ptr<float>();
   at::parallel_for(0, dm.B * dm.H * nqb, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> KT(D * bk), Kb(bk * D), VT(Dv * bk), Qb(bq * D), dOb(bq * Dv), dQb(bq * D), S(bk), dP(bk),
         dQt(D);
     std::vector<RowMask> rms(bq);
     const int64_t Dp = (D + 15) / 16 * 16;
-    std::vector<float> KTz(D * bk, 0.0f), VTz(Dv * bk, 0.0f), Kp(bk * Dp, 0.0f), dQa(bq * Dp), tq(bq * Dp),
-        St(bq * bk), dPt(bq * bk), Lr(bq), Dr(bq);
+    std::vector<float> dQa(bq * Dp), tq(bq * Dp), St(bq * bk), dPt(bq * bk), Lr(bq), Dr(bq);
     // The fast path: S, dP and dQ += dS·K through the register-blocked matmul; a q block whose
     // gradient is not finite runs again on the careful path below.
     auto fast = [&](int64_t it) -> bool {
@@ -576,11 +597,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       for (int64_t jk = 0; jk < nkb; ++jk) {
         const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0, mp = (m + 15) / 16 * 16;
         if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
-        load_kt(KTz.data(), kv, b, hk, c0, m, D, bk);
-        load_kt(VTz.data(), vv, b, hk, c0, m, Dv, bk);
-        for (int64_t c = 0; c < m; ++c) load_row(Kp.data() + c * Dp, kv.row(b, hk, c0 + c), D, kv.s3);
-        matmul(Qb.data(), D, KTz.data(), bk, St.data(), bk, n, mp, D);
-        matmul(dOb.data(), Dv, VTz.data(), bk, dPt.data(), bk, n, mp, Dv);
+        const int64_t kvh = b * dm.Hkv + hk;
+        matmul(Qb.data(), D, kt32p + kvh * D * Nkp + c0, Nkp, St.data(), bk, n, mp, D);
+        matmul(dOb.data(), Dv, vt32p + kvh * Dv * Nkp + c0, Nkp, dPt.data(), bk, n, mp, Dv);
         for (int64_t r = 0; r < n; ++r) {
           float* Sr = St.data() + r * bk;
           const float* dPr = dPt.data() + r * bk;
@@ -597,7 +616,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           const float L = Lr[r], Di = Dr[r];
           for (int64_t c = 0; c < mp; c += 16) st(Sr + c, exp16(ld(Sr + c) - L) * (ld(dPr + c) - Di) * scale);
         }
-        matmul(St.data(), bk, Kp.data(), Dp, tq.data(), Dp, n, Dp, m);
+        matmul(St.data(), bk, k32p + ((b * dm.Hkv + hk) * dm.Nk + c0) * Dp, Dp, tq.data(), Dp, n, Dp, m);
         for (int64_t x = 0; x < n * Dp; ++x) dQa[x] += tq[x];
       }
       float z = 0.0f;
