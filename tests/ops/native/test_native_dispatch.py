@@ -75,7 +75,7 @@ def test_auto_picks_native_where_it_would_pick_flash(native_ext):
     assert _auto(q.double(), k.double(), masks.sliding_window(6), None, 10, 0, True) == "flash"
 
 
-@pytest.mark.parametrize("case", ["score_mod", "custom", "document", "float64", "sink_window_early"])
+@pytest.mark.parametrize("case", ["score_mod", "custom", "document", "float64", "or"])
 def test_unsupported_problems_fall_back(case, native_ext):
     """backend="native" on a problem the kernel does not implement runs the flash path."""
     q, k, v = make_qkv(1, 2, 1, 12, 12, 8)
@@ -83,8 +83,7 @@ def test_unsupported_problems_fall_back(case, native_ext):
           "custom": dict(mask=masks.custom(lambda b, h, qp, kp: kp != 3)),
           "document": dict(mask=masks.document(torch.tensor([0] * 6 + [1] * 6))),
           "float64": dict(mask=masks.causal()),
-          # sinks obey the causal bound: band ∪ sinks says so only once every query is past them
-          "sink_window_early": dict(mask=masks.sink_window(4, 2), q_offset=0)}[case]
+          "or": dict(mask=masks.sliding_window(2) | masks.prefix_lm(3))}[case]
     if case == "float64":
         q, k, v = q.double(), k.double(), v.double()
     qo = kw.get("q_offset", 0)
@@ -92,8 +91,18 @@ def test_unsupported_problems_fall_back(case, native_ext):
     _same(run_case(q, k, v, backend="native", **kw), run_case(q, k, v, backend="flash", **kw))
 
 
-def test_sink_window_lowered_when_queries_are_past_the_sinks(native_ext):
-    q, k, v = make_qkv(1, 2, 1, 8, 40, 16)
-    s, _ = plan(q, k, v, masks.sink_window(4, 6), None, 32, 0)
-    assert (s.left, s.right, s.sinks) == (5, 0, 4)
-    assert attnlab.attention(q, k, v, mask=masks.sink_window(4, 6), backend="native").shape == (1, 2, 8, 16)
+def test_sink_window_sinks_are_causal(native_ext):
+    """sink_window's sinks obey the causal bound (the masks package's ``sinks_right=0``):
+    a query before the last sink does not see the later sinks; prefix_lm's sinks are seen
+    by every query."""
+    q, k, v = make_qkv(1, 2, 1, 8, 8, 16)
+    s, _ = plan(q, k, v, masks.sink_window(4, 2), None, 0, 0)
+    assert (s.left, s.right, s.sinks, s.sinks_right) == (1, 0, 4, 0)
+    assert plan(q, k, v, masks.prefix_lm(4), None, 0, 0)[0].sinks_right is None
+    from attnlab.ops.native.ops import native_attention
+    out, lse = native_attention(q, k, v, s, scale=0.25, q_offset=0, kv_offset=0)
+    ref, rlse = attnlab.attention(q, k, v, mask=masks.sink_window(4, 2), scale=0.25, q_offset=0, backend="reference",
+                                  return_lse=True)
+    assert (out - ref).abs().max() < 1e-5 and (lse - rlse).abs().max() < 1e-5
+    # row 0 sees key 0 only: its output is v[0] exactly
+    assert torch.equal(out[0, :, 0], v[0, 0, 0].expand(2, 16))

@@ -153,7 +153,7 @@ def test_custom_op_registration(native_ext):
     one opaque node, docs/compile.md)."""
     q, k, v = make_qkv(1, 2, 1, 5, 9, 8)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    args = (q, k, v, torch.tensor([7]), 0.3, 4, 0, [1, 3, 1, 0], 1, blocks(8))
+    args = (q, k, v, torch.tensor([7]), 0.3, 4, 0, [1, 3, 1, 0, 1, 0], 2, blocks(8))
     torch.library.opcheck(torch.ops.attnlab.native_fwd, args, test_utils=("test_schema", "test_faketensor",
                                                                           "test_autograd_registration"))
 

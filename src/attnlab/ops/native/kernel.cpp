@@ -7,7 +7,8 @@
 //
 // Positions are absolute: row i sits at qp = q_offset + i, column j at kp = kv_offset + j.
 // The mask is evaluated here from its structure (MASK_STRUCTURE.md):
-//     visible = ((no left or qp - kp <= left) and (no right or kp - qp <= right)) or kp < sinks
+//     visible = ((no left or qp - kp <= left) and (no right or kp - qp <= right))
+//               or (kp < sinks and (no sinks_right or kp - qp <= sinks_right))
 //               and (no kv_len or kp < kv_len[b])
 // For one row that is the union of two column intervals [0, s1) and [b0, b1).
 //
@@ -88,6 +89,8 @@ inline void load_row(float* dst, const T* src, int64_t n, int64_t stride) {
 struct Mask {
   bool has_left, has_right;
   int64_t left, right, sinks;
+  bool has_sinks_right;  // the sinks obey kp - qp <= sinks_right too (sink_window: 0, causal)
+  int64_t sinks_right;
   const int64_t* kv_len;  // (B,) or nullptr
   int64_t q_offset, kv_offset, Nk;
 
@@ -100,6 +103,7 @@ struct Mask {
     if (kv_len != nullptr) end = clamp(static_cast<__int128>(kv_len[b]) - kv_offset, 0, Nk);
     const __int128 qp = static_cast<__int128>(q_offset) + i;
     s1 = clamp(static_cast<__int128>(sinks) - kv_offset, 0, end);
+    if (has_sinks_right) s1 = std::min(s1, clamp(qp + sinks_right - kv_offset + 1, 0, end));
     b0 = has_left ? clamp(qp - left - kv_offset, 0, end) : 0;
     b1 = has_right ? clamp(qp + right - kv_offset + 1, 0, end) : end;
     if (b1 < b0) b0 = b1;
@@ -718,23 +722,25 @@ Dims dims_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int6
 }
 
 Mask mask_of(const c10::optional<at::Tensor>& kv_len, bool has_left, int64_t left, bool has_right, int64_t right,
-             int64_t sinks, int64_t q_offset, int64_t kv_offset, int64_t Nk) {
+             int64_t sinks, bool has_sinks_right, int64_t sinks_right, int64_t q_offset, int64_t kv_offset,
+             int64_t Nk) {
   const int64_t* kl = nullptr;
   if (kv_len.has_value() && kv_len->defined()) {
     TORCH_CHECK(kv_len->scalar_type() == at::kLong && kv_len->is_contiguous(), "attnlab native: kv_len int64");
     kl = kv_len->data_ptr<int64_t>();
   }
-  return Mask{has_left, has_right, left, right, sinks, kl, q_offset, kv_offset, Nk};
+  return Mask{has_left, has_right, left, right, sinks, has_sinks_right, sinks_right, kl, q_offset, kv_offset, Nk};
 }
 
 }  // namespace
 
 std::vector<at::Tensor> native_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                    int64_t q_offset, int64_t kv_offset, bool has_left, int64_t left, bool has_right,
-                                   int64_t right, int64_t sinks, const c10::optional<at::Tensor>& kv_len, int64_t bq,
-                                   int64_t bk) {
+                                   int64_t right, int64_t sinks, bool has_sinks_right, int64_t sinks_right,
+                                   const c10::optional<at::Tensor>& kv_len, int64_t bq, int64_t bk) {
   const Dims dm = dims_of(q, k, v, bq, bk);
-  const Mask mk = mask_of(kv_len, has_left, left, has_right, right, sinks, q_offset, kv_offset, dm.Nk);
+  const Mask mk = mask_of(kv_len, has_left, left, has_right, right, sinks, has_sinks_right, sinks_right, q_offset,
+                          kv_offset, dm.Nk);
   auto out = at::empty({dm.B, dm.H, dm.Nq, dm.Dv}, q.options());
   auto lse = at::empty({dm.B, dm.H, dm.Nq}, q.options().dtype(at::kFloat));
   switch (q.scalar_type()) {
@@ -750,9 +756,11 @@ std::vector<at::Tensor> native_bwd(const at::Tensor& dout_in, const c10::optiona
                                    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out_in,
                                    const at::Tensor& lse, double scale, int64_t q_offset, int64_t kv_offset,
                                    bool has_left, int64_t left, bool has_right, int64_t right, int64_t sinks,
+                                   bool has_sinks_right, int64_t sinks_right,
                                    const c10::optional<at::Tensor>& kv_len, int64_t bq, int64_t bk) {
   const Dims dm = dims_of(q, k, v, bq, bk);
-  const Mask mk = mask_of(kv_len, has_left, left, has_right, right, sinks, q_offset, kv_offset, dm.Nk);
+  const Mask mk = mask_of(kv_len, has_left, left, has_right, right, sinks, has_sinks_right, sinks_right, q_offset,
+                          kv_offset, dm.Nk);
   const at::Tensor dout = dout_in.to(q.scalar_type()), out = out_in.to(q.scalar_type());
   at::Tensor lse_c = lse.to(at::kFloat).contiguous();
   at::Tensor delta = at::empty({dm.B, dm.H, dm.Nq}, q.options().dtype(at::kFloat));

@@ -5,8 +5,9 @@ Registered with :func:`torch.library.custom_op` (like :mod:`attnlab.ops.library`
 ``register_autograd``, so ``torch.compile(fullgraph=True)`` sees one opaque node.
 The mask travels as its structure (:mod:`attnlab.ops.native.structure`)::
 
-    native_fwd(q, k, v, kv_len?, scale, q_offset, kv_offset, band=[has_left, left, has_right, right],
-               sinks, block=[bq, bk]) -> (out (B, H, Nq, Dv) q.dtype, lse (B, H, Nq) float32)
+    native_fwd(q, k, v, kv_len?, scale, q_offset, kv_offset,
+               band=[has_left, left, has_right, right, has_sinks_right, sinks_right], sinks, block=[bq, bk])
+        -> (out (B, H, Nq, Dv) q.dtype, lse (B, H, Nq) float32)
     native_bwd(dout, dlse?, q, k, v, out, lse, <same>) -> (dq, dk, dv)
 
 Double backward is refused (:class:`attnlab.ops.flash.DoubleBackwardError`).
@@ -42,7 +43,8 @@ def native_fwd(q: Tensor, k: Tensor, v: Tensor, kv_len: Tensor | None, scale: fl
                band: list[int], sinks: int, block: list[int]) -> tuple[Tensor, Tensor]:
     """Forward: ``(out, lse)``."""
     out, lse = _ext().fwd(q, k, v, float(scale), int(q_offset), int(kv_offset), bool(band[0]), int(band[1]),
-                          bool(band[2]), int(band[3]), int(sinks), kv_len, int(block[0]), int(block[1]))
+                          bool(band[2]), int(band[3]), int(sinks), bool(band[4]), int(band[5]), kv_len,
+                          int(block[0]), int(block[1]))
     return out, lse
 
 
@@ -58,8 +60,8 @@ def native_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tenso
                block: list[int]) -> tuple[Tensor, Tensor, Tensor]:
     """Backward: ``(dq, dk, dv)`` (contiguous, the inputs' dtype)."""
     dq, dk, dv = _ext().bwd(dout, dlse, q, k, v, out, lse, float(scale), int(q_offset), int(kv_offset),
-                            bool(band[0]), int(band[1]), bool(band[2]), int(band[3]), int(sinks), kv_len,
-                            int(block[0]), int(block[1]))
+                            bool(band[0]), int(band[1]), bool(band[2]), int(band[3]), int(sinks), bool(band[4]),
+                            int(band[5]), kv_len, int(block[0]), int(block[1]))
     return dq, dk, dv
 
 
@@ -108,7 +110,7 @@ def plan(q, k, v, mask, score_mod, q_offset, kv_offset):
     compiling = torch.compiler.is_compiling()
     if not compiling and _functorch(q, k, v):
         return None, "torch.func transform (the flash path's autograd.Function composes with it)"
-    s = _structure_of(mask, q_offset)
+    s = _structure_of(mask)
     if s is None:
         return None, f"mask {mask!r} has no structure the kernel implements"
     if not s.fields() <= IMPLEMENTED:
@@ -123,8 +125,10 @@ def plan(q, k, v, mask, score_mod, q_offset, kv_offset):
 def native_attention(q, k, v, structure, *, scale, q_offset, kv_offset):
     """``(out, lse)`` through ``torch.ops.attnlab.native_fwd`` for a structure from :func:`plan`."""
     s = structure
+    sr = getattr(s, "sinks_right", None)
     band = [int(s.left is not None), 0 if s.left is None else int(s.left),
-            int(s.right is not None), 0 if s.right is None else int(s.right)]
+            int(s.right is not None), 0 if s.right is None else int(s.right),
+            int(sr is not None), 0 if sr is None else int(sr)]
     kv_len = None if s.kv_len is None else s.kv_len.to(torch.long).contiguous()
     return torch.ops.attnlab.native_fwd(q, k, v, kv_len, float(scale), int(q_offset), int(kv_offset), band,
                                         int(s.sinks), blocks(q.shape[-1]))

@@ -3,10 +3,11 @@
 The field names are those of ``attnlab.masks.MaskStructure`` (``/work/wt/MASK_STRUCTURE.md``,
 issue 14): ``left``, ``right``, ``sinks``, ``kv_len`` (and ``q_ids``, ``kv_ids``,
 ``key_keep``, ``q_pos``, ``kv_pos``, which this kernel does not implement: a structure that
-sets them falls back to the torch-ops flash path).  For absolute positions ``qp``, ``kp``::
+sets them falls back to the torch-ops flash path), plus the masks package's ``sinks_right``.
+For absolute positions ``qp``, ``kp``::
 
     visible = (((left is None or qp - kp <= left) and (right is None or kp - qp <= right))
-               or kp < sinks)
+               or (kp < sinks and (sinks_right is None or kp - qp <= sinks_right)))
               and (kv_len is None or kp < kv_len[b])
 
 :func:`_structure_of` is a stop-gap adaptor until ``Mask.lower()`` lands: at merge,
@@ -20,7 +21,7 @@ from dataclasses import dataclass, fields as dc_fields
 
 import torch
 
-IMPLEMENTED = frozenset({"left", "right", "sinks", "kv_len"})
+IMPLEMENTED = frozenset({"left", "right", "sinks", "sinks_right", "kv_len"})
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,6 +37,7 @@ class Structure:
     key_keep: torch.Tensor | None = None
     q_pos: torch.Tensor | None = None
     kv_pos: torch.Tensor | None = None
+    sinks_right: int | None = None  # added by the masks package: the sinks obey kp - qp <= sinks_right
 
     def fields(self) -> frozenset[str]:
         return frozenset(f.name for f in dc_fields(self)
@@ -56,10 +58,10 @@ def _and(a: Structure | None, b: Structure | None) -> Structure | None:
         return None  # (band₁ ∪ sinks) ∩ band₂ is not band ∪ sinks
     kv_len = a.kv_len if b.kv_len is None else b.kv_len if a.kv_len is None else torch.minimum(a.kv_len, b.kv_len)
     return Structure(left=_min(a.left, b.left), right=_min(a.right, b.right), sinks=a.sinks or b.sinks,
-                     kv_len=kv_len)
+                     sinks_right=a.sinks_right if a.sinks else b.sinks_right, kv_len=kv_len)
 
 
-def _from_key(node, tensors, ints, q_offset):
+def _from_key(node, tensors, ints):
     name, args = (node, []) if isinstance(node, str) else node
 
     def val(x):
@@ -73,24 +75,21 @@ def _from_key(node, tensors, ints, q_offset):
         return Structure(right=0, sinks=int(val(args[0])))
     if name == "sink_window":
         s, w = int(val(args[0])), int(val(args[1]))
-        # causal ∧ (kp < s ∨ qp − kp < w): the sinks obey the causal bound too, which
-        # ``band ∪ sinks`` says only when every query sits at or after the last sink
-        if q_offset is None or q_offset < s - 1:
-            return None
-        return Structure(left=w - 1, right=0, sinks=s)
+        # causal ∧ (kp < s ∨ qp − kp < w): the sinks are causal too (the masks package's sinks_right=0)
+        return Structure(left=w - 1, right=0, sinks=s, sinks_right=0)
     if name == "padding":
         return Structure(kv_len=val(args[0]))
     if name == "and":
-        return _and(_from_key(args[0], tensors, ints, q_offset), _from_key(args[1], tensors, ints, q_offset))
+        return _and(_from_key(args[0], tensors, ints), _from_key(args[1], tensors, ints))
     return None  # document, key_padding, tree, dense, or, not: not implemented here
 
 
-def _structure_of(mask, q_offset: int | None = None) -> Structure | None:
+def _structure_of(mask) -> Structure | None:
     """TEMPORARY adaptor (swap for ``mask.lower()`` at merge; keep this one function).
 
     ``None`` mask -> the all-true structure; main's built-ins by their structural key
-    (:func:`attnlab.masks.mask_key`): causal, sliding_window, prefix_lm, sink_window
-    (when ``q_offset >= sinks - 1``), padding, and ``&`` of those; ``band(l, r)`` by its
+    (:func:`attnlab.masks.mask_key`): causal, sliding_window, prefix_lm, sink_window,
+    padding, and ``&`` of those; ``band(l, r)`` by its
     ``left``/``right``; a BlockMask by its mask.  Anything else -> None (fall back)."""
     if mask is None:
         return Structure()
@@ -105,7 +104,7 @@ def _structure_of(mask, q_offset: int | None = None) -> Structure | None:
     if key is None:
         return None
     spec, tensors, ints = key
-    return _from_key(parse_key(spec), tensors, ints, q_offset)
+    return _from_key(parse_key(spec), tensors, ints)
 
 
 __all__ = ["Structure", "IMPLEMENTED"]
