@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -259,7 +260,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const float* q32p = q32.data_ptr<float>();
   const float* kt32p = kt32.data_ptr<float>();
   const float* v32p = v32.data_ptr<float>();
-  at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
+  std::atomic<int64_t> next{0};  // work items handed out one at a time (a stalled thread holds one)
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     const int64_t D = dm.D, Dv = dm.Dv, bq = dm.bq, bk = dm.bk;
     std::vector<float> Qb(bq * D), KT(D * bk), Vb(bk * Dv), S(bk), Pc(bk), acc(bq * Dv), mrow(bq), lrow(bq), tile(Dv);
     std::vector<RowMask> rms(bq);
@@ -412,7 +414,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         }
       }
     };
-    for (int64_t it = lo; it < hi; ++it)
+    for (int64_t it; (it = next.fetch_add(1)) < items;)
       if (!fast(it)) careful(it);
   });
 }
@@ -431,7 +433,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   const int64_t D = dm.D, Dv = dm.Dv, bq = dm.bq, bk = dm.bk;
 
   // ---- pass 1: dK, dV per (b, kv head, kv block), over the G query heads and the q blocks
-  at::parallel_for(0, dm.B * dm.Hkv * nkb, 1, [&](int64_t lo, int64_t hi) {
+  const int64_t items1 = dm.B * dm.Hkv * nkb, items2 = dm.B * dm.H * nqb;
+  std::atomic<int64_t> next1{0}, next2{0};  // work items handed out one at a time
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> KT(D * bk), VT(Dv * bk), dKb(bk * D), dVb(bk * Dv), dKt(bk * D), dVt(bk * Dv), Qr(D), dOr(Dv),
         S(bk), P(bk), dP(bk);
     const int64_t Dp = (D + 15) / 16 * 16, Dvp = (Dv + 15) / 16 * 16;
@@ -562,7 +566,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         for (int64_t e = 0; e < Dv; ++e) dvr[e] = static_cast<T>(dVb[c * Dv + e]);
       }
     };
-    for (int64_t it = lo; it < hi; ++it)
+    for (int64_t it; (it = next1.fetch_add(1)) < items1;)
       if (!fast(it)) careful(it);
   });
 
@@ -578,7 +582,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   const float* kt32p = kt32.data_ptr<float>();
   const float* vt32p = vt32.data_ptr<float>();
   const float* k32p = k32.data_ptr<float>();
-  at::parallel_for(0, dm.B * dm.H * nqb, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> KT(D * bk), Kb(bk * D), VT(Dv * bk), Qb(bq * D), dOb(bq * Dv), dQb(bq * D), S(bk), dP(bk),
         dQt(D);
     std::vector<RowMask> rms(bq);
@@ -680,7 +684,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(dQb[r * D + d]);
       }
     };
-    for (int64_t it = lo; it < hi; ++it)
+    for (int64_t it; (it = next2.fetch_add(1)) < items2;)
       if (!fast(it)) careful(it);
   });
 }
