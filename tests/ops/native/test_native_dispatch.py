@@ -65,7 +65,7 @@ def test_variant_follows_cpu_flags():
 
 
 def test_auto_picks_native_where_it_would_pick_flash(native_ext):
-    q, k, v = make_qkv(1, 2, 1, 20, 30, 16)
+    q, k, _v = make_qkv(1, 2, 1, 20, 30, 16)
     assert _auto(q, k, masks.sliding_window(6), None, 10, 0, True) == "native"
     assert _auto(q, k, masks.causal() & masks.padding([25]), None, 10, 0, True) == "native"
     # score mods, custom masks and float64 keep the flash path
@@ -79,11 +79,11 @@ def test_auto_picks_native_where_it_would_pick_flash(native_ext):
 def test_unsupported_problems_fall_back(case, native_ext):
     """backend="native" on a problem the kernel does not implement runs the flash path."""
     q, k, v = make_qkv(1, 2, 1, 12, 12, 8)
-    kw = {"score_mod": dict(score_mod=scores.softcap(4.0)),
-          "custom": dict(mask=masks.custom(lambda b, h, qp, kp: kp != 3)),
-          "document": dict(mask=masks.document(torch.tensor([0] * 6 + [1] * 6))),
-          "float64": dict(mask=masks.causal()),
-          "or": dict(mask=masks.sliding_window(2) | masks.prefix_lm(3))}[case]
+    kw = {"score_mod": {"score_mod": scores.softcap(4.0)},
+          "custom": {"mask": masks.custom(lambda b, h, qp, kp: kp != 3)},
+          "document": {"mask": masks.document(torch.tensor([0] * 6 + [1] * 6))},
+          "float64": {"mask": masks.causal()},
+          "or": {"mask": masks.sliding_window(2) | masks.prefix_lm(3)}}[case]
     if case == "float64":
         q, k, v = q.double(), k.double(), v.double()
     qo = kw.get("q_offset", 0)

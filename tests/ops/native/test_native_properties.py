@@ -31,7 +31,7 @@ def test_row_that_sees_one_key_has_exactly_zero_dq(dtype, native_ext):
     """Top-left causal: row 0 sees key 0 only, so P = 1, O = v₀ and dS = dP − Δ = 0 exactly
     (Δ is summed in the same order as dP); rounding dP or Δ would leave noise."""
     q, k, v = make_qkv(1, 4, 2, 16, 16, 64, dtype=dtype, qk_scale=3.0)
-    out, _, dq, dk, dv = _grads(q, k, v, mask=masks.causal(), q_offset=0, backend="native")
+    out, _, dq, _dk, _dv = _grads(q, k, v, mask=masks.causal(), q_offset=0, backend="native")
     G = 2
     assert torch.equal(out[0, :, 0], v[0].repeat_interleave(G, 0)[:, 0])
     assert torch.count_nonzero(dq[0, :, 0]) == 0
@@ -79,7 +79,7 @@ def test_strided_inputs_give_the_same_bits(native_ext):
     k = kb[..., 4:44]                 # (2, 2, 51, 40): sliced head dim
     v = vt.transpose(-1, -2)          # (2, 2, 51, 24) with stride(-1) = 51
     assert not q.is_contiguous() and not k.is_contiguous() and v.stride(-1) != 1
-    kw = dict(mask=masks.causal(), backend="native")
+    kw = {"mask": masks.causal(), "backend": "native"}
     a = _grads(q, k, v, **kw)
     b = _grads(q.contiguous(), k.contiguous(), v.contiguous(), **kw)
     for x, y in zip(a, b):
@@ -180,7 +180,7 @@ def test_threads_give_the_same_bits(native_ext):
     """One parallel region of independent work items: 2 threads compute what 1 thread does,
     bit for bit (forward and both backward passes)."""
     q, k, v = make_qkv(2, 4, 2, 130, 150, 48, 40, seed=9)
-    kw = dict(mask=masks.causal() & masks.padding([120, 150]), backend="native")
+    kw = {"mask": masks.causal() & masks.padding([120, 150]), "backend": "native"}
     n = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

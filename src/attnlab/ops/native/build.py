@@ -119,7 +119,7 @@ def load():
             try:
                 _state["module"] = _compile()
                 _state["reason"] = None
-            except Exception as e:  # no compiler, no ninja, a failed build: fall back, never fail
+            except Exception as e:  # noqa: BLE001 -- no compiler, no ninja, a failed build: fall back, never fail
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
                 _state["module"] = None
                 _state["reason"] = f"build failed: {first}"
@@ -146,4 +146,4 @@ def status() -> str:
             + (f", loaded in {secs:.1f} s" if secs is not None else ""))
 
 
-__all__ = ["load", "status", "variant", "cpu_flags", "disabled", "SOURCES"]
+__all__ = ["SOURCES", "cpu_flags", "disabled", "load", "status", "variant"]

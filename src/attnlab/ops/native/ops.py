@@ -134,4 +134,4 @@ def native_attention(q, k, v, structure, *, scale, q_offset, kv_offset):
                                         int(s.sinks), blocks(q.shape[-1]))
 
 
-__all__ = ["native_fwd", "native_bwd", "native_attention", "plan", "blocks"]
+__all__ = ["blocks", "native_attention", "native_bwd", "native_fwd", "plan"]

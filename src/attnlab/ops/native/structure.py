@@ -17,7 +17,8 @@ prefers ``mask.lower()`` when the mask has one).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields as dc_fields
+from dataclasses import dataclass
+from dataclasses import fields as dc_fields
 
 import torch
 
@@ -107,4 +108,4 @@ def _structure_of(mask) -> Structure | None:
     return _from_key(parse_key(spec), tensors, ints)
 
 
-__all__ = ["Structure", "IMPLEMENTED"]
+__all__ = ["IMPLEMENTED", "Structure"]
