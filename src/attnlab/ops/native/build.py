@@ -1,7 +1,7 @@
 """Build the native CPU kernel (``kernel.cpp``) once, on first use, and cache it.
 
 ``torch.utils.cpp_extension.load`` compiles it with ninja into
-``$TORCH_EXTENSIONS_DIR/attnlab_native_<variant>`` (default: torch's
+``$TORCH_EXTENSIONS_DIR/attnlab_native_<variant>_<hash of source and flags>`` (default: torch's
 ``~/.cache/torch_extensions/...``); later processes load the cached library in
 milliseconds (ninja sees nothing to do).  An ``fcntl`` lock on
 ``<build dir>.lock`` makes parallel processes (pytest-xdist workers) build it once.
@@ -18,6 +18,7 @@ take the torch-ops flash path.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 import threading
@@ -93,7 +94,12 @@ def _compile():
         raise RuntimeError("ninja is not installed (pip install ninja)")
     from torch.utils.cpp_extension import load as cpp_load
     here = Path(__file__).resolve().parent
-    ext = f"attnlab_native_{name}"
+    digest = hashlib.sha1()
+    for src in SOURCES:
+        digest.update((here / src).read_bytes())
+    digest.update(" ".join(_BASE_FLAGS + flags).encode())
+    # one directory per source version and flag set: two checkouts never rebuild each other's
+    ext = f"attnlab_native_{name}_{digest.hexdigest()[:10]}"
     build_dir = _build_root() / ext
     build_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
