@@ -14,7 +14,7 @@ from attnlab.ops.library import flash_op, op_args
 from attnlab.ops.reference import reference_attention, reference_probs
 from attnlab.ops.sdpa import is_causal_mask, sdpa_attention, sdpa_dense_mask, sdpa_unsupported
 
-BACKENDS = ("auto", "reference", "flash", "sdpa", "triton")
+BACKENDS = ("auto", "reference", "flash", "sdpa", "triton", "native")
 
 
 def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, kv_offset=0,
@@ -88,7 +88,8 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
         backend: ``"reference"`` (materialized oracle), ``"flash"`` (tiled online
             softmax, skips empty tiles), ``"sdpa"`` (torch SDPA, only where it means
             the same), ``"triton"`` (GPU kernels, :mod:`attnlab.ops.triton`; CUDA tensors,
-            or CPU under ``TRITON_INTERPRET=1``), or ``"auto"`` (the fastest correct one,
+            or CPU under ``TRITON_INTERPRET=1``), ``"native"`` (the C++ CPU kernel,
+            :mod:`attnlab.ops.native`, where it implements the mask; else flash), or ``"auto"`` (the fastest correct one,
             per docs/benchmarks.md; never ``"triton"`` on the CPU).
 
     >>> import torch, attnlab
@@ -151,9 +152,21 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
     elif backend == "triton":
         from attnlab.ops.triton import triton_attention
         out, lse = triton_attention(q, k, v, **kw)
+    elif backend == "native":
+        out, lse = _native(q, k, v, kw)
     else:
         out, lse = _flash(q, k, v, kw)
     return (out, lse) if return_lse else out
+
+
+def _native(q, k, v, kw):
+    """The native C++ CPU kernel (:mod:`attnlab.ops.native`) where it implements the
+    problem (its mask's structure, no score mod); the flash path otherwise."""
+    from attnlab.ops.native.ops import native_attention, plan
+    s, _ = plan(q, k, v, kw["mask"], kw["score_mod"], kw["q_offset"], kw["kv_offset"])
+    if s is None:
+        return _flash(q, k, v, kw)
+    return native_attention(q, k, v, s, scale=kw["scale"], q_offset=kw["q_offset"], kv_offset=kw["kv_offset"])
 
 
 def _flash(q, k, v, kw):
@@ -246,6 +259,17 @@ def _wants_grad(*ts) -> bool:
 
 def choose_backend(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=None) -> str:
     """The backend ``backend="auto"`` runs for a validated request (before the dense-mask shortcut)."""
+    choice = torch_backend(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v)
+    if choice == "flash" and q.device.type == "cpu" and q.shape[2] and k.shape[2]:
+        # the native kernel replaces the torch-ops flash path wherever it implements the problem
+        from attnlab.ops.native.ops import plan
+        if plan(q, k, k if v is None else v, mask, score_mod, q_offset, kv_offset)[0] is not None:
+            return "native"
+    return choice
+
+
+def torch_backend(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=None) -> str:
+    """:func:`choose_backend` among the torch-ops backends (no native kernel)."""
     if sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse) is None:
         wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
         if q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-1] >= _BF16_FLASH_MIN_D[wants_grad]:

@@ -1,0 +1,113 @@
+"""The native CPU kernel beside torch SDPA and the torch-ops flash path, in one run.
+
+``python -m attnlab.bench.native [--quick] [--reps N] [--json PATH]``
+
+Each case times the forward (and forward+backward) of ``attnlab.attention`` with
+``backend="native"`` and ``backend="flash"``, and of torch's
+``scaled_dot_product_attention`` (``is_causal`` for square causal problems, a dense boolean
+``attn_mask`` for windows): median of ``reps`` after a warm-up.  Ratios are SDPA's time
+over the kernel's (> 1: faster than SDPA).  The header says which kernel variant runs and
+how long the first load (build) took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import attnlab
+from attnlab import masks
+from attnlab.bench.measure import time_call
+
+
+@dataclass
+class Case:
+    name: str
+    B: int
+    H: int
+    N: int
+    D: int
+    dtype: torch.dtype
+    mask: str  # "full" | "causal" | "window256"
+    grad: bool = False
+
+
+def cases(quick: bool) -> list[Case]:
+    n = 1024 if quick else 4096
+    out = [Case("full fp32", 1, 8, n, 64, torch.float32, "full"),
+           Case("causal fp32", 1, 8, n, 64, torch.float32, "causal"),
+           Case("causal bf16 D64", 1, 8, n, 64, torch.bfloat16, "causal"),
+           Case("causal bf16 D128", 1, 4, n, 128, torch.bfloat16, "causal"),
+           Case("window256 fp32", 1, 8, n, 64, torch.float32, "window256"),
+           Case("fwd+bwd causal fp32", 1, 8, n // 2, 64, torch.float32, "causal", grad=True),
+           Case("fwd+bwd window256 fp32", 1, 8, n, 64, torch.float32, "window256", grad=True)]
+    return out
+
+
+def _mask(c: Case):
+    return {"full": None, "causal": masks.causal(), "window256": masks.sliding_window(256)}[c.mask]
+
+
+def _sdpa(c: Case, q, k, v):
+    if c.mask == "full":
+        return F.scaled_dot_product_attention(q, k, v)
+    if c.mask == "causal":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    i = torch.arange(c.N)
+    allowed = (i.view(-1, 1) >= i.view(1, -1)) & (i.view(-1, 1) - i.view(1, -1) < 256)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+
+def run_case(c: Case, reps: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(c.B, c.H, c.N, c.D, generator=g).to(c.dtype).requires_grad_(c.grad) for _ in range(3))
+    m = _mask(c)
+    fns = {"sdpa": lambda: _sdpa(c, q, k, v),
+           "flash": lambda: attnlab.attention(q, k, v, mask=m, backend="flash"),
+           "native": lambda: attnlab.attention(q, k, v, mask=m, backend="native")}
+    res = {"case": c.name, "shape": [c.B, c.H, c.N, c.D], "dtype": str(c.dtype).replace("torch.", "")}
+    for name, fn in fns.items():
+        if c.grad:
+            def step(fn=fn):
+                out = fn()
+                out.backward(torch.ones_like(out))
+            res[name] = time_call(step, reps=reps)
+        else:
+            with torch.no_grad():
+                res[name] = time_call(fn, reps=reps)
+    return res
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    from attnlab.ops.native import build
+    t0 = time.perf_counter()
+    build.load()
+    load_s = time.perf_counter() - t0
+    header = f"{build.status()}; first load {load_s:.1f} s; torch threads {torch.get_num_threads()}"
+    print(header)
+    print(f"{'case':<26}{'sdpa s':>9}{'flash s':>9}{'native s':>10}{'flash x':>9}{'native x':>9}")
+    rows = []
+    for c in cases(a.quick):
+        r = run_case(c, a.reps)
+        rows.append(r)
+        print(f"{r['case']:<26}{r['sdpa']:>9.4f}{r['flash']:>9.4f}{r['native']:>10.4f}"
+              f"{r['sdpa'] / r['flash']:>9.2f}{r['sdpa'] / r['native']:>9.2f}", flush=True)
+    out = {"header": header, "rows": rows}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Build the native CPU kernel (``kernel.cpp``) once, on first use, and cache it.
+
+``torch.utils.cpp_extension.load`` compiles it with ninja into
+``$TORCH_EXTENSIONS_DIR/attnlab_native_<variant>_<hash of source and flags>`` (default: torch's
+``~/.cache/torch_extensions/...``); later processes load the cached library in
+milliseconds (ninja sees nothing to do).  An ``fcntl`` lock on
+``<build dir>.lock`` makes parallel processes (pytest-xdist workers) build it once.
+
+The variant, and its compiler flags, come from the CPU's flags in ``/proc/cpuinfo``:
+``avx512bf16`` / ``avx512`` (``-mavx512f -mavx512bw -mavx512vl -mavx512dq``, plus
+``-mavx512bf16``), ``avx2`` (``-mavx2 -mfma``) or ``portable`` (no ``-m`` flag).
+
+``ATTNLAB_NATIVE=0`` disables the kernel (nothing is built).  No compiler, no ninja or a
+failed build gives one ``RuntimeWarning`` line and :func:`load` returns None: callers
+take the torch-ops flash path.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import threading
+import time
+import warnings
+from pathlib import Path
+
+SOURCES = ("kernel.cpp",)
+_BASE_FLAGS = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-std=c++17"]
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
+
+_lock = threading.Lock()
+_state: dict = {}  # "module", "reason", "seconds", "variant"
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The ``flags`` of the first CPU in ``/proc/cpuinfo`` (empty when unreadable)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def variant(flags: frozenset[str] | None = None) -> tuple[str, list[str]]:
+    """``(name, compiler flags)`` for a CPU with these ``/proc/cpuinfo`` flags."""
+    flags = cpu_flags() if flags is None else flags
+    if all(f in flags for f in _AVX512):
+        extra = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma",
+                 "-mprefer-vector-width=512"]
+        if "avx512_bf16" in flags:
+            return "avx512bf16", extra + ["-mavx512bf16"]
+        return "avx512", extra
+    if "avx2" in flags and "fma" in flags:
+        return "avx2", ["-mavx2", "-mfma"]
+    return "portable", []
+
+
+def disabled() -> bool:
+    """``ATTNLAB_NATIVE=0`` (or ``false``/``off``/``no``) turns the kernel off."""
+    return os.environ.get("ATTNLAB_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def _build_root() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root)
+    from torch.utils.cpp_extension import get_default_build_root
+    return Path(get_default_build_root())
+
+
+def _ensure_ninja_on_path() -> None:
+    """The ``ninja`` PyPI package puts its binary beside the interpreter's scripts, which is
+    not on PATH when the venv is not activated."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+
+
+def _compile():
+    name, flags = variant()
+    _state["variant"] = name
+    _ensure_ninja_on_path()
+    if shutil.which("ninja") is None:
+        raise RuntimeError("ninja is not installed (pip install ninja)")
+    from torch.utils.cpp_extension import load as cpp_load
+    here = Path(__file__).resolve().parent
+    digest = hashlib.sha1()
+    for src in SOURCES:
+        digest.update((here / src).read_bytes())
+    digest.update(" ".join(_BASE_FLAGS + flags).encode())
+    # one directory per source version and flag set: two checkouts never rebuild each other's
+    ext = f"attnlab_native_{name}_{digest.hexdigest()[:10]}"
+    build_dir = _build_root() / ext
+    build_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(str(build_dir) + ".lock", "w") as lk:
+        fcntl.flock(lk, fcntl.LOCK_EX)  # one build per machine; the others wait, then load it
+        try:
+            mod = cpp_load(name=ext, sources=[str(here / s) for s in SOURCES], extra_cflags=_BASE_FLAGS + flags,
+                           build_directory=str(build_dir), verbose=False)
+        finally:
+            fcntl.flock(lk, fcntl.LOCK_UN)
+    _state["seconds"] = time.perf_counter() - t0
+    return mod
+
+
+def load():
+    """The compiled extension module, or None (disabled, or it cannot be built: one warning)."""
+    if disabled():
+        return None
+    if "module" in _state:
+        return _state["module"]
+    with _lock:
+        if "module" not in _state:
+            try:
+                _state["module"] = _compile()
+                _state["reason"] = None
+            except Exception as e:  # noqa: BLE001 -- no compiler, no ninja, a failed build: fall back, never fail
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                _state["module"] = None
+                _state["reason"] = f"build failed: {first}"
+                warnings.warn(f"attnlab: the native CPU attention kernel is unavailable ({first}); using the "
+                              "torch-ops flash path", RuntimeWarning, stacklevel=3)
+    return _state["module"]
+
+
+def loaded() -> bool:
+    """True when the extension is already loaded (no build, no file access: safe to call
+    while torch.compile traces)."""
+    return _state.get("module") is not None
+
+
+def status() -> str:
+    """One line: which CPU kernel runs and why (for ``attnlab doctor`` and benchmark headers)."""
+    if disabled():
+        return "native kernel disabled (ATTNLAB_NATIVE=0): torch-ops flash path"
+    mod = load()
+    if mod is None:
+        return f"native kernel unavailable ({_state.get('reason')}): torch-ops flash path"
+    secs = _state.get("seconds")
+    return (f"native kernel {_state.get('variant')} ({mod.features()})"
+            + (f", loaded in {secs:.1f} s" if secs is not None else ""))
+
+
+__all__ = ["SOURCES", "cpu_flags", "disabled", "load", "status", "variant"]

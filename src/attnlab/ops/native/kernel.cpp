@@ -1,0 +1,813 @@
+// attnlab's native CPU attention kernel: forward and backward, fp32 / bf16 / fp16 inputs,
+// float32 accumulation of S = QKᵀ, P·V, dP = dO·Vᵀ and dS; LSE in natural log (float32).
+//
+// Layout (any strides): q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv);
+// out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) float32.  Query head h reads kv head
+// h / (H / Hkv) (GQA): K/V are read in place, never copied per head.
+//
+// Positions are absolute: row i sits at qp = q_offset + i, column j at kp = kv_offset + j.
+// The mask is evaluated here from its structure (MASK_STRUCTURE.md):
+//     visible = ((no left or qp - kp <= left) and (no right or kp - qp <= right))
+//               or (kp < sinks and (no sinks_right or kp - qp <= sinks_right))
+//               and (no kv_len or kp < kv_len[b])
+// For one row that is the union of two column intervals [0, s1) and [b0, b1).
+//
+// One at::parallel_for region per pass; each work item runs a tile loop with per-thread
+// float32 buffers: forward over (b, h, q-block); backward in two atomics-free passes,
+// dK/dV over (b, kv-head, kv-block) and dQ over (b, h, q-block).  Hidden entries
+// (masked) are exact zeros in every product, so a NaN/inf in a key or value a row cannot
+// see has no effect.  The inner loops are unit-stride saxpys the compiler vectorises
+// (the build picks -mavx512* / -mavx2 from the CPU's flags).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// a·b + c, fused where the CPU has FMA: Δ and dP use it in the same order, so they agree bit for bit
+#if defined(__FMA__)
+#define MADD(a, b, c) __builtin_fmaf((a), (b), (c))
+#else
+#define MADD(a, b, c) ((a) * (b) + (c))
+#endif
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_f(c10::Half x) { return static_cast<float>(x); }
+
+// exp(x) in float32 (Cephes' polynomial, about 1 ulp); x < -87 (and -inf) gives exactly 0.
+// Branch-free, so the loops that call it vectorise.
+inline float exp_f(float x) {
+  const float xc = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = xc * 1.44269504088896341f;
+  const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest
+  float r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float y = p * r * r + r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float s;
+  std::memcpy(&s, &e, sizeof s);
+  y = y * s;
+  return x < -87.0f ? 0.0f : y;
+}
+
+template <typename T>
+struct View {  // a 4-D tensor read through its strides
+  const T* p;
+  int64_t s0, s1, s2, s3;
+  const T* row(int64_t b, int64_t h, int64_t n) const { return p + b * s0 + h * s1 + n * s2; }
+};
+
+template <typename T>
+View<T> view_of(const at::Tensor& t) {
+  return View<T>{t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+}
+
+template <typename T>
+inline void load_row(float* dst, const T* src, int64_t n, int64_t stride) {
+  if (stride == 1) {
+    for (int64_t d = 0; d < n; ++d) dst[d] = to_f(src[d]);
+  } else {
+    for (int64_t d = 0; d < n; ++d) dst[d] = to_f(src[d * stride]);
+  }
+}
+
+struct Mask {
+  bool has_left, has_right;
+  int64_t left, right, sinks;
+  bool has_sinks_right;  // the sinks obey kp - qp <= sinks_right too (sink_window: 0, causal)
+  int64_t sinks_right;
+  const int64_t* kv_len;  // (B,) or nullptr
+  int64_t q_offset, kv_offset, Nk;
+
+  static int64_t clamp(__int128 x, int64_t lo, int64_t hi) {
+    return x < lo ? lo : (x > hi ? hi : static_cast<int64_t>(x));
+  }
+  // visible columns of row i (batch b): [0, s1) ∪ [b0, b1), each within [0, end)
+  void ranges(int64_t b, int64_t i, int64_t& s1, int64_t& b0, int64_t& b1) const {
+    int64_t end = Nk;
+    if (kv_len != nullptr) end = clamp(static_cast<__int128>(kv_len[b]) - kv_offset, 0, Nk);
+    const __int128 qp = static_cast<__int128>(q_offset) + i;
+    s1 = clamp(static_cast<__int128>(sinks) - kv_offset, 0, end);
+    if (has_sinks_right) s1 = std::min(s1, clamp(qp + sinks_right - kv_offset + 1, 0, end));
+    b0 = has_left ? clamp(qp - left - kv_offset, 0, end) : 0;
+    b1 = has_right ? clamp(qp + right - kv_offset + 1, 0, end) : end;
+    if (b1 < b0) b0 = b1;
+  }
+};
+
+struct RowMask {  // one row's visible intervals, relative to a tile starting at column c0
+  int64_t s1, b0, b1;
+  bool full(int64_t c0, int64_t c1) const {
+    if (c1 <= s1) return true;
+    if (c0 >= b0 && c1 <= b1) return true;
+    return b0 <= s1 && c1 <= std::max(s1, b1);
+  }
+  bool none(int64_t c0, int64_t c1) const { return c0 >= s1 && (c1 <= b0 || c0 >= b1); }
+  bool visible(int64_t c) const { return c < s1 || (c >= b0 && c < b1); }
+};
+
+// Does any row in [r0, r1) of batch b see a column of [c0, c1)?  (b0, b1 grow with the row.)
+inline bool block_visits(const Mask& mk, int64_t b, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  int64_t s1, b0, b1, t0, t1;
+  mk.ranges(b, r0, s1, b0, t1);
+  mk.ranges(b, r1 - 1, s1, t0, b1);
+  return c0 < s1 || (c0 < b1 && c1 > b0);
+}
+
+struct Dims {
+  int64_t B, H, Hkv, G, Nq, Nk, D, Dv, bq, bk;
+};
+
+// S[r, 0:m] = scale · Q[r] · K[c0:c0+m]ᵀ, masked entries -inf (KT is D × bk, row-major).
+inline void score_row(float* S, const float* Qr, const float* KT, int64_t D, int64_t bk, int64_t m, float scale,
+                      const RowMask& rm, int64_t c0) {
+  for (int64_t c = 0; c < m; ++c) S[c] = 0.0f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float qv = Qr[d];
+    const float* kt = KT + d * bk;
+    for (int64_t c = 0; c < m; ++c) S[c] += qv * kt[c];
+  }
+  for (int64_t c = 0; c < m; ++c) S[c] *= scale;
+  if (!rm.full(c0, c0 + m)) {
+    for (int64_t c = 0; c < m; ++c)
+      if (!rm.visible(c0 + c)) S[c] = NEG_INF;
+  }
+}
+
+template <typename T>
+void load_kt(float* KT, const View<T>& k, int64_t b, int64_t hk, int64_t c0, int64_t m, int64_t D, int64_t bk) {
+  for (int64_t c = 0; c < m; ++c) {
+    const T* src = k.row(b, hk, c0 + c);
+    for (int64_t d = 0; d < D; ++d) KT[d * bk + c] = to_f(src[d * k.s3]);
+  }
+}
+
+// ---------------------------------------------------------------- register-blocked micro-kernels
+// GCC vector extensions: 16 floats = one zmm register with -mavx512f, two ymm with -mavx2,
+// four xmm on a portable build (same results: every lane is an independent FMA chain).
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+inline v16 ld(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void st(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+inline v16 splat(float x) { return v16{} + x; }
+
+// exp_f on 16 lanes (the same polynomial; x < -87 and -inf give exactly 0)
+inline v16 exp16(v16 x) {
+  const v16 lo = splat(-87.0f), hi = splat(88.0f);
+  v16 xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const v16 t = xc * 1.44269504088896341f;
+  const v16 n = (t + 12582912.0f) - 12582912.0f;
+  v16 r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  v16 y = p * r * r + r + 1.0f;
+  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16 sc;
+  std::memcpy(&sc, &e, sizeof sc);
+  y = y * sc;
+  return x < lo ? v16{} : y;
+}
+
+inline float hmax(v16 m) {
+  float r = m[0];
+  for (int j = 1; j < 16; ++j) r = std::max(r, m[j]);
+  return r;
+}
+inline float hsum(v16 s) {
+  float r = 0.0f;
+  for (int j = 0; j < 16; ++j) r += s[j];
+  return r;
+}
+
+// C[0:R, 0:16·NC] = A[0:R, 0:K] · B[0:K, 0:16·NC]  (row strides lda, ldb, ldc)
+template <int R, int NC>
+inline void mm_tile(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t K) {
+  v16 acc[R][NC];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NC; ++j) acc[r][j] = v16{};
+  for (int64_t kk = 0; kk < K; ++kk) {
+    v16 bv[NC];
+    for (int j = 0; j < NC; ++j) bv[j] = ld(B + kk * ldb + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const float a = A[r * lda + kk];
+      for (int j = 0; j < NC; ++j) acc[r][j] += a * bv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NC; ++j) st(C + r * ldc + 16 * j, acc[r][j]);
+}
+
+template <int R>
+inline void mm_rows(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t N,
+                    int64_t K) {
+  int64_t c = 0;
+  for (; c + 64 <= N; c += 64) mm_tile<R, 4>(A, lda, B + c, ldb, C + c, ldc, K);
+  for (; c + 32 <= N; c += 32) mm_tile<R, 2>(A, lda, B + c, ldb, C + c, ldc, K);
+  for (; c + 16 <= N; c += 16) mm_tile<R, 1>(A, lda, B + c, ldb, C + c, ldc, K);
+}
+
+// C[0:n, 0:N] = A[0:n, 0:K] · B[0:K, 0:N], N a multiple of 16
+inline void matmul(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t n,
+                   int64_t N, int64_t K) {
+  int64_t r = 0;
+  for (; r + 4 <= n; r += 4) mm_rows<4>(A + r * lda, lda, B, ldb, C + r * ldc, ldc, N, K);
+  for (; r < n; ++r) mm_rows<1>(A + r * lda, lda, B, ldb, C + r * ldc, ldc, N, K);
+}
+
+template <typename T>
+void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+                  const Dims& dm, const Mask& mk, float scale) {
+  const View<T> qv = view_of<T>(q), kv = view_of<T>(k), vv = view_of<T>(v);
+  T* op = out.data_ptr<T>();
+  float* lp = lse.data_ptr<float>();
+  const int64_t nqb = (dm.Nq + dm.bq - 1) / dm.bq, nkb = (dm.Nk + dm.bk - 1) / dm.bk;
+  const int64_t items = dm.B * dm.H * nqb;
+  // float32 copies made once per call (O(N·D)): Q, Kᵀ (D × Nk padded to 16) and V (Dv padded
+  // to 16), so the tile loop reads its operands in place instead of converting every tile
+  const int64_t Nkp = (dm.Nk + 15) / 16 * 16, Dvp0 = (dm.Dv + 15) / 16 * 16;
+  const at::Tensor q32 = q.to(at::kFloat).contiguous();
+  at::Tensor kt32 = at::zeros({dm.B, dm.Hkv, dm.D, Nkp}, q.options().dtype(at::kFloat));
+  kt32.narrow(3, 0, dm.Nk).copy_(k.transpose(2, 3));
+  at::Tensor v32 = at::zeros({dm.B, dm.Hkv, dm.Nk, Dvp0}, q.options().dtype(at::kFloat));
+  v32.narrow(3, 0, dm.Dv).copy_(v);
+  const float* q32p = q32.data_ptr<float>();
+  const float* kt32p = kt32.data_ptr<float>();
+  const float* v32p = v32.data_ptr<float>();
+  std::atomic<int64_t> next{0};  // work items handed out one at a time (a stalled thread holds one)
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    const int64_t D = dm.D, Dv = dm.Dv, bq = dm.bq, bk = dm.bk;
+    std::vector<float> Qb(bq * D), KT(D * bk), Vb(bk * Dv), S(bk), Pc(bk), acc(bq * Dv), mrow(bq), lrow(bq), tile(Dv);
+    std::vector<RowMask> rms(bq);
+    const int64_t Dvp = (Dv + 15) / 16 * 16;
+    std::vector<float> St(bq * bk), accp(bq * Dvp), tmp(bq * Dvp), alph(bq);
+    // The fast path: S and P·V tiles through the register-blocked matmul.  A hidden entry is
+    // P = 0 there, so a NaN/inf in a hidden value would leak (0·NaN): a q block whose result
+    // is not finite runs again on the careful path below, where hidden entries are skipped.
+    auto fast = [&](int64_t it) -> bool {
+      const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
+      const int64_t hk = h / dm.G;
+      const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
+      const float* Qf = q32p + ((b * dm.H + h) * dm.Nq + r0) * D;
+      const float* KTf = kt32p + (b * dm.Hkv + hk) * D * Nkp;
+      const float* Vf = v32p + (b * dm.Hkv + hk) * dm.Nk * Dvp;
+      for (int64_t r = 0; r < n; ++r) {
+        mk.ranges(b, r0 + r, rms[r].s1, rms[r].b0, rms[r].b1);
+        mrow[r] = NEG_INF;
+        lrow[r] = 0.0f;
+      }
+      std::fill(accp.begin(), accp.begin() + n * Dvp, 0.0f);
+      for (int64_t jk = 0; jk < nkb; ++jk) {
+        const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0, mp = (m + 15) / 16 * 16;
+        if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+        matmul(Qf, D, KTf + c0, Nkp, St.data(), bk, n, mp, D);
+        for (int64_t r = 0; r < n; ++r) {
+          float* Sr = St.data() + r * bk;
+          const RowMask& rm = rms[r];
+          if (rm.none(c0, c1)) {
+            for (int64_t c = 0; c < mp; ++c) Sr[c] = 0.0f;
+            alph[r] = 1.0f;
+            continue;
+          }
+          for (int64_t c = 0; c < m; ++c) Sr[c] *= scale;
+          for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
+          if (!rm.full(c0, c1))
+            for (int64_t c = 0; c < m; ++c)
+              if (!rm.visible(c0 + c)) Sr[c] = NEG_INF;
+          v16 vm = ld(Sr);
+          for (int64_t c = 16; c < mp; c += 16) {
+            const v16 y = ld(Sr + c);
+            vm = vm > y ? vm : y;
+          }
+          const float mx = hmax(vm);
+          const float m_new = std::isnan(mx) ? mx : std::max(mrow[r], mx);
+          if (m_new == NEG_INF) {
+            for (int64_t c = 0; c < mp; ++c) Sr[c] = 0.0f;
+            alph[r] = 1.0f;
+            continue;
+          }
+          alph[r] = exp_f(mrow[r] - m_new);
+          v16 vs = v16{};
+          for (int64_t c = 0; c < mp; c += 16) {
+            const v16 p = exp16(ld(Sr + c) - m_new);
+            st(Sr + c, p);
+            vs += p;
+          }
+          lrow[r] = lrow[r] * alph[r] + hsum(vs);
+          mrow[r] = m_new;
+        }
+        matmul(St.data(), bk, Vf + c0 * Dvp, Dvp, tmp.data(), Dvp, n, Dvp, m);
+        for (int64_t r = 0; r < n; ++r) {
+          float* ar = accp.data() + r * Dvp;
+          const float* tr = tmp.data() + r * Dvp;
+          const float a = alph[r];
+          for (int64_t e = 0; e < Dvp; ++e) ar[e] = ar[e] * a + tr[e];
+        }
+      }
+      bool finite = true;
+      for (int64_t r = 0; r < n; ++r) {
+        T* orow = op + ((b * dm.H + h) * dm.Nq + r0 + r) * Dv;
+        const float l = lrow[r];
+        const float* ar = accp.data() + r * Dvp;
+        float z = l - l;
+        for (int64_t e = 0; e < Dv; ++e) z += ar[e] - ar[e];
+        finite = finite && z == 0.0f;
+        if (l == 0.0f) {
+          for (int64_t e = 0; e < Dv; ++e) orow[e] = static_cast<T>(0.0f);
+          lp[(b * dm.H + h) * dm.Nq + r0 + r] = NEG_INF;
+        } else {
+          const float inv = 1.0f / l;
+          for (int64_t e = 0; e < Dv; ++e) orow[e] = static_cast<T>(ar[e] * inv);
+          lp[(b * dm.H + h) * dm.Nq + r0 + r] = mrow[r] + std::log(l);
+        }
+      }
+      return finite;
+    };
+    auto careful = [&](int64_t it) {
+      const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
+      const int64_t hk = h / dm.G;
+      const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
+      for (int64_t r = 0; r < n; ++r) {
+        load_row(Qb.data() + r * D, qv.row(b, h, r0 + r), D, qv.s3);
+        mk.ranges(b, r0 + r, rms[r].s1, rms[r].b0, rms[r].b1);
+        mrow[r] = NEG_INF;
+        lrow[r] = 0.0f;
+      }
+      std::fill(acc.begin(), acc.begin() + n * Dv, 0.0f);
+      for (int64_t jk = 0; jk < nkb; ++jk) {
+        const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0;
+        if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+        load_kt(KT.data(), kv, b, hk, c0, m, D, bk);
+        for (int64_t c = 0; c < m; ++c) load_row(Vb.data() + c * Dv, vv.row(b, hk, c0 + c), Dv, vv.s3);
+        for (int64_t r = 0; r < n; ++r) {
+          const RowMask& rm = rms[r];
+          if (rm.none(c0, c1)) continue;
+          float* Sr = S.data();
+          score_row(Sr, Qb.data() + r * D, KT.data(), D, bk, m, scale, rm, c0);
+          float mx = NEG_INF;
+          for (int64_t c = 0; c < m; ++c) mx = std::max(mx, Sr[c]);
+          for (int64_t c = 0; c < m; ++c) mx = std::isnan(Sr[c]) ? Sr[c] : mx;
+          const float m_new = std::isnan(mx) ? mx : std::max(mrow[r], mx);  // a visible NaN propagates
+          if (m_new == NEG_INF) continue;  // nothing visible yet
+          const float alpha = exp_f(mrow[r] - m_new);
+          float* ar = acc.data() + r * Dv;
+          float* tr = tile.data();  // this tile's P·V, added once: two-level sums keep long rows accurate
+          // P and its sum exactly as the fast path computes them (the same bits on finite inputs)
+          const int64_t mp = (m + 15) / 16 * 16;
+          for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
+          v16 vs = v16{};
+          for (int64_t c = 0; c < mp; c += 16) {
+            const v16 p = exp16(ld(Sr + c) - m_new);
+            st(Pc.data() + c, p);
+            vs += p;
+          }
+          const float sum = hsum(vs);
+          for (int64_t e = 0; e < Dv; ++e) tr[e] = 0.0f;
+          for (int64_t c = 0; c < m; ++c) {
+            if (Sr[c] == NEG_INF) continue;  // hidden: an exact zero, whatever V holds
+            const float p = Pc[c];
+            const float* vr = Vb.data() + c * Dv;
+            for (int64_t e = 0; e < Dv; ++e) tr[e] += p * vr[e];
+          }
+          for (int64_t e = 0; e < Dv; ++e) ar[e] = ar[e] * alpha + tr[e];
+          lrow[r] = lrow[r] * alpha + sum;
+          mrow[r] = m_new;
+        }
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        T* orow = op + ((b * dm.H + h) * dm.Nq + r0 + r) * Dv;
+        const float l = lrow[r];
+        float* ar = acc.data() + r * Dv;
+        if (l == 0.0f) {
+          for (int64_t e = 0; e < Dv; ++e) orow[e] = static_cast<T>(0.0f);
+          lp[(b * dm.H + h) * dm.Nq + r0 + r] = NEG_INF;
+        } else {
+          const float inv = 1.0f / l;
+          for (int64_t e = 0; e < Dv; ++e) orow[e] = static_cast<T>(ar[e] * inv);
+          lp[(b * dm.H + h) * dm.Nq + r0 + r] = mrow[r] + std::log(l);
+        }
+      }
+    };
+    for (int64_t it; (it = next.fetch_add(1)) < items;)
+      if (!fast(it)) careful(it);
+  });
+}
+
+template <typename T>
+void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& lse, const at::Tensor& delta, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                   const Dims& dm, const Mask& mk, float scale) {
+  const View<T> qv = view_of<T>(q), kv = view_of<T>(k), vv = view_of<T>(v), gv = view_of<T>(dout);
+  const float* lp = lse.data_ptr<float>();   // (B, H, Nq) contiguous
+  const float* dp = delta.data_ptr<float>(); // (B, H, Nq) contiguous
+  T* dqp = dq.data_ptr<T>();
+  T* dkp = dk.data_ptr<T>();
+  T* dvp = dv.data_ptr<T>();
+  const int64_t nqb = (dm.Nq + dm.bq - 1) / dm.bq, nkb = (dm.Nk + dm.bk - 1) / dm.bk;
+  const int64_t D = dm.D, Dv = dm.Dv, bq = dm.bq, bk = dm.bk;
+
+  // ---- pass 1: dK, dV per (b, kv head, kv block), over the G query heads and the q blocks
+  const int64_t items1 = dm.B * dm.Hkv * nkb, items2 = dm.B * dm.H * nqb;
+  std::atomic<int64_t> next1{0}, next2{0};  // work items handed out one at a time
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> KT(D * bk), VT(Dv * bk), dKb(bk * D), dVb(bk * Dv), dKt(bk * D), dVt(bk * Dv), Qr(D), dOr(Dv),
+        S(bk), P(bk), dP(bk);
+    const int64_t Dp = (D + 15) / 16 * 16, Dvp = (Dv + 15) / 16 * 16;
+    std::vector<float> KTz(D * bk, 0.0f), VTz(Dv * bk, 0.0f), Qp(bq * Dp, 0.0f), dOp(bq * Dvp, 0.0f), St(bq * bk),
+        dPt(bq * bk), PT(bk * bq), dST(bk * bq), dKa(bk * Dp), dVa(bk * Dvp), tk(bk * Dp), tv(bk * Dvp), Lr(bq), Dr(bq);
+    // The fast path: five register-blocked matmuls per tile (S, dP, dV += Pᵀ dO, dK += dSᵀ Q);
+    // hidden entries are P = dS = 0 there, so a kv block whose gradients are not finite (a
+    // NaN/inf in a hidden value) runs again on the careful path below.
+    auto fast = [&](int64_t it) -> bool {
+      const int64_t jk = it % nkb, hk = (it / nkb) % dm.Hkv, b = it / (nkb * dm.Hkv);
+      const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0, mp = (m + 15) / 16 * 16;
+      load_kt(KTz.data(), kv, b, hk, c0, m, D, bk);
+      load_kt(VTz.data(), vv, b, hk, c0, m, Dv, bk);
+      std::fill(dKa.begin(), dKa.begin() + m * Dp, 0.0f);
+      std::fill(dVa.begin(), dVa.begin() + m * Dvp, 0.0f);
+      for (int64_t h = hk * dm.G; h < (hk + 1) * dm.G; ++h) {
+        for (int64_t iq = 0; iq < nqb; ++iq) {
+          const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
+          if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+          for (int64_t r = 0; r < n; ++r) {
+            load_row(Qp.data() + r * Dp, qv.row(b, h, r0 + r), D, qv.s3);
+            load_row(dOp.data() + r * Dvp, gv.row(b, h, r0 + r), Dv, gv.s3);
+            Lr[r] = lp[(b * dm.H + h) * dm.Nq + r0 + r];
+            Dr[r] = dp[(b * dm.H + h) * dm.Nq + r0 + r];
+          }
+          matmul(Qp.data(), Dp, KTz.data(), bk, St.data(), bk, n, mp, D);
+          matmul(dOp.data(), Dvp, VTz.data(), bk, dPt.data(), bk, n, mp, Dv);
+          for (int64_t r = 0; r < n; ++r) {
+            float* Sr = St.data() + r * bk;
+            float* dPr = dPt.data() + r * bk;
+            RowMask rm;
+            mk.ranges(b, r0 + r, rm.s1, rm.b0, rm.b1);
+            if (Lr[r] == NEG_INF || rm.none(c0, c1)) {
+              for (int64_t c = 0; c < mp; ++c) {
+                PT[c * bq + r] = 0.0f;
+                dST[c * bq + r] = 0.0f;
+              }
+              continue;
+            }
+            for (int64_t c = 0; c < m; ++c) Sr[c] *= scale;
+            for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
+            if (!rm.full(c0, c1))
+              for (int64_t c = 0; c < m; ++c)
+                if (!rm.visible(c0 + c)) Sr[c] = NEG_INF;
+            const float L = Lr[r], Di = Dr[r];
+            for (int64_t c = 0; c < mp; c += 16) {
+              const v16 p = exp16(ld(Sr + c) - L);
+              st(Sr + c, p);
+              st(dPr + c, p * (ld(dPr + c) - Di) * scale);
+            }
+            for (int64_t c = 0; c < mp; ++c) {
+              PT[c * bq + r] = Sr[c];
+              dST[c * bq + r] = dPr[c];
+            }
+          }
+          matmul(PT.data(), bq, dOp.data(), Dvp, tv.data(), Dvp, m, Dvp, n);
+          matmul(dST.data(), bq, Qp.data(), Dp, tk.data(), Dp, m, Dp, n);
+          for (int64_t x = 0; x < m * Dvp; ++x) dVa[x] += tv[x];
+          for (int64_t x = 0; x < m * Dp; ++x) dKa[x] += tk[x];
+        }
+      }
+      float z = 0.0f;
+      for (int64_t c = 0; c < m; ++c) {
+        T* dkr = dkp + ((b * dm.Hkv + hk) * dm.Nk + c0 + c) * D;
+        T* dvr = dvp + ((b * dm.Hkv + hk) * dm.Nk + c0 + c) * Dv;
+        for (int64_t d = 0; d < D; ++d) {
+          const float x = dKa[c * Dp + d];
+          z += x - x;
+          dkr[d] = static_cast<T>(x);
+        }
+        for (int64_t e = 0; e < Dv; ++e) {
+          const float x = dVa[c * Dvp + e];
+          z += x - x;
+          dvr[e] = static_cast<T>(x);
+        }
+      }
+      return z == 0.0f;
+    };
+    auto careful = [&](int64_t it) {
+      const int64_t jk = it % nkb, hk = (it / nkb) % dm.Hkv, b = it / (nkb * dm.Hkv);
+      const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0;
+      load_kt(KT.data(), kv, b, hk, c0, m, D, bk);
+      load_kt(VT.data(), vv, b, hk, c0, m, Dv, bk);
+      std::fill(dKb.begin(), dKb.begin() + m * D, 0.0f);
+      std::fill(dVb.begin(), dVb.begin() + m * Dv, 0.0f);
+      for (int64_t h = hk * dm.G; h < (hk + 1) * dm.G; ++h) {
+        for (int64_t iq = 0; iq < nqb; ++iq) {
+          const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq);
+          if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+          // this q block's sums, added once (two-level sums keep long columns accurate)
+          std::fill(dKt.begin(), dKt.begin() + m * D, 0.0f);
+          std::fill(dVt.begin(), dVt.begin() + m * Dv, 0.0f);
+          for (int64_t i = r0; i < r1; ++i) {
+            const float L = lp[(b * dm.H + h) * dm.Nq + i];
+            if (L == NEG_INF) continue;  // fully masked row: no gradient
+            RowMask rm;
+            mk.ranges(b, i, rm.s1, rm.b0, rm.b1);
+            if (rm.none(c0, c1)) continue;
+            const float Di = dp[(b * dm.H + h) * dm.Nq + i];
+            load_row(Qr.data(), qv.row(b, h, i), D, qv.s3);
+            load_row(dOr.data(), gv.row(b, h, i), Dv, gv.s3);
+            score_row(S.data(), Qr.data(), KT.data(), D, bk, m, scale, rm, c0);
+            for (int64_t c = 0; c < m; ++c) P[c] = exp_f(S[c] - L);
+            for (int64_t c = 0; c < m; ++c) dP[c] = 0.0f;
+            for (int64_t e = 0; e < Dv; ++e) {
+              const float g = dOr[e];
+              const float* vt = VT.data() + e * bk;
+              for (int64_t c = 0; c < m; ++c) dP[c] = MADD(g, vt[c], dP[c]);
+            }
+            for (int64_t c = 0; c < m; ++c) {
+              if (S[c] == NEG_INF) continue;  // hidden
+              const float p = P[c];
+              float* dvr = dVt.data() + c * Dv;
+              for (int64_t e = 0; e < Dv; ++e) dvr[e] += p * dOr[e];
+              const float ds = p * (dP[c] - Di) * scale;
+              float* dkr = dKt.data() + c * D;
+              for (int64_t d = 0; d < D; ++d) dkr[d] += ds * Qr[d];
+            }
+          }
+          for (int64_t x = 0; x < m * D; ++x) dKb[x] += dKt[x];
+          for (int64_t x = 0; x < m * Dv; ++x) dVb[x] += dVt[x];
+        }
+      }
+      for (int64_t c = 0; c < m; ++c) {
+        T* dkr = dkp + ((b * dm.Hkv + hk) * dm.Nk + c0 + c) * D;
+        T* dvr = dvp + ((b * dm.Hkv + hk) * dm.Nk + c0 + c) * Dv;
+        for (int64_t d = 0; d < D; ++d) dkr[d] = static_cast<T>(dKb[c * D + d]);
+        for (int64_t e = 0; e < Dv; ++e) dvr[e] = static_cast<T>(dVb[c * Dv + e]);
+      }
+    };
+    for (int64_t it; (it = next1.fetch_add(1)) < items1;)
+      if (!fast(it)) careful(it);
+  });
+
+  // ---- pass 2: dQ per (b, h, q block), over the kv blocks its rows see.  float32 copies of
+  // Kᵀ, Vᵀ (columns padded to 16) and K (D padded to 16), made once: tiles read them in place.
+  const int64_t Nkp = (dm.Nk + 15) / 16 * 16, Dp0 = (dm.D + 15) / 16 * 16;
+  at::Tensor kt32 = at::zeros({dm.B, dm.Hkv, dm.D, Nkp}, q.options().dtype(at::kFloat));
+  kt32.narrow(3, 0, dm.Nk).copy_(k.transpose(2, 3));
+  at::Tensor vt32 = at::zeros({dm.B, dm.Hkv, dm.Dv, Nkp}, q.options().dtype(at::kFloat));
+  vt32.narrow(3, 0, dm.Nk).copy_(v.transpose(2, 3));
+  at::Tensor k32 = at::zeros({dm.B, dm.Hkv, dm.Nk, Dp0}, q.options().dtype(at::kFloat));
+  k32.narrow(3, 0, dm.D).copy_(k);
+  const float* kt32p = kt32.data_ptr<float>();
+  const float* vt32p = vt32.data_ptr<float>();
+  const float* k32p = k32.data_ptr<float>();
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> KT(D * bk), Kb(bk * D), VT(Dv * bk), Qb(bq * D), dOb(bq * Dv), dQb(bq * D), S(bk), dP(bk),
+        dQt(D);
+    std::vector<RowMask> rms(bq);
+    const int64_t Dp = (D + 15) / 16 * 16;
+    std::vector<float> dQa(bq * Dp), tq(bq * Dp), St(bq * bk), dPt(bq * bk), Lr(bq), Dr(bq);
+    // The fast path: S, dP and dQ += dS·K through the register-blocked matmul; a q block whose
+    // gradient is not finite runs again on the careful path below.
+    auto fast = [&](int64_t it) -> bool {
+      const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
+      const int64_t hk = h / dm.G;
+      const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
+      for (int64_t r = 0; r < n; ++r) {
+        load_row(Qb.data() + r * D, qv.row(b, h, r0 + r), D, qv.s3);
+        load_row(dOb.data() + r * Dv, gv.row(b, h, r0 + r), Dv, gv.s3);
+        mk.ranges(b, r0 + r, rms[r].s1, rms[r].b0, rms[r].b1);
+        Lr[r] = lp[(b * dm.H + h) * dm.Nq + r0 + r];
+        Dr[r] = dp[(b * dm.H + h) * dm.Nq + r0 + r];
+      }
+      std::fill(dQa.begin(), dQa.begin() + n * Dp, 0.0f);
+      for (int64_t jk = 0; jk < nkb; ++jk) {
+        const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0, mp = (m + 15) / 16 * 16;
+        if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+        const int64_t kvh = b * dm.Hkv + hk;
+        matmul(Qb.data(), D, kt32p + kvh * D * Nkp + c0, Nkp, St.data(), bk, n, mp, D);
+        matmul(dOb.data(), Dv, vt32p + kvh * Dv * Nkp + c0, Nkp, dPt.data(), bk, n, mp, Dv);
+        for (int64_t r = 0; r < n; ++r) {
+          float* Sr = St.data() + r * bk;
+          const float* dPr = dPt.data() + r * bk;
+          const RowMask& rm = rms[r];
+          if (Lr[r] == NEG_INF || rm.none(c0, c1)) {
+            for (int64_t c = 0; c < mp; ++c) Sr[c] = 0.0f;
+            continue;
+          }
+          for (int64_t c = 0; c < m; ++c) Sr[c] *= scale;
+          for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
+          if (!rm.full(c0, c1))
+            for (int64_t c = 0; c < m; ++c)
+              if (!rm.visible(c0 + c)) Sr[c] = NEG_INF;
+          const float L = Lr[r], Di = Dr[r];
+          for (int64_t c = 0; c < mp; c += 16) st(Sr + c, exp16(ld(Sr + c) - L) * (ld(dPr + c) - Di) * scale);
+        }
+        matmul(St.data(), bk, k32p + ((b * dm.Hkv + hk) * dm.Nk + c0) * Dp, Dp, tq.data(), Dp, n, Dp, m);
+        for (int64_t x = 0; x < n * Dp; ++x) dQa[x] += tq[x];
+      }
+      float z = 0.0f;
+      for (int64_t r = 0; r < n; ++r) {
+        T* dst = dqp + ((b * dm.H + h) * dm.Nq + r0 + r) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float x = dQa[r * Dp + d];
+          z += x - x;
+          dst[d] = static_cast<T>(x);
+        }
+      }
+      return z == 0.0f;
+    };
+    auto careful = [&](int64_t it) {
+      const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
+      const int64_t hk = h / dm.G;
+      const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
+      for (int64_t r = 0; r < n; ++r) {
+        load_row(Qb.data() + r * D, qv.row(b, h, r0 + r), D, qv.s3);
+        load_row(dOb.data() + r * Dv, gv.row(b, h, r0 + r), Dv, gv.s3);
+        mk.ranges(b, r0 + r, rms[r].s1, rms[r].b0, rms[r].b1);
+      }
+      std::fill(dQb.begin(), dQb.begin() + n * D, 0.0f);
+      for (int64_t jk = 0; jk < nkb; ++jk) {
+        const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0;
+        if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+        load_kt(KT.data(), kv, b, hk, c0, m, D, bk);
+        load_kt(VT.data(), vv, b, hk, c0, m, Dv, bk);
+        for (int64_t c = 0; c < m; ++c) load_row(Kb.data() + c * D, kv.row(b, hk, c0 + c), D, kv.s3);
+        for (int64_t r = 0; r < n; ++r) {
+          const int64_t i = r0 + r;
+          const float L = lp[(b * dm.H + h) * dm.Nq + i];
+          if (L == NEG_INF || rms[r].none(c0, c1)) continue;
+          const float Di = dp[(b * dm.H + h) * dm.Nq + i];
+          score_row(S.data(), Qb.data() + r * D, KT.data(), D, bk, m, scale, rms[r], c0);
+          const float* g = dOb.data() + r * Dv;
+          for (int64_t c = 0; c < m; ++c) dP[c] = 0.0f;
+          for (int64_t e = 0; e < Dv; ++e) {
+            const float ge = g[e];
+            const float* vt = VT.data() + e * bk;
+            for (int64_t c = 0; c < m; ++c) dP[c] = MADD(ge, vt[c], dP[c]);
+          }
+          float* dqr = dQb.data() + r * D;
+          float* tq = dQt.data();
+          for (int64_t d = 0; d < D; ++d) tq[d] = 0.0f;
+          for (int64_t c = 0; c < m; ++c) {
+            if (S[c] == NEG_INF) continue;  // hidden
+            const float ds = exp_f(S[c] - L) * (dP[c] - Di) * scale;
+            const float* kr = Kb.data() + c * D;
+            for (int64_t d = 0; d < D; ++d) tq[d] += ds * kr[d];
+          }
+          for (int64_t d = 0; d < D; ++d) dqr[d] += tq[d];
+        }
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        T* dst = dqp + ((b * dm.H + h) * dm.Nq + r0 + r) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(dQb[r * D + d]);
+      }
+    };
+    for (int64_t it; (it = next2.fetch_add(1)) < items2;)
+      if (!fast(it)) careful(it);
+  });
+}
+
+// Δ = rowsum(dO ∘ O) − dLSE in float32 from the upcast output, summed in the same order and
+// with the same fused multiply-adds as the kernel's dP = dO · v: where a row sees one key
+// (O = v exactly) dP − Δ is exactly 0, as in the math.
+template <typename T>
+void delta_impl(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& dlse, at::Tensor& delta,
+                const Dims& dm) {
+  const View<T> gv = view_of<T>(dout), ov = view_of<T>(out);
+  const float* dl = dlse.defined() ? dlse.data_ptr<float>() : nullptr;
+  float* dp = delta.data_ptr<float>();
+  at::parallel_for(0, dm.B * dm.H, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> g(dm.Dv), o(dm.Dv);
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      const int64_t b = bh / dm.H, h = bh % dm.H;
+      for (int64_t i = 0; i < dm.Nq; ++i) {
+        load_row(g.data(), gv.row(b, h, i), dm.Dv, gv.s3);
+        load_row(o.data(), ov.row(b, h, i), dm.Dv, ov.s3);
+        float d = 0.0f;
+        for (int64_t e = 0; e < dm.Dv; ++e) d = MADD(g[e], o[e], d);
+        const int64_t idx = bh * dm.Nq + i;
+        dp[idx] = dl != nullptr ? d - dl[idx] : d;
+      }
+    }
+  });
+}
+
+Dims dims_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t bq, int64_t bk) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attnlab native: q, k, v must be 4-D");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "attnlab native: q, k, v must share a dtype");
+  Dims d{q.size(0), q.size(1), k.size(1), 0, q.size(2), k.size(2), q.size(3), v.size(3), bq, bk};
+  TORCH_CHECK(d.Hkv > 0 && d.H % d.Hkv == 0, "attnlab native: H must be a multiple of Hkv");
+  TORCH_CHECK(bq > 0 && bk > 0 && bk % 16 == 0, "attnlab native: block sizes must be positive, bk a multiple of 16");
+  d.G = d.H / d.Hkv;
+  return d;
+}
+
+Mask mask_of(const c10::optional<at::Tensor>& kv_len, bool has_left, int64_t left, bool has_right, int64_t right,
+             int64_t sinks, bool has_sinks_right, int64_t sinks_right, int64_t q_offset, int64_t kv_offset,
+             int64_t Nk) {
+  const int64_t* kl = nullptr;
+  if (kv_len.has_value() && kv_len->defined()) {
+    TORCH_CHECK(kv_len->scalar_type() == at::kLong && kv_len->is_contiguous(), "attnlab native: kv_len int64");
+    kl = kv_len->data_ptr<int64_t>();
+  }
+  return Mask{has_left, has_right, left, right, sinks, has_sinks_right, sinks_right, kl, q_offset, kv_offset, Nk};
+}
+
+}  // namespace
+
+std::vector<at::Tensor> native_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                   int64_t q_offset, int64_t kv_offset, bool has_left, int64_t left, bool has_right,
+                                   int64_t right, int64_t sinks, bool has_sinks_right, int64_t sinks_right,
+                                   const c10::optional<at::Tensor>& kv_len, int64_t bq, int64_t bk) {
+  const Dims dm = dims_of(q, k, v, bq, bk);
+  const Mask mk = mask_of(kv_len, has_left, left, has_right, right, sinks, has_sinks_right, sinks_right, q_offset,
+                          kv_offset, dm.Nk);
+  auto out = at::empty({dm.B, dm.H, dm.Nq, dm.Dv}, q.options());
+  auto lse = at::empty({dm.B, dm.H, dm.Nq}, q.options().dtype(at::kFloat));
+  switch (q.scalar_type()) {
+    case at::kFloat: forward_impl<float>(q, k, v, out, lse, dm, mk, static_cast<float>(scale)); break;
+    case at::kBFloat16: forward_impl<c10::BFloat16>(q, k, v, out, lse, dm, mk, static_cast<float>(scale)); break;
+    case at::kHalf: forward_impl<c10::Half>(q, k, v, out, lse, dm, mk, static_cast<float>(scale)); break;
+    default: TORCH_CHECK(false, "attnlab native: dtype must be float32, bfloat16 or float16");
+  }
+  return {out, lse};
+}
+
+std::vector<at::Tensor> native_bwd(const at::Tensor& dout_in, const c10::optional<at::Tensor>& dlse,
+                                   const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out_in,
+                                   const at::Tensor& lse, double scale, int64_t q_offset, int64_t kv_offset,
+                                   bool has_left, int64_t left, bool has_right, int64_t right, int64_t sinks,
+                                   bool has_sinks_right, int64_t sinks_right,
+                                   const c10::optional<at::Tensor>& kv_len, int64_t bq, int64_t bk) {
+  const Dims dm = dims_of(q, k, v, bq, bk);
+  const Mask mk = mask_of(kv_len, has_left, left, has_right, right, sinks, has_sinks_right, sinks_right, q_offset,
+                          kv_offset, dm.Nk);
+  const at::Tensor dout = dout_in.to(q.scalar_type()), out = out_in.to(q.scalar_type());
+  at::Tensor lse_c = lse.to(at::kFloat).contiguous();
+  at::Tensor delta = at::empty({dm.B, dm.H, dm.Nq}, q.options().dtype(at::kFloat));
+  at::Tensor dlse_c;
+  if (dlse.has_value() && dlse->defined()) dlse_c = dlse->to(at::kFloat).contiguous();
+  auto dq = at::empty({dm.B, dm.H, dm.Nq, dm.D}, q.options());
+  auto dk = at::empty({dm.B, dm.Hkv, dm.Nk, dm.D}, q.options());
+  auto dv = at::empty({dm.B, dm.Hkv, dm.Nk, dm.Dv}, q.options());
+  const float s = static_cast<float>(scale);
+  switch (q.scalar_type()) {
+    case at::kFloat: delta_impl<float>(dout, out, dlse_c, delta, dm); break;
+    case at::kBFloat16: delta_impl<c10::BFloat16>(dout, out, dlse_c, delta, dm); break;
+    case at::kHalf: delta_impl<c10::Half>(dout, out, dlse_c, delta, dm); break;
+    default: TORCH_CHECK(false, "attnlab native: dtype must be float32, bfloat16 or float16");
+  }
+  switch (q.scalar_type()) {
+    case at::kFloat: backward_impl<float>(dout, q, k, v, lse_c, delta, dq, dk, dv, dm, mk, s); break;
+    case at::kBFloat16: backward_impl<c10::BFloat16>(dout, q, k, v, lse_c, delta, dq, dk, dv, dm, mk, s); break;
+    case at::kHalf: backward_impl<c10::Half>(dout, q, k, v, lse_c, delta, dq, dk, dv, dm, mk, s); break;
+    default: TORCH_CHECK(false, "attnlab native: dtype must be float32, bfloat16 or float16");
+  }
+  return {dq, dk, dv};
+}
+
+std::string native_features() {
+  std::string f;
+#if defined(__AVX512F__)
+  f += "avx512f ";
+#endif
+#if defined(__AVX512BF16__)
+  f += "avx512bf16 ";
+#endif
+#if defined(__AVX2__)
+  f += "avx2 ";
+#endif
+#if defined(__FMA__)
+  f += "fma ";
+#endif
+  return f.empty() ? std::string("portable") : f.substr(0, f.size() - 1);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fwd", &native_fwd, "attnlab native attention forward -> [out, lse]");
+  m.def("bwd", &native_bwd, "attnlab native attention backward -> [dq, dk, dv]");
+  m.def("features", &native_features, "the instruction sets this build was compiled for");
+}

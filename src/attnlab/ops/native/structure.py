@@ -1,0 +1,30 @@
+"""What the native kernel reads of a mask: its structured description
+(:class:`attnlab.masks.MaskStructure`, from :meth:`Mask.lower`).
+
+The kernel implements ``left``, ``right``, ``sinks``, ``sinks_right`` and ``kv_len``; a
+structure that sets any other field (document ids, key padding, band positions, dense
+tensors, per-batch query shifts) falls back to the torch-ops flash path.  For absolute
+positions ``qp``, ``kp``::
+
+    visible = (((left is None or qp - kp <= left) and (right is None or kp - qp <= right))
+               or (kp < sinks and (sinks_right is None or kp - qp <= sinks_right)))
+              and (kv_len is None or kp < kv_len[b])
+"""
+
+from __future__ import annotations
+
+from attnlab.masks import BlockMask, MaskStructure
+
+IMPLEMENTED = frozenset({"left", "right", "sinks", "sinks_right", "kv_len"})
+
+__all__ = ["IMPLEMENTED", "structure_of"]
+
+
+def structure_of(mask) -> MaskStructure | None:
+    """``mask``'s structure: all-true for ``None``, a BlockMask's mask's, ``None`` when the mask
+    does not lower (``custom``, ``tree``, most ``|``/``~``)."""
+    if mask is None:
+        return MaskStructure()
+    if isinstance(mask, BlockMask):
+        mask = mask.mask
+    return mask.lower()
