@@ -157,6 +157,7 @@ def lab_lock(name: str):
     """An exclusive lock shared by every process of a test run (a file under the lab cache):
     one pytest-xdist worker trains a lab model while the others wait, then read the cache."""
     import fcntl
+
     from attnlab.lab import cache_dir
     with open(cache_dir() / f".{name}.lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)

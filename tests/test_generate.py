@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab.cache import DynamicCache, StaticCache, StreamingCache
 from attnlab.generate import Sampling, generate, stream
 from attnlab.nn import Decoder, DecoderConfig
 

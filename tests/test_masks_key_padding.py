@@ -9,16 +9,13 @@ query, so every tile is decidable from the keep pattern alone).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-
-import attnlab  # noqa: E402
-from attnlab import masks  # noqa: E402
-from attnlab.masks import EMPTY, FULL, PARTIAL  # noqa: E402
-from tests import helpers  # noqa: E402
-from tests.helpers import F64_FLOOR, assert_close_rule  # noqa: E402
+import attnlab
+from attnlab import masks
+from tests import helpers
+from tests.helpers import F64_FLOOR, assert_close_rule
 
 B, H, L = 3, 2, 24  # keep covers absolute key positions 0..23
 

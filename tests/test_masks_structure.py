@@ -5,8 +5,7 @@ and the consumers that read the structure instead of class names."""
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from attnlab import masks
 from attnlab.masks import MaskStructure
@@ -263,6 +262,7 @@ def test_newer_kinds_have_keys_that_rebuild_them(make):
 
 def test_structural_keys_round_trip_every_kind_and_refuse_subclasses():
     import torch
+
     from attnlab import masks
     ids = torch.tensor([[0, 0, 1, 1, 1]])
     every = [masks.causal(), masks.sliding_window(3), masks.prefix_lm(2), masks.sink_window(1, 2),

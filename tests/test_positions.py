@@ -5,10 +5,20 @@ import torch
 
 from attnlab import scores
 from attnlab.positions import (
-    ALiBi, DynamicNTKScaling, LearnedEmbedding, Llama3Scaling, LinearScaling, NTKScaling, RoPE,
-    SinusoidalEmbedding, YaRNScaling, alibi_slopes, rope_from_hf, sinusoidal,
+    ALiBi,
+    DynamicNTKScaling,
+    LearnedEmbedding,
+    LinearScaling,
+    Llama3Scaling,
+    NTKScaling,
+    RoPE,
+    SinusoidalEmbedding,
+    YaRNScaling,
+    alibi_slopes,
+    rope_from_hf,
+    sinusoidal,
 )
-from tests.helpers import EXACT  # noqa: E402
+from tests.helpers import EXACT
 
 
 def test_alibi_slopes_power_of_two_is_the_papers_geometric_sequence():

@@ -13,8 +13,7 @@ import random
 from dataclasses import dataclass
 
 import torch
-from hypothesis import HealthCheck, Phase, given, note, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, given, note, settings, strategies as st
 
 import attnlab
 from attnlab import masks, scores

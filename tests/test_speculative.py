@@ -3,8 +3,6 @@ exactly; sampling keeps the target's distribution (statistically)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 

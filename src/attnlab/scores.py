@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from attnlab.validate import ArgumentTypeError, boolean, finite_tensor, real, tensor_check
+from attnlab.validate import boolean, finite_tensor, real, tensor_check
 
 __all__ = ["ScoreMod", "alibi", "softcap", "relative_bias", "custom", "compose", "bias"]
 

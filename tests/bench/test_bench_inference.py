@@ -8,9 +8,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from attnlab.bench import inference as bench  # noqa: E402
-from attnlab.train.textmodels import TextModels  # noqa: E402
-from attnlab.nn import Decoder, DecoderConfig  # noqa: E402
+from attnlab.bench import inference as bench
+from attnlab.nn import Decoder, DecoderConfig
+from attnlab.train.textmodels import TextModels
 
 
 def tiny_models():

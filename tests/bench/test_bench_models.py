@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from attnlab.bench import models as bench  # noqa: E402
+from attnlab.bench import models as bench
 
 
 def test_quick_run_compares_the_same_weights_and_reports_ratios():

@@ -10,7 +10,7 @@ from attnlab import masks
 from attnlab.cache import DenseKV, DynamicCache, StaticCache
 from attnlab.nn import Decoder, DecoderConfig, MultiHeadAttention
 from attnlab.positions import RoPE
-from tests.helpers import F64_FLOOR  # noqa: E402
+from tests.helpers import F64_FLOOR
 
 
 def kv(B, H, n, D, Dv=None, seed=0):

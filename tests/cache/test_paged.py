@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from attnlab import masks, scores
+from attnlab.cache import paged_kv
 from attnlab.cache.blocks import CacheFullError
-from attnlab.cache import paged, paged_kv
 from attnlab.cache.paged import PagedCache, PagedKV
 from attnlab.nn import Decoder, DecoderConfig
 from attnlab.ops.decode import split_kv_attention
 from attnlab.ops.dispatch import attention
-from tests.helpers import F64_FLOOR  # noqa: E402
+from tests.helpers import F64_FLOOR
 
 TOL = dict(rtol=0, atol=1e-5)  # the bar for float32 logits, cached vs recomputed
 

@@ -11,8 +11,7 @@ happens); generated tokens are unique ids.
 from __future__ import annotations
 
 import torch
-from hypothesis import event, settings
-from hypothesis import strategies as st
+from hypothesis import event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from attnlab.cache.blocks import CacheFullError

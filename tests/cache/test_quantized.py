@@ -17,7 +17,7 @@ from attnlab.cache.quantize import pack, packed_size, quantize, unpack
 from attnlab.cache.quantized import QuantizedCache, QuantizedKV
 from attnlab.nn import Decoder, DecoderConfig
 from attnlab.ops.dispatch import attention
-from tests.helpers import F64_FLOOR  # noqa: E402
+from tests.helpers import F64_FLOOR
 
 # -- a straightforward reference quantizer: one group at a time -------------------------------
 

@@ -7,7 +7,7 @@ import torch
 
 import attnlab
 from attnlab import masks
-from attnlab.cache import DynamicCache, H2OCache, StreamingCache
+from attnlab.cache import H2OCache, StreamingCache
 from attnlab.nn import Decoder, DecoderConfig
 
 

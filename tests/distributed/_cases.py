@@ -20,8 +20,8 @@ import time
 import torch
 
 import attnlab
-from attnlab import masks, scores
 import attnlab.distributed as D
+from attnlab import masks, scores
 
 DT = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16}
 

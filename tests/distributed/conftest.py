@@ -7,14 +7,10 @@ what is left and raises), so nothing here can hang.
 
 from __future__ import annotations
 
-
 import pytest
-import torch
 
-
-from tests.helpers import check_rule as rule  # noqa: E402
-
-import attnlab.distributed as D  # noqa: E402
+import attnlab.distributed as D
+from tests.helpers import check_rule as rule
 
 
 @pytest.fixture(autouse=True, scope="module")

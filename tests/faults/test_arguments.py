@@ -22,10 +22,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/ops/triton/conftest.p
 import pytest
 import torch
 
-
 import attnlab
-from attnlab import masks, scores
-from attnlab import positions as P
+from attnlab import masks, positions as P, scores
 from attnlab.cache import DynamicCache, H2OCache, PagedCache, QuantizedCache, StaticCache, StreamingCache
 from attnlab.cache.blocks import BlockAllocator
 from attnlab.nn import DecoderConfig, EncoderConfig

@@ -8,7 +8,7 @@ import torch
 
 from attnlab import cache as C
 from attnlab.cache import DynamicCache, H2OCache, PagedCache, StaticCache, StreamingCache
-from tests.helpers import EXACT  # noqa: E402
+from tests.helpers import EXACT
 
 # looked up so that, run against code without it, each test fails on its own instead of the module
 StaleViewError = getattr(C, "StaleViewError", type("NoStaleViewError", (Exception,), {}))

@@ -29,9 +29,8 @@ import time
 import pytest
 import torch
 
-
-import attnlab.distributed as D  # noqa: E402
-from attnlab import masks, scores  # noqa: E402
+import attnlab.distributed as D
+from attnlab import masks, scores
 
 T = 6.0  # seconds: the timeout of every call here (a death is noticed at once; this bounds a miss)
 BOUND = 25.0  # seconds a survivor may take to report (T plus slack for 16 processes on 2 busy cores)

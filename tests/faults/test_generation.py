@@ -18,8 +18,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, note, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, given, note, settings, strategies as st
 
 from attnlab.generate import Sampling, generate
 from attnlab.nn import Decoder, DecoderConfig

@@ -23,10 +23,9 @@ import functools
 import pytest
 import torch
 
-
-import attnlab  # noqa: E402
-from attnlab import masks, scores  # noqa: E402
-from tests.helpers import assert_close_rule, check_param_grad  # noqa: E402
+import attnlab
+from attnlab import masks, scores
+from tests.helpers import assert_close_rule, check_param_grad
 
 BACKENDS = ["flash", "auto"]
 F32, F64 = torch.float32, torch.float64

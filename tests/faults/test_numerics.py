@@ -23,17 +23,16 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 if "attnlab.ops.triton.forward" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"  # as tests/ops/triton/conftest.py: before the kernels are defined
 
-import attnlab  # noqa: E402
-from attnlab import masks, merge_states  # noqa: E402
-from attnlab.ops.decode import split_kv_attention  # noqa: E402
-from attnlab.ops.triton import available as triton_available  # noqa: E402
-from tests.helpers import FLOOR, assert_close_rule, max_err  # noqa: E402
+import attnlab
+from attnlab import masks, merge_states
+from attnlab.ops.decode import split_kv_attention
+from attnlab.ops.triton import available as triton_available
+from tests.helpers import FLOOR, assert_close_rule, max_err
 
 BACKENDS = ["reference", "flash", "sdpa", "auto", "triton"]
 F32 = torch.float32

@@ -10,13 +10,25 @@ import pytest
 import torch
 
 from attnlab import masks
-from attnlab.interp.circuits import (Baseline, composition_baseline, composition_score, composition_scores,
-                                     copying_score, eigenvalue_copying_score, full_ov_circuit, full_qk_circuit,
-                                     head_composition_scores, kv_head_index, ov_circuit, qk_circuit, rank_report)
+from attnlab.interp.circuits import (
+    Baseline,
+    composition_baseline,
+    composition_score,
+    composition_scores,
+    copying_score,
+    eigenvalue_copying_score,
+    full_ov_circuit,
+    full_qk_circuit,
+    head_composition_scores,
+    kv_head_index,
+    ov_circuit,
+    qk_circuit,
+    rank_report,
+)
 from attnlab.interp.factored import FactoredMatrix
 from attnlab.nn import Decoder, DecoderConfig, MultiHeadAttention
 from attnlab.positions import RoPE
-from tests.helpers import F64_REORDER  # noqa: E402
+from tests.helpers import F64_REORDER
 
 D = torch.float64
 TOL = dict(**F64_REORDER)  # float64 algebra on O(1) numbers: roundoff is ~1e-14
@@ -493,7 +505,7 @@ def test_composition_scores_equal_dense_formulas_gqa(attn_only):
         close(composition_scores(model, kind), ref)
         if not attn_only:
             assert not torch.allclose(composition_scores(model, kind, fold_ln=False), ref, atol=1e-4)
-    I = torch.eye(16, dtype=D)  # noqa: E741
+    I = torch.eye(16, dtype=D)
     close(composition_score(FactoredMatrix(OV[0, 1], I), FactoredMatrix(QK[2, 3], I)),
           fro(OV[0, 1] @ QK[2, 3]) / (fro(OV[0, 1]) * fro(QK[2, 3])))
 

@@ -14,8 +14,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 T = pytest.importorskip("transformers")
 
-from attnlab.interp import ablation_effects, detect  # noqa: E402
-from attnlab.interp import circuits as C  # noqa: E402
+from attnlab.interp import (  # noqa: E402
+    ablation_effects,
+    circuits as C,
+    detect,
+)
 from attnlab.interp.ablation import hidden_change, lm_loss  # noqa: E402
 from attnlab.interp.weights import model_weights  # noqa: E402
 from attnlab.models import load  # noqa: E402

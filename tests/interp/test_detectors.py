@@ -3,9 +3,9 @@ a plain per-row loop over their definitions."""
 
 import pytest
 import torch
+from handbuilt import handbuilt_model, repeated_tokens
 
 from attnlab.interp import detectors as D
-from handbuilt import handbuilt_model, repeated_tokens
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab.interp import (activation_patching, agreement, attribution_patching, capture, detect, logit_diff,
-                            logit_lens, path_patching)
+from attnlab.interp import (
+    activation_patching,
+    agreement,
+    attribution_patching,
+    capture,
+    detect,
+    logit_diff,
+    logit_lens,
+    path_patching,
+)
 from attnlab.nn import Decoder, DecoderConfig, Encoder, EncoderConfig
 from attnlab.report import Report
-from tests.helpers import F32_REORDER, F64_REORDER_DEEP  # noqa: E402
+from tests.helpers import F32_REORDER, F64_REORDER_DEEP
 
 D = torch.float64
 TOL = dict(**F64_REORDER_DEEP)      # float64 forward passes of a tiny model: roundoff ~1e-14

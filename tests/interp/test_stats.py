@@ -23,11 +23,10 @@ import math
 import pytest
 import torch
 
-
-from attnlab import masks, scores  # noqa: E402
-from attnlab.interp.stats import HeadStats, head_stats, stats_from_probs  # noqa: E402
-from attnlab.ops.reference import reference_probs  # noqa: E402
-from tests.helpers import assert_close_rule, max_err  # noqa: E402
+from attnlab import masks, scores
+from attnlab.interp.stats import HeadStats, head_stats, stats_from_probs
+from attnlab.ops.reference import reference_probs
+from tests.helpers import assert_close_rule, max_err
 
 # Both sides compute the same sums in float64 in a different order (tiles vs whole rows)
 # and entropy by a different formula (log l - t/l vs -Σ p log p): a few hundred ulps at

@@ -32,6 +32,7 @@ def test_verdict(claim_id, request):
 
 def test_a_blind_induction_detector_flips_the_induction_claim(monkeypatch, induction_models):
     import torch
+
     from attnlab.interp import detectors
     # the induction score is recomputed from the (cached) models: a detector that sees nothing flips the verdict
     monkeypatch.setattr(detectors, "induction", lambda p, tokens: torch.zeros(p.shape[1]))
@@ -40,8 +41,9 @@ def test_a_blind_induction_detector_flips_the_induction_claim(monkeypatch, induc
 
 
 def test_sinks_vanish_when_attention_ignores_the_special_tokens(monkeypatch):
-    from attnlab.lab import sinks
     import torch
+
+    from attnlab.lab import sinks
     real = sinks.D.keys_mass
 
     def no_sinks(p, keys, rows=None):   # attention that never lands on [CLS]/[SEP]

@@ -7,12 +7,10 @@ import json
 import math
 
 import pytest
-import torch
 
 from attnlab.cli import main
 from attnlab.lab import crossover
 from attnlab.lab.crossover import LINEAR, METHODS, SOFTMAX, _crossover, run, summary
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny problems: a 2nd thread only spins
 

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from attnlab.cli import main  # noqa: E402
+from attnlab.cli import main
 
 pytestmark = pytest.mark.slow
 CHROMIUM = "/usr/bin/chromium"

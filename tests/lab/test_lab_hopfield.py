@@ -6,10 +6,8 @@ out-stores the classical Hebbian one."""
 import json
 
 import pytest
-import torch
 
 from attnlab.lab.hopfield import run, summary
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny problems: a 2nd thread only spins
 

@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from attnlab.lab import sinks  # noqa: E402
+from attnlab.lab import sinks
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +18,7 @@ def minilm():
 
 def test_masses_equal_transformers_eager_attentions(minilm):
     from transformers import BertModel
+
     from attnlab.models.load import minilm_path
     model, tok = minilm
     sents = sinks.SENTENCES[:5]

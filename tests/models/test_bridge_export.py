@@ -8,7 +8,7 @@ import torch._dynamo as dynamo
 from attnlab import masks
 from attnlab.nn import Decoder
 from attnlab.nn.config import DecoderConfig
-from tests.helpers import EXACT  # noqa: E402
+from tests.helpers import EXACT
 
 transformers = pytest.importorskip("transformers")
 

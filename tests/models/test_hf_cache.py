@@ -12,8 +12,6 @@ from attnlab.cache import DynamicCache, PagedCache, QuantizedCache, StaticCache,
 from attnlab.models import bridge  # noqa: E402
 from attnlab.models.hf_cache import as_hf_cache  # noqa: E402
 
-from tests.models.conftest import VOCAB  # noqa: E402
-
 PROMPT = torch.tensor([[5, 17, 3, 44, 9, 12, 7]])
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from attnlab.models.tokenizer import Tokenizer
 from attnlab.train.tokenizer import EOT, ByteBPE, ByteTokenizer

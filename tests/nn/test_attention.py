@@ -18,12 +18,11 @@ import math
 import pytest
 import torch
 
-
-from attnlab import masks  # noqa: E402
-from attnlab.cache import DynamicCache  # noqa: E402
-from attnlab.nn import MultiHeadAttention  # noqa: E402
-from attnlab.positions import ALiBi, RoPE, alibi_slopes  # noqa: E402
-from tests.helpers import F32_REORDER_UNIT, assert_close_rule  # noqa: E402
+from attnlab import masks
+from attnlab.cache import DynamicCache
+from attnlab.nn import MultiHeadAttention
+from attnlab.positions import ALiBi, RoPE, alibi_slopes
+from tests.helpers import F32_REORDER_UNIT, assert_close_rule
 
 F64_TOL = 1e-10  # float64 module vs float64 reference: both exact to ~1e-15 at these sizes
 

@@ -12,7 +12,7 @@ from torch import nn
 from attnlab import masks
 from attnlab.nn import MLP, Block, DecoderConfig, RMSNorm, SwiGLU
 from attnlab.nn.norms import make_norm
-from tests.helpers import F32_REORDER, F64_REORDER  # noqa: E402
+from tests.helpers import F32_REORDER, F64_REORDER
 
 
 def randx(*shape, seed=0, dtype=torch.float32):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from attnlab import masks
 from attnlab.nn import Decoder, Encoder
 from attnlab.nn.config import DecoderConfig, EncoderConfig
-from tests.helpers import F64_FLOOR  # noqa: E402
+from tests.helpers import F64_FLOOR
 
 V = 32
 

@@ -16,7 +16,6 @@ from attnlab.train.data import TokenStream
 from attnlab.train.loop import TrainConfig, train
 from tests.helpers import F32_REORDER, F64_REORDER, F64_REORDER_DEEP
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the root conftest's one-thread fixture
 
 

@@ -11,7 +11,7 @@ from attnlab import masks
 from attnlab.cache import DynamicCache
 from attnlab.nn import Decoder, DecoderConfig, Encoder, EncoderConfig, ModelOutput, mean_pool
 from attnlab.positions import LinearScaling, Llama3Scaling, YaRNScaling
-from tests.helpers import F32_REORDER  # noqa: E402
+from tests.helpers import F32_REORDER
 
 V = 37
 

@@ -8,10 +8,8 @@ import pytest
 import torch
 
 from attnlab import masks
-from attnlab.nn.ssm import (RecurrentCache, SSMMixer, selective_scan, selective_scan_reference,
-                            selective_scan_step)
+from attnlab.nn.ssm import RecurrentCache, SSMMixer, selective_scan, selective_scan_reference, selective_scan_step
 from tests.helpers import EXACT, F64_REORDER, F64_REORDER_DEEP
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the root conftest's one-thread fixture
 

@@ -17,11 +17,10 @@ import math
 import pytest
 import torch
 
+import attnlab
+from attnlab.ops import flash_attention
+from tests.helpers import FLOOR, PARAM_GRAD_SLACK_EPS, assert_close_rule, check_param_grad, check_rule, max_err  # noqa: F401
 
-import attnlab  # noqa: E402
-from attnlab.ops import flash_attention  # noqa: E402
-from tests.helpers import (FLOOR, PARAM_GRAD_SLACK_EPS, assert_close_rule, check_param_grad,  # noqa: E402,F401
-                           check_rule, max_err)
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread(one_torch_thread):

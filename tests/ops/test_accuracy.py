@@ -22,8 +22,21 @@ import torch
 import attnlab
 from attnlab import masks, scores
 from attnlab.ops import flash_attention, merge_states
-from tests.ops.conftest import (DTYPE_IDS, DTYPES, FLOOR, call, compare_backend, dense_allowed, gen, loss_weights,
-                      make_qkv, max_err, naive_attention, randn, run_case)
+from tests.ops.conftest import (
+    DTYPE_IDS,
+    DTYPES,
+    FLOOR,
+    call,
+    compare_backend,
+    dense_allowed,
+    gen,
+    loss_weights,
+    make_qkv,
+    max_err,
+    naive_attention,
+    randn,
+    run_case,
+)
 
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 MT = (16, 32)  # tiles that make every shape below multi-tile

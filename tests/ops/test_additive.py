@@ -14,7 +14,6 @@ from attnlab.nn.additive import AdditiveAttention
 from attnlab.ops.additive import additive_attention, naive_additive_attention
 from tests.helpers import check_rule
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny problems: a 2nd thread only spins
 
 

@@ -17,13 +17,12 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import attnlab
 from attnlab import masks
-from tests.ops.conftest import dense_allowed, loss_weights, make_qkv
 from tests.helpers import FLOOR, check_rule
+from tests.ops.conftest import dense_allowed, loss_weights, make_qkv
 
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
 # Statistical tests fail with probability ~ 1e-6 per check at this many standard deviations

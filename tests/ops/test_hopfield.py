@@ -10,7 +10,6 @@ import torch
 import attnlab
 from attnlab.ops.hopfield import hopfield_energy, hopfield_retrieve, hopfield_update
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny problems: a 2nd thread only spins
 
 

@@ -7,8 +7,14 @@ import torch
 
 import attnlab
 from attnlab import masks
-from attnlab.ops.linear import (FavorFeatures, LinearState, elu_feature, linear_attention,
-                                linear_attention_step, naive_linear_attention)
+from attnlab.ops.linear import (
+    FavorFeatures,
+    LinearState,
+    elu_feature,
+    linear_attention,
+    linear_attention_step,
+    naive_linear_attention,
+)
 
 # float64 in, float64 sums: the chunked and the quadratic forms differ only by summation
 # order, so they agree to a few ulps of the row sums.

@@ -6,8 +6,7 @@ cached by content, so a model's layers share it."""
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import attnlab
 from attnlab import masks

@@ -135,7 +135,7 @@ def test_row9_tensor_masks_are_sdpa_attn_mask():
 
 def test_row10_lse_is_flex_lse():
     q, k, v = _qkv()
-    from torch.nn.attention.flex_attention import flex_attention  # noqa: F401  (run_flex skips if unusable)
+    from torch.nn.attention.flex_attention import flex_attention
     run_flex(q, k, v)
     import warnings
     with warnings.catch_warnings():

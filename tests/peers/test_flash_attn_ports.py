@@ -21,8 +21,7 @@ import torch
 
 import attnlab
 from attnlab import masks, scores
-from tests.peers.peer_refs import (attention_ref, attn_bias_from_alibi_slopes, flash_rule,
-                                   generate_random_padding_mask)
+from tests.peers.peer_refs import attention_ref, attn_bias_from_alibi_slopes, flash_rule, generate_random_padding_mask
 
 # upstream's test_flash_attn_output / test_flash_attn_causal shape lists, the odd ones
 SHAPES = [(113, 203), (128, 217), (113, 211), (108, 256), (239, 1), (799, 3), (3, 799), (1, 239), (97, 97)]

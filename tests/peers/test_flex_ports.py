@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import attnlab
-from attnlab import masks, scores
+from attnlab import masks
 from tests.peers.peer_refs import flex, flex_check_equal, run_flex
 
 Tensor = torch.Tensor

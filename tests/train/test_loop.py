@@ -13,7 +13,13 @@ import torch
 
 from attnlab.nn import Decoder, DecoderConfig
 from attnlab.train.checkpoint import (
-    MODEL_FILE, OPTIMIZER_FILE, TRAINER_JSON, latest_checkpoint, load_checkpoint, save_checkpoint)
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    TRAINER_JSON,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from attnlab.train.data import TokenStream
 from attnlab.train.loop import TrainConfig, configure_optimizer, evaluate, lr_at, train
 from tests.helpers import F32_PRODUCT

@@ -10,7 +10,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from attnlab.train.tokenizer import (
-    EOT, PATTERN, ByteBPE, ByteTokenizer, Tokenizer, _stdlib_files, stdlib_corpus,
+    EOT,
+    PATTERN,
+    ByteBPE,
+    ByteTokenizer,
+    Tokenizer,
+    _stdlib_files,
+    stdlib_corpus,
 )
 
 TRAIN_BYTES = 1_000_000

@@ -18,7 +18,7 @@ import math
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -202,8 +202,9 @@ def flex_available() -> bool:
     global _FLEX_OK
     if _FLEX_OK is None:
         try:
-            from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
             import shutil
+
+            from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
             _FLEX_OK = shutil.which("g++") is not None or shutil.which("c++") is not None
         except Exception:  # pragma: no cover - torch without flex
             _FLEX_OK = False

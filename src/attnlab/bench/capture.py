@@ -100,6 +100,7 @@ def _child(mode: str, quick: bool, shape=None) -> None:
 def run(quick: bool = False, reps: int = 5, memory: bool = True, shape=None) -> dict:
     """``shape = (layers, d_model, heads, batch, tokens)`` overrides the sizes (tests use tiny ones)."""
     from tqdm.auto import tqdm
+
     from attnlab.bench.measure import memory_supported, time_call
     model, ids, cfg = _setup(quick, shape)
     times = {m: [] for m in MODES}

@@ -105,8 +105,7 @@ def _rank_main(rank, world, spec):
 
     import attnlab.distributed as D
     from attnlab import masks
-    from attnlab.distributed import ring as ring_mod
-    from attnlab.distributed import ulysses as uly_mod
+    from attnlab.distributed import ring as ring_mod, ulysses as uly_mod
 
     _malloc_setup()
     N, B, H, Hkv, Dh = spec["N"], spec["B"], spec["H"], spec["Hkv"], spec["D"]

@@ -44,6 +44,7 @@ def _median_time(fn, reps):
 
 def decode_speed(reps=3, new_tokens=128, shapes=((4, 256, 4096, 1), (4, 256, 4096, 8), (2, 128, 1024, 1))):
     import transformers
+
     from attnlab.generate import generate
     from attnlab.models import load
     rows = []
@@ -223,6 +224,7 @@ def paged_waste(n_seqs=16, block_size=16, seed=0):
 
 def run(quick: bool = False, reps: int = 3, progress: bool = True) -> dict:
     from tqdm import tqdm
+
     from attnlab.train.textmodels import load_or_train
     out = {"machine": machine_info()}
     steps = ["decode", "memory", "models", "quantized", "streaming", "speculative", "paged"]

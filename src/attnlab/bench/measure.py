@@ -13,7 +13,7 @@ import ctypes
 import gc
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 try:
     _LIBC = ctypes.CDLL("libc.so.6")

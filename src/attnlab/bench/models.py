@@ -51,6 +51,7 @@ SENTENCES = [
 
 def _gpt2_pair(shape: GPTShape, dtype):
     import transformers
+
     from attnlab.models import load
     cfg = transformers.GPT2Config(n_layer=shape.n_layer, n_embd=shape.n_embd, n_head=shape.n_head,
                                   vocab_size=shape.vocab, n_positions=max(1024, shape.seq),
@@ -96,8 +97,9 @@ def cases(quick: bool):
 
 
 def run(reps: int = 5, quick: bool = False, progress: bool = True) -> dict:
-    from tqdm import tqdm
     import transformers
+    from tqdm import tqdm
+
     from attnlab.models import load, minilm_path
     from attnlab.nn import mean_pool
 

@@ -125,7 +125,7 @@ class PagedCache(Cache):
 
     @classmethod
     def for_model(cls, model, n_blocks: int | None = None, *, block_size: int = 16, max_tokens: int | None = None,
-                  dtype=None) -> "PagedCache":
+                  dtype=None) -> PagedCache:
         """A cache shaped for an :class:`attnlab.nn.Decoder`: ``n_blocks`` blocks, or enough
         for ``max_tokens`` tokens, or (neither given) for 4 sequences of ``cfg.max_positions``."""
         c = model.cfg
@@ -251,7 +251,7 @@ class PagedCache(Cache):
         return self.allocator.evict_cached(n)
 
     # -- the batch ------------------------------------------------------------------------
-    def select(self, seqs) -> "PagedCache":
+    def select(self, seqs) -> PagedCache:
         """Make ``seqs`` the rows of the next forwards (row ``i`` is ``seqs[i]``); returns the cache."""
         ids = list(seqs)
         for q in ids:

@@ -110,7 +110,7 @@ class QuantizedKV(KV):
     """One layer's keys/values: quantized groups ``[0, n_groups·G)`` read a run at a time,
     then a float tail ``k_tail, v_tail`` whose first key sits at ``n_groups·G``."""
 
-    def __init__(self, cache: "QuantizedCache", st: _Layer, n_groups: int, k_tail, v_tail, q_offset=None):
+    def __init__(self, cache: QuantizedCache, st: _Layer, n_groups: int, k_tail, v_tail, q_offset=None):
         self.bits, self.G, self.piece_groups = cache.bits, cache.group_size, cache.piece_groups
         self.st = {name: getattr(st, name) for name in _STORE}  # buffers are only ever appended to
         self.B, self.Hkv, self.D, self.Dv, self.gv, self.dtype = st.B, st.Hkv, st.D, st.Dv, st.gv, st.dtype
@@ -195,7 +195,7 @@ class QuantizedCache(Cache):
         self.layers: list[_Layer | None] = [None] * n_layers
 
     @classmethod
-    def for_model(cls, model, **kwargs) -> "QuantizedCache":
+    def for_model(cls, model, **kwargs) -> QuantizedCache:
         """A cache with one slot per layer of an :class:`attnlab.nn.Decoder`."""
         return cls(model.cfg.n_layers, **kwargs)
 
@@ -271,7 +271,7 @@ class QuantizedCache(Cache):
     def reset(self):
         self.layers = [None] * self.n_layers
 
-    def fork(self) -> "QuantizedCache":
+    def fork(self) -> QuantizedCache:
         c = QuantizedCache.__new__(QuantizedCache)
         c.__dict__.update(self.__dict__)
         c.layers = [None if st is None else st.clone() for st in self.layers]

@@ -34,8 +34,8 @@ from collections.abc import Sequence
 
 import torch
 
-from attnlab.validate import integer
 from attnlab.ops.sdpa import is_causal_mask
+from attnlab.validate import integer
 
 __all__ = ["LAYOUTS", "padded_len", "shard_len", "shard_positions", "shard_sequence", "unshard_sequence",
            "gather_sequence", "work_per_rank", "balance"]

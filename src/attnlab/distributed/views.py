@@ -32,8 +32,7 @@ from __future__ import annotations
 import torch
 
 from attnlab.distributed.local import mod_params
-from attnlab.masks import Mask
-from attnlab.masks import EMPTY, FULL, PARTIAL
+from attnlab.masks import EMPTY, FULL, PARTIAL, Mask
 from attnlab.scores import ScoreMod
 
 __all__ = ["ShardMask", "ShardScoreMod", "HeadView", "HeadScoreMod", "need_matrix", "runs"]

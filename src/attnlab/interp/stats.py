@@ -68,8 +68,17 @@ from attnlab.masks import BlockMask
 from attnlab.ops.args import normalize, offsets
 from attnlab.ops.reference import acc_dtype
 from attnlab.ops.tiles import choose_tiles
-from attnlab.ops.tiling import (LOG2E, NEG_INF, TileProblem, fast_tile, mm_dtype, pick_block_mask, rescale, rows,
-                                score_tile)
+from attnlab.ops.tiling import (
+    LOG2E,
+    NEG_INF,
+    TileProblem,
+    fast_tile,
+    mm_dtype,
+    pick_block_mask,
+    rescale,
+    rows,
+    score_tile,
+)
 from attnlab.validate import integer
 
 __all__ = ["HeadStats", "head_stats", "stats_from_probs"]
@@ -126,7 +135,7 @@ class HeadStats:
         out["rows"] = rows
         return out
 
-    def to(self, arg) -> "HeadStats":
+    def to(self, arg) -> HeadStats:
         """A copy with every float field moved by ``tensor.to(arg)`` (a dtype or a device);
         ``valid`` stays bool (it follows a device move)."""
         if not isinstance(arg, (torch.dtype, torch.device, str)):

@@ -92,6 +92,7 @@ def demo(out: str = "out/report.html", *, quick: bool = False, force: bool = Fal
 def _cached(name: str):
     """A lab experiment's cached result (``attnlab lab <name>`` writes it), or None."""
     import json
+
     from attnlab.lab import cache_dir
     p = cache_dir(name) / f"{name}.json"
     return json.loads(p.read_text()) if p.exists() else None

@@ -34,7 +34,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from attnlab.interp import detectors as D
 from attnlab.interp.capture import capture

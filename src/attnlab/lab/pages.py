@@ -45,8 +45,8 @@ def induction_section(r, res: dict, model2=None, cfg=None) -> None:
     r.head_grid(torch.tensor(f2["ablation"]), title="Loss increase when one head is zero-ablated (2-layer)",
                 fmt=".2f")
     if model2 is not None and cfg is not None:
-        from attnlab.lab.induction import repeated_tokens
         from attnlab.interp import circuits as C
+        from attnlab.lab.induction import repeated_tokens
         rep = repeated_tokens(cfg, T=min(12, cfg.seq_len // 2), B=1, seed=7)
         with torch.no_grad(), capture(model2) as cap:
             model2(rep)

@@ -6,7 +6,6 @@ See :mod:`attnlab.masks` for the conventions (absolute positions, True = attend)
 from __future__ import annotations
 
 import functools
-
 from typing import ClassVar
 
 import torch

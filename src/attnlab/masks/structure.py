@@ -248,7 +248,7 @@ def and_structures(a: MaskStructure | None, b: MaskStructure | None) -> MaskStru
     """The structure of ``A & B``, or ``None`` when the parts do not combine into one."""
     if a is None or b is None:
         return None
-    if not (a.q_shift is None and b.q_shift is None or _same(a.q_shift, b.q_shift)):
+    if not ((a.q_shift is None and b.q_shift is None) or _same(a.q_shift, b.q_shift)):
         return None
     band = _and_band(a, b)
     if band is None:

@@ -50,11 +50,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlab import masks
+from attnlab.nn.hooks import AttentionPoints
 from attnlab.ops.dispatch import BACKENDS, attention, attention_probs
 from attnlab.ops.reference import index_grids
-from attnlab.nn.hooks import AttentionPoints
-from attnlab.validate import head_shape, nonzero_real, positive_int, probability
 from attnlab.scores import compose
+from attnlab.validate import head_shape, nonzero_real, probability
 
 
 def _head_independent(mask) -> bool:
@@ -334,7 +334,7 @@ class MultiHeadAttention(nn.Module):
         kv = cache.update(k, v)
         if rope is not None and getattr(cache, "rotates_keys", False):
             q = rope(q, kv.q_positions)  # the cache stores keys unrotated and rotates them at read
-        if not (self.training and self.dropout > 0 or need_weights or self.hooks or pts.active()):
+        if not ((self.training and self.dropout > 0) or need_weights or self.hooks or pts.active()):
             z = kv.attend(q, mask=mask, score_mod=mod, scale=self.scale, backend=self.backend)
             return self._out(z, B, N)
         kv = kv.dense()

@@ -20,10 +20,10 @@ from attnlab.nn.block import Block
 from attnlab.nn.config import EncoderConfig
 from attnlab.nn.decoder import (
     ModelOutput,
-    check_ids,
-    check_keep,
     absolute_positions,
     attention_positions,
+    check_ids,
+    check_keep,
     init_weights,
     token_positions,
 )

@@ -35,9 +35,9 @@ from torch import nn
 from attnlab.nn.attention import MultiHeadAttention
 from attnlab.nn.config import FEATURE_MAPS, MIXERS
 from attnlab.nn.ssm import RecurrentCache, SSMMixer, check_recurrent_cache
-from attnlab.validate import head_shape, positive_int
 from attnlab.ops.linear import FavorFeatures, elu_feature, linear_attention, linear_attention_step
 from attnlab.ops.sdpa import is_causal_mask
+from attnlab.validate import head_shape, positive_int
 
 __all__ = ["LinearAttentionMixer", "SSMMixer", "RecurrentCache", "make_mixer", "MIXERS", "FEATURE_MAPS"]
 

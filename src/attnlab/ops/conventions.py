@@ -46,8 +46,7 @@ def apply(attention, q, k, v, *, mask, score_mod, scale, q_offset, kv_offset, re
           dropout_p=0.0, dropout_seed=None):
     """Map the conventions onto a plain call of ``attention`` and map its result back."""
     from attnlab import scores  # here, not at import: attnlab.masks imports attnlab.ops
-    from attnlab.masks import Mask
-    from attnlab.masks import check_dense, dense, per_batch_q_offset
+    from attnlab.masks import Mask, check_dense, dense, per_batch_q_offset
     layout = _layout_arg(layout)
     if layout == "bnhd":
         for name, t in (("q", q), ("k", k), ("v", v)):

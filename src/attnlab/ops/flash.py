@@ -38,8 +38,23 @@ from attnlab.ops.finite import all_finite, zmm
 from attnlab.ops.modparams import score_mod_params
 from attnlab.ops.reference import acc_dtype
 from attnlab.ops.tiles import choose_tiles
-from attnlab.ops.tiling import (FUSED_MAX, LOG2E, NEG_INF, TileProblem, drop_tile, exp_shifted_fast, fast_tile,
-                                finish, fused_ok, mm_dtype, pick_block_mask, prepare, rescale, rows, score_tile)
+from attnlab.ops.tiling import (
+    FUSED_MAX,
+    LOG2E,
+    NEG_INF,
+    TileProblem,
+    drop_tile,
+    exp_shifted_fast,
+    fast_tile,
+    finish,
+    fused_ok,
+    mm_dtype,
+    pick_block_mask,
+    prepare,
+    rescale,
+    rows,
+    score_tile,
+)
 
 __all__ = ["flash_attention", "flash_forward", "flash_backward", "make_problem", "tiled_function",
            "refuse_double_backward", "DoubleBackwardError", "DOUBLE_BACKWARD", "FUSED_MAX", "LOG2E"]

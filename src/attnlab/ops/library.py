@@ -36,6 +36,7 @@ import sys
 import torch
 from torch import Tensor
 
+from attnlab.masks import BlockMask, cache as mask_cache, mask_from_key, mask_key
 from attnlab.ops.flash import (
     DOUBLE_BACKWARD,
     DoubleBackwardError,
@@ -44,10 +45,7 @@ from attnlab.ops.flash import (
     make_problem,
     refuse_double_backward,
 )
-from attnlab.masks import BlockMask, mask_from_key, mask_key
-from attnlab.masks import cache as mask_cache
 from attnlab.ops.reference import acc_dtype
-
 
 
 def _tensor_id(t: Tensor):

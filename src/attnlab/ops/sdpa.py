@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from attnlab.masks import BlockMask, Mask
 from attnlab.ops.flash import refuse_double_backward
 
-
 # A causal mask whose queries sit after the first key (a prefill chunk over a cache) is
 # passed to SDPA as an explicit boolean (Nq, Nk) mask up to this many elements.
 _DENSE_CAUSAL_MAX = 1 << 20

@@ -21,7 +21,6 @@ Positions are per sequence and bottom-right aligned, as in flash-attn: with
 
 from __future__ import annotations
 
-
 import torch
 
 from attnlab import scores

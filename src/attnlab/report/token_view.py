@@ -23,7 +23,7 @@ import numpy as np
 
 from attnlab.report._colors import SEQUENTIAL
 from attnlab.report._html import esc, json_for_script
-from attnlab.report.heatmap import head_labels, token_strings, normalize_patterns
+from attnlab.report.heatmap import head_labels, normalize_patterns, token_strings
 
 __all__ = ["token_view_html", "MAX_TOKENS", "HEAD_COLORS"]
 

@@ -16,7 +16,7 @@ import torch
 
 import attnlab
 from attnlab import masks, scores
-from tests.ops.conftest import FLOOR, DTYPE_IDS, dense_allowed, gen, loss_weights, make_qkv, max_err, randn, run_case
+from tests.ops.conftest import DTYPE_IDS, FLOOR, dense_allowed, gen, loss_weights, make_qkv, max_err, randn, run_case
 from tests.ops.triton.conftest import BF16, F16, F32, TRITON, compare_triton
 
 pytestmark = TRITON

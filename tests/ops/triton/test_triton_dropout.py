@@ -9,9 +9,9 @@ import torch
 
 import attnlab
 from attnlab import masks, scores
+from tests.helpers import assert_close_rule
 from tests.ops.conftest import loss_weights, make_qkv
 from tests.ops.triton.conftest import BF16, F32, TRITON
-from tests.helpers import assert_close_rule
 
 pytestmark = TRITON
 

@@ -110,6 +110,7 @@ def _favor() -> Outcome:
        quote="admitting an $O(n)$ associative rewrite (e.g., Performer, FAVOR+)")
 def _crossover() -> Outcome:
     import json
+
     from attnlab.lab import cache_dir
     path = cache_dir("crossover") / "crossover.json"
     if path.exists():
@@ -141,6 +142,7 @@ def _crossover() -> Outcome:
              "computational efficiency and parallelization benefits of matrix multiplication")
 def _additive() -> Outcome:
     import time
+
     from attnlab.ops.additive import additive_attention
     g = gen(820)
     B, H, N, D = 1, 4, 256, 64

@@ -62,9 +62,10 @@ def _sinks() -> Outcome:
               "its idle attention on, and quality collapses"))
 def _streaming() -> Outcome:
     import torch
+
+    from attnlab.interp.capture import capture
     from attnlab.lab.streaming import streaming_table
     from attnlab.train.textmodels import load_or_train
-    from attnlab.interp.capture import capture
     tm = load_or_train(progress=False)            # the 4-layer text model of `attnlab bench inference` (cached)
     rows = {r["method"]: r["ppl"] for r in streaming_table(tm, n_tokens=1024)}
     window = rows["window only"]

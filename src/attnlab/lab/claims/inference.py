@@ -13,8 +13,7 @@ import torch
 import attnlab
 from attnlab.cache import DynamicCache
 from attnlab.generate import generate
-from attnlab.lab.claims._measure import (flops, gen, growth_exponent, peak_bytes, saved_bytes, second_difference,
-                                         seeded)
+from attnlab.lab.claims._measure import flops, gen, growth_exponent, peak_bytes, saved_bytes, second_difference, seeded
 from attnlab.lab.claims.registry import SEED_002, Outcome, Verdict, claim
 from attnlab.nn import Decoder, DecoderConfig
 from attnlab.ops.flash import flash_attention

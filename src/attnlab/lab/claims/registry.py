@@ -40,10 +40,10 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 __all__ = ["Verdict", "Outcome", "Claim", "ClaimResult", "Registry", "REGISTRY", "claim", "register",
            "all_claims", "select", "run_claims", "format_table", "format_list", "format_claim", "as_document",
@@ -110,7 +110,7 @@ class Outcome:
 
     @classmethod
     def judge(cls, ok: bool, *, evidence: dict, explanation: str, key_figure: str = "",
-              conditions: str | None = None, otherwise: Verdict = Verdict.DOES_NOT_HOLD) -> "Outcome":
+              conditions: str | None = None, otherwise: Verdict = Verdict.DOES_NOT_HOLD) -> Outcome:
         """``HOLDS`` (or ``HOLDS_UNDER_CONDITIONS`` when ``conditions`` is given) if ``ok``,
         else ``otherwise`` (default ``DOES_NOT_HOLD``, whose conditions are dropped)."""
         if ok:

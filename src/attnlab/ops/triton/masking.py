@@ -56,8 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnlab.masks import FULL, PARTIAL, BlockMask, Mask
-from attnlab.masks import cache as mask_cache
+from attnlab.masks import FULL, PARTIAL, BlockMask, Mask, cache as mask_cache
 
 INT_MAX = 2**31 - 1
 INT_MIN = -(2**31)
