@@ -23,7 +23,7 @@ def _leaves(parser: argparse.ArgumentParser, words=()):
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
-                yield from _leaves(sub, words + (name,))
+                yield from _leaves(sub, (*words, name))
 
 
 def _options(parser):
@@ -37,7 +37,7 @@ def test_every_option_and_command_has_help():
             if isinstance(a, argparse._HelpAction) or a.help == argparse.SUPPRESS:
                 continue
             if isinstance(a, argparse._SubParsersAction):
-                missing += [f"{' '.join(words + (c.dest,))} (command)" for c in a._choices_actions if not c.help]
+                missing += [f"{' '.join((*words, c.dest))} (command)" for c in a._choices_actions if not c.help]
             elif not (a.help and a.help.strip()):
                 missing.append(f"attnlab {' '.join(words)} {a.option_strings or a.dest}")
     assert missing == []

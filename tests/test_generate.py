@@ -32,7 +32,7 @@ def test_cached_generation_equals_recomputation_on_ragged_prompts(positions, cac
     ref = generate(m, PROMPTS, max_new_tokens=8, cache=None, output_logits=True)
     got = generate(m, PROMPTS, max_new_tokens=8, cache=cache, output_logits=True)
     assert got.sequences == ref.sequences
-    for a, b in zip(got.logits, ref.logits):
+    for a, b in zip(got.logits, ref.logits, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
@@ -42,7 +42,7 @@ def test_a_row_does_not_depend_on_the_other_rows():
     for i, p in enumerate(PROMPTS):
         alone = generate(m, [p], max_new_tokens=6, output_logits=True)
         assert alone.new_tokens[0] == together.new_tokens[i]
-        for a, b in zip(alone.logits, together.logits):
+        for a, b in zip(alone.logits, together.logits, strict=True):
             torch.testing.assert_close(a[0], b[i], atol=1e-5, rtol=0)
 
 

@@ -55,5 +55,5 @@ def test_dense_mask_errors():
     with pytest.raises(TypeError, match=r"masks.dense\(t\): expected a bool tensor"):
         masks.dense(torch.ones(3, 3), q_offset=0)
     m = masks.dense(torch.ones(3, 4, dtype=torch.bool), q_offset=1)
-    with pytest.raises(ValueError, match="masks.dense: built for q_offset=1"):
+    with pytest.raises(ValueError, match=r"masks.dense: built for q_offset=1"):
         m.block_mask(1, 1, 3, 4, q_offset=0)

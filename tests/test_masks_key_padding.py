@@ -165,7 +165,7 @@ def test_sdpa_mapping_matches_reference(Hq, Hkv, Nq, Nk, ko):
     torch.testing.assert_close(oracle[0], want, **F64_FLOOR)
     for backend in ("sdpa", "auto", "flash"):
         fast = run(q, k, v, backend, m, kv_offset=ko)
-        for name, f, r, o in zip(("out", "dq", "dk", "dv"), fast, ref, oracle):
+        for name, f, r, o in zip(("out", "dq", "dk", "dv"), fast, ref, oracle, strict=True):
             assert_close_rule(f, r, o, torch.float32, factor=2.0 if name == "out" else 3.0,
                               what=f"{backend} {name}")
 

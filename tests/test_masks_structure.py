@@ -129,7 +129,8 @@ def test_builtins_lower_to_the_contracts_fields():
     ids = torch.tensor([0, 0, 1])
     lens = torch.tensor([2, 3])
     keep = torch.ones(2, 3, dtype=torch.bool)
-    f = lambda m: {k: getattr(m.lower(), k) for k in m.lower().fields()}
+    def f(m):
+        return {k: getattr(m.lower(), k) for k in m.lower().fields()}
     assert f(masks.causal()) == {"right": 0}
     assert f(masks.sliding_window(4)) == {"left": 3, "right": 0}
     assert f(masks.sliding_window(4, right=2)) == {"left": 3, "right": 2}
@@ -269,7 +270,7 @@ def test_structural_keys_round_trip_every_kind_and_refuse_subclasses():
              masks.document(ids), masks.padding(torch.tensor([4])), masks.key_padding(torch.ones(1, 5, dtype=torch.bool)),
              masks.tree([-1, 0, 0]), masks.band(1, None), masks.varlen(torch.tensor([0, 2, 5])),
              masks.per_batch_q_offset(masks.causal(), torch.tensor([1]))]
-    for m in every + [every[0] & ~every[1] | every[8]]:
+    for m in [*every, every[0] & ~every[1] | every[8]]:
         spec, ts, ints = m.key()
         again = masks.mask_from_key(spec, ts, ints)
         assert type(again) is type(m) and again.key()[0] == spec

@@ -331,7 +331,7 @@ def test_rope_rejects_bad_shapes(kwargs, match):
     lambda: Llama3Scaling(0.0, 1.0, 4.0, 8192), lambda: Llama3Scaling(8.0, 4.0, 1.0, 8192),
 ])
 def test_scalings_reject_meaningless_factors(make):
-    with pytest.raises(ValueError, match="factor|beta|original_max_positions"):
+    with pytest.raises(ValueError, match=r"factor|beta|original_max_positions"):
         make()
 
 

@@ -8,6 +8,7 @@ built-ins combined with & | ~, plus the flash kernel's tile sizes (1-40 each).
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -289,7 +290,7 @@ def _table_mask(A, q_offset, kv_offset, kv_perm=None, q_perm=None):
 @settings(max_examples=40, **SETTINGS)
 @given(p=problems(with_mod=False), data=st.data())
 def test_permutation_equivariance(p, data):
-    B, H, Nq, Nk = p.shape
+    _B, _H, Nq, Nk = p.shape
     kp = torch.tensor(data.draw(st.permutations(range(Nk))), dtype=torch.long)
     qp = torch.tensor(data.draw(st.permutations(range(Nq))), dtype=torch.long)
     A = p.allowed()
@@ -318,13 +319,13 @@ def test_scaling_v_scales_the_output(p, c):
 @settings(max_examples=50, **SETTINGS)
 @given(p=problems(allow_padding=False), data=st.data())
 def test_merge_states_of_a_random_split_equals_the_whole(p, data):
-    B, H, Nq, Nk = p.shape
+    _B, _H, _Nq, Nk = p.shape
     whole_out, whole_lse = p.flash()
     # (a) contiguous chunks of keys, each at its own kv_offset
     cuts = sorted(data.draw(st.lists(st.integers(0, Nk), min_size=1, max_size=3)))
     bounds = [0, *cuts, Nk]
     parts = [p.flash(k=p.k[:, :, s:e], v=p.v[:, :, s:e], kv_offset=p.kv_offset + s)
-             for s, e in zip(bounds[:-1], bounds[1:])]
+             for s, e in itertools.pairwise(bounds)]
     out, lse = attnlab.merge_states([o for o, _ in parts], [l for _, l in parts])
     torch.testing.assert_close(out, whole_out, atol=ATOL, rtol=0)
     assert_lse_equal(lse, whole_lse)
@@ -356,8 +357,8 @@ def test_flash_gradients_equal_reference(p):
     ref = attnlab.attention(q, k, v, mask=p.mask, score_mod=p.mod, scale=p.scale, q_offset=p.q_offset,
                             kv_offset=p.kv_offset, return_lse=True, backend="reference")
     want = torch.autograd.grad(loss(*ref), (q, k, v), allow_unused=True)
-    for name, a, b in zip("qkv", got, want):
+    for name, a, b in zip("qkv", got, want, strict=True):
         a = torch.zeros_like(p.q if name == "q" else p.k if name == "k" else p.v) if a is None else a
         b = torch.zeros_like(a) if b is None else b
         assert torch.isfinite(a).all(), f"d{name} has non-finite values"
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=0, msg=lambda m: f"d{name}: {m}")
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0, msg=lambda m, name=name: f"d{name}: {m}")

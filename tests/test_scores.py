@@ -107,7 +107,7 @@ def naive(q, k, v, bias, allowed, scale):
     (Nq, Nk) tile (so that autograd reaches its parameters); ``allowed`` is a bool
     (B, H, Nq, Nk) tensor or None.
     """
-    Bq, Hq, Nq, _ = q.shape
+    Bq, Hq, _Nq, _ = q.shape
     G = Hq // k.shape[1]
     outs, lses = [], []
     for b in range(Bq):
@@ -218,9 +218,9 @@ def test_attention_with_score_mod_matches_hand_written(backend, name, prob):
     inputs = [q, k, v, *params]
     got = torch.autograd.grad(loss(out, lse), inputs)
     want = torch.autograd.grad(loss(want_out, want_lse), inputs)
-    for nm, a, b in zip(["q", "k", "v"] + [f"param{i}" for i in range(len(params))], got, want):
+    for nm, a, b in zip(["q", "k", "v"] + [f"param{i}" for i in range(len(params))], got, want, strict=True):
         assert torch.isfinite(a).all(), f"{nm} grad has non-finite values"
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=lambda m: f"grad {nm}: {m}")
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=lambda m, nm=nm: f"grad {nm}: {m}")
 
 
 @pytest.mark.parametrize("backend", ["flash", "reference"])

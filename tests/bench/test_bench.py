@@ -52,7 +52,7 @@ def test_tiny_case_end_to_end_reports_ratios_and_auto_choice():
     assert set(res) == {"machine", "cases", "matmul_gflops"}
     # a CPU's float32 matmul rate: above 0.1 GFLOP/s, below 100 TFLOP/s
     assert 0.1 < res["matmul_gflops"]["float32"] < 1e5
-    for case, c in zip(cases, res["cases"]):
+    for case, c in zip(cases, res["cases"], strict=True):
         assert {k: c[k] for k in case.__dataclass_fields__} == {k: getattr(case, k) for k in case.__dataclass_fields__}
         # the work counted: 4·D flops per allowed pair forward, 3.5x that forward and backward
         work = 4 * case.D * c["density"] * case.B * case.H * case.N ** 2 * (3.5 if case.mode == "fwdbwd" else 1)

@@ -74,7 +74,7 @@ def test_update_rejects_bad_shapes(kind, k_shape, v_shape):
 def test_update_rejects_chunks_that_do_not_continue(kind, k_shape, v_shape):
     c = make(kind)
     c.update(0, *kv(2, 3, 3, 8, Dv=5))
-    with pytest.raises(ValueError, match="do not continue the cached|do not fit buffers"):
+    with pytest.raises(ValueError, match=r"do not continue the cached|do not fit buffers"):
         c.update(0, torch.zeros(k_shape), torch.zeros(v_shape))
     assert c.seen == 3  # a rejected update leaves the cache alone
 
@@ -118,7 +118,7 @@ def test_mha_with_cache_equals_full_forward_and_fills_the_cache(kind):
                     [mha(x[:, t:t + 1], mask=masks.causal(), cache=c[0]) for t in range(3, 7)], 1)
     torch.testing.assert_close(out, full, **F64_FLOOR)
     K = c.k[0][:, :, :7]
-    q, k, v = mha.project(x)
+    _q, k, _v = mha.project(x)
     torch.testing.assert_close(K, mha.positions(k, 0), **F64_FLOOR)  # rotated at absolute positions
 
 

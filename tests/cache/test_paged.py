@@ -3,6 +3,7 @@ decoding (paged, forked, prefix-shared, ragged batches) against full recomputati
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -60,7 +61,7 @@ def ragged_cache():
     b = c.fork(a)
     z, _ = c.add_sequence()
     write(c, [z], 3, seed=2)
-    d, n = c.add_sequence(list(range(6)) + [7, 7, 7])
+    d, n = c.add_sequence([*range(6), 7, 7, 7])
     assert n == 4 and c.block_table(d) == c.block_table(a)[:1]
     write(c, [d], 5, seed=3)
     return c, [a, b, z, d]
@@ -129,7 +130,7 @@ def test_pieces_are_views_of_the_pool_one_per_run_of_adjacent_blocks(monkeypatch
     pool_ptr = c.k_pool[0].untyped_storage().data_ptr()
     for r, s in enumerate(seqs):
         table = c.block_table(s)
-        runs = 1 + sum(1 for x, y in zip(table, table[1:]) if y != x + 1)
+        runs = 1 + sum(1 for x, y in itertools.pairwise(table) if y != x + 1)
         pieces = kv.pieces(r)
         assert len(pieces) == runs
         assert sum(p[0].shape[2] for p in pieces) == c.seq_len(s)
@@ -181,7 +182,7 @@ def test_ragged_batched_decode_equals_recomputation(positions, n_kv_heads):
         # prefill in chunks (n > 1 over a non-empty cache: causal within the chunk)
         seqs = [c.add_sequence()[0] for _ in prompts]
         last = []
-        for s, p in zip(seqs, prompts):
+        for s, p in zip(seqs, prompts, strict=True):
             c.select([s])
             for i in range(0, len(p), 4):
                 logits = m(torch.tensor([p[i:i + 4]]), cache=c).logits[0, -1]
@@ -192,7 +193,7 @@ def test_ragged_batched_decode_equals_recomputation(positions, n_kv_heads):
         toks = [list(p) for p in prompts]
         for _ in range(6):
             nxt = logits.argmax(-1)
-            for t, x in zip(toks, nxt.tolist()):
+            for t, x in zip(toks, nxt.tolist(), strict=True):
                 t.append(x)
             logits = m(nxt[:, None], cache=c).logits[:, -1]
             for r, t in enumerate(toks):
@@ -209,8 +210,8 @@ def test_forked_sequences_share_blocks_copy_on_write_and_equal_recomputation():
         root = c.selection[0]
         forks = [root] + [c.fork(root) for _ in range(3)]
         full, partial = c.block_table(root)[:2], c.block_table(root)[2]
-        assert all(c.allocator.refcount[b] == 4 for b in full + [partial])
-        toks = [prompt + [t] for t in (1, 2, 3, int(logits.argmax()))]  # parallel samples diverge at once
+        assert all(c.allocator.refcount[b] == 4 for b in [*full, partial])
+        toks = [[*prompt, t] for t in (1, 2, 3, int(logits.argmax()))]  # parallel samples diverge at once
         c.select(forks)
         logits = m(torch.tensor([[t[-1]] for t in toks]), cache=c).logits[:, -1]
         tables = [c.block_table(s) for s in forks]
@@ -221,7 +222,7 @@ def test_forked_sequences_share_blocks_copy_on_write_and_equal_recomputation():
             for r, t in enumerate(toks):
                 torch.testing.assert_close(logits[r], recompute(m, t), **TOL)
             nxt = logits.argmax(-1)
-            for t, x in zip(toks, nxt.tolist()):
+            for t, x in zip(toks, nxt.tolist(), strict=True):
                 t.append(x)
             logits = m(nxt[:, None], cache=c).logits[:, -1]
         c.free(forks[0])
@@ -247,7 +248,7 @@ def test_prefix_shared_prompts_reuse_blocks_and_equal_recomputation():
         torch.testing.assert_close(logits2, recompute(m, p2), **TOL)
         # decode both together: a ragged batch over shared blocks
         c.select([s1, s2])
-        toks = [p1 + [5], p2 + [6]]
+        toks = [[*p1, 5], [*p2, 6]]
         logits = m(torch.tensor([[5], [6]]), cache=c).logits[:, -1]
         for r, t in enumerate(toks):
             torch.testing.assert_close(logits[r], recompute(m, t), **TOL)
@@ -309,7 +310,7 @@ def test_cache_full_raises_before_writing_anything():
                                                  r"available \(1 free, 0 cached prefix blocks\)"):
             m(torch.tensor([[1], [2], [3]]), cache=c)
         after = state()
-        assert all(torch.equal(x, y) for x, y in zip(before[0], after[0])) and before[1:] == after[1:]
+        assert all(torch.equal(x, y) for x, y in zip(before[0], after[0], strict=True)) and before[1:] == after[1:]
         with pytest.raises(CacheFullError):
             c.select([a]).reserve(7)  # 8 + 7 tokens need 2 more blocks
         assert state()[1:] == before[1:]
@@ -318,7 +319,7 @@ def test_cache_full_raises_before_writing_anything():
         c.select([a, b])
         out = m(logits.argmax(-1)[:, None], cache=c).logits[:, -1]
         for r, p in enumerate((p1, p2)):
-            torch.testing.assert_close(out[r], recompute(m, p + [int(logits[r].argmax())]), **TOL)
+            torch.testing.assert_close(out[r], recompute(m, [*p, int(logits[r].argmax())]), **TOL)
         assert c.allocator.n_available == 0
 
 
@@ -363,7 +364,7 @@ def test_attention_mask_with_equal_length_rows_and_need_weights():
         out = m(ids, attention_mask=keep, cache=c, output_attentions=True)
         ref = m(ids, attention_mask=keep, output_attentions=True)
         torch.testing.assert_close(out.logits[keep], ref.logits[keep], **TOL)
-        for w, wr in zip(out.attentions, ref.attentions):
+        for w, wr in zip(out.attentions, ref.attentions, strict=True):
             torch.testing.assert_close(w, wr, rtol=0, atol=1e-6)
         keep2 = torch.cat([keep, torch.ones(2, 1, dtype=torch.bool)], 1)
         ids2 = torch.cat([ids, torch.tensor([[8], [9]])], 1)
@@ -382,7 +383,7 @@ def test_evict_oldest_blocks_keeps_positions_and_attends_what_is_held():
     c = PagedCache(1, 8, 2, 4, block_size=2, dtype=torch.float64)
     a, _ = c.add_sequence()
     write(c, [a], 7, seed=0)
-    k_all, v_all, _ = c.sequence_kv(a, 0)
+    k_all, _v_all, _ = c.sequence_kv(a, 0)
     c.evict(a, 2)
     assert c.seq_len(a) == 7 and c.length.tolist() == [3] and c.allocator.n_free == 6
     kv = write(c, [a], 1, seed=1)
@@ -405,14 +406,14 @@ def test_truncate_rolls_back_draft_tokens_and_recovers_a_failed_forward():
         m(torch.tensor([[6, 5, 3]]), cache=c)     # three draft tokens
         c.truncate(s, 8)                           # keep one
         out = m(torch.tensor([[7]]), cache=c).logits[0, -1]
-        torch.testing.assert_close(out, recompute(m, p + [6, 7]), **TOL)
+        torch.testing.assert_close(out, recompute(m, [*p, 6, 7]), **TOL)
         # a forward that fails between layers leaves the layers out of step
         c.update(0, *[torch.zeros(1, 2, 1, 4)] * 2)
         with pytest.raises(ValueError, match=r"half way through a forward.*truncate\(0, 9\)"):
             m(torch.tensor([[1]]), cache=c)
         c.truncate(s, c.seq_len(s))
         out = m(torch.tensor([[1]]), cache=c).logits[0, -1]
-        torch.testing.assert_close(out, recompute(m, p + [6, 7, 1]), **TOL)
+        torch.testing.assert_close(out, recompute(m, [*p, 6, 7, 1]), **TOL)
 
 
 def test_waste_of_a_realistic_batch_is_below_one_block_per_sequence():
@@ -420,12 +421,12 @@ def test_waste_of_a_realistic_batch_is_below_one_block_per_sequence():
     lengths = [rng.randint(50, 500) for _ in range(16)]
     c = PagedCache(1, sum(-(-n // 16) for n in lengths) + 16, 1, 1, block_size=16)
     seqs = [c.add_sequence()[0] for _ in lengths]
-    for s, n in zip(seqs, lengths):
+    for s, n in zip(seqs, lengths, strict=True):
         c.select([s]).update(0, torch.zeros(1, 1, n, 1), torch.zeros(1, 1, n, 1))
     c.select(seqs).update(0, torch.zeros(16, 1, 1, 1), torch.zeros(16, 1, 1, 1))  # one decode step
     st = c.stats()
     expected = [-(n + 1) % 16 for n in lengths]
-    assert st["waste_per_sequence"] == dict(zip(seqs, expected)) and st["waste"] == sum(expected)
+    assert st["waste_per_sequence"] == dict(zip(seqs, expected, strict=True)) and st["waste"] == sum(expected)
     assert max(expected) < 16  # less than one block per sequence
     assert st["allocated_slots"] - st["used_slots"] == st["waste"] and st["tokens_held"] == sum(lengths) + 16
     assert c.nbytes() == 2 * c.n_blocks * 16 * 4 and st["bytes_per_block"] == 2 * 16 * 4

@@ -49,7 +49,7 @@ class PagedMachine(RuleBasedStateMachine):
 
     def assert_unchanged(self, before):
         after = self.snapshot()
-        assert all(torch.equal(x, y) for x, y in zip(before[0], after[0]))
+        assert all(torch.equal(x, y) for x, y in zip(before[0], after[0], strict=True))
         assert before[1:] == after[1:]
 
     def blocks_needed(self, seqs, n):

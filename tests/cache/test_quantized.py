@@ -108,7 +108,7 @@ def test_quantizer_edge_cases():
     x = torch.full((2, 8), 3.25)  # constant group: scale 0, decodes exactly
     c, s, z = quantize(x, 1, 4, torch.float16)
     assert torch.equal(c, torch.zeros_like(c)) and (s == 0).all() and (z == 3.25).all()
-    with pytest.raises(ValueError, match="does not fit scale_dtype=torch.float16.*scale_dtype=torch.float32"):
+    with pytest.raises(ValueError, match=r"does not fit scale_dtype=torch.float16.*scale_dtype=torch.float32"):
         quantize(torch.tensor([[-1e5, 0.0]]), 1, 8, torch.float16)
     c, s, z = quantize(torch.tensor([[-1e5, 0.0]]), 1, 8, torch.float32)
     assert c.tolist() == [[0, 255]]
@@ -356,7 +356,7 @@ def test_bad_arguments_and_updates():
     for k, v in [kv(1, 1, 1, 8), kv(1, 2, 1, 4, 8), kv(1, 2, 1, 8, 6), kv(1, 2, 1, 8, dtype=torch.float64)]:
         with pytest.raises(ValueError, match="do not continue the cached"):
             c.update(0, k, v)
-    with pytest.raises(ValueError, match="scale_dtype=torch.float32"):  # float16 overflow: nothing changes
+    with pytest.raises(ValueError, match=r"scale_dtype=torch.float32"):  # float16 overflow: nothing changes
         c.update(0, *(t * 1e6 for t in kv(1, 2, 5, 8)))
     assert c.seen == 3 and c.n_groups(0) == 0
 

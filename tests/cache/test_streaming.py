@@ -29,7 +29,6 @@ def test_without_positions_streaming_equals_the_sink_window_mask(first_chunk):
     m = decoder("none")
     S, W, N = 2, 5, 24
     ids = torch.randint(0, 41, (2, N), generator=torch.Generator().manual_seed(1))
-    h = None
 
     def full_forward():
         x = m.embed(ids)
@@ -87,7 +86,7 @@ def test_generate_feeds_a_long_prompt_in_pieces_and_matches_token_by_token():
 def test_streaming_errors():
     with pytest.raises(ValueError, match="window must be an int >= 1"):
         StreamingCache(1, 2, 0)
-    with pytest.raises(TypeError, match="rope must be a positions.RoPE"):
+    with pytest.raises(TypeError, match=r"rope must be a positions.RoPE"):
         StreamingCache(1, 2, 3, rope=object())
 
 

@@ -274,7 +274,7 @@ def test_call_arguments_are_checked_before_any_message():
         check_call("op", q, k, v, **{**kw, "mask": masks.causal().block_mask(1, 4, 16, 16)})
     with pytest.raises(ValueError, match="document"):  # ids shorter than the whole sequence
         check_call("op", q, k, v, **{**kw, "mask": masks.document(torch.zeros(10, dtype=torch.long))})
-    with pytest.raises(ValueError, match="H=4 must be a multiple|multiple of kv heads"):
+    with pytest.raises(ValueError, match=r"H=4 must be a multiple|multiple of kv heads"):
         check_call("op", q, torch.zeros(1, 3, 8, 16), torch.zeros(1, 3, 8, 16), **kw)
     with pytest.raises(TypeError, match="return_lse"):
         check_call("op", q, k, v, **{**kw, "return_lse": 1})

@@ -56,7 +56,7 @@ def _ring_in_process(q, k, v, mask, mod, layout):
             dq_s, _, _, dp = tile_backward(qr, k[:, :, pos[s]], v[:, :, pos[s]], o.to(q.dtype), l, dout, None,
                                            mask=m, score_mod=sm, scale=scale, params=params)
             dq[:, :, pos[r]] += dq_s
-            for acc, g in zip(dparams, dp):
+            for acc, g in zip(dparams, dp, strict=True):
                 acc += g
     return params, dparams, dq
 
@@ -67,7 +67,7 @@ def test_a_closure_captured_bias_gets_the_gradient_attention_gives_it(layout):
     mask = masks.causal()
     params, dparams, dq = _ring_in_process(q, k, v, mask, mod, layout)
     assert any(p is bias for p in params), "the captured bias is not routed to the tiled backward"
-    got = dparams[[i for i, p in enumerate(params) if p is bias][0]]
+    got = dparams[next(i for i, p in enumerate(params) if p is bias)]
 
     def grad_via(backend):
         qq = q.clone().requires_grad_()

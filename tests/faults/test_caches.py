@@ -57,7 +57,7 @@ def test_growing_caches_keep_the_dtype_of_their_first_write(make):
 def test_paged_cache_refuses_a_lossy_write():  # a regression test: PagedCache always refused
     c = PagedCache(1, 4, 2, 4, block_size=4, dtype=torch.float16)
     a, _ = c.add_sequence()
-    with pytest.raises(TypeError, match="layer 0.*torch.float32.*torch.float16"):
+    with pytest.raises(TypeError, match=r"layer 0.*torch.float32.*torch.float16"):
         c.select([a]).update(0, *kv(2, torch.float32, value=1e6))
 
 

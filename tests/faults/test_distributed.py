@@ -124,7 +124,7 @@ def death_pairs(rank, world, cases, timeout):
 
     groups = [dist.new_group([2 * i, 2 * i + 1]) for i in range(len(cases))]
     i, grank = rank // 2, rank % 2
-    name, method, layout, fn_name, index, after = cases[i]
+    _name, method, layout, fn_name, index, after = cases[i]
     dies = grank == 1 - i % 2
     if dies:
         how = "kill" if i % 3 == 0 else "exit"

@@ -84,7 +84,7 @@ def shard(folder: Path) -> dict:
     files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     parts = [names[: len(names) // 2], names[len(names) // 2:]]
     wm = {}
-    for f, part in zip(files, parts):
+    for f, part in zip(files, parts, strict=True):
         safetensors.save_file({n: t[n] for n in part}, str(folder / f), metadata={"format": "pt"})
         wm.update({n: f for n in part})
     index = {"metadata": {}, "weight_map": wm}

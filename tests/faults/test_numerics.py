@@ -292,7 +292,7 @@ def test_property_poisoned_slots_change_nothing_for_the_rows_that_cannot_see_the
     if grad:
         keep = torch.ones(Nk, dtype=torch.bool)
         keep[slots] = False
-        for name_, a, r, o in zip(("dq", "dk", "dv"), g, rg, og):
+        for name_, a, r, o in zip(("dq", "dk", "dv"), g, rg, og, strict=True):
             sel = (slice(None),) * 2 + ((slice(None),) if name_ == "dq" else (keep,))
             assert_close_rule(a[sel], r[sel], o[sel], F32, factor=3.0, what=f"{backend}/{name}: {name_}")
         assert (g[1][:, :, slots] == 0).all() and (g[2][:, :, slots] == 0).all(), "poisoned slots' grads must be 0"

@@ -297,7 +297,7 @@ def edit_json(path: Path, edit, record_crc=True) -> None:
     if record_crc:
         f = path / "trainer.safetensors"
         with safe_open(str(f), "pt") as h:
-            md, tensors = dict(h.metadata() or {}), {k: h.get_tensor(k) for k in h.keys()}
+            md, tensors = dict(h.metadata() or {}), {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118 - a safe_open handle is not iterable
         md[JSON_CRC_KEY] = str(zlib.crc32(raw))
         save_file(tensors, str(f), metadata=md)
 
@@ -307,7 +307,7 @@ def edit_tensors(file: Path, edit, metadata_edit=None) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
     with safe_open(str(file), "pt") as h:
-        md, tensors = dict(h.metadata() or {}), {k: h.get_tensor(k) for k in h.keys()}
+        md, tensors = dict(h.metadata() or {}), {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118 - a safe_open handle is not iterable
     edit(tensors)
     crcs = {k: zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy()) if t.numel() else 0
             for k, t in tensors.items()}
@@ -434,7 +434,7 @@ def test_train_checks_checkpoint_dir_before_the_first_step(tmp_path):
     (tmp_path / "file").write_text("not a folder")
     steps = []
     for bad in (tmp_path / "file", tmp_path / "file" / "sub"):
-        with pytest.raises(ValueError, match="TrainConfig.checkpoint_dir"):
+        with pytest.raises(ValueError, match=r"TrainConfig.checkpoint_dir"):
             train(make_model(), data(), tcfg(checkpoint_dir=str(bad)), progress=False,
                   callback=lambda info: steps.append(info.step))
     assert steps == []
@@ -456,7 +456,7 @@ def no_training(monkeypatch):
 
 def test_cli_refuses_resume_without_out(no_training, capsys):
     from attnlab.cli import main
-    assert main(TINY + ["--resume"]) == 2
+    assert main([*TINY, "--resume"]) == 2
     assert "--out" in capsys.readouterr().err
 
 
@@ -465,7 +465,7 @@ def test_cli_checks_out_before_training(tmp_path, no_training, capsys, where):
     from attnlab.cli import main
     (tmp_path / "file").write_text("not a folder")
     out = tmp_path / "file" if where == "a-file" else tmp_path / "file" / "ck"
-    assert main(TINY + ["--out", str(out)]) == 2
+    assert main([*TINY, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "--out" in err and str(out) in err
 

@@ -209,7 +209,7 @@ def test_the_cache_holds_what_a_hook_in_the_same_pass_edited():
 def test_full_resid_decomposition_and_stack_activation(kind):
     model = _decoder(kind)
     ids = torch.randint(0, V, (2, 6))
-    logits, cache = run_with_cache(model, ids)
+    _logits, cache = run_with_cache(model, ids)
     parts, labels = cache.get_full_resid_decomposition(return_labels=True)
     assert labels[:2] == ["L0H0", "L0H1"] and labels[-1] == "bias" and f"{L - 1}_mlp_out" in labels
     assert parts.shape == (L * H + L + (2 if kind == "gpt2" else 1) + 1, 2, 6, D)

@@ -221,9 +221,9 @@ def test_factored_errors_name_the_shapes():
     with pytest.raises(TypeError):
         fm @ "x"
     with pytest.raises(ValueError, match="square"):
-        fm.BA
+        _ = fm.BA
     with pytest.raises(ValueError, match="square"):
-        fm.eigenvalues
+        _ = fm.eigenvalues
 
 
 # ==================================================================================
@@ -233,7 +233,7 @@ def test_factored_errors_name_the_shapes():
 def test_circuits_equal_forward_scores_and_outputs(H, Hkv):
     m = mha(H, Hkv)
     x = rnd(1, 7, 16, seed=3)
-    q, k, v = m.project(x)
+    q, k, _v = m.project(x)
     idx = kv_head_index(m)
     assert idx.tolist() == [h // (H // Hkv) for h in range(H)]
     qk, ov = qk_circuit(m), ov_circuit(m)

@@ -222,9 +222,9 @@ def test_decoder_default_loss_is_still_the_lm_loss(pairs):
 
 
 def test_unsupported_models_are_refused_by_name():
-    with pytest.raises(TypeError, match="expected an attnlab Decoder or Encoder.*Linear"):
+    with pytest.raises(TypeError, match=r"expected an attnlab Decoder or Encoder.*Linear"):
         model_weights(torch.nn.Linear(2, 2))
-    with pytest.raises(TypeError, match="attn: expected .*Linear"):
+    with pytest.raises(TypeError, match=r"attn: expected .*Linear"):
         C.qk_circuit(torch.nn.Linear(2, 2), 0)
     opt = T.OPTForCausalLM(T.OPTConfig(num_hidden_layers=1, num_attention_heads=2, hidden_size=8, ffn_dim=8,
                                        vocab_size=V, max_position_embeddings=16, word_embed_proj_dim=8))

@@ -249,7 +249,7 @@ def test_hooks_removed_after_an_exception_and_nothing_runs_without_hooks(monkeyp
 def test_bad_names_and_hooks_are_refused():
     model = _decoder()
     ids = torch.randint(0, V, (1, 5))
-    with pytest.raises(ValueError, match="blocks.9.hook_resid_pre"):
+    with pytest.raises(ValueError, match=r"blocks.9.hook_resid_pre"):
         run_with_hooks(model, ids, fwd_hooks=[("blocks.9.hook_resid_pre", lambda x, h: None)])
     with pytest.raises(TypeError, match="fwd_hooks"):
         run_with_hooks(model, ids, fwd_hooks=[("hook_embed",)])

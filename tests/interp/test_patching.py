@@ -164,7 +164,7 @@ def test_path_patching_through_values_of_an_attention_only_model():
             return z
         rec = {}
 
-        def record(call):
+        def record(call, rec=rec):
             rec["v"] = call.v
         attn0.hooks.append(sender)
         attn1.hooks.append(record)
@@ -173,7 +173,7 @@ def test_path_patching_through_values_of_an_attention_only_model():
         attn0.hooks.remove(sender)
         attn1.hooks.remove(record)
         # second run: layer 1 attends with the recorded values, everything else corrupted
-        def with_v(call):
+        def with_v(call, rec=rec):
             p = call.pattern()
             return (p.to(call.v.dtype) @ rec["v"]).to(call.z.dtype)
         attn1.hooks.append(with_v)
@@ -223,11 +223,11 @@ def test_bad_arguments_are_refused_by_name():
         activation_patching(model, clean, corrupted, layers=[2], metric=_metric())
     with pytest.raises(ValueError, match="answer/wrong: the clean and corrupted runs predict the same token"):
         activation_patching(model, clean, clean, progress=False)
-    with pytest.raises(ValueError, match="metric: clean .* and corrupted .* give the same value"):
+    with pytest.raises(ValueError, match=r"metric: clean .* and corrupted .* give the same value"):
         activation_patching(model, clean, clean, metric=_metric(), progress=False)
     with pytest.raises(ValueError, match="metric: expected a scalar"):
         activation_patching(model, clean, corrupted, metric=lambda logits: logits[:, -1, 0], progress=False)
-    with pytest.raises(ValueError, match="senders: .* not in a layer before"):
+    with pytest.raises(ValueError, match=r"senders: .* not in a layer before"):
         path_patching(model, clean, corrupted, receivers=[(1, 0)], senders=[(1, 1)], metric=_metric())
     with pytest.raises(ValueError, match="receiver_input"):
         path_patching(model, clean, corrupted, receivers=[(1, 0)], receiver_input="z", metric=_metric())

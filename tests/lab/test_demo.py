@@ -80,7 +80,7 @@ def test_inspect_prints_heads_and_writes_report(tmp_path, capsys):
     assert "layers × 12 heads" in printed and "previous_token" in printed and "sink_vw" in printed
     html = out.read_text()
     assert "<b>sat</b>" not in html                               # user text is escaped
-    console, errors, _, titles, inked = _open_in_chromium(out)
+    console, errors, _, _titles, inked = _open_in_chromium(out)
     assert errors == [] and console == [] and inked
     assert main(["inspect", "   ", "--out", str(out)]) == 2       # a clear error, not a traceback
 

@@ -29,7 +29,7 @@ def test_cache_roundtrip(tmp_path, monkeypatch):
     assert log["step"] == [0, 2, 4] and len(log["train_loss"]) == 4
     m2, log2 = I.load_or_train(cfg, 1, progress=False)   # from the cache: same weights, same log
     assert log2 == log
-    for (k, a), (_, b) in zip(m.state_dict().items(), m2.state_dict().items()):
+    for (k, a), (_, b) in zip(m.state_dict().items(), m2.state_dict().items(), strict=True):
         assert torch.equal(a, b), k
 
 

@@ -55,7 +55,7 @@ def test_mqar_mixture_and_errors():
         mqar_batches(64, 4, 12, 4, seed=0)
     with pytest.raises(ValueError, match="batch_size: 5 must split evenly"):
         mqar_batches(17, 5, 16, (2, 4), seed=0)
-    with pytest.raises(ValueError, match="RecallConfig.mixers"):
+    with pytest.raises(ValueError, match=r"RecallConfig.mixers"):
         RecallConfig(mixers=("attention", "rnn"))
 
 

@@ -184,7 +184,7 @@ def test_output_attentions_returns_weights():
     got = run(m, "attnlab", input_ids=ids, attention_mask=am, output_attentions=True).attentions
     assert len(got) == len(want) == 2
     real = am.bool()
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype
         torch.testing.assert_close(g.transpose(1, 2)[real], w.transpose(1, 2)[real], atol=ATOL, rtol=0)
         assert (g.transpose(1, 2)[~real] == 0).all()  # fully masked rows: zeros, not eager's uniform

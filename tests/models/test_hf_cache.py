@@ -47,7 +47,7 @@ def test_generation_with_an_attnlab_cache_equals_transformers_own(hf_checkpoint,
     finally:
         hf.set_attn_implementation("eager")
     assert torch.equal(got.sequences, want.sequences)
-    for a, b in zip(got.logits, want.logits):
+    for a, b in zip(got.logits, want.logits, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
     seen = c.seen if isinstance(c.seen, int) else int(c.seen[0])
     assert seen == PROMPT.shape[1] + 9  # the last token is produced, not cached
@@ -61,7 +61,7 @@ def test_int8_cache_stays_close(hf_checkpoint):
     got = hf.generate(PROMPT, past_key_values=as_hf_cache(q), **kw)
     want = hf.generate(PROMPT, **kw)
     scale = max(float(x.abs().max()) for x in want.logits)
-    err = max(float((a - b).abs().max()) for a, b in zip(got.logits, want.logits))
+    err = max(float((a - b).abs().max()) for a, b in zip(got.logits, want.logits, strict=True))
     assert 0 < err < 0.02 * scale  # quantized: not exact, but close (int8 step ~ range/255)
 
 

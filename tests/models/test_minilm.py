@@ -69,7 +69,7 @@ def test_hidden_states_and_attention_match_bert(models):
             assert (pattern * ~keep[:, None, None, :]).abs().max() == 0
     # token embeddings (the embedding layer's output) and every layer's residual stream, on real tokens
     assert len(got.hidden_states) == len(ref.hidden_states) == 7
-    for r, g in zip(ref.hidden_states, got.hidden_states):
+    for r, g in zip(ref.hidden_states, got.hidden_states, strict=True):
         torch.testing.assert_close(g[keep], r[keep], atol=1e-5, rtol=0)
     torch.testing.assert_close(got.pooled, ref.pooler_output, atol=1e-5, rtol=0)
     # End to end, the probabilities of deep layers differ by up to ~2e-5 between the two
@@ -79,7 +79,7 @@ def test_hidden_states_and_attention_match_bert(models):
                                                   dtype=torch.float64).eval()
     with torch.no_grad():
         truth = hf64(**batch, output_attentions=True).attentions
-    for t, r, g in zip(truth, ref.attentions, got.attentions):
+    for t, r, g in zip(truth, ref.attentions, got.attentions, strict=True):
         ours_err, theirs_err = (g - t).abs().max(), (r - t).abs().max()
         assert ours_err <= 1.5 * theirs_err + 1e-6, (ours_err, theirs_err)
 
@@ -107,5 +107,5 @@ def test_embeddings_are_meaningful(models):
 
 
 def test_truncates_at_max_seq_length(models):
-    ours, tok, _ = models
+    _ours, tok, _ = models
     assert tok(["word " * 1000])["input_ids"].shape[1] == 256

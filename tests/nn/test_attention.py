@@ -170,7 +170,7 @@ def test_views_share_storage_with_the_weights(view, index):
         t = getattr(mha, view)
         target = t if index is None else t[index]
         target.add_(torch.randn(target.shape, dtype=target.dtype, generator=torch.Generator().manual_seed(3)))
-    changed = [not torch.equal(a, b) for a, b in zip(fused_before, mha.parameters())]
+    changed = [not torch.equal(a, b) for a, b in zip(fused_before, mha.parameters(), strict=True)]
     assert sum(changed) == 1, f"writing {view} must change exactly one stored parameter"
     after = mha(x)
     if view == "b_K":  # a key bias adds q·b_K to a whole score row: softmax-invariant, so look at k
@@ -379,7 +379,7 @@ def test_need_weights_fully_masked_rows_are_zero_and_output_is_bias():
 
 def test_need_weights_causal_is_lower_triangular_float32():
     mha = make_mha(16, 4, dtype=torch.float32)
-    out, w = mha(randx(2, 6, 16, dtype=torch.float32), mask=masks.causal(), need_weights=True)
+    _out, w = mha(randx(2, 6, 16, dtype=torch.float32), mask=masks.causal(), need_weights=True)
     assert w.dtype == torch.float32
     assert (torch.triu(w, diagonal=1) == 0).all()
     assert (w[..., causal_allowed(6, 6)] > 0).all()
@@ -466,9 +466,9 @@ def _run_grads(mha, x, mask, w):
     out = mha(x, mask=mask)
     loss = (out.double() * w).sum()
     params = [p for _, p in sorted(mha.named_parameters())]
-    grads = torch.autograd.grad(loss, [x] + params)
+    grads = torch.autograd.grad(loss, [x, *params])
     names = ["x"] + [n for n, _ in sorted(mha.named_parameters())]
-    return out.detach(), dict(zip(names, grads))
+    return out.detach(), dict(zip(names, grads, strict=True))
 
 
 @pytest.mark.parametrize("spec, mask_name", BACKEND_CASES)
@@ -551,7 +551,7 @@ def test_forward_errors(call, exc, words):
 
 def test_context_with_rope_is_rejected():
     m = MultiHeadAttention(32, 4, positions=RoPE(8))
-    with pytest.raises(ValueError, match="cross-attention .* RoPE"):
+    with pytest.raises(ValueError, match=r"cross-attention .* RoPE"):
         m(torch.randn(1, 3, 32), torch.randn(1, 4, 32))
 
 

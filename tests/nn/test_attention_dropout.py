@@ -68,13 +68,13 @@ def test_training_dropout_never_materializes_and_flash_grads_match_reference(mas
         torch.manual_seed(9)
         mha(_x(), mask=MASKS[mask]).pow(2).sum().backward()
         grads[backend] = [p.grad for p in mha.parameters()]
-    for a, b in zip(grads["flash"], grads["reference"]):
+    for a, b in zip(grads["flash"], grads["reference"], strict=True):
         assert torch.isfinite(a).all() and max_err(a, b) <= 1e3 * FLOOR[torch.float64]
 
 
 def test_sdpa_backend_refuses_training_dropout_and_eval_is_fine():
     mha = _mha(backend="sdpa", dtype=torch.float32)
-    with pytest.raises(ValueError, match="sdpa.*dropout"):
+    with pytest.raises(ValueError, match=r"sdpa.*dropout"):
         mha(_x(torch.float32), mask=masks.causal())
     mha.eval()
     assert mha(_x(torch.float32), mask=masks.causal()).shape == (2, 6, 16)

@@ -40,7 +40,7 @@ def test_decoder_sliding_window_training_step_compiles_with_zero_graph_breaks(de
     want = _loss(decoder, ids, 4)
     g_want = torch.autograd.grad(want, params)
     torch.testing.assert_close(got, want, **F64_FLOOR)  # float64: summation order only
-    for a, b in zip(g_got, g_want):
+    for a, b in zip(g_got, g_want, strict=True):
         torch.testing.assert_close(a, b, **F64_FLOOR)
 
 

@@ -99,14 +99,14 @@ def test_linear_mixer_errors():
     x = torch.randn(1, 3, 16)
     with pytest.raises(ValueError, match="mask: linear attention takes None"):
         m(x, mask=masks.sliding_window(2))
-    with pytest.raises(ValueError, match="pass masks.causal"):
+    with pytest.raises(ValueError, match=r"pass masks.causal"):
         m(x, cache=RecurrentCache())
     with pytest.raises(TypeError, match="cache: linear attention keeps a recurrent state"):
         m(x, mask=masks.causal(), cache=[])
     with pytest.raises(ValueError, match="feature_map: expected one of"):
         LinearAttentionMixer(16, 2, feature_map="relu")
     from attnlab.positions import ALiBi
-    with pytest.raises(TypeError, match="positions: linear attention takes None or a positions.RoPE"):
+    with pytest.raises(TypeError, match=r"positions: linear attention takes None or a positions.RoPE"):
         LinearAttentionMixer(16, 2, positions=ALiBi(2))
 
 
@@ -130,17 +130,17 @@ def test_make_mixer_and_block_keep_the_attn_name():
 def test_config_validation_and_round_trip():
     with pytest.raises(ValueError, match=r"DecoderConfig.mixer: expected one of \('attention', 'linear', 'ssm'\)"):
         cfg(mixer="mamba")
-    with pytest.raises(ValueError, match="DecoderConfig.d_state: expected an int >= 1"):
+    with pytest.raises(ValueError, match=r"DecoderConfig.d_state: expected an int >= 1"):
         cfg(mixer="ssm", d_state=0)
-    with pytest.raises(ValueError, match="DecoderConfig.linear_feature_map"):
+    with pytest.raises(ValueError, match=r"DecoderConfig.linear_feature_map"):
         cfg(linear_feature_map="relu")
     with pytest.raises(ValueError, match="positions='alibi' biases softmax scores"):
         cfg(mixer="linear", positions="alibi")
-    with pytest.raises(ValueError, match="attn_dropout=0.1 drops softmax probabilities"):
+    with pytest.raises(ValueError, match=r"attn_dropout=0.1 drops softmax probabilities"):
         cfg(mixer="ssm", attn_dropout=0.1)
-    with pytest.raises(ValueError, match="n_kv_heads=1 .GQA. means nothing"):
+    with pytest.raises(ValueError, match=r"n_kv_heads=1 .GQA. means nothing"):
         cfg(mixer="ssm", n_kv_heads=1)
-    with pytest.raises(ValueError, match="EncoderConfig.mixer"):
+    with pytest.raises(ValueError, match=r"EncoderConfig.mixer"):
         EncoderConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, mixer="linear")
     c = cfg(mixer="ssm", d_state=8, positions="rope")
     assert DecoderConfig.from_dict(c.to_dict()) == c

@@ -32,7 +32,7 @@ def model(cls, cfg, seed=0):
     torch.manual_seed(seed)
     m = cls(cfg).eval()
     with torch.no_grad():  # larger weights than the 0.02 init, so that attention is not ~uniform
-        for name, p in m.named_parameters():
+        for _name, p in m.named_parameters():
             if p.dim() == 2:
                 p.mul_(25.0)
     return m
@@ -304,16 +304,14 @@ BAD_FIELDS = [
 ]
 
 
-@pytest.mark.parametrize("field, value, exc", BAD_FIELDS + [
-    ("tie_embeddings", "no", TypeError), ("attn_only", None, TypeError), ("final_norm", 0, TypeError)])
+@pytest.mark.parametrize("field, value, exc", [*BAD_FIELDS, ("tie_embeddings", "no", TypeError), ("attn_only", None, TypeError), ("final_norm", 0, TypeError)])
 def test_decoder_config_errors_name_the_field(field, value, exc):
     with pytest.raises(exc) as e:
         dcfg(**{field: value})
     assert field in str(e.value) and "DecoderConfig" in str(e.value)
 
 
-@pytest.mark.parametrize("field, value, exc", BAD_FIELDS + [
-    ("type_vocab_size", -1, ValueError), ("pad_token_id", -1, ValueError), ("pad_token_id", None, ValueError)])
+@pytest.mark.parametrize("field, value, exc", [*BAD_FIELDS, ("type_vocab_size", -1, ValueError), ("pad_token_id", -1, ValueError), ("pad_token_id", None, ValueError)])
 def test_encoder_config_errors_name_the_field(field, value, exc):
     with pytest.raises(exc) as e:
         ecfg(**{field: value})
@@ -335,7 +333,7 @@ def test_encoder_config_pad_token_id_must_be_in_vocab():
 
 @pytest.mark.parametrize("rd", [0, 3, 6])
 def test_config_rotary_dim_is_validated_by_the_config(rd):
-    with pytest.raises(ValueError, match="DecoderConfig.rotary_dim"):
+    with pytest.raises(ValueError, match=r"DecoderConfig.rotary_dim"):
         dcfg(positions="rope", rotary_dim=rd)  # d_head = 4
 
 

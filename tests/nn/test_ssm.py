@@ -78,7 +78,7 @@ def test_gradients_match_reference_float64():
         y, h = call(fn, leaves, return_state=True, **kw)
         g = torch.autograd.grad((y * w).sum() + h.square().sum(), list(leaves.values()))
         grads.append(g)
-    for name, a, b in zip(leaves, *grads):
+    for name, a, b in zip(leaves, *grads, strict=True):
         torch.testing.assert_close(b, a, **F64_REORDER_DEEP, msg=lambda m, n=name: f"grad of {n}: {m}")
         assert a.abs().max() > 0  # not vacuous
 
@@ -89,7 +89,7 @@ def test_gradcheck_chunked():
     leaves = [inp[k].clone().requires_grad_(True) for k in names]
 
     def f(*t):
-        return call(selective_scan, dict(zip(names, t)), chunk_size=2)
+        return call(selective_scan, dict(zip(names, t, strict=True)), chunk_size=2)
 
     assert torch.autograd.gradcheck(f, leaves)
 
@@ -249,7 +249,7 @@ def test_mixer_errors():
     m(x, cache=cache)
     with pytest.raises(ValueError, match="cache: holds a state for batch 1"):
         m(torch.randn(2, 1, 16), cache=cache)
-    with pytest.raises(TypeError, match="softmax attention .* needs a KV cache"):
+    with pytest.raises(TypeError, match=r"softmax attention .* needs a KV cache"):
         cache.update(None, None)
     with pytest.raises(ValueError, match="n_heads: expand·d_model = 16 inner channels"):
         SSMMixer(16, n_heads=3)

@@ -113,7 +113,7 @@ def run_case(q, k, v, *, backend, grad=True, lse=True, mod_factory=None, param=N
         loss = loss + (lf * c).sum()
     inputs = [q, k, v] + ([p] if p is not None else [])
     grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-    for name, x, g_ in zip(["dq", "dk", "dv", "dparam"], inputs, grads):
+    for name, x, g_ in zip(["dq", "dk", "dv", "dparam"], inputs, grads, strict=True):
         res[name] = torch.zeros_like(x) if g_ is None else g_
     return res
 
@@ -175,7 +175,7 @@ def dense_allowed(mask, B, H, Nq, Nk, q_offset, kv_offset=0):
 def naive_attention(q, k, v, allowed, scale=None, bias=None):
     """An independent float64 implementation: dense scores, torch.softmax, explicit empty rows."""
     q, k, v = q.double(), k.double(), v.double()
-    B, H, Nq, D = q.shape
+    _B, H, _Nq, D = q.shape
     G = H // k.shape[1]
     k = k.repeat_interleave(G, 1)
     v = v.repeat_interleave(G, 1)

@@ -47,7 +47,7 @@ def _run(fn, t, grad=True, **kw):
         c = torch.randn(lse.shape, generator=g, dtype=torch.float64)
         loss = (out.double() * w).sum() + (torch.where(torch.isinf(lse), 0.0, lse).double() * c).sum()
         names = [n for n in _ORDER if leaves[n] is not None]
-        for n, gr in zip(names, torch.autograd.grad(loss, [leaves[n] for n in names])):
+        for n, gr in zip(names, torch.autograd.grad(loss, [leaves[n] for n in names]), strict=True):
             res["d" + n] = gr
     return res
 
@@ -124,7 +124,7 @@ def test_gradcheck_tiled_backward():
     leaves = [t[n].clone().requires_grad_(True) for n in names]
 
     def f(*xs):
-        d = dict(zip(names, xs))
+        d = dict(zip(names, xs, strict=True))
         out, lse = additive_attention(*(d[n] for n in names[:6]), bias=d["bias"], mask=m, q_offset=0,
                                       return_lse=True, chunk_size=2, q_chunk_size=2)
         return out, lse
@@ -227,7 +227,7 @@ def test_errors_name_the_argument():
     args = [t[n] for n in _ORDER[:6]]
 
     def call(**over):
-        a = dict(zip(_ORDER[:6], args))
+        a = dict(zip(_ORDER[:6], args, strict=True))
         kw = {key: over.pop(key) for key in list(over) if key not in a}
         a.update(over)
         return additive_attention(*(a[n] for n in _ORDER[:6]), **kw)

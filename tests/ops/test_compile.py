@@ -81,7 +81,7 @@ def test_compiled_equals_eager_outputs_and_gradients(data, compiled_all):
     leaves = [t.clone().requires_grad_() for t in (q, k, v, slopes, table)]
     got = compiled_all(leaves[0], leaves[1], leaves[2], 3, ids, leaves[3], leaves[4])
     want = _all(leaves[0], leaves[1], leaves[2], 3, ids, leaves[3], leaves[4])
-    for (go, gl), (wo, wl) in zip(got, want):
+    for (go, gl), (wo, wl) in zip(got, want, strict=True):
         torch.testing.assert_close(go, wo, atol=0, rtol=0)  # the same kernel runs in both
         torch.testing.assert_close(gl, wl, atol=0, rtol=0)
 
@@ -90,7 +90,7 @@ def test_compiled_equals_eager_outputs_and_gradients(data, compiled_all):
 
     g_got = torch.autograd.grad(loss(got), leaves)
     g_want = torch.autograd.grad(loss(want), leaves)
-    for a, b in zip(g_got, g_want):
+    for a, b in zip(g_got, g_want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)  # float64: summation order only
     assert g_got[3].abs().sum() > 0 and g_got[4].abs().sum() > 0  # learnable slopes / table get gradients
 
@@ -148,7 +148,7 @@ def test_custom_mask_and_custom_score_mod_compile_fullgraph_and_match_eager(data
     qq = q.clone().requires_grad_()
     got = torch.compile(f, backend="aot_eager", fullgraph=True)(qq, k, v)
     want = f(qq, k, v)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
     torch.testing.assert_close(torch.autograd.grad(sum(o.sum() for o in got), qq)[0],
                                torch.autograd.grad(sum(o.sum() for o in want), qq)[0], atol=1e-12, rtol=0)
@@ -192,7 +192,7 @@ def test_the_custom_ops_pass_torch_library_opcheck():
     res = torch.library.opcheck(torch.ops.attnlab.flash_fwd.default, args)
     assert set(res.values()) == {"SUCCESS"}, res
     # with dropout and a seed drawn in a graph (the optional seed_tensor input)
-    res = torch.library.opcheck(torch.ops.attnlab.flash_fwd.default, args[:-2] + (0.3, 0, torch.tensor(5)))
+    res = torch.library.opcheck(torch.ops.attnlab.flash_fwd.default, (*args[:-2], 0.3, 0, torch.tensor(5)))
     assert set(res.values()) == {"SUCCESS"}, res
 
 

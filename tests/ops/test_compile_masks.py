@@ -41,7 +41,7 @@ def test_newer_kinds_compile_to_the_flash_op_with_no_dense_mask(data, monkeypatc
     dense_t = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(1)) > 0.3
     dense_t[..., 0] = True
     ms, vl = _newer(dense_t, torch.tensor([0, 3, 8]), torch.tensor([0, 0]))
-    for m in ms + [vl]:
+    for m in [*ms, vl]:
         assert m.key() is not None, m
     eager = _run(q, k, v, ms, vl)
 
@@ -53,7 +53,7 @@ def test_newer_kinds_compile_to_the_flash_op_with_no_dense_mask(data, monkeypatc
     ex = dynamo.explain(_run)(q, k, v, ms, vl)
     assert ex.graph_break_count == 0, [str(r.reason)[:200] for r in ex.break_reasons]
     got = torch.compile(_run, backend="aot_eager", fullgraph=True)(q, k, v, ms, vl)
-    for g, e in zip(got, eager):
+    for g, e in zip(got, eager, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-12)  # the same kernel on the same tiles
 
 

@@ -69,7 +69,7 @@ def test_first_order_gradients_are_unchanged_by_the_refusal_marks():
     for be in ("sdpa", "flash"):
         got = torch.autograd.grad(attnlab.attention(q, k, v, backend=be).sum(), (q, k, v))
         want = torch.autograd.grad(attnlab.attention(q, k, v, backend="reference").sum(), (q, k, v))
-        for a, b in zip(got, want):
+        for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
 
 
@@ -87,7 +87,7 @@ def test_torch_func_grad_of_grad_is_refused(backend):
 
 
 def _cu(lens):
-    return torch.tensor([0] + lens).cumsum(0)
+    return torch.tensor([0, *lens]).cumsum(0)
 
 
 def test_varlen_second_derivative_refused_on_flash_and_gradgradcheck_on_reference():

@@ -44,7 +44,7 @@ def _run(q, k, v, *, backend, grad=True, **kw):
         B, H, Nq, Dv = out.shape
         w, c = loss_weights(B, H, Nq, Dv)
         loss = (out.double() * w).sum() + (torch.where(torch.isinf(lse), 0, lse).double() * c).sum()
-        for n, g in zip(("dq", "dk", "dv"), torch.autograd.grad(loss, (q, k, v))):
+        for n, g in zip(("dq", "dk", "dv"), torch.autograd.grad(loss, (q, k, v)), strict=True):
             res[n] = g
     return res
 
@@ -85,7 +85,7 @@ def test_any_tiling_gives_the_same_mask(block):
     w, c = loss_weights(2, 4, 37, 16)
     g = torch.autograd.grad((out * w).sum() + (torch.where(torch.isinf(lse), 0, lse) * c).sum(), (q, k, v))
     tol = 1e3 * FLOOR[F64]  # float64 sums in a different order: rounding only
-    for name, got in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *g)):
+    for name, got in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *g), strict=True):
         assert (got - want[name]).abs().max() <= tol, name
 
 
@@ -209,7 +209,7 @@ def test_auto_routes_dropout_to_flash_and_sdpa_refuses():
     kw = dict(mask=masks.causal(), dropout_p=0.2, dropout_seed=42)
     assert torch.equal(attnlab.attention(q, k, v, backend="auto", **kw),
                        attnlab.attention(q, k, v, backend="flash", **kw))
-    with pytest.raises(ValueError, match="sdpa.*dropout"):
+    with pytest.raises(ValueError, match=r"sdpa.*dropout"):
         attnlab.attention(q, k, v, backend="sdpa", **kw)
 
 
@@ -226,5 +226,5 @@ def test_gradcheck_with_dropout(backend):
     (0.1, 2**70, ValueError)])
 def test_bad_dropout_arguments_are_refused(p, seed, err):
     q, k, v = make_qkv(1, 1, 1, 4, 4, 8, dtype=F32)
-    with pytest.raises(err, match="dropout_(p|seed): expected"):
+    with pytest.raises(err, match=r"dropout_(p|seed): expected"):
         attnlab.attention(q, k, v, dropout_p=p, dropout_seed=seed)

@@ -59,7 +59,7 @@ def test_vmap_grad_and_vmap_of_grad_match_the_loop(qkv, backend, mask):
         leaves = [t[i].clone().requires_grad_() for t in (q, k, v)]
         want.append(torch.autograd.grad(loss(*leaves), leaves))
     got = grad(loss, argnums=(0, 1, 2))(q[0], k[0], v[0])
-    for a, b in zip(got, want[0]):
+    for a, b in zip(got, want[0], strict=True):
         torch.testing.assert_close(a, b, **TOL)
     vg = vmap(grad(loss, argnums=(0, 1, 2)))(q, k, v)
     for j in range(3):

@@ -140,7 +140,8 @@ def test_float32_and_low_precision_inputs():
 
 def test_gradients_flow():
     q, k, v = _qkv(B=1, H=2, Hkv=1, N=9, D=4)
-    q.requires_grad_(); k.requires_grad_(); v.requires_grad_()
+    for t in (q, k, v):
+        t.requires_grad_()
     assert torch.autograd.gradcheck(
         lambda q, k, v: linear_attention(q, k, v, feature_map=_favor(4, 8), causal=True, chunk_size=4),
         (q, k, v))

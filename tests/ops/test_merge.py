@@ -100,7 +100,7 @@ def test_merge_of_parts_equals_full_attention(seed, mode, maskname):
 
     got = torch.autograd.grad(loss(out, lse), (q, k, v))
     want = torch.autograd.grad(loss(full_out, full_lse), (q, k, v))
-    for a, b, name in zip(got, want, "qkv"):
+    for a, b, name in zip(got, want, "qkv", strict=True):
         assert not torch.isnan(a).any(), f"NaN in d{name}"
         torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9, msg=f"d{name}")
 

@@ -35,8 +35,8 @@ def _grads(fn, q, k, v, seed=0):
 
 
 def _assert_same(got, want, dtype, what):
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-        torch.testing.assert_close(a, b, **TOL[dtype], msg=lambda m: f"{what} {name}: {m}")
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(a, b, **TOL[dtype], msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
 # ------------------------------------------------------------------------------------ SDPA
@@ -53,7 +53,7 @@ def test_sdpa_no_mask(dtype, backend, shape):
 
 
 @pytest.mark.parametrize("dtype", [F64, F32], ids=["f64", "f32"])
-@pytest.mark.parametrize("backend", BACKENDS + ["sdpa"])
+@pytest.mark.parametrize("backend", [*BACKENDS, "sdpa"])
 @pytest.mark.parametrize("nq_nk", [(45, 45), (20, 45), (45, 20)], ids=["square", "nq<nk", "nq>nk"])
 def test_sdpa_is_causal(dtype, backend, nq_nk):
     """attnlab causal() with q_offset=0 == SDPA is_causal (top-left), for every Nq/Nk."""
@@ -138,7 +138,7 @@ def test_sdpa_bfloat16_under_the_rule(backend):
     got = run_case(q, k, v, backend=backend, lse=False, mask=masks.causal())
     sd = _grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), q, k, v,
                 seed=1)
-    for key, i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
+    for key, _i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
         factor = 2.0 if key == "out" else 3.0
         assert_close_rule(got[key], ref[key], oracle[key], BF16, factor=factor, what=f"attnlab {key}")
     assert_close_rule(sd[0], ref["out"], oracle["out"], BF16, factor=2.0, what="torch SDPA out")
@@ -148,7 +148,7 @@ def test_sdpa_bfloat16_under_the_rule(backend):
 def _flex():
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except Exception as e:  # pragma: no cover - depends on the torch build
+    except Exception as e:  # noqa: BLE001  # pragma: no cover - depends on the torch build
         pytest.skip(f"FlexAttention is not importable in this torch build: {e!r}")
     try:
         with warnings.catch_warnings():
@@ -156,7 +156,7 @@ def _flex():
             q = torch.randn(1, 1, 8, 4)
             bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, 8, 8, device="cpu")
             flex_attention(q, q, q, block_mask=bm)
-    except Exception as e:  # pragma: no cover - depends on the torch build
+    except Exception as e:  # noqa: BLE001  # pragma: no cover - depends on the torch build
         pytest.skip(f"FlexAttention eager does not run on CPU here: {e!r}")
     return flex_attention, create_block_mask
 
@@ -236,7 +236,7 @@ def test_flex_attention_eager(dims, maskname, modname):
 def test_flex_attention_backward_on_cpu():
     """FlexAttention has no CPU backward in this torch; gradients are covered against SDPA
     and the float64 oracle instead.  Skips with the reason if so; compares if it works."""
-    flex_attention, create_block_mask = _flex()
+    flex_attention, _create_block_mask = _flex()
     q, k, v = make_qkv(1, 2, 2, 16, 16, 8, dtype=F64, seed=10)
     q.requires_grad_(True)
     try:

@@ -16,7 +16,7 @@ LK = [9, 4, 17, 33, 60, 1]
 
 
 def _cu(lens):
-    return torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    return torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
 
 
 def _packed(lq, lk, H=4, Hkv=2, D=16, dtype=F64, seed=0):
@@ -79,7 +79,7 @@ def test_varlen_matches_per_sequence_attention(case):
     fin = torch.isfinite(rlse)
     g = torch.autograd.grad(out.pow(2).sum() + lse[fin].sum(), (q, k, v))
     gr = torch.autograd.grad(ref.pow(2).sum() + rlse[fin].sum(), (q, k, v))
-    for a, b in zip(g, gr):
+    for a, b in zip(g, gr, strict=True):
         assert max_err(a, b) <= 1e-11
 
 

@@ -52,7 +52,7 @@ def test_varlen_dropout_equals_the_oracle_given_the_same_keep_mask_forward_and_b
     got = _grads(lambda q, k, v: _varlen(q, k, v), q, k, v)
     ref = _grads(lambda q, k, v: _varlen(q, k, v, backend="reference"), q, k, v)
     want = _grads(_oracle, q, k, v)
-    for name, g, r, w in zip(("out", "dq", "dk", "dv"), got, ref, want):
+    for name, g, r, w in zip(("out", "dq", "dk", "dv"), got, ref, want, strict=True):
         assert_close_rule(g, r, w, F64, factor=2.0 if name == "out" else 3.0, what=name)
     no_drop = attnlab.varlen_attention(q, k, v, _cu(LQ), _cu(LK), causal=True)
     assert (got[0] - no_drop).abs().max() > 0.1  # dropout did something

@@ -122,7 +122,7 @@ def flex():
             warnings.simplefilter("ignore")
             q = torch.randn(1, 1, 8, 4)
             flex_attention(q, q, q)
-    except Exception as e:  # pragma: no cover - depends on the torch build
+    except Exception as e:  # noqa: BLE001  # pragma: no cover - depends on the torch build
         pytest.skip(f"eager FlexAttention does not run on this CPU: {e!r}")
     return flex_attention, create_block_mask
 

@@ -41,7 +41,7 @@ def _matrix(n):
 
 
 OUTPUT_CASES = [dict(sq=sq, sk=sk, d=d, **c) for (sq, sk), d, c in
-                zip([s for s in SHAPES for _ in HEAD_DIMS], HEAD_DIMS * len(SHAPES), _matrix(len(SHAPES) * len(HEAD_DIMS)))]
+                zip([s for s in SHAPES for _ in HEAD_DIMS], HEAD_DIMS * len(SHAPES), _matrix(len(SHAPES) * len(HEAD_DIMS)), strict=True)]
 
 
 def _ids(c):
@@ -105,14 +105,14 @@ def test_flash_attn_output(c, request):
     grads = torch.autograd.grad(out, (q, k, v), gout)
     grads_ref = torch.autograd.grad(out_ref, (q, k, v), gout)
     grads_pt = torch.autograd.grad(out_pt, (q, k, v), gout)
-    for name, a, r, p in zip(("dq", "dk", "dv"), grads, grads_ref, grads_pt):
+    for name, a, r, p in zip(("dq", "dk", "dv"), grads, grads_ref, grads_pt, strict=True):
         ok = ~torch.isnan(r)  # the reference's softmax gives NaN gradients on rows with no visible key
         flash_rule(a, r, p, 3.0, dtype, name, rows=ok)
 
 
 VARLEN_CASES = [dict(sq=sq, sk=sk, d=d, **c) for (sq, sk), d, c in
                 zip([(113, 203), (239, 1), (799, 3), (128, 217), (97, 97), (1, 239)], [40, 59, 111, 256, 59, 40],
-                    _matrix(6))]
+                    _matrix(6), strict=True)]
 
 
 @pytest.mark.parametrize("c", VARLEN_CASES, ids=_ids)
@@ -162,13 +162,13 @@ def test_flash_attn_varlen_output(c, request):
             ref = (gq[qpm], gk[kpm], gv[kpm])
         else:
             pt = (gq[qpm], gk[kpm], gv[kpm])
-    for name, a, r, p in zip(("dq", "dk", "dv"), grads, ref, pt):
+    for name, a, r, p in zip(("dq", "dk", "dv"), grads, ref, pt, strict=True):
         flash_rule(a, r, p, 3.0, dtype, name, rows=~torch.isnan(r))
 
 
 KVCACHE_CASES = [dict(sq=sq, sk=sk, d=d, new=new, **c) for (sq, sk), d, new, c in
                  zip([(1, 128), (1, 339), (3, 1024)[:2], (64, 800), (1, 799), (4, 203)], [59, 40, 111, 256, 59, 40],
-                     [False, True, False, True, True, False], _matrix(6))]
+                     [False, True, False, True, True, False], _matrix(6), strict=True)]
 
 
 @pytest.mark.parametrize("c", KVCACHE_CASES, ids=lambda c: _ids(c) + ("-new_kv" if c["new"] else ""))

@@ -178,14 +178,14 @@ def _input_strides_4(B, H, S, D):
 STRIDES = [_input_strides_1, _input_strides_2, _input_strides_3, _input_strides_4]
 
 
-@pytest.mark.parametrize("k_s, v_s", list(zip(STRIDES, STRIDES[1:] + STRIDES[:1])),
+@pytest.mark.parametrize("k_s, v_s", list(zip(STRIDES, STRIDES[1:] + STRIDES[:1], strict=True)),
                          ids=lambda f: f.__name__[1:])
 @pytest.mark.parametrize("decode", [False, True], ids=["attention", "decoding"])
 def test_strided_inputs(k_s, v_s, decode):
     """test_flex_attention.py::test_strided_inputs / test_flex_decoding.py::test_strided_inputs:
     K/V as as_strided views (offset, transposed, padded, shared dims) with Hq/Hkv = 4/2; the
     decoding variant's q is ``q1.view(Hq // Hkv, Hkv, B, D).transpose(0, 2)`` (one query)."""
-    B, Hq, Hkv, S, D, dtype = 2, 4, 2, 24, 16, torch.float32
+    B, Hq, Hkv, S, D = 2, 4, 2, 24, 16
     g = torch.Generator().manual_seed(0)
     if decode:
         q = torch.randn(B * Hq * D, generator=g).view(Hq // Hkv, Hkv, B, D).transpose(0, 2).reshape(B, Hq, 1, D)
@@ -295,6 +295,6 @@ def test_learnable_biases(case, dtype):
     qr, kr, vr, br = (x.detach().requires_grad_() for x in (q, k, v, bias))
     orf = attnlab.attention(qr, kr, vr, score_mod=make(br), q_offset=0, backend="reference")
     gr = torch.autograd.grad(orf, (qr, kr, vr, br), gout)
-    for name, a, r, gg in zip(("Grad_Query", "Grad_Key", "Grad_Value", "Grad_Bias"), grads, gr, g64):
+    for name, a, r, gg in zip(("Grad_Query", "Grad_Key", "Grad_Value", "Grad_Bias"), grads, gr, g64, strict=True):
         assert a.shape == r.shape
         flex_check_equal(gg, r, a, name)

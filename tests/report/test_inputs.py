@@ -52,13 +52,13 @@ def test_batch_must_be_chosen_for_a_batch_and_is_refused_without_one(model_ids):
         Report("r").heatmaps(cap, title="t")
     with pytest.raises(ValueError, match=r"batch: expected an int in \[-3, 3\)"):
         Report("r").heatmaps(cap, title="t", batch=3)
-    with pytest.raises(ValueError, match="batch: patterns of shape .* have no batch axis"):
+    with pytest.raises(ValueError, match=r"batch: patterns of shape .* have no batch axis"):
         Report("r").heatmaps(cap.pattern(0)[0], title="t", batch=0)
     with torch.no_grad(), capture(model) as one:
         model(ids[:1])
     assert as_patterns(one).shape == (2, 2, 6, 6)                     # a batch of one needs no batch=
     _, cache = run_with_cache(model, ids, names_filter=lambda n: n.endswith("resid_pre"))
-    with pytest.raises(ValueError, match="holds no blocks.*hook_pattern"):
+    with pytest.raises(ValueError, match=r"holds no blocks.*hook_pattern"):
         Report("r").heatmaps(cache, title="t", batch=0)
 
 

@@ -286,7 +286,7 @@ def test_ticks_are_round():
     assert linear_ticks(-3.3e-5, 1.1e-5)[3] == ["-4e-5", "-3e-5", "-2e-5", "-1e-5", "0", "1e-5", "2e-5"]
     lo, hi, ticks, _ = linear_ticks(5, 5)  # a constant gets a small range around it
     assert lo < 5 < hi and len(ticks) >= 3
-    lo, hi, ticks, labels, minor = log_ticks(3e-9, 2e3)
+    lo, hi, ticks, labels, _minor = log_ticks(3e-9, 2e3)
     assert lo == pytest.approx(1e-9) and hi == pytest.approx(1e4)
     assert all(math.log10(t) == round(math.log10(t)) for t in ticks) and len(ticks) <= 9
     assert log_ticks(2.0, 30.0)[3] == ["1", "2", "5", "10", "20", "50", "100"]

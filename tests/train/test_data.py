@@ -19,7 +19,7 @@ def take(gen, n):
 
 def assert_same_batches(a, b):
     assert len(a) == len(b)
-    for (xa, ya), (xb, yb) in zip(a, b):
+    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
@@ -53,7 +53,7 @@ def test_token_stream_determinism():
     torch.rand(10)
     assert_same_batches(a, take(s.batches(4, 16, seed=1), 3))
     c = take(s.batches(4, 16, seed=2), 3)
-    assert not all(torch.equal(p[0], q[0]) for p, q in zip(a, c))
+    assert not all(torch.equal(p[0], q[0]) for p, q in zip(a, c, strict=True))
 
 
 def test_from_texts_joins_documents_with_eot():
@@ -192,7 +192,7 @@ def test_associative_recall_layout():
 
 
 def test_associative_recall_smallest_vocab_and_queries_vary():
-    x, y = next(associative_recall(2 * 3 + 1, 64, 3, seed=0))  # exactly enough ids
+    x, _y = next(associative_recall(2 * 3 + 1, 64, 3, seed=0))  # exactly enough ids
     assert set(x[:, 1:6:2].flatten().tolist()) == {3, 4, 5}  # 3 keys (0-2), 3 values (3-5), query 6
     assert set(x[:, -1].tolist()) <= {0, 1, 2}
     assert len(set(x[:, -1].tolist())) == 3  # every pair gets queried over 64 rows
@@ -218,7 +218,7 @@ def test_associative_recall_validation(kwargs, match):
 # -- the ignore index works with the loss ---------------------------------------------
 
 def test_cross_entropy_scores_only_unignored_targets():
-    x, y = next(repeated_sequences(30, 2, 12, seed=0))
+    _x, y = next(repeated_sequences(30, 2, 12, seed=0))
     logits = torch.randn(2, 12, 30, generator=torch.Generator().manual_seed(0))
     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
     keep = y != IGNORE_INDEX

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import itertools
 import json
 import math
 import struct
@@ -75,7 +76,7 @@ def test_lr_schedule_exact_values():
     assert lr_at(110, cfg) == 0.5 == cfg.min_lr     # min_lr at `steps`
     assert lr_at(500, cfg) == 0.5
     decay = [lr_at(s, cfg) for s in range(10, 111)]
-    assert all(x >= y for x, y in zip(decay, decay[1:]))
+    assert all(x >= y for x, y in itertools.pairwise(decay))
     no_warmup = cfg.replace(warmup_steps=0)
     assert lr_at(0, no_warmup) == 2.0
     with pytest.raises(ValueError, match="step"):
@@ -240,7 +241,7 @@ def test_bfloat16_autocast_trains():
 
 def test_bad_batches_are_reported():
     bad = iter([(torch.zeros(BATCH, SEQ + 1, dtype=torch.long),) * 2])
-    with pytest.raises(ValueError, match="step 0.*seq_len"):
+    with pytest.raises(ValueError, match=r"step 0.*seq_len"):
         train(make_model(), bad, tcfg(steps=2), progress=False)
     ignored = torch.full((BATCH, SEQ), -100)
     with pytest.raises(ValueError, match="nothing to score"):
@@ -273,7 +274,7 @@ def test_checkpoint_round_trip_keeps_tied_weights(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ck"]          # no temp folders left behind
     from safetensors import safe_open
     with safe_open(str(path / MODEL_FILE), "pt") as f:
-        assert "embed.weight" in f.keys() and "lm_head.weight" not in f.keys()   # stored once
+        assert "embed.weight" in f.keys() and "lm_head.weight" not in f.keys()  # noqa: SIM118 - a safe_open handle is not iterable; stored once
     with safe_open(str(path / OPTIMIZER_FILE), "pt") as f:
         assert {"state.0.exp_avg", "state.0.exp_avg_sq", "state.0.step"} <= set(f.keys())
     meta = json.loads((path / TRAINER_JSON).read_text())
@@ -307,15 +308,15 @@ def test_mismatched_model_names_the_tensor(tmp_path):
     with pytest.raises(ValueError, match=r"'embed.weight' has shape \(16, 32\).*expected \(16, 64\)"):
         load_checkpoint(path, wide)
     assert all(torch.equal(before[k], v) for k, v in wide.state_dict().items())   # nothing copied
-    with pytest.raises(ValueError, match="missing tensor 'blocks.2"):
+    with pytest.raises(ValueError, match=r"missing tensor 'blocks.2"):
         load_checkpoint(path, make_model(n_layers=3))
-    with pytest.raises(ValueError, match="unexpected tensor 'blocks.1"):
+    with pytest.raises(ValueError, match=r"unexpected tensor 'blocks.1"):
         load_checkpoint(path, make_model(n_layers=1))
 
 
 @needs_safetensors
 def test_corrupted_checkpoint_names_the_tensor(tmp_path):
-    model, path = trained_pair(tmp_path)
+    _model, path = trained_pair(tmp_path)
     f = path / MODEL_FILE
     raw = bytearray(f.read_bytes())
     (n,) = struct.unpack("<Q", raw[:8])
@@ -330,7 +331,7 @@ def test_corrupted_checkpoint_names_the_tensor(tmp_path):
         load_checkpoint(path, target)
     assert torch.equal(target.embed.weight, before)                 # checked before copying
     f.write_bytes(bytes(raw[: len(raw) // 2]))
-    with pytest.raises(ValueError, match="model.safetensors.*not a readable safetensors file"):
+    with pytest.raises(ValueError, match=r"model.safetensors.*not a readable safetensors file"):
         load_checkpoint(path, target)
 
 
@@ -348,5 +349,5 @@ def test_mismatched_optimizer_state_names_the_tensor(tmp_path):
     assert not opt.state                                             # nothing loaded
     with pytest.raises(ValueError, match="no optimizer state"):
         load_checkpoint(save_checkpoint(tmp_path / "bare", model, None, step=0), other, opt)
-    with pytest.raises(ValueError, match="not a checkpoint folder|holds none"):
+    with pytest.raises(ValueError, match=r"not a checkpoint folder|holds none"):
         train(other, data(), tcfg(steps=2), resume=tmp_path / "nothing-here", progress=False)

@@ -134,7 +134,7 @@ def test_special_token(bpe):
     assert bpe.eot_id not in plain  # user text cannot inject the control token
     special = bpe.encode(text, allow_special=True)
     assert special.count(bpe.eot_id) == 1
-    assert special == bpe.encode("one") + [bpe.eot_id] + bpe.encode("two")
+    assert special == [*bpe.encode("one"), bpe.eot_id, *bpe.encode("two")]
     assert bpe.decode(plain) == bpe.decode(special) == text
     tok = ByteTokenizer()
     assert tok.encode(EOT, allow_special=True) == [256]

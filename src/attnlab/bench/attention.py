@@ -206,7 +206,7 @@ def flex_available() -> bool:
 
             from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
             _FLEX_OK = shutil.which("g++") is not None or shutil.which("c++") is not None
-        except Exception:  # pragma: no cover - torch without flex
+        except Exception:  # noqa: BLE001  # pragma: no cover - torch without flex
             _FLEX_OK = False
     return _FLEX_OK
 
@@ -234,7 +234,7 @@ def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool
         recs = _run_case(c, r, names, n_reps[c.name], with_flex, memory, bar)
         by_case[c.name] = (c, recs)
     bar.close()
-    for name, (c, recs) in by_case.items():
+    for _name, (c, recs) in by_case.items():
         flops = case_flops(c)
         anchor = next((x["seconds"] for x in recs if x["backend"].startswith("torch sdpa") and "seconds" in x), None)
         ceil = results["matmul_gflops"][c.dtype]
@@ -267,7 +267,7 @@ def _run_case(c: Case, r: Runner, names: list[str], reps: int, with_flex: bool, 
             t0 = time.perf_counter()
             fns[n]()
             return time.perf_counter() - t0
-        except Exception as e:  # a backend that cannot run this case is reported, not fatal
+        except Exception as e:  # noqa: BLE001 - a backend that cannot run this case is reported, not fatal
             recs[n]["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             return None
         finally:
@@ -301,7 +301,7 @@ def _run_case(c: Case, r: Runner, names: list[str], reps: int, with_flex: bool, 
                     rec["peak_extra_mib"] = memprobe.measure(fields, n, "fwdbwd")
                 if c.mode == "fwd" or c.memory_only:
                     rec["peak_extra_fwd_mib"] = memprobe.measure(fields, n, "fwd")
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a failed memory probe is reported in the record
                 rec["memory_error"] = f"{type(e).__name__}: {e}"
         if n == "attnlab auto" and "error" not in rec:
             rec["auto_choice"] = _auto_choice(r)

@@ -106,7 +106,7 @@ def run(quick: bool = False, reps: int = 5, memory: bool = True, shape=None) -> 
     times = {m: [] for m in MODES}
     for _ in tqdm(range(reps), desc="capture bench", unit="round"):
         for m in MODES:  # interleaved: every contender sees the same machine state
-            times[m].append(time_call(lambda: _call(m, model, ids), reps=1, warmup=1 if not times[m] else 0))
+            times[m].append(time_call(lambda m=m: _call(m, model, ids), reps=1, warmup=1 if not times[m] else 0))
     med = {m: sorted(v)[len(v) // 2] for m, v in times.items()}
     res = {"shape": {"layers": cfg.n_layers, "d_model": cfg.d_model, "heads": cfg.n_heads, "batch": ids.shape[0],
                      "tokens": ids.shape[1]},

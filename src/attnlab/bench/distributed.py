@@ -217,7 +217,7 @@ def _single_main(rank, world, spec):
                 t.grad = None
             res = {}
 
-            def run():
+            def run(be=be, res=res):
                 c0, t0 = time.process_time(), time.perf_counter()
                 out = attnlab.attention(q, k, v, mask=mask, backend=be)
                 t1 = time.perf_counter()
@@ -289,11 +289,11 @@ def _summarize(cfg: Config, dist_res: list, single: dict) -> dict:
         compute = [statistics.median(r["compute"] for r in pr) for pr in per_rank]
         comm = [d["comm_only"][key] for d in dist_res]
         exposed = [statistics.median(e) for e in zip(*(_exposed_comm([pr[i]["steps"] for pr in per_rank])
-                                                        for i in range(reps)))]
+                                                        for i in range(reps)), strict=True)]
         if method == "ulysses":  # nothing to overlap an all-to-all with
             exposed, hidden = wait, [0.0] * len(wait)
         else:
-            hidden = [min(1.0, max(0.0, 1.0 - e / c)) if c > 0 else 1.0 for e, c in zip(exposed, comm)]
+            hidden = [min(1.0, max(0.0, 1.0 - e / c)) if c > 0 else 1.0 for e, c in zip(exposed, comm, strict=False)]
         cpu_share = statistics.mean(statistics.median(r["cpu"] / r["fwdbwd"] for r in pr) for pr in per_rank)
         work = work_per_rank(cfg.N, cfg.P, layout, "causal")
         sent = [statistics.median(r["bytes"] for r in pr) for pr in per_rank]

@@ -60,9 +60,9 @@ def decode_speed(reps=3, new_tokens=128, shapes=((4, 256, 4096, 1), (4, 256, 409
         a = generate(ours, prompt, max_new_tokens=new_tokens, cache="static")
         h = hf.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                         pad_token_id=0)
-        same = sum(x == y for r, s in zip(a.new_tokens, h[:, 64:].tolist()) for x, y in zip(r, s))
-        fns = {"attnlab": lambda: generate(ours, prompt, max_new_tokens=new_tokens, cache="static"),
-               "transformers": lambda: hf.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        same = sum(x == y for r, s in zip(a.new_tokens, h[:, 64:].tolist(), strict=False) for x, y in zip(r, s, strict=False))
+        fns = {"attnlab": lambda ours=ours, prompt=prompt: generate(ours, prompt, max_new_tokens=new_tokens, cache="static"),
+               "transformers": lambda hf=hf, prompt=prompt: hf.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                                    do_sample=False, pad_token_id=0)}
         t = {n: [] for n in fns}
         for f in fns.values():
@@ -148,7 +148,7 @@ def quantized_perplexity(tm, n_tokens=2048, chunk=64):
     base = run(lambda: DynamicCache(tm.target.cfg.n_layers))
     rows.append({"cache": "float32", "ppl": math.exp(base), "delta_ppl": 0.0})
     for bits in (8, 4, 2):
-        nll = run(lambda: QuantizedCache(tm.target.cfg.n_layers, bits=bits, group_size=16, residual=16))
+        nll = run(lambda bits=bits: QuantizedCache(tm.target.cfg.n_layers, bits=bits, group_size=16, residual=16))
         rows.append({"cache": f"int{bits} (group 16, window 16)", "ppl": math.exp(nll),
                      "delta_ppl": math.exp(nll) - math.exp(base)})
     return rows
@@ -201,7 +201,7 @@ def speculative_table(tm, new_tokens=96, prompts=4):
         rows.append({"method": f"speculative, tree {branching}", "tok_s": prompts * new_tokens / t,
                      "speedup": t_base / t, "accepted_per_round": statistics.mean(o.acceptance_rate for o in outs),
                      "tokens_per_target_pass": statistics.mean(o.tokens_per_round for o in outs),
-                     "equals_greedy": all(o.tokens == b for o, b in zip(outs, base))})
+                     "equals_greedy": all(o.tokens == b for o, b in zip(outs, base, strict=True))})
     return rows
 
 

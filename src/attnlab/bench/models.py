@@ -116,7 +116,7 @@ def run(reps: int = 5, quick: bool = False, progress: bool = True) -> dict:
         hf.eval(), ours.eval()
         with torch.no_grad():
             diff = (hf(ids).logits.float() - ours(ids).logits.float()).abs().max().item()
-            t = _timed({"attnlab": lambda: ours(ids), "transformers": lambda: hf(ids)}, reps, bar, name)
+            t = _timed({"attnlab": lambda ours=ours: ours(ids), "transformers": lambda hf=hf: hf(ids)}, reps, bar, name)
         out["cases"].append(_case(name, "tokens/s", tokens, t, {"max_abs_logit_diff": diff}))
 
     hf, ours = _gpt2_pair(shape, torch.float32)

@@ -190,10 +190,10 @@ def time_table(quick=False, flex=True, window=1024, tokens=32768, width=2048):
                     do = torch.randn_like(q)
                     try:
                         with torch.no_grad():
-                            t_f = _time(lambda: fn(q, k, v))
-                        t_fb = _time(lambda: fn(q, k, v).backward(do))
+                            t_f = _time(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
+                        t_fb = _time(lambda fn=fn, q=q, k=k, v=v, do=do: fn(q, k, v).backward(do))
                         rec = (D, N, kind, name, flops / t_f / 1e12, 3.5 * flops / t_fb / 1e12)
-                    except Exception as e:  # a backend that refuses a shape is reported, not fatal
+                    except Exception as e:  # noqa: BLE001 - a backend that refuses a shape is reported, not fatal
                         rec = (D, N, kind, name, float("nan"), float("nan"))
                         print(f"  {name} D={D} N={N} {kind}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     rows.append(rec)

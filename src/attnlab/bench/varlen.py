@@ -55,8 +55,8 @@ def run(seqs=16, lo=64, hi=2048, heads=8, dim=64, reps=3, backward=False, dtype=
     q = torch.randn(total, heads, dim, generator=g, dtype=dtype)
     k = torch.randn(total, heads, dim, generator=g, dtype=dtype)
     v = torch.randn(total, heads, dim, generator=g, dtype=dtype)
-    cu = torch.tensor([0] + lens).cumsum(0)
-    qp, kp, vp, mask = _padded(q, k, v, lens)
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    _qp, _kp, _vp, _mask = _padded(q, k, v, lens)
 
     def ours():
         if not backward:

@@ -297,7 +297,7 @@ class PagedCache(Cache):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"PagedCache.reserve: n must be an int >= 0, got {n!r}")
         rows = self._rows()
-        for q, s in zip(self._sel, rows):
+        for q, s in zip(self._sel, rows, strict=True):
             self._synced(q, s, "reserve")
         if n:
             self._make_room(rows, n)
@@ -314,13 +314,13 @@ class PagedCache(Cache):
                              f"{tuple(V.shape)}")
         check_write("PagedCache.update", layer, k, v, K.dtype, K.device)
         if layer == 0:
-            for q, s in zip(self._sel, rows):
+            for q, s in zip(self._sel, rows, strict=True):
                 self._synced(q, s, "update")
             self._wrapped = {}
             if n:
                 self._make_room(rows, n)
         else:
-            for q, s in zip(self._sel, rows):
+            for q, s in zip(self._sel, rows, strict=True):
                 if s.lens[layer] + n > s.lens[0]:
                     raise ValueError(f"PagedCache.update: layer {layer} of sequence {q} would hold "
                                      f"{s.lens[layer] + n} tokens but layer 0 holds {s.lens[0]}: update layer 0 "
@@ -328,7 +328,7 @@ class PagedCache(Cache):
         before = [s.lens[layer] for s in rows]
         if n:
             bs, ar = self.block_size, torch.arange(n)
-            bids = torch.cat([torch.tensor(s.table, dtype=torch.long)[(ar + L) // bs] for s, L in zip(rows, before)])
+            bids = torch.cat([torch.tensor(s.table, dtype=torch.long)[(ar + L) // bs] for s, L in zip(rows, before, strict=True)])
             offs = torch.cat([(ar + L) % bs for L in before])
             bids, offs = bids.to(K.device), offs.to(K.device)
             K[:, bids, offs] = k.transpose(0, 1).reshape(Hkv, B * n, D)
@@ -338,7 +338,7 @@ class PagedCache(Cache):
             if layer == self.n_layers - 1:
                 for s in rows:
                     self._register(s)
-        return PagedKV(self, layer, [(tuple(s.table), s.start, b, s.lens[layer]) for s, b in zip(rows, before)],
+        return PagedKV(self, layer, [(tuple(s.table), s.start, b, s.lens[layer]) for s, b in zip(rows, before, strict=True)],
                        rows, self._sel)
 
     def _make_room(self, rows, n):
@@ -369,7 +369,7 @@ class PagedCache(Cache):
                 b = s.table[i]
                 if A.refcount[b] > 1 or A.is_registered(b):  # copy-on-write
                     nb = A.allocate(prefer=s.table[i - 1] + 1 if i else None)
-                    for K, V in zip(self.k_pool, self.v_pool):
+                    for K, V in zip(self.k_pool, self.v_pool, strict=True):
                         K[:, nb] = K[:, b]
                         V[:, nb] = V[:, b]
                     s.table[i] = nb

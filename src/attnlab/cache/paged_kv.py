@@ -89,7 +89,7 @@ class PagedKV(KV):
     def __init__(self, cache, layer, rows, states=(), seqs=()):
         self.cache, self.layer, self.rows = cache, layer, rows  # rows: [(table, start, before, after)]
         # the sequences' states and generations now: a release of blocks after this makes the view stale
-        self._stamp = [(q, s, s.generation) for q, s in zip(seqs, states)]
+        self._stamp = [(q, s, s.generation) for q, s in zip(seqs, states, strict=True)]
         starts = {start + before for _, start, before, _ in rows}
         self.q_offset = starts.pop() if len(starts) == 1 else None  # None: ragged (see q_offsets)
         self.q_offsets = [start + before for _, start, before, _ in rows]
@@ -176,7 +176,7 @@ class PagedKV(KV):
                 "PagedKV.dense(): the selected sequences are ragged (held positions "
                 f"{[(s, s + a) for _, s, _, a in self.rows]}): a dense view needs one q_offset and kv_offset; "
                 "select sequences of equal length, or one at a time, for need_weights / output_attentions")
-        start, before, after = shapes.pop()
+        start, before, _after = shapes.pop()
         K, V = self.cache.k_pool[self.layer], self.cache.v_pool[self.layer]
         ks, vs = [], []
         for table, _, _, L in self.rows:

@@ -76,7 +76,7 @@ def handshake(comm, op, q, k, v, *, seq_len, layout, mask, score_mod, scale, ret
         if error is not None:
             raise error
         return
-    names = list(FIELDS) if not same[0] else [n for n, s in zip(FIELDS, same[1:]) if not s]
+    names = list(FIELDS) if not same[0] else [n for n, s in zip(FIELDS, same[1:], strict=False) if not s]
     payload = encode(fields, names)
     lens = comm.all_gather(torch.tensor([len(payload)], dtype=torch.int64, device=device),
                            f"the handshake of {op} (the lengths of the fields that differ)").cpu().view(-1)

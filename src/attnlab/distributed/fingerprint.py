@@ -178,7 +178,7 @@ def _walk(obj, path: str, out: dict, depth: int, seen: set) -> None:
     if isinstance(obj, types.FunctionType):
         out[path] = _fn_text(obj)
         code = obj.__code__
-        for name, cell in zip(code.co_freevars, obj.__closure__ or ()):
+        for name, cell in zip(code.co_freevars, obj.__closure__ or (), strict=False):
             try:
                 val = cell.cell_contents
             except ValueError:  # an empty cell
@@ -224,7 +224,7 @@ def leaves(obj, root: str) -> dict:
 def _safe(fn, field):
     try:
         return fn()
-    except Exception as e:  # a field of an invalid call: described, never raised here
+    except Exception as e:  # noqa: BLE001 - a field of an invalid call: described, never raised here
         return {field: f"<unavailable: {type(e).__name__}>"}
 
 
@@ -280,7 +280,7 @@ def encode(fields: dict, names: list[str]) -> bytes:
 def decode(raw: bytes, names: list[str]) -> dict:
     parts = raw.decode("utf-8", "replace").split("\x1e")
     out = {}
-    for n, part in zip(names, parts):
+    for n, part in zip(names, parts, strict=False):
         d = {}
         for line in part.split("\n") if part else []:
             p, _, t = line.partition("\x1f")
@@ -321,9 +321,9 @@ def diff_message(op: str, per_rank: list[dict], names: list[str]) -> str:
         groups.setdefault(key, []).append(r)
     lines = []
     for key, ranks in groups.items():
-        lines.append(f"{_ranks_text(ranks)}: " + ", ".join(f"{p}={t}" for p, t in zip(paths, key)))
+        lines.append(f"{_ranks_text(ranks)}: " + ", ".join(f"{p}={t}" for p, t in zip(paths, key, strict=True)))
     if len(lines) > _MAX_LINES:
-        lines = lines[:_MAX_LINES] + [f"... and {len(groups) - _MAX_LINES} more groups of ranks"]
+        lines = [*lines[:_MAX_LINES], f"... and {len(groups) - _MAX_LINES} more groups of ranks"]
     differs = (", ".join(paths) if paths else ", ".join(names)) + (f" and {more} more" if more > 0 else "")
     if "function" in names:  # ranks that called different functions: name them all, in rank order
         op = "/".join(dict.fromkeys(d["function"].get("function", "?") for d in per_rank))

@@ -149,7 +149,7 @@ def run(quick=False, *, ns=None, d_head=64, heads=4, batch=1, reps=None, favor_f
             for soft in SOFTMAX:
                 key = f"{lin}/{soft}"
                 r = [None if a is None or b is None else a / b
-                     for a, b in zip(times[mode][lin], times[mode][soft])]
+                     for a, b in zip(times[mode][lin], times[mode][soft], strict=True)]
                 ratios[mode][key] = r
                 cross[mode][key] = _crossover(ns, r)
 
@@ -211,7 +211,7 @@ def summary(result: dict) -> str:
     f = result["favor_vs_features"]
     lines.append(f"FAVOR+ error vs features at N={f['n']} (mean of {result['config']['error_seeds']} draws):")
     for s, errs in f["rel_error"].items():
-        lines.append(f"  σ={s}: " + ", ".join(f"m={m}: {x:.4f}" for m, x in zip(f["features"], errs)))
+        lines.append(f"  σ={s}: " + ", ".join(f"m={m}: {x:.4f}" for m, x in zip(f["features"], errs, strict=True)))
     lines.append("(*) elu+1 is a different model, not an approximation: its number is the distance between "
                  "the two models' outputs")
     return "\n".join(lines)
@@ -275,7 +275,7 @@ def _rel(x, ref):
 
 def _crossover(ns, ratios):
     """Smallest N from which every measured ratio is < 1; log-log interpolated against the previous point."""
-    pts = [(n, r) for n, r in zip(ns, ratios) if r is not None]
+    pts = [(n, r) for n, r in zip(ns, ratios, strict=True) if r is not None]
     if not pts or pts[-1][1] >= 1:
         return {"n": None, "interpolated": None, "below_grid": False}
     i = len(pts) - 1

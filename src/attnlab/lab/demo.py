@@ -26,7 +26,7 @@ def continuations(model, cfg, n: int = 4, seed: int = 0) -> list[dict]:
     from attnlab.generate import generate
     g = torch.Generator().manual_seed(seed)
     rows = []
-    for i in range(n):
+    for _i in range(n):
         P = int(torch.randint(cfg.p_min, min(cfg.p_max, 14) + 1, (1,), generator=g))
         seg = torch.randperm(cfg.vocab, generator=g)[:P]  # distinct: the continuation is unambiguous
         prompt_len = P + P // 2
@@ -189,7 +189,8 @@ def inspect(text: str, *, model_name: str = "minilm", out: str = "out/inspect.ht
     kw = {"attention_mask": b["attention_mask"]}
     if encoder:
         kw["token_type_ids"] = b["token_type_ids"]
-    fwd = (lambda m, x: m(x, **kw))
+    def fwd(m, x):
+        return (m(x, **kw))
     scores = D.detect(model, ids, forward=fwd, value_weighted_too=True)
     with torch.no_grad(), capture(model) as cap:
         fwd(model, ids)

@@ -196,7 +196,7 @@ def _retrieved(state, target):
 
 def _classical(X, probe, sweeps, g):
     """Asynchronous sign dynamics with Hebbian weights ``W = XᵀX / d`` (zero diagonal)."""
-    T, N, d = X.shape
+    _T, _N, d = X.shape
     W = X.transpose(1, 2) @ X / d
     W.diagonal(dim1=1, dim2=2).zero_()
     s = probe.clone()
@@ -216,7 +216,7 @@ def _classical(X, probe, sweeps, g):
 
 def _capacity(ns, accs, threshold):
     cap = 0
-    for n, a in zip(ns, accs):
+    for n, a in zip(ns, accs, strict=True):
         if a < threshold:
             return cap, False
         cap = n

@@ -189,7 +189,7 @@ def phase_change_step(log: dict, key: str = "induction_max") -> int | None:
     if len(v) < 2 or v[-1] - v[0] < 0.2:
         return None
     half = v[0] + 0.5 * (v[-1] - v[0])
-    return next(s for s, x in zip(log["step"], v) if x >= half)
+    return next(s for s, x in zip(log["step"], v, strict=True) if x >= half)
 
 
 def analyse(model, cfg: InductionConfig) -> dict:

@@ -60,6 +60,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -332,10 +333,8 @@ def _run_all(cfg: RecallConfig, jobs, workers: int, bar) -> list:
         futures = [pool.submit(_train_one_queued, cfg, mixer, lr, q) for mixer, lr in jobs]
         bar.set_description(f"mqar {len(jobs)} runs on {min(workers, len(jobs))} processes")
         while not all(f.done() for f in futures):
-            try:
+            with contextlib.suppress(queue_mod.Empty):
                 bar.update(q.get(timeout=0.2))
-            except queue_mod.Empty:
-                pass
         while not q.empty():
             bar.update(q.get())
         return [f.result() for f in futures]

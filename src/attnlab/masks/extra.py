@@ -96,7 +96,7 @@ def check_dense(t, B, H, Nq, Nk, name="mask"):
         raise ValueError(f"{name}: a dense mask has at most 4 dims (B, H, Nq, Nk), got shape {tuple(t.shape)}")
     t4 = _as_4d(t)
     want = (B, H, Nq, Nk)
-    if any(s not in (1, w) for s, w in zip(t4.shape, want)):
+    if any(s not in (1, w) for s, w in zip(t4.shape, want, strict=True)):
         raise ValueError(f"{name}: shape {tuple(t.shape)} does not broadcast to (B, H, Nq, Nk)={want}; "
                          "each dim must be 1 or the problem's (a (B, N, H, D) layout? the mask stays (B, H, Nq, Nk))")
     return t4

@@ -82,7 +82,7 @@ class Dropout:
         # an int, or (under torch.compile, drawn in the graph) a 0-d int64 tensor: the same
         # 64 bits in two's complement, so ``s & M32`` and ``(s >> 32) & M32`` agree
         self.seed = seed if isinstance(seed, torch.Tensor) else int(seed)
-        self.threshold = min(M32, int(round(self.p * 2.0**32)))
+        self.threshold = min(M32, round(self.p * 2.0**32))
         self.inv_keep = 1.0 / (1.0 - self.p)
         s = self.seed if isinstance(seed, torch.Tensor) else self.seed & ((1 << 64) - 1)
         self.key_r = absorb(absorb(_ROW0, s & M32), (s >> 32) & M32)

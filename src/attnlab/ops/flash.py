@@ -107,7 +107,7 @@ def _forward_row(pb, i, qf, kT, vf, outf, lsef, b, h, Nq, Nk, acc, mmd, B, H, ca
 
 
 def _forward(pb: TileProblem, q, k, v):
-    B, H, Nq, D = q.shape
+    B, H, Nq, _D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     BH = B * Hkv
@@ -208,7 +208,7 @@ def _mod_backward(mod_out, leaf, params, dparams, dS):
     if not mod_out.requires_grad:
         return torch.zeros_like(dS)
     grads = torch.autograd.grad(mod_out, [leaf, *params], dS.view(mod_out.shape), allow_unused=True)
-    for t, g in zip(dparams, grads[1:]):
+    for t, g in zip(dparams, grads[1:], strict=True):
         if g is not None:
             t += g
     return torch.zeros_like(dS) if grads[0] is None else grads[0].reshape(dS.shape)
@@ -254,7 +254,7 @@ def refuse_double_backward(name, anchors, grads):
     if not anchors or not live:
         return grads
     out = list(grads)
-    for i, g in zip(live, _NoDoubleBackward.apply(name, len(anchors), *anchors, *(grads[i] for i in live))):
+    for i, g in zip(live, _NoDoubleBackward.apply(name, len(anchors), *anchors, *(grads[i] for i in live)), strict=False):
         out[i] = g
     return out
 
@@ -291,7 +291,7 @@ def tiled_function(fwd, bwd, name: str) -> type:
             """A loop over the mapped dimension (masks read the batch index b)."""
             outs = []
             for i in range(info.batch_size):
-                sl = [t if d is None else t.select(d, i) for t, d in zip((q, k, v, *params), in_dims[1:])]
+                sl = [t if d is None else t.select(d, i) for t, d in zip((q, k, v, *params), in_dims[1:], strict=True)]
                 outs.append(Fn.apply(pb, *sl))
             return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
 

@@ -110,7 +110,7 @@ def prepare(q, k, v, mmd):
     where the strides allow it (always for (B, H, N, D) and for B = 1), else a copy.
     Returns ``(qf, kf, kT, vf)`` with kT, kf and vf in ``mmd``.
     """
-    B, H, Nq, D = q.shape
+    B, H, _Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     qf = q.unflatten(1, (Hkv, H // Hkv))
     kT = k.transpose(2, 3).reshape(B * Hkv, D, Nk).to(mmd).contiguous()

@@ -81,7 +81,7 @@ def test_noncausal_backward_is_right(Nq, Nk, tiles16):
     """The widely copied tutorial kernel bounds the dK/dV loop to the causal triangle, so
     its non-causal gradients are wrong; every q-block must reach every kv-block here."""
     q, k, v = make_qkv(1, 2, 1, Nq, Nk, 32, 16, dtype=F32, seed=3)
-    fast, _, oracle = compare_triton(q, k, v, what=f"dense {Nq}x{Nk}")
+    fast, _, _oracle = compare_triton(q, k, v, what=f"dense {Nq}x{Nk}")
     for key in ("dk", "dv"):  # every key gets gradient from every query
         assert (fast[key].abs().amax(-1) > 0).all(), f"{key}: some key got no gradient"
 

@@ -22,7 +22,7 @@ def _run(q, k, v, backend, **kw):
     w, c = loss_weights(*out.shape)
     loss = (out.double() * w).sum() + (torch.where(torch.isinf(lse), 0, lse).double() * c).sum()
     return dict(zip(("out", "lse", "dq", "dk", "dv"), (out.detach(), lse.detach(),
-                                                       *torch.autograd.grad(loss, (q, k, v)))))
+                                                       *torch.autograd.grad(loss, (q, k, v))), strict=True))
 
 
 CASES = {  # (B, H, Hkv, Nq, Nk, D, Dv), mask, score mod

@@ -61,7 +61,7 @@ def test_grad_and_vmap_of_grad_equal_eager_autograd_on_triton(qkv, mask):
     loss = _loss(mask)
     want = [_eager_grads(loss, q[i], k[i], v[i]) for i in range(2)]
     got = grad(loss, argnums=(0, 1, 2))(q[0], k[0], v[0])
-    for a, b in zip(got, want[0]):
+    for a, b in zip(got, want[0], strict=True):
         torch.testing.assert_close(a, b, **SAME_KERNEL)
     vg = vmap(grad(loss, argnums=(0, 1, 2)))(q, k, v)
     for j in range(3):

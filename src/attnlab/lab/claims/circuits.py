@@ -87,7 +87,7 @@ def _tied() -> Outcome:
         return ent, self_w, self_top
 
     with torch.no_grad():
-        ent_u, self_u, top_u = stats()
+        ent_u, self_u, _top_u = stats()
         m.W_K.copy_(m.W_Q)
         ent_t, self_t, top_t = stats()
         s = _scores(m, x)
@@ -207,7 +207,7 @@ def _mover() -> Outcome:
             d = (model(ids).logits - model(other).logits).abs().amax(-1)[0]
         return float(d[4:].max()), float(d[3])
 
-    later_with, own_with = spread()
+    later_with, _own_with = spread()
     with torch.no_grad():
         for b in model.blocks:                                           # silence every attention layer
             b.attn.out_weight.zero_()

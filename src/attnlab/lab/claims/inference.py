@@ -47,7 +47,7 @@ def _kv_equal() -> Outcome:
         same &= out.sequences == ref.sequences
         ev[f"tokens equal, {kind} cache"] = out.sequences == ref.sequences
         ev[f"max |logit difference|, {kind} cache"] = max(float((a - b).abs().max())
-                                                          for a, b in zip(out.logits, ref.logits))
+                                                          for a, b in zip(out.logits, ref.logits, strict=True))
     worst = max(v for k, v in ev.items() if k.startswith("max"))
     return Outcome.judge(same and worst < 1e-4, evidence=ev,
                          explanation="greedy decoding of ragged prompts by a small RoPE Decoder: cached decoding "
@@ -66,15 +66,15 @@ def _kv_cost() -> Outcome:
         for n in ns:
             c = DynamicCache(model.cfg.n_layers)
             model(ids[:, :n], cache=c)
-            cached.append(flops(lambda: model(ids[:, n:n + 1], cache=c)))
-            recomputed.append(flops(lambda: model(ids[:, :n + 1])))
+            cached.append(flops(lambda n=n, c=c: model(ids[:, n:n + 1], cache=c)))
+            recomputed.append(flops(lambda n=n: model(ids[:, :n + 1])))
     d2c, d2r = second_difference(cached), second_difference(recomputed)
     per_token = (cached[-1] - cached[0]) / (ns[-1] - ns[0])
     cfg = model.cfg
     expect = 4 * cfg.n_layers * cfg.n_heads * cfg.d_head     # q·k and p·v: 2 FLOPs × (D + Dv) per key and head
     ok = all(x == 0 for x in d2c) and per_token == expect and all(x > 0 for x in d2r)
-    ev = {**{f"step FLOPs with cache, n={n}": f for n, f in zip(ns, cached)},
-          **{f"step FLOPs recomputing, n={n}": f for n, f in zip(ns, recomputed)},
+    ev = {**{f"step FLOPs with cache, n={n}": f for n, f in zip(ns, cached, strict=True)},
+          **{f"step FLOPs recomputing, n={n}": f for n, f in zip(ns, recomputed, strict=True)},
           "second differences with cache": d2c, "second differences recomputing": d2r,
           "added FLOPs per context token, cached": per_token,
           "expected 4·layers·H·d_head": expect,
@@ -175,11 +175,11 @@ def _flash() -> Outcome:
     saved = {"reference": [], "flash": []}
     for n in ns:
         q, k, v = (torch.randn(1, 2, n, 16, generator=g) for _ in range(3))
-        peak["reference"].append(peak_bytes(lambda: attnlab.attention(q, k, v, backend="reference")))
-        peak["flash"].append(peak_bytes(lambda: flash_attention(q, k, v, scale=0.25, q_offset=0, block=(128, 128))))
+        peak["reference"].append(peak_bytes(lambda q=q, k=k, v=v: attnlab.attention(q, k, v, backend="reference")))
+        peak["flash"].append(peak_bytes(lambda q=q, k=k, v=v: flash_attention(q, k, v, scale=0.25, q_offset=0, block=(128, 128))))
         for be in saved:
             qg = q.clone().requires_grad_()
-            saved[be].append(saved_bytes(lambda: attnlab.attention(qg, k, v, backend=be)))
+            saved[be].append(saved_bytes(lambda qg=qg, k=k, v=v, be=be: attnlab.attention(qg, k, v, backend=be)))
     exps = {f"{kind} exponent, {be}": growth_exponent(ns, d[be]) for kind, d in (("peak", peak), ("saved", saved))
             for be in d}
     q, k, v = (torch.randn(1, 2, 256, 32, generator=g, requires_grad=True) for _ in range(3))
@@ -188,7 +188,7 @@ def _flash() -> Outcome:
     runs = {"reference": lambda: attnlab.attention(q, k, v, backend="reference"),
             "flash": lambda: flash_attention(q, k, v, scale=32 ** -0.5, q_offset=0)[0]}
     fw = {be: flops(run) for be, run in runs.items()}
-    fb = {be: flops(lambda: run().sum().backward()) for be, run in runs.items()}
+    fb = {be: flops(lambda run=run: run().sum().backward()) for be, run in runs.items()}
     ev = {"max err vs float64, flash float32": e_flash, "max err vs float64, reference float32": e_ref32,
           **{f"peak tensor bytes n={n}, {be}": peak[be][i] for be in peak for i, n in enumerate(ns)},
           **{f"saved-for-backward bytes n={n}, {be}": saved[be][i] for be in saved for i, n in enumerate(ns)},
@@ -224,15 +224,15 @@ def _quadratic() -> Outcome:
     fl, mem = [], []
     for n in ns:
         q, k, v = (torch.randn(1, 2, n, 32, generator=g) for _ in range(3))
-        fl.append(flops(lambda: attnlab.attention(q, k, v, backend="reference")))
-        mem.append(peak_bytes(lambda: attnlab.attention(q, k, v, backend="reference")))
+        fl.append(flops(lambda q=q, k=k, v=v: attnlab.attention(q, k, v, backend="reference")))
+        mem.append(peak_bytes(lambda q=q, k=k, v=v: attnlab.attention(q, k, v, backend="reference")))
     q, k, v = (torch.randn(1, 2, 256, 64, generator=g) for _ in range(3))
     d_ratio = flops(lambda: attnlab.attention(q, k, v, backend="reference")) / fl[1]
     fe, me = growth_exponent(ns, fl), growth_exponent(ns, mem)
     ok = abs(fe - 2) < 1e-9 and abs(d_ratio - 2) < 1e-9 and me > 1.8
-    return Outcome.judge(ok, evidence={**{f"FLOPs n={n}": f for n, f in zip(ns, fl)}, "FLOP exponent in n": fe,
+    return Outcome.judge(ok, evidence={**{f"FLOPs n={n}": f for n, f in zip(ns, fl, strict=True)}, "FLOP exponent in n": fe,
                                        "FLOPs d_k=64 / d_k=32": d_ratio,
-                                       **{f"peak tensor bytes n={n}": m for n, m in zip(ns, mem)},
+                                       **{f"peak tensor bytes n={n}": m for n, m in zip(ns, mem, strict=True)},
                                        "memory exponent in n": me},
                          explanation="attnlab's materialized reference: FLOPs exactly ∝ n²·d_k, extra memory ∝ n²",
                          key_figure=f"FLOPs ∝ n^{fe:.2f}·d_k^{d_ratio / 2:.0f}; memory ∝ n^{me:.2f}")
@@ -253,18 +253,19 @@ def _linear() -> Outcome:
     lin, naive = [], []
     for n in ns:
         a, b, c_ = (torch.randn(1, 2, n, 16, generator=g) for _ in range(3))
-        lin.append(flops(lambda: linear_attention(a, b, c_)))
-        naive.append(flops(lambda: naive_linear_attention(a, b, c_)))
+        lin.append(flops(lambda a=a, b=b, c_=c_: linear_attention(a, b, c_)))
+        naive.append(flops(lambda a=a, b=b, c_=c_: naive_linear_attention(a, b, c_)))
     qh, kh = q * 0.5, k * 0.5                      # moderate logits: FAVOR+'s variance grows as exp(|q|²+|k|²)
     soft = attnlab.attention(qh, kh, v)
-    rel = lambda x: float((x - soft).norm() / soft.norm())
+    def rel(x):
+        return float((x - soft).norm() / soft.norm())
     e_elu = rel(linear_attention(qh, kh, v))
     e_favor = {m: rel(linear_attention(qh, kh, v, feature_map=FavorFeatures(16, m, seed=1))) for m in (16, 1024)}
     le, ne = growth_exponent(ns, lin), growth_exponent(ns, naive)
     ok = ident < 1e-12 and le < 1.05 and ne > 1.95 and e_elu > 1e-2 and min(e_favor.values()) > 1e-3
     return Outcome.judge(ok, evidence={"max |φ(Q)(φ(K)ᵀV) − (φ(Q)φ(K)ᵀ)V| (normalized; plain and causal)": ident,
-                                       **{f"FLOPs n={n}, reassociated": f for n, f in zip(ns, lin)},
-                                       **{f"FLOPs n={n}, quadratic": f for n, f in zip(ns, naive)},
+                                       **{f"FLOPs n={n}, reassociated": f for n, f in zip(ns, lin, strict=True)},
+                                       **{f"FLOPs n={n}, quadratic": f for n, f in zip(ns, naive, strict=True)},
                                        "FLOP exponent, reassociated": le, "FLOP exponent, quadratic": ne,
                                        "rel. distance to softmax attention, elu+1": e_elu,
                                        **{f"rel. distance to softmax attention, FAVOR+ m={m}": e

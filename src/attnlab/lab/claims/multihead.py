@@ -47,7 +47,7 @@ def _budget() -> Outcome:
         m = _mha(d, h, backend="reference")
         params[h] = sum(p.numel() for p in m.parameters())
         with torch.no_grad():
-            fl[h] = flops(lambda: m(x))
+            fl[h] = flops(lambda m=m: m(x))
     ok = len(set(params.values())) == 1 and len(set(fl.values())) == 1
     return Outcome.judge(ok, evidence={**{f"parameters, h={h}": p for h, p in params.items()},
                                        **{f"forward FLOPs, h={h}": f for h, f in fl.items()}},

@@ -271,7 +271,7 @@ def _run_one(c: Claim) -> ClaimResult:
         out = c.experiment()
         if not isinstance(out, Outcome):
             raise TypeError(f"experiment of {c.id!r} returned {type(out).__name__}, expected an Outcome")
-    except Exception as e:  # a failing experiment is reported, not a verdict
+    except Exception as e:  # noqa: BLE001 - a failing experiment is reported, not a verdict
         tb = traceback.format_exception_only(type(e), e)[-1].strip()
         return ClaimResult(c, None, {}, "", None, "", time.perf_counter() - t0, error=tb)
     return ClaimResult(c, out.verdict, out.evidence, out.explanation, out.conditions,

@@ -53,7 +53,7 @@ def _dot_product_cosine() -> Outcome:
     geo = a[:, 0] * b[:, 0] * torch.cos(th)                   # |q||k| cos θ, θ as constructed
     err = float((s - geo).abs().max() / geo.abs().max())
     unit = scores_via_lse(q / a, k / b, scale=1.0)            # unit vectors
-    at = {f"unit q·k at {int(d)}°": round(float(u), 12) for d, u in zip(degs, unit) if int(d) in (0, 90, 180)}
+    at = {f"unit q·k at {int(d)}°": round(float(u), 12) for d, u in zip(degs, unit, strict=True) if int(d) in (0, 90, 180)}
     ok = err < 1e-12 and abs(at["unit q·k at 0°"] - 1) < 1e-12 and abs(at["unit q·k at 90°"]) < 1e-12 \
         and abs(at["unit q·k at 180°"] + 1) < 1e-12
     return Outcome.judge(ok, evidence={"max rel |q·k - |q||k|cosθ|": err, **at},

@@ -8,6 +8,7 @@ trick: one query ``q = s`` against the keys ``k = I_N`` at ``scale=1`` scores ex
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -54,7 +55,8 @@ def _simplex() -> Outcome:
 def _strictly_positive() -> Outcome:
     def first_zero_gap(dtype):
         lo, hi = 0.0, 4096.0
-        probe = lambda gap: float(softmax_via_attnlab(torch.tensor([0.0, -gap], dtype=dtype))[1])
+        def probe(gap):
+            return float(softmax_via_attnlab(torch.tensor([0.0, -gap], dtype=dtype))[1])
         if probe(hi) > 0:
             return None
         for _ in range(40):  # bisect the logit gap at which the smaller weight becomes exactly 0
@@ -156,7 +158,7 @@ def _saturation():
 def _jacobian_saturation() -> Outcome:
     sat = _saturation()
     norms = [n for n, _ in sat.values()]
-    mono = all(b < a for a, b in zip(norms, norms[1:]))
+    mono = all(b < a for a, b in itertools.pairwise(norms))
     ok = mono and norms[-1] < 1e-3 * norms[0] and list(sat.values())[-1][1] > 0.999
     ev = {f"‖J‖₂ at logit scale {c} (max weight {m:.4f})": n for c, (n, m) in sat.items()}
     return Outcome.judge(ok, evidence=ev,
@@ -223,9 +225,9 @@ def _temperature() -> Outcome:
     with torch.no_grad():
         mha.W_Q.mul_(3.0)
         gauge = float((mha(x) - hot(x)).abs().max())
-    mono = all(b > a for a, b in zip(ent, ent[1:]))
+    mono = all(b > a for a, b in itertools.pairwise(ent))
     ok = mono and top[0] > 0.99 and argmax_ok and tv[-1] < 1e-2 and gauge < 1e-12
-    ev = {**{f"entropy/log N at τ={t:g}": e for t, e in zip(taus, ent)}, "top weight at τ=0.01": top[0],
+    ev = {**{f"entropy/log N at τ={t:g}": e for t, e in zip(taus, ent, strict=True)}, "top weight at τ=0.01": top[0],
           "argmax preserved at τ=0.01": argmax_ok, "TV distance to uniform at τ=1000": tv[-1],
           "max |MHA(3·W_Q) − MHA(scale×3)|": gauge}
     return Outcome.judge(ok, evidence=ev,

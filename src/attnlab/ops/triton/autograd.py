@@ -259,9 +259,9 @@ def _triton_bwd_vmap(info, in_dims, handle, *args):
     res = []
     for i in range(info.batch_size):
         sl = []
-        for a, d in zip(args, in_dims[1:]):
+        for a, d in zip(args, in_dims[1:], strict=True):
             if isinstance(a, (list, tuple)):
-                sl.append([x if dx is None else x.select(dx, i) for x, dx in zip(a, d or [None] * len(a))])
+                sl.append([x if dx is None else x.select(dx, i) for x, dx in zip(a, d or [None] * len(a), strict=True)])
             else:
                 sl.append(a if d is None or a is None else a.select(d, i))
         res.append(torch.ops.attnlab.triton_bwd(handle, *sl))
