@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
             parent = groups[g]
         runtime = getattr(mod, "RUNTIME", None)
         help_ = f"{mod.HELP} [{runtime}]" if runtime else mod.HELP
-        description = mod.__doc__ + (f"\n\nRun time: {runtime}." if runtime else "")
+        description = (mod.__doc__ or "") + (f"\n\nRun time: {runtime}." if runtime else "")
         cmd = parent.add_parser(leaf, help=help_, description=description, formatter_class=_Formatter,
                                 parents=[shared(**mod.SHARED)])
         mod.add_arguments(cmd)

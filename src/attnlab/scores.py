@@ -77,7 +77,7 @@ class _Alibi(ScoreMod):
         return f"alibi({tuple(self.slopes.shape)} slopes{', symmetric' if self.symmetric else ''})"
 
 
-def alibi(slopes, symmetric: bool = False) -> ScoreMod:
+def alibi(slopes, symmetric: bool = False) -> _Alibi:
     """ALiBi (Press et al., 2022): ``score + slopes[h] * (kv_pos - q_pos)``.
 
     The bias is ``-m·(i-j)`` for a key ``i-j`` tokens in the past; keys in the

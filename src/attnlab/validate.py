@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
+from typing import cast
 
 import torch
 
@@ -89,9 +91,9 @@ def real(x, name: str, *, gt: float | None = None, ge: float | None = None, lt: 
         f = math.inf
     if not math.isfinite(f):
         raise ValueError(f"{name}: must be a finite number, got {x!r:.60}")
-    for bound, ok, word in ((gt, lambda: f > gt, ">"), (ge, lambda: f >= ge, ">="),
-                            (lt, lambda: f < lt, "<"), (le, lambda: f <= le, "<=")):
-        if bound is not None and not ok():
+    for bound, ok, word in ((gt, operator.gt, ">"), (ge, operator.ge, ">="),
+                            (lt, operator.lt, "<"), (le, operator.le, "<=")):
+        if bound is not None and not ok(f, bound):
             raise ValueError(f"{name}: must be {word} {bound}, got {x!r:.60}")
     return f
 
@@ -225,7 +227,7 @@ def probability(x, name: str) -> float:
     """A float in ``[0, 1)`` (a dropout rate)."""
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise ArgumentTypeError(f"{name}: expected a probability in [0, 1), got {type(x).__name__} {x!r:.60}")
-    if not (0.0 <= x < 1.0):
+    if not (0.0 <= cast(float, x) < 1.0):  # a numbers.Real compares with floats
         raise ValueError(f"{name}: expected a probability in [0, 1), got {x!r}")
     return float(x)
 

@@ -15,6 +15,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+_LIBC: ctypes.CDLL | None
 try:
     _LIBC = ctypes.CDLL("libc.so.6")
 except OSError:  # not glibc: measurements still work, less tightly

@@ -166,7 +166,8 @@ class PagedCache(Cache):
         if tokens is not None:
             s.tokens = token_list(tokens, "add_sequence(tokens)")
             for j in range(max(0, (len(s.tokens) - 1) // self.block_size)):
-                b = self.allocator.lookup(s.hash_at(j, self.block_size))
+                h = s.hash_at(j, self.block_size)
+                b = None if h is None else self.allocator.lookup(h)
                 if b is None:
                     break
                 s.table.append(b)
@@ -181,7 +182,7 @@ class PagedCache(Cache):
         s.tokens.extend(token_list(tokens, "extend_tokens(tokens)"))
         self._register(s)
 
-    def fork(self, seq: int | None = None) -> int:
+    def fork(self, seq: int | None = None) -> int:  # type: ignore[override]  # one sequence by id, not the cache
         """A new sequence holding the same tokens as ``seq``, sharing its blocks (copy-on-write)."""
         if seq is None:
             raise TypeError("PagedCache.fork(seq): fork one sequence by id (parallel sampling, beam search)")
@@ -345,7 +346,8 @@ class PagedCache(Cache):
         """Blocks for ``n`` more tokens of each row, copying shared blocks about to be written.
         Counts first; raises before changing anything."""
         A, bs = self.allocator, self.block_size
-        grow, writers = 0, {}
+        grow = 0
+        writers: dict[int, int] = {}
         for s in rows:
             L = s.lens[0]
             end = -(-(L + n) // bs)
@@ -421,7 +423,7 @@ class PagedCache(Cache):
         if seq is not None:
             s = self._get(seq, "waste")
             return len(s.table) * bs - s.lens[0]
-        fill = {}
+        fill: dict[int, int] = {}
         for s in self._seqs.values():
             for i, b in enumerate(s.table):
                 fill[b] = max(fill.get(b, 0), min(bs, max(0, s.lens[0] - i * bs)))

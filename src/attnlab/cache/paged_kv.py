@@ -142,7 +142,8 @@ class PagedKV(KV):
             m = mask if mask is None or B == 1 else self.cache._wrap(_RowMask, mask, r, B)
             mod = score_mod if score_mod is None or B == 1 else self.cache._wrap(_RowScoreMod, score_mod, r, B)
             # pieces the mask shows whole are attended without it, hidden ones are skipped
-            full, partial = [], []
+            full: list[tuple] = []
+            partial: list[tuple] = []
             for piece in self.pieces(r) if Nq else ():
                 state = _tile_state(m, H, Nq, piece[0].shape[2], q_off, piece[2])
                 if state != EMPTY:

@@ -1,7 +1,7 @@
 """``attnlab bench tiles``: the flash backend's tile sizes per dtype and head dim."""
 
 HELP = "measure the flash backend's tile sizes per dtype and head dim"
-SHARED = {}
+SHARED: dict[str, object] = {}
 
 
 def add_arguments(p):

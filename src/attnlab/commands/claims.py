@@ -9,7 +9,7 @@ Exit status: 0 when every selected experiment ran (verdicts are findings, not fa
 import sys
 
 HELP = "the seeds' claims as experiments with verdicts; one claim id shows it whole"
-SHARED = {}
+SHARED: dict[str, object] = {}
 
 
 def add_arguments(p):

@@ -2,7 +2,7 @@
 
 HELP = "Hopfield capacity: one attention read retrieves far more patterns than the classical 0.138·d"
 RUNTIME = "about 10 s, most of it starting torch"
-SHARED = {}
+SHARED: dict[str, object] = {}
 
 
 def add_arguments(p):

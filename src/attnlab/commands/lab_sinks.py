@@ -2,7 +2,7 @@
 
 HELP = "attention sinks in the pretrained MiniLM: mass on [CLS]/[SEP], raw and weighted by the values read"
 RUNTIME = "about 20 s"
-SHARED = {}
+SHARED: dict[str, object] = {}
 
 
 def add_arguments(p):

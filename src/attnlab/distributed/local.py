@@ -37,7 +37,7 @@ def mod_params(score_mod, *, dtype=torch.float32, device=None) -> list[torch.Ten
     captures (:func:`attnlab.ops.modparams.score_mod_params`, probed on a 1×1 score of
     ``dtype`` on ``device``).  Raises ``ValueError`` for a mod that reads a tensor
     requiring grad that cannot be routed (pass it with ``scores.custom(fn, params=[...])``)."""
-    out = []
+    out: list[torch.Tensor] = []
     if score_mod is None:
         return out
     if hasattr(score_mod, "parameters"):

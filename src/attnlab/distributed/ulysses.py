@@ -20,6 +20,7 @@ query head, the K/V head it reads (correct, more traffic).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -92,7 +93,7 @@ def ulysses_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=N
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         kv_idx, _ = kv_heads_for(q.shape[1], k.shape[1], P, r)  # raises for H % P != 0
-        params = mod_params(score_mod, dtype=acc_dtype(q.dtype), device=q.device)  # declared or captured
+        params: Sequence[torch.Tensor] = mod_params(score_mod, dtype=acc_dtype(q.dtype), device=q.device)  # declared or captured
     except (ValueError, TypeError) as e:  # every rank learns of it in the handshake, not by a timeout
         error = e
         params = ()

@@ -78,8 +78,11 @@ class Capture:
         self._calls: dict[int, list[AttentionCall]] = {l: [] for l in layers}
 
     def _record(self, layer: int, call: AttentionCall) -> None:
-        kept = {n: (getattr(call, n).detach() if n in self.keep or n in ("q", "k") else None) for n in KEEP}
-        self._calls[layer].append(AttentionCall(None, **kept, mask=call.mask, score_mod=call.score_mod,
+        v, z = call.v, call.z
+        self._calls[layer].append(AttentionCall(None, call.q.detach(), call.k.detach(),
+                                                v.detach() if "v" in self.keep and v is not None else None,
+                                                z.detach() if "z" in self.keep and z is not None else None,
+                                                mask=call.mask, score_mod=call.score_mod,
                                                 scale=call.scale, q_offset=call.q_offset,
                                                 kv_offset=call.kv_offset, layer=layer))
 

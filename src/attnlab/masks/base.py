@@ -38,7 +38,7 @@ def _checks_positions(validate):
     def checked(self, B, H, Nq, Nk, q_offset, kv_offset):
         problem_positions(Nq, Nk, q_offset, kv_offset, where=lambda: f"mask {self!r}")
         return validate(self, B, H, Nq, Nk, q_offset, kv_offset)
-    checked.checks_positions = True
+    checked.__dict__["checks_positions"] = True
     return checked
 
 
@@ -68,7 +68,7 @@ class Mask:
             Mask.KINDS.setdefault(cls.__dict__["kind"], cls)
         v = cls.__dict__.get("validate")
         if v is not None and not getattr(v, "checks_positions", False):
-            cls.validate = _checks_positions(v)
+            setattr(cls, "validate", _checks_positions(v))  # noqa: B010 - mypy refuses a method assignment
 
     def predicate(self, b, h, q_pos, kv_pos) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -109,7 +109,7 @@ class Mask:
         """Raise ``ValueError`` if this mask cannot describe that problem."""
         problem_positions(Nq, Nk, q_offset, kv_offset, where=lambda: f"mask {self!r}")
 
-    validate.checks_positions = True
+    validate.__dict__["checks_positions"] = True
 
     def block_mask(self, B: int, H: int, Nq: int, Nk: int, *, q_offset: int | None = None,
                    kv_offset: int = 0, block: tuple[int, int] = (128, 512)) -> BlockMask:
@@ -127,8 +127,7 @@ class Mask:
         if not isinstance(block, (tuple, list)) or len(block) != 2:
             raise ArgumentTypeError(f"block: expected a pair (block_q, block_k) of ints, got {block!r}")
         bq, bk = (integer(x, f"block: tile size {x!r}", lo=1, hi=1 << 30) for x in block)
-        key = (B, H, Nq, Nk, q_offset, kv_offset, bq, bk)
-        key = (cache.mask_id(self), *key)
+        key = (cache.mask_id(self), B, H, Nq, Nk, q_offset, kv_offset, bq, bk)
         hit = cache.block_masks.get(key)
         if hit is not None:
             return hit

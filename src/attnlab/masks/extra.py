@@ -58,7 +58,7 @@ class _Band(Mask):
         return f"band({self.left}, {self.right})"
 
 
-def band(left, right) -> Mask:
+def band(left, right) -> _Band:
     """flash-attn's ``window_size=(left, right)``: a query at ``q_pos`` sees keys
     ``q_pos - left <= kv_pos <= q_pos + right`` (itself included).  ``None`` (flash-attn's
     ``-1``) leaves that side unbounded.
@@ -67,7 +67,7 @@ def band(left, right) -> Mask:
     itself); ``band(None, 0)`` is ``causal()``; ``band(l, r)`` is
     ``sliding_window(l + 1, right=r)``.  Positions are absolute (bottom-right aligned by
     default, as flash-attn's window is)."""
-    lr = []
+    lr: list[int | None] = []
     for name, x in (("left", left), ("right", right)):
         if x is None or (isinstance(x, int) and not isinstance(x, bool) and x == -1):
             lr.append(None)  # flash-attn's -1 = infinite
@@ -289,7 +289,7 @@ class _Varlen(Mask):
         return f"varlen({self.cu_q.numel() - 1} seqs, window=({self.left}, {self.right}))"
 
 
-def varlen(cu_seqlens_q, cu_seqlens_k=None, *, window=(None, None)) -> Mask:
+def varlen(cu_seqlens_q, cu_seqlens_k=None, *, window=(None, None)) -> _Varlen:
     """Packed variable-length sequences (flash-attn's ``cu_seqlens``): query ``t`` of sequence
     ``s`` sees only keys of sequence ``s``, and within it the ``window=(left, right)`` band
     (:func:`band`; ``None`` or ``-1`` unbounded; ``(None, 0)`` is causal) on **per-sequence,

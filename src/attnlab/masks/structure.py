@@ -118,10 +118,11 @@ class MaskStructure:
             ok = ok & band
         if self.kv_len is not None:
             ok = ok & (kv < self.kv_len[b])
-        if self.q_ids is not None:
-            bq = b if self.q_ids.shape[0] > 1 else torch.zeros_like(b)
-            bk = b if self.kv_ids.shape[0] > 1 else torch.zeros_like(b)
-            ok = ok & (self.q_ids[bq, q] == self.kv_ids[bk, kv])
+        q_ids, kv_ids = self.q_ids, self.kv_ids
+        if q_ids is not None and kv_ids is not None:  # set together
+            bq = b if q_ids.shape[0] > 1 else torch.zeros_like(b)
+            bk = b if kv_ids.shape[0] > 1 else torch.zeros_like(b)
+            ok = ok & (q_ids[bq, q] == kv_ids[bk, kv])
         if self.key_keep is not None:
             bk = b if self.key_keep.shape[0] > 1 else torch.zeros_like(b)
             ok = ok & self.key_keep[bk, kv]
@@ -181,9 +182,10 @@ class MaskStructure:
             lo, hi = kl.flatten(), kh.flatten() + 1
             n = (c[:, hi] - c[:, lo]).view(c.shape[0], 1, 1, -1)
             full, empty = full & (n == (hi - lo)), empty | (n == 0)
-        if self.q_ids is not None:
-            qmin, qmax = block_minmax(self.q_ids, ql, qh)
-            kmin, kmax = block_minmax(self.kv_ids, kl, kh)
+        q_ids, kv_ids = self.q_ids, self.kv_ids
+        if q_ids is not None and kv_ids is not None:  # set together
+            qmin, qmax = block_minmax(q_ids, ql, qh)
+            kmin, kmax = block_minmax(kv_ids, kl, kh)
             qmin, qmax = qmin[:, None, :, None], qmax[:, None, :, None]
             kmin, kmax = kmin[:, None, None, :], kmax[:, None, None, :]
             full = full & (qmin == qmax) & (kmin == kmax) & (qmin == kmin)

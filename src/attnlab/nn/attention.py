@@ -43,6 +43,7 @@ torch.Size([2, 10, 64])
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -78,10 +79,10 @@ class AttentionCall:
     module: object
     q: torch.Tensor
     k: torch.Tensor
-    v: torch.Tensor
-    z: torch.Tensor
-    mask: object = None
-    score_mod: object = None
+    v: torch.Tensor | None  # None where the installer keeps no values (interp.capture's keep=)
+    z: torch.Tensor | None
+    mask: masks.Mask | masks.BlockMask | None = None
+    score_mod: Callable[..., torch.Tensor] | None = None
     scale: float | None = None
     q_offset: int | None = None
     kv_offset: int = 0
@@ -132,14 +133,17 @@ class AttentionCall:
 
 def run_hooks(hooks, call: AttentionCall) -> torch.Tensor:
     """Call each hook in order; a returned tensor replaces ``call.z``.  Returns the final z."""
+    z = call.z
+    if z is None:
+        raise TypeError("run_hooks: the call holds no z (the op's output) to hand to the hooks")
     for hook in list(hooks):
         r = hook(call)
         if r is not None:
-            if not isinstance(r, torch.Tensor) or r.shape != call.z.shape:
-                raise ValueError(f"hook {hook!r}: must return None or z of shape {tuple(call.z.shape)}, got "
+            if not isinstance(r, torch.Tensor) or r.shape != z.shape:
+                raise ValueError(f"hook {hook!r}: must return None or z of shape {tuple(z.shape)}, got "
                                  f"{tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__}")
-            call.z = r
-    return call.z
+            call.z = z = r
+    return z
 
 
 def _positions(seen, N):
@@ -149,7 +153,78 @@ def _positions(seen, N):
     return int(seen)
 
 
-class MultiHeadAttention(nn.Module):
+class FusedQKV(nn.Module):
+    """The fused ``qkv_weight (n_qkv, d_model)`` / ``out_weight`` parameters shared by
+    :class:`MultiHeadAttention` and :class:`attnlab.nn.mixers.LinearAttentionMixer`: their
+    initialisation, per-head views (``W_Q (n_heads, d_model, d_head)`` ...) and the
+    projection to q ``(B, H, N, d_head)``, k and v ``(B, Hkv, M, d_head)``.  A subclass sets
+    the attributes below in its ``__init__``."""
+
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    qkv_weight: nn.Parameter
+    qkv_bias: nn.Parameter | None
+    out_weight: nn.Parameter
+    out_bias: nn.Parameter | None
+
+    def reset_parameters(self) -> None:
+        nn.init.xavier_uniform_(self.qkv_weight)
+        nn.init.xavier_uniform_(self.out_weight)
+        for b in (self.qkv_bias, self.out_bias):
+            if b is not None:
+                nn.init.zeros_(b)
+
+    # -- per-head views of the fused weights --------------------------------------
+    def _rows(self, which):
+        H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
+        lo = {"Q": 0, "K": H * dh, "V": (H + Hkv) * dh}[which]
+        return lo, lo + (H if which == "Q" else Hkv) * dh, (H if which == "Q" else Hkv)
+
+    def _w(self, which):
+        lo, hi, n = self._rows(which)
+        return self.qkv_weight[lo:hi].view(n, self.d_head, self.d_model).transpose(1, 2)
+
+    def _b(self, which):
+        if self.qkv_bias is None:
+            return None
+        lo, hi, n = self._rows(which)
+        return self.qkv_bias[lo:hi].view(n, self.d_head)
+
+    W_Q = property(lambda self: self._w("Q"), doc="[n_heads, d_model, d_head] view")
+    W_K = property(lambda self: self._w("K"), doc="[n_kv_heads, d_model, d_head] view")
+    W_V = property(lambda self: self._w("V"), doc="[n_kv_heads, d_model, d_head] view")
+    b_Q = property(lambda self: self._b("Q"))
+    b_K = property(lambda self: self._b("K"))
+    b_V = property(lambda self: self._b("V"))
+    b_O = property(lambda self: self.out_bias)
+
+    @property
+    def W_O(self) -> torch.Tensor:
+        """``[n_heads, d_head, d_model]`` view of the output projection."""
+        return self.out_weight.view(self.d_model, self.n_heads, self.d_head).permute(1, 2, 0)
+
+    # -- forward ------------------------------------------------------------------
+    def project(self, x, context=None):
+        """q ``(B, H, N, d_head)``, k and v ``(B, Hkv, M, d_head)`` (before positions)."""
+        B, N, _ = x.shape
+        H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
+        if context is None:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(B, N, H + 2 * Hkv, dh).transpose(1, 2)
+            return qkv.split((H, Hkv, Hkv), dim=1)
+        nq = H * dh
+        bq = bkv = None
+        if self.qkv_bias is not None:
+            bq, bkv = self.qkv_bias[:nq], self.qkv_bias[nq:]
+        q = F.linear(x, self.qkv_weight[:nq], bq).view(B, N, H, dh).transpose(1, 2)
+        M = context.shape[1]
+        kv = F.linear(context, self.qkv_weight[nq:], bkv).view(B, M, 2 * Hkv, dh).transpose(1, 2)
+        k, v = kv.split((Hkv, Hkv), dim=1)
+        return q, k, v
+
+
+class MultiHeadAttention(FusedQKV):
     """Multi-head attention (MHA; GQA with ``n_kv_heads < n_heads``; MQA with 1).
 
     Args:
@@ -210,60 +285,6 @@ class MultiHeadAttention(nn.Module):
         #: :mod:`attnlab.interp` installs functions; see :mod:`attnlab.nn.hooks`.
         self.attnlab_points = AttentionPoints()
         self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.xavier_uniform_(self.qkv_weight)
-        nn.init.xavier_uniform_(self.out_weight)
-        for b in (self.qkv_bias, self.out_bias):
-            if b is not None:
-                nn.init.zeros_(b)
-
-    # -- per-head views of the fused weights --------------------------------------
-    def _rows(self, which):
-        H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
-        lo = {"Q": 0, "K": H * dh, "V": (H + Hkv) * dh}[which]
-        return lo, lo + (H if which == "Q" else Hkv) * dh, (H if which == "Q" else Hkv)
-
-    def _w(self, which):
-        lo, hi, n = self._rows(which)
-        return self.qkv_weight[lo:hi].view(n, self.d_head, self.d_model).transpose(1, 2)
-
-    def _b(self, which):
-        if self.qkv_bias is None:
-            return None
-        lo, hi, n = self._rows(which)
-        return self.qkv_bias[lo:hi].view(n, self.d_head)
-
-    W_Q = property(lambda self: self._w("Q"), doc="[n_heads, d_model, d_head] view")
-    W_K = property(lambda self: self._w("K"), doc="[n_kv_heads, d_model, d_head] view")
-    W_V = property(lambda self: self._w("V"), doc="[n_kv_heads, d_model, d_head] view")
-    b_Q = property(lambda self: self._b("Q"))
-    b_K = property(lambda self: self._b("K"))
-    b_V = property(lambda self: self._b("V"))
-    b_O = property(lambda self: self.out_bias)
-
-    @property
-    def W_O(self) -> torch.Tensor:
-        """``[n_heads, d_head, d_model]`` view of the output projection."""
-        return self.out_weight.view(self.d_model, self.n_heads, self.d_head).permute(1, 2, 0)
-
-    # -- forward ------------------------------------------------------------------
-    def project(self, x, context=None):
-        """q ``(B, H, N, d_head)``, k and v ``(B, Hkv, M, d_head)`` (before positions)."""
-        B, N, _ = x.shape
-        H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
-        if context is None:
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(B, N, H + 2 * Hkv, dh).transpose(1, 2)
-            return qkv.split((H, Hkv, Hkv), dim=1)
-        nq = H * dh
-        bq = bkv = None
-        if self.qkv_bias is not None:
-            bq, bkv = self.qkv_bias[:nq], self.qkv_bias[nq:]
-        q = F.linear(x, self.qkv_weight[:nq], bq).view(B, N, H, dh).transpose(1, 2)
-        M = context.shape[1]
-        kv = F.linear(context, self.qkv_weight[nq:], bkv).view(B, M, 2 * Hkv, dh).transpose(1, 2)
-        k, v = kv.split((Hkv, Hkv), dim=1)
-        return q, k, v
 
     def forward(self, x, context=None, *, mask=None, score_mod=None, pos=None, cache=None,
                 need_weights: bool = False):

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnlab.nn.attention import MultiHeadAttention
+from attnlab.nn.attention import FusedQKV, MultiHeadAttention
 from attnlab.nn.config import FEATURE_MAPS, MIXERS
 from attnlab.nn.ssm import RecurrentCache, SSMMixer, check_recurrent_cache
 from attnlab.ops.linear import FavorFeatures, elu_feature, linear_attention, linear_attention_step
@@ -43,7 +43,7 @@ __all__ = ["LinearAttentionMixer", "SSMMixer", "RecurrentCache", "make_mixer", "
 
 
 
-class LinearAttentionMixer(nn.Module):
+class LinearAttentionMixer(FusedQKV):  # MultiHeadAttention's fused parameters, views and projection
     """Multi-head *linear* attention with :class:`MultiHeadAttention`'s projections.
 
     The weights have MultiHeadAttention's names, shapes and fused layout (``qkv_weight``
@@ -104,13 +104,6 @@ class LinearAttentionMixer(nn.Module):
         self.out_weight = nn.Parameter(torch.empty(d_model, n_heads * d_head))
         self.out_bias = nn.Parameter(torch.zeros(d_model)) if bias else None
         self.reset_parameters()
-
-    # the same fused parameters as MultiHeadAttention, so the same per-head views and projection
-    reset_parameters = MultiHeadAttention.reset_parameters
-    _rows, _w, _b = MultiHeadAttention._rows, MultiHeadAttention._w, MultiHeadAttention._b
-    W_Q, W_K, W_V, W_O = MultiHeadAttention.W_Q, MultiHeadAttention.W_K, MultiHeadAttention.W_V, MultiHeadAttention.W_O
-    b_Q, b_K, b_V, b_O = MultiHeadAttention.b_Q, MultiHeadAttention.b_K, MultiHeadAttention.b_V, MultiHeadAttention.b_O
-    project = MultiHeadAttention.project  # q (B, H, N, d_head), k, v (B, Hkv, N, d_head) before positions
 
     def forward(self, x, *, mask=None, pos=None, cache=None, need_weights: bool = False):
         """``x (B, N, d_model)`` -> ``(B, N, d_model)`` (and the pattern with ``need_weights``)."""

@@ -259,7 +259,7 @@ def refuse_double_backward(name, anchors, grads):
     return out
 
 
-def tiled_function(fwd, bwd, name: str) -> type:
+def tiled_function(fwd, bwd, name: str) -> type[torch.autograd.Function]:
     """The autograd.Function of a tiled kernel pair: ``fwd(pb, q, k, v, *params) -> (out, lse)`` and
     ``bwd(pb, q, k, v, out, lse, dout, dlse, params) -> (dq, dk, dv, dparams)``, where
     ``pb`` is the kernel's plan and ``params`` the score mod's learnable tensors.  The

@@ -277,7 +277,7 @@ class _OnFlopCounterImport(importlib.abc.MetaPathFinder):
             run(module)
             _register_flop_formulas(module)
 
-        spec.loader.exec_module = exec_module
+        setattr(spec.loader, "exec_module", exec_module)  # noqa: B010 - mypy refuses a method assignment
         return spec
 
 

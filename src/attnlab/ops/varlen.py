@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab import scores
+from attnlab import masks, scores
 from attnlab.masks import varlen as varlen_mask
 from attnlab.ops.dispatch import attention
 from attnlab.ops.dropout import check_dropout
@@ -109,7 +109,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     _max_seqlen(max_seqlen_q, "max_seqlen_q", mask.cu_q)
     _max_seqlen(max_seqlen_k, "max_seqlen_k", mask.cu_k)
-    mods = []
+    mods: list[scores.ScoreMod] = []
+    alibi_mod = None
     if softcap:
         mods.append(scores.softcap(softcap))
     if alibi_slopes is not None:
@@ -117,16 +118,17 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         if isinstance(s, torch.Tensor) and s.dim() == 2 and s.shape[0] != mask.cu_q.numel() - 1:
             raise ValueError(f"alibi_slopes: (num_seqs, H) slopes of shape {tuple(s.shape)} for "
                              f"{mask.cu_q.numel() - 1} sequences")
-        mods.append(scores.alibi(s, symmetric=True))
+        alibi_mod = scores.alibi(s, symmetric=True)
+        mods.append(alibi_mod)
     mod = None
     if mods:
         inner = mods[0] if len(mods) == 1 else scores.compose(*mods)
         mod = _LocalPositions(inner, mask)
-        if alibi_slopes is not None:  # validate the slopes against H (the sequence index is b)
-            sl = mods[-1].slopes
+        if alibi_mod is not None:  # validate the slopes against H (the sequence index is b)
+            sl = alibi_mod.slopes
             if sl.shape[-1] != q.shape[1]:
                 raise ValueError(f"alibi_slopes: {sl.shape[-1]} slopes for H={q.shape[1]} query heads")
-    kernel_mask = mask
+    kernel_mask: masks.Mask | masks.BlockMask = mask
     if backend == "flash" and total_q and total_k:  # exact tile states, tiles chosen for the packed problem
         kernel_mask = varlen_block_mask(mask, q.shape[1], q.shape[2], q.dtype, q.device)
     res = attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask=kernel_mask, score_mod=mod, scale=softmax_scale,

@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from attnlab.nn import Decoder, DecoderConfig
 
 SEQ = 128
-SPECS = {
+SPECS: dict[str, dict[str, Any]] = {
     "target": dict(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, steps=600, lr=3e-3),
     "draft": dict(d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, steps=300, lr=3e-3),
 }

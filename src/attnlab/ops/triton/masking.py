@@ -53,6 +53,7 @@ BlockMask build nothing again.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -109,7 +110,7 @@ def _lower(m):
     s = m.lower() if isinstance(m, Mask) else None
     if s is None or not s.fields() <= LOWERED_FIELDS:
         return None
-    out = {}
+    out: dict[str, Any] = {}
     if s.has_band:  # left/right on q - kv: -right <= q - kv <= left
         out["band"] = (INT_MIN if s.right is None else _int32(-s.right), INT_MAX if s.left is None else _int32(s.left))
         if s.sinks:
@@ -141,7 +142,7 @@ def lower_mask(mask, B, Nq, Nk, q_offset, kv_offset, device) -> MaskSpec | None:
         if spec.q_ids.shape[-1] != Nq or spec.kv_ids.shape[-1] != Nk:
             return None  # ids do not cover the problem: let the predicate decide (and raise)
     if "keep" in terms:
-        keep = None
+        keep: torch.Tensor | None = None
         kv_pos = torch.arange(Nk, device="cpu") + kv_offset
         for what, t in terms["keep"]:
             if what == "lengths":
@@ -151,7 +152,8 @@ def lower_mask(mask, B, Nq, Nk, q_offset, kv_offset, device) -> MaskSpec | None:
                 if k.shape[-1] != Nk:
                     return None
             keep = k if keep is None else keep & k
-        spec.keep = keep.to(device=device, dtype=torch.int8).contiguous()
+        if keep is not None:  # terms["keep"] is never empty
+            spec.keep = keep.to(device=device, dtype=torch.int8).contiguous()
     return spec
 
 

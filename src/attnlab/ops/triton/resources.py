@@ -150,7 +150,7 @@ def launch_kwargs(kernel: str, dtype: str, D: int, mask: str) -> tuple[dict, tup
     pb = ag._Problem(q, k, v, None, lower_score_mod(None), D ** -0.5, 0, 0, None)
     if mask != "none":
         plan = _fake_plan(mask, q.device)
-        pb.plan = lambda name: plan
+        setattr(pb, "plan", lambda name: plan)  # noqa: B010 - mypy refuses a method assignment
     got = {}
 
     def capture(name, grid, **kw):
