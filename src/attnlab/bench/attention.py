@@ -18,7 +18,9 @@ import math
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -139,8 +141,8 @@ class Runner:
         self.v = torch.randn(B, Hkv, N, D, generator=g).to(dt).requires_grad_(grad)
         self.dout = torch.randn(B, H, N, D, generator=g).to(dt) if grad else None
         self.mask = attnlab_mask(case)
-        self.flex_compile_s = None
-        self._flex = None
+        self.flex_compile_s: float | None = None
+        self._flex: Callable[[], torch.Tensor] | None = None
 
     def _run(self, f):
         def go():
@@ -185,13 +187,13 @@ class Runner:
             bm = None if mm is None else create_block_mask(mm, None, None, c.N, c.N, device="cpu")
             fn = torch.compile(flex_attention, dynamic=False)
             gqa = c.H != c.Hkv
-            self._flex = lambda: fn(self.q, self.k, self.v, block_mask=bm, enable_gqa=gqa)
+            flex = self._flex = lambda: fn(self.q, self.k, self.v, block_mask=bm, enable_gqa=gqa)
             t0 = time.perf_counter()
-            r = self._flex()
+            r = flex()
             if self.dout is not None:
                 r.backward(self.dout)
             self.flex_compile_s = time.perf_counter() - t0
-        return self._flex()
+        return flex()
 
 
 _FLEX_OK = None
@@ -217,7 +219,7 @@ def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool
     extra memory in a child process (:mod:`attnlab.bench.memprobe`)."""
     from tqdm import tqdm
 
-    results = {"machine": machine_info(), "cases": [], "matmul_gflops": {}}
+    results: dict[str, Any] = {"machine": machine_info(), "cases": [], "matmul_gflops": {}}
     for dt in sorted({c.dtype for c in cases}):
         results["matmul_gflops"][dt] = matmul_rate(_DT[dt])
     plan = []
@@ -255,8 +257,8 @@ def _run_case(c: Case, r: Runner, names: list[str], reps: int, with_flex: bool, 
 
     fns = r.backends(with_flex)
     fns = {n: fns.get(n) or fns["torch sdpa (dense mask)"] for n in names}
-    recs = {n: {"backend": n} for n in names}
-    times = {n: [] for n in names}
+    recs: dict[str, dict[str, Any]] = {n: {"backend": n} for n in names}
+    times: dict[str, list[float]] = {n: [] for n in names}
 
     def attempt(n, what):
         bar.set_postfix_str(f"{c.name[:34]} | {n} | {what}")

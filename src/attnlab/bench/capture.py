@@ -22,6 +22,7 @@ contender keeps (cache, patterns, captured calls), counted from their storages.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -103,10 +104,10 @@ def run(quick: bool = False, reps: int = 5, memory: bool = True, shape=None) -> 
 
     from attnlab.bench.measure import memory_supported, time_call
     model, ids, cfg = _setup(quick, shape)
-    times = {m: [] for m in MODES}
+    times: dict[str, list[float]] = {m: [] for m in MODES}
     for _ in tqdm(range(reps), desc="capture bench", unit="round"):
         for m in MODES:  # interleaved: every contender sees the same machine state
-            times[m].append(time_call(lambda m=m: _call(m, model, ids), reps=1, warmup=1 if not times[m] else 0))
+            times[m].append(time_call(functools.partial(_call, m, model, ids), reps=1, warmup=1 if not times[m] else 0))
     med = {m: sorted(v)[len(v) // 2] for m, v in times.items()}
     res = {"shape": {"layers": cfg.n_layers, "d_model": cfg.d_model, "heads": cfg.n_heads, "batch": ids.shape[0],
                      "tokens": ids.shape[1]},

@@ -55,7 +55,7 @@ def run(quick: bool = False, reps: int = 5, backend: str = "inductor", progress:
     step(compiled)  # compiles
     compile_s = time.perf_counter() - t0
     step(loss_fn)
-    times = {"eager": [], "compiled": []}
+    times: dict[str, list[float]] = {"eager": [], "compiled": []}
     for r in range(reps):
         times["eager"].append(step(loss_fn))
         times["compiled"].append(step(compiled))

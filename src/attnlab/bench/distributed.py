@@ -50,6 +50,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -125,7 +126,7 @@ def _rank_main(rank, world, spec):
     def once(method, layout):
         for t in (q, k, v):
             t.grad = None
-        res = {}
+        res: dict[str, float] = {}
 
         def run():
             dist.barrier()
@@ -153,7 +154,7 @@ def _rank_main(rank, world, spec):
         fn = D.ring_attention if method == "ring" else D.ulysses_attention
         fn(qq, kk, vv, mask=mask, layout=layout, timeout=spec["timeout"]).sum().backward()
     del small
-    recs = {f"{m} {l}": [] for m, l in spec["variants"]}
+    recs: dict[str, list[dict]] = {f"{m} {l}": [] for m, l in spec["variants"]}
     for _ in range(spec["reps"]):
         for method, layout in spec["variants"]:
             recs[f"{method} {layout}"].append(once(method, layout))
@@ -163,16 +164,16 @@ def _rank_main(rank, world, spec):
     comm_only = {}
     saved = (ring_mod.tile_forward, ring_mod.tile_backward, uly_mod.attention)
 
-    def fwd_stub(q_, k_, v_, **kw):
-        B_, H_, n_, _ = q_.shape
-        return (torch.zeros(B_, H_, n_, v_.shape[-1], dtype=q_.dtype),
+    def fwd_stub(q, k, v, **kw):  # the names of ring_mod.tile_forward's arguments
+        B_, H_, n_, _ = q.shape
+        return (torch.zeros(B_, H_, n_, v.shape[-1], dtype=q.dtype),
                 torch.full((B_, H_, n_), float("-inf"), dtype=torch.float32))
 
-    def bwd_stub(q_, k_, v_, *a, params=(), **kw):
-        return torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_), []
+    def bwd_stub(q, k, v, *a, params=(), **kw):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), []
 
-    def att_stub(q_, k_, v_, **kw):
-        return q_[..., :v_.shape[-1]] * 0
+    def att_stub(q, k, v, **kw):
+        return q[..., :v.shape[-1]] * 0
 
     ring_mod.tile_forward, ring_mod.tile_backward, uly_mod.attention = fwd_stub, bwd_stub, att_stub
     try:
@@ -209,13 +210,13 @@ def _single_main(rank, world, spec):
         torch.set_num_threads(threads)
         x = [t.detach()[:, :, :256].clone().requires_grad_() for t in (q, k, v)]
         attnlab.attention(*x, mask=mask, backend=be).sum().backward()
-    recs = {be: [] for be, _ in ANCHORS}
+    recs: dict[str, list[dict]] = {be: [] for be, _ in ANCHORS}
     for _ in range(spec["reps"]):
         for be, threads in ANCHORS:
             torch.set_num_threads(threads)
             for t in (q, k, v):
                 t.grad = None
-            res = {}
+            res: dict[str, float] = {}
 
             def run(be=be, res=res):
                 c0, t0 = time.process_time(), time.perf_counter()
@@ -242,7 +243,7 @@ def _launch(fn, world, spec, threads, bar, timeout):
     fd, path = tempfile.mkstemp(prefix="attnlab-bench-progress-")
     os.close(fd)
     spec = {**spec, "progress": path}
-    box = {}
+    box: dict[str, Any] = {}
 
     def target():
         try:
@@ -269,7 +270,7 @@ def _launch(fn, world, spec, threads, bar, timeout):
 def _summarize(cfg: Config, dist_res: list, single: dict) -> dict:
     from attnlab.distributed import balance, work_per_rank
 
-    out = {"config": asdict(cfg), "single": {}, "variants": []}
+    out: dict[str, Any] = {"config": asdict(cfg), "single": {}, "variants": []}
     s_in = single["inputs_mib"]
     for be, rs in single["recs"].items():
         out["single"][be] = {"fwd": statistics.median(r["fwd"] for r in rs),
@@ -320,7 +321,7 @@ def _exposed_comm(steps_per_rank: list[list[dict]]) -> list[float]:
     messages)`` to the end of its wait.  Waiting for a peer that is still computing its
     previous step (imbalance, or a busy machine) is not counted; a transfer that the
     computation did not cover is."""
-    posted = {}
+    posted: dict = {}
     for steps in steps_per_rank:
         for st in steps:
             key = (st["op"], st["step"])
@@ -346,8 +347,8 @@ def run(configs: list[Config], *, memory: bool = True, progress: bool = True, ti
         c.reps * sum(1 for v in VARIANTS if v[0] == "ring" or c.H % c.P == 0) for c in configs)
     bar = tqdm(total=total, desc="bench distributed", unit="run", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
-    res = {"machine": machine_info(), "cases": []}
-    singles = {}
+    res: dict[str, Any] = {"machine": machine_info(), "cases": []}
+    singles: dict[tuple, dict] = {}
     try:
         for cfg in configs:
             spec = {"N": cfg.N, "B": cfg.B, "H": cfg.H, "Hkv": cfg.Hkv, "D": cfg.D, "reps": cfg.reps,

@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 
@@ -64,7 +65,7 @@ def decode_speed(reps=3, new_tokens=128, shapes=((4, 256, 4096, 1), (4, 256, 409
         fns = {"attnlab": lambda ours=ours, prompt=prompt: generate(ours, prompt, max_new_tokens=new_tokens, cache="static"),
                "transformers": lambda hf=hf, prompt=prompt: hf.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                                    do_sample=False, pad_token_id=0)}
-        t = {n: [] for n in fns}
+        t: dict[str, list[float]] = {n: [] for n in fns}
         for f in fns.values():
             f()
         for _ in range(reps):  # interleaved rounds
@@ -86,7 +87,7 @@ def cache_memory(n_tokens=1024, n_layers=4, n_kv_heads=4, d_head=64):
     g = torch.Generator().manual_seed(0)
     k = torch.randn(1, n_kv_heads, n_tokens, d_head, generator=g)
     v = torch.randn(1, n_kv_heads, n_tokens, d_head, generator=g)
-    kinds = {
+    kinds: dict[str, Any] = {
         "dynamic float32": lambda: C.DynamicCache(n_layers),
         "static float32 (capacity 2048)": lambda: C.StaticCache(n_layers, 1, n_kv_heads, d_head, 2048),
         "dynamic bfloat16": lambda: C.DynamicCache(n_layers),
@@ -114,8 +115,10 @@ def cache_memory(n_tokens=1024, n_layers=4, n_kv_heads=4, d_head=64):
                 c.update(layer, kk, vv)
         if hasattr(c, "nbytes"):
             nbytes = c.nbytes()
-        else:
+        elif isinstance(c, C.DynamicCache):
             nbytes = sum(t.numel() * t.element_size() for t in c.k + c.v if t is not None)
+        else:
+            raise TypeError(f"{name}: {type(c).__name__} has neither nbytes() nor k/v lists")
         rows.append({"cache": name, "bytes": nbytes, "bytes_per_token": nbytes / n_tokens,
                      "vs_float32": nbytes / (2 * n_layers * n_kv_heads * d_head * 4 * n_tokens)})
     return rows
@@ -226,7 +229,7 @@ def run(quick: bool = False, reps: int = 3, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     from attnlab.train.textmodels import load_or_train
-    out = {"machine": machine_info()}
+    out: dict[str, Any] = {"machine": machine_info()}
     steps = ["decode", "memory", "models", "quantized", "streaming", "speculative", "paged"]
     bar = tqdm(total=len(steps), desc="bench inference", unit="part", disable=not progress, file=sys.stderr)
     bar.set_postfix_str("decode vs transformers")

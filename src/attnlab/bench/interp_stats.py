@@ -26,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 from attnlab.bench.measure import memory_supported, peak_extra_bytes, time_call
 from attnlab.bench.memprobe import ENV as MEMPROBE_ENV
@@ -81,7 +82,7 @@ def run(n: int = 32768, d_head: int = 64, heads: int = 1, quick: bool = False, r
             raise ValueError(f"{name}: expected a positive int, got {x!r}")
     if quick:
         n = QUICK_N
-    res = {"n": n, "d_head": d_head, "heads": heads, "dtype": "float32", "mask": "causal()",
+    res: dict[str, Any] = {"n": n, "d_head": d_head, "heads": heads, "dtype": "float32", "mask": "causal()",
            "pattern_mib": heads * n * n * 4 / MiB, "memory_supported": memory_supported()}
     for method in METHODS:
         spec = {"method": method, "n": n, "d_head": d_head, "heads": heads, "reps": reps}

@@ -69,7 +69,7 @@ def _timed(fns: dict, reps: int, bar, label: str) -> dict:
         bar.set_postfix_str(f"{label} | {n} | warm-up")
         f()
         bar.update(1)
-    times = {n: [] for n in fns}
+    times: dict[str, list[float]] = {n: [] for n in fns}
     for i in range(reps):
         for n, f in fns.items():
             bar.set_postfix_str(f"{label} | {n} | rep {i + 1}/{reps}")

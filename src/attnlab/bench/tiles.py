@@ -8,6 +8,7 @@ the ratios between candidates are what count.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -36,7 +37,7 @@ def run(N: int = 4096, H: int = 8, reps: int = 3, progress: bool = True) -> list
         bq = max(32, min(1024, target // (H * bk)))
         bq = 1 << (bq.bit_length() - 1)
         with torch.no_grad():
-            t = time_call(lambda q=q, k=k, v=v, D=D, bq=bq, bk=bk: flash_attention(q, k, v, scale=D ** -0.5, q_offset=0, block=(bq, bk)), reps=reps)
+            t = time_call(functools.partial(flash_attention, q, k, v, scale=D ** -0.5, q_offset=0, block=(bq, bk)), reps=reps)
         rows.append({"dtype": str(dt).replace("torch.", ""), "D": D, "block_k": bk, "target": target,
                      "block_q": bq, "seconds": t})
     return rows

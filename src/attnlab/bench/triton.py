@@ -161,7 +161,8 @@ def _contenders(kind, N, flex, window):
         compiled = torch.compile(flex_attention)
         mods = {"full": None, "causal": lambda b, h, q, kv: q >= kv,
                 "window": lambda b, h, q, kv: (q >= kv) & (q - kv < window)}
-        bm = None if mods[kind] is None else create_block_mask(mods[kind], None, None, N, N, device="cuda")
+        mod = mods[kind]
+        bm = None if mod is None else create_block_mask(mod, None, None, N, N, device="cuda")
         out["flex-compiled"] = lambda q, k, v: compiled(q, k, v, block_mask=bm)
     return out
 
