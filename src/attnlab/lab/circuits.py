@@ -20,6 +20,8 @@ metric: the cosine similarity of the mean-pooled sentence embedding to the clean
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from attnlab.interp import activation_patching, agreement, attribution_patching, detect, path_patching
@@ -77,17 +79,16 @@ def minilm_patching(*, progress=False) -> dict:
     def similarity(h):
         return torch.nn.functional.cosine_similarity(h.mean(1), e0).mean()
 
-    kw = dict(metric=similarity)
-    resid = activation_patching(model, clean, corrupted, site="resid_pre", progress=progress, **kw)
-    heads = activation_patching(model, clean, corrupted, site="z", by="head", progress=progress, **kw)
-    a_heads = attribution_patching(model, clean, corrupted, site="z", by="head", **kw)
+    resid = activation_patching(model, clean, corrupted, site="resid_pre", progress=progress, metric=similarity)
+    heads = activation_patching(model, clean, corrupted, site="z", by="head", progress=progress, metric=similarity)
+    a_heads = attribution_patching(model, clean, corrupted, site="z", by="head", metric=similarity)
     changed = int((clean != corrupted).nonzero()[0, 1])
     return {"tokens": tok.to_str_tokens(clean[0]), "changed_position": changed, "resid": resid, "heads": heads,
             "heads_attribution": a_heads, "agreement_heads": agreement(heads, a_heads)}
 
 
 def run(progress=False, minilm: bool = True) -> dict:
-    out = {"induction": induction_patching(progress=progress)}
+    out: dict[str, Any] = {"induction": induction_patching(progress=progress)}
     if minilm:
         try:
             out["minilm"] = minilm_patching(progress=progress)

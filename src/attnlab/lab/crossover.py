@@ -41,6 +41,7 @@ import math
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -101,11 +102,11 @@ def run(quick=False, *, ns=None, d_head=64, heads=4, batch=1, reps=None, favor_f
 
     t_start = time.perf_counter()
     favor = FavorFeatures(d_head, m_feat, seed=seed)
-    times = {mode: {m: [] for m in METHODS} for mode in MODES}
-    samples = {mode: {m: [] for m in METHODS} for mode in MODES}
-    errors = {"favor": {str(x): [] for x in error_scales}, "elu": {str(x): [] for x in error_scales},
+    times: dict[str, dict[str, list[float | None]]] = {mode: {m: [] for m in METHODS} for mode in MODES}
+    samples: dict[str, dict[str, list[list[float]]]] = {mode: {m: [] for m in METHODS} for mode in MODES}
+    errors: dict[str, Any] = {"favor": {str(x): [] for x in error_scales}, "elu": {str(x): [] for x in error_scales},
               "flash_vs_sdpa": []}
-    too_slow = {mode: set() for mode in MODES}
+    too_slow: dict[str, set[str]] = {mode: set() for mode in MODES}
     bar = tqdm(total=len(ns) * len(MODES) * reps, disable=not progress, file=sys.stderr,
                desc="crossover", unit="rep")
     for n in ns:
@@ -131,7 +132,7 @@ def run(quick=False, *, ns=None, d_head=64, heads=4, batch=1, reps=None, favor_f
                 if w > max_call_s:
                     too_slow[mode].add(m)
             active = [m for m in active if m not in too_slow[mode]]
-            per = {m: [] for m in METHODS}
+            per: dict[str, list[float]] = {m: [] for m in METHODS}
             for r in range(reps):
                 order = active[r % len(active):] + active[:r % len(active)] if active else []
                 for m in order:
@@ -142,16 +143,17 @@ def run(quick=False, *, ns=None, d_head=64, heads=4, batch=1, reps=None, favor_f
                 samples[mode][m].append(per[m])
     bar.close()
 
-    ratios, cross = {}, {}
+    ratios: dict[str, dict[str, list[float | None]]] = {}
+    cross: dict[str, dict[str, Any]] = {}
     for mode in MODES:
         ratios[mode], cross[mode] = {}, {}
         for lin in LINEAR:
             for soft in SOFTMAX:
                 key = f"{lin}/{soft}"
-                r = [None if a is None or b is None else a / b
-                     for a, b in zip(times[mode][lin], times[mode][soft], strict=True)]
-                ratios[mode][key] = r
-                cross[mode][key] = _crossover(ns, r)
+                rs = [None if a is None or b is None else a / b
+                      for a, b in zip(times[mode][lin], times[mode][soft], strict=True)]
+                ratios[mode][key] = rs
+                cross[mode][key] = _crossover(ns, rs)
 
     fvf = _favor_vs_features(error_n, d_head, heads, batch, error_features, error_seeds, chunk_size, seed,
                              error_scales)
@@ -259,13 +261,13 @@ def _timed_call(fn, q, k, v, dout, backward):
         return call
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
 
-    def call():
+    def call_bwd():
         for t in leaves:
             t.grad = None
         t0 = time.perf_counter()
         fn(*leaves).backward(dout)
         return time.perf_counter() - t0
-    return call
+    return call_bwd
 
 
 def _rel(x, ref):

@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
+from typing import Any, cast
 
 import torch
 
@@ -70,26 +71,26 @@ def run(dims=(16, 32, 64), ns=DEFAULT_NS, beta=1.0, *, kind="binary", corruption
     """
     dims = _int_tuple(dims, "dims")
     ns = _int_tuple(ns, "ns")
-    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not (0 < beta < math.inf):
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not (0 < cast(float, beta) < math.inf):
         raise ValueError(f"beta: expected a positive finite number, got {beta!r}")
     if kind not in ("binary", "gaussian"):
         raise ValueError(f"kind: expected 'binary' or 'gaussian', got {kind!r}")
     if corruption not in ("flip", "mask"):
         raise ValueError(f"corruption: expected 'flip' or 'mask', got {corruption!r}")
-    if isinstance(frac, bool) or not isinstance(frac, numbers.Real) or not (0 <= frac < 1):
+    if isinstance(frac, bool) or not isinstance(frac, numbers.Real) or not (0 <= cast(float, frac) < 1):
         raise ValueError(f"frac: expected a fraction in [0, 1), got {frac!r}")
     steps = _int_tuple((steps,), "steps")[0]
     n_probes = _int_tuple((n_probes,), "n_probes")[0]
     classical_sweeps = _int_tuple((classical_sweeps,), "classical_sweeps")[0]
-    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not (0 < threshold <= 1):
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not (0 < cast(float, threshold) <= 1):
         raise ValueError(f"threshold: expected a number in (0, 1], got {threshold!r}")
     if not isinstance(classical, bool):
         raise TypeError(f"classical: expected a bool, got {type(classical).__name__}")
     do_classical = classical and kind == "binary"
 
     t0 = time.perf_counter()
-    modern = {"accuracy": {}, "capacity": {}, "censored": {}, "mean_steps": {}}
-    clas = {"accuracy": {}, "capacity": {}, "censored": {}} if do_classical else None
+    modern: dict[str, dict[str, Any]] = {"accuracy": {}, "capacity": {}, "censored": {}, "mean_steps": {}}
+    clas: dict[str, dict[str, Any]] | None = {"accuracy": {}, "capacity": {}, "censored": {}} if do_classical else None
     for d in dims:
         accs, msteps, caccs = [], [], []
         for N in ns:
@@ -103,7 +104,7 @@ def run(dims=(16, 32, 64), ns=DEFAULT_NS, beta=1.0, *, kind="binary", corruption
         modern["accuracy"][str(d)] = accs
         modern["mean_steps"][str(d)] = msteps
         modern["capacity"][str(d)], modern["censored"][str(d)] = _capacity(ns, accs, threshold)
-        if do_classical:
+        if clas is not None:
             clas["accuracy"][str(d)] = caccs
             clas["capacity"][str(d)], clas["censored"][str(d)] = _capacity(ns, caccs, threshold)
 

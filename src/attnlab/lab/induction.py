@@ -32,6 +32,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -135,7 +136,7 @@ def train_one(cfg: InductionConfig, n_layers: int, *, progress=True) -> tuple[De
     from attnlab.train import TrainConfig, train
     model = build(cfg, n_layers)
     ev = eval_data(cfg)
-    log = {"step": [], "train_loss": []}
+    log: dict[str, Any] = {"step": [], "train_loss": []}
 
     def record(step):
         log["step"].append(step)

@@ -15,6 +15,8 @@ fast path; patterns are recomputed per layer from the captured q and k
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from attnlab.interp import detectors as D
@@ -62,7 +64,7 @@ def analyse(model, tokenizer, sentences=SENTENCES) -> dict:
     cls_keys = (kpos == 0).view(1, 1, N).expand(B, N, N)
     sep_keys = (kpos.view(1, N) == last.view(B, 1)).view(B, 1, N).expand(B, N, N)
     rows = keep                                                     # real query tokens only
-    res = {k: [] for k in ("cls", "cls_vw", "sep", "sep_vw", "entropy")}
+    res: dict[str, Any] = {k: [] for k in ("cls", "cls_vw", "sep", "sep_vw", "entropy")}
     for l in cap.layers:
         p = cap.pattern(l)
         vw = D.value_weighted(p, cap[l].v)

@@ -3,6 +3,8 @@ capacity, linear attention as an approximation of softmax, additive attention's 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -185,7 +187,7 @@ def _ssm_recall() -> Outcome:
     r = recall.run(progress=False)               # the lab's cached run (about 2 minutes the first time)
     ns = [str(n) for n in r["n_pairs"]]
     acc = {m: r["models"][m]["accuracy"] for m in r["models"]}
-    ev = {f"accuracy {m}": [round(acc[m][n], 4) for n in ns] for m in acc}
+    ev: dict[str, Any] = {f"accuracy {m}": [round(acc[m][n], 4) for n in ns] for m in acc}
     ev.update({"pairs": r["n_pairs"], "no-binding bar": [round(r["no_binding"][n], 4) for n in ns],
                "params": {m: r["models"][m]["params"] for m in acc}})
     att, ssm = acc["attention"], acc["ssm"]

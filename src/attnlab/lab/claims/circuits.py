@@ -210,9 +210,12 @@ def _mover() -> Outcome:
     later_with, _own_with = spread()
     with torch.no_grad():
         for b in model.blocks:                                           # silence every attention layer
-            b.attn.out_weight.zero_()
-            if b.attn.out_bias is not None:
-                b.attn.out_bias.zero_()
+            attn = b.attn
+            if not isinstance(attn, MultiHeadAttention):
+                raise TypeError(f"expected attention with an out_weight, got {type(attn).__name__}")
+            attn.out_weight.zero_()
+            if attn.out_bias is not None:
+                attn.out_bias.zero_()
     later_without, own_without = spread()
     ok = later_with > 1e-3 and later_without <= 1e-12 and own_without > 1e-3
     return Outcome.judge(ok, evidence={"max logit change at later positions, with attention": later_with,

@@ -8,6 +8,8 @@ Work is counted, not timed: FLOPs with torch's FlopCounterMode (models here use 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 import attnlab
@@ -21,10 +23,18 @@ from attnlab.ops.linear import FavorFeatures, linear_attention, naive_linear_att
 
 
 def _decoder(seed=0, **kw) -> Decoder:
-    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, positions="rope")
+    base: dict[str, Any] = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, positions="rope")
     base.update(kw)
     with seeded(seed):
         return Decoder(DecoderConfig(**base)).eval()
+
+
+def _heads(cfg: DecoderConfig) -> tuple[int, int]:
+    """``(n_kv_heads, d_head)`` of a built config (``__post_init__`` derives both)."""
+    nkv, dh = cfg.n_kv_heads, cfg.d_head
+    if nkv is None or dh is None:
+        raise ValueError(f"DecoderConfig without derived n_kv_heads/d_head: {cfg!r}")
+    return nkv, dh
 
 
 def _cache_bytes(c: DynamicCache) -> int:
@@ -41,7 +51,8 @@ def _kv_equal() -> Outcome:
     model = _decoder(600)
     prompts = [[5, 9, 2, 33, 7], [12, 4, 50]]
     ref = generate(model, prompts, max_new_tokens=10, cache=None, output_logits=True)
-    ev, same = {}, True
+    ev: dict[str, Any] = {}
+    same = True
     for kind in ("dynamic", "static"):
         out = generate(model, prompts, max_new_tokens=10, cache=kind, output_logits=True)
         same &= out.sequences == ref.sequences
@@ -71,7 +82,7 @@ def _kv_cost() -> Outcome:
     d2c, d2r = second_difference(cached), second_difference(recomputed)
     per_token = (cached[-1] - cached[0]) / (ns[-1] - ns[0])
     cfg = model.cfg
-    expect = 4 * cfg.n_layers * cfg.n_heads * cfg.d_head     # q·k and p·v: 2 FLOPs × (D + Dv) per key and head
+    expect = 4 * cfg.n_layers * cfg.n_heads * _heads(cfg)[1]     # q·k and p·v: 2 FLOPs × (D + Dv) per key and head
     ok = all(x == 0 for x in d2c) and per_token == expect and all(x > 0 for x in d2r)
     ev = {**{f"step FLOPs with cache, n={n}": f for n, f in zip(ns, cached, strict=True)},
           **{f"step FLOPs recomputing, n={n}": f for n, f in zip(ns, recomputed, strict=True)},
@@ -95,11 +106,14 @@ def _kv_bytes() -> Outcome:
     model = _decoder(602, n_heads=4, n_kv_heads=2)
     c = DynamicCache(model.cfg.n_layers)
     generate(model, [[1, 2, 3, 4, 5]] * B, max_new_tokens=6, cache=c)
-    n, nkv, dk = c.length, model.cfg.n_kv_heads, model.cfg.d_head
+    (nkv, dk), n = _heads(model.cfg), c.length
     per_layer = _cache_bytes(c) / model.cfg.n_layers
-    el = c.k[0].element_size()
+    k0, v0 = c.k[0], c.v[0]
+    if k0 is None or v0 is None:
+        raise RuntimeError("generate left layer 0 of the cache empty")
+    el = k0.element_size()
     half = DynamicCache(1)                                     # the same keys/values stored as float16
-    half.update(0, c.k[0].half(), c.v[0].half())
+    half.update(0, k0.half(), v0.half())
     per_layer16 = _cache_bytes(half)
     seed_b_bytes = 2 * n * nkv * (dk + dk) * el * B            # b read as bytes per element (batch B)
     seed_b_batch16 = 2 * n * nkv * (dk + dk) * B               # 2 read as fp16 bytes, b as the batch
@@ -171,8 +185,8 @@ def _flash() -> Outcome:
     # Peak memory: the flash kernel at 128×128 tiles, so that n ≫ tile already at these small n
     # (the measured default tiles hold ~1M scores, so the same shows past n ≈ 4096).
     ns = (256, 512, 1024)
-    peak = {"reference": [], "flash": []}
-    saved = {"reference": [], "flash": []}
+    peak: dict[str, list[int]] = {"reference": [], "flash": []}
+    saved: dict[str, list[int]] = {"reference": [], "flash": []}
     for n in ns:
         q, k, v = (torch.randn(1, 2, n, 16, generator=g) for _ in range(3))
         peak["reference"].append(peak_bytes(lambda q=q, k=k, v=v: attnlab.attention(q, k, v, backend="reference")))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -120,7 +121,8 @@ def _wo_square() -> Outcome:
     cases = {"d_model=64, h=8": dict(d_model=64, n_heads=8),
              "d_model=64, h=8, GQA 2 kv heads": dict(d_model=64, n_heads=8, n_kv_heads=2),
              "d_model=48, h=4, d_head=16 (h·d_head ≠ d_model)": dict(d_model=48, n_heads=4, d_head=16)}
-    ev, square = {}, {}
+    ev: dict[str, Any] = {}
+    square: dict[str, bool] = {}
     for name, kw in cases.items():
         m = _mha(**kw)
         x = torch.randn(1, 5, kw["d_model"], generator=gen(202), dtype=torch.float64)

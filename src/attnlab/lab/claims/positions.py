@@ -4,6 +4,7 @@ where position information enters."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -77,7 +78,8 @@ def _rope_relative() -> Outcome:
     k = torch.randn(P, D, generator=g, dtype=torch.float64)
     i = torch.randint(0, 2000, (P,), generator=g)
     j = torch.randint(0, 2000, (P,), generator=g)
-    ev, worst = {}, 0.0
+    ev: dict[str, Any] = {}
+    worst = 0.0
     for inter in (False, True):
         rope = RoPE(D, interleaved=inter).double()
         base = _rope_scores(rope, q, k, i, j)

@@ -339,10 +339,10 @@ def format_table(results: Sequence[ClaimResult], *, width: int = 56) -> str:
     def line(cells):
         return "  ".join(cell.ljust(w[i]) for i, cell in enumerate(cells)).rstrip()
     lines = [line(head), "  ".join("-" * x for x in w)]
-    for cid, verdict, fig, seed in rows:
-        lines.append(line((cid, verdict, fig[0], seed)))
-        lines += [line(("", "", more, "")) for more in fig[1:]]
-    counts = {}
+    for cid, verdict, figs, seed in rows:
+        lines.append(line((cid, verdict, figs[0], seed)))
+        lines += [line(("", "", more, "")) for more in figs[1:]]
+    counts: dict[str, int] = {}
     for r in results:
         k = "error" if r.verdict is None else r.verdict.value
         counts[k] = counts.get(k, 0) + 1

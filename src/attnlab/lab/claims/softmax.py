@@ -179,7 +179,10 @@ def _gradients_never_vanish() -> Outcome:
     for c in (1.0, 8.0, 64.0, 512.0):                              # logits scaled by c
         q = (q0 * c).requires_grad_()
         (attnlab.attention(q, k, v) * w).sum().backward()
-        rows = q.grad.norm(dim=-1).flatten()                       # ‖∂L/∂q_i‖ per query row
+        grad = q.grad
+        if grad is None:
+            raise RuntimeError("attention gave q no gradient")
+        rows = grad.norm(dim=-1).flatten()                         # ‖∂L/∂q_i‖ per query row
         base = rows if base is None else base
         median[c] = float((rows / base).median())
         vanished[c] = float((rows / base < 1e-6).double().mean())
