@@ -30,8 +30,9 @@ def test_band_is_flash_attn_window(left, right, Nq, Nk):
     assert torch.equal(mask_dense(m, 1, 1, Nq, Nk, Nk - Nq, 0)[0, 0], _flash_window(Nq, Nk, left, right))
     for block in ((4, 4), (3, 5), (8, 2)):
         bm = m.block_mask(1, 1, Nq, Nk, block=block)
-        assert_tiles_sound(bm.states.expand(1, 1, -1, -1), mask_dense(m, 1, 1, Nq, Nk, Nk - Nq, 0), *block,
-                           repr(m), exact=True)
+        assert_tiles_sound(
+            bm.states.expand(1, 1, -1, -1), mask_dense(m, 1, 1, Nq, Nk, Nk - Nq, 0), *block, repr(m), exact=True
+        )
 
 
 def test_sliding_window_right_is_band():

@@ -36,8 +36,10 @@ def unshard_results(results: list, name: str, c: dict) -> dict:
     per = [r[name] for r in results]
     for r, x in enumerate(per):
         assert "error" not in x, f"rank {r}: {x['error']}"
-    out = {key: D.unshard_sequence([x[key] for x in per], dim=2, seq_len=c["N"], layout=c["layout"])
-           for key in ("out", "lse", "dq", "dk", "dv")}
+    out = {
+        key: D.unshard_sequence([x[key] for x in per], dim=2, seq_len=c["N"], layout=c["layout"])
+        for key in ("out", "lse", "dq", "dk", "dv")
+    }
     if "dparam" in per[0]:
         out["dparam"] = sum(x["dparam"] for x in per)
     return out

@@ -41,7 +41,7 @@ def _ring_in_process(q, k, v, mask, mod, layout):
     pos = [shard_positions(N, P, r, layout) for r in range(P)]
     dq = torch.zeros_like(q)
     dparams = [torch.zeros_like(p) for p in params]
-    scale = D ** -0.5
+    scale = D**-0.5
     for r in range(P):
         qr = q[:, :, pos[r]]
         views = [(ShardMask(mask, pos[r], pos[s], N), ShardScoreMod(mod, pos[r], pos[s], N)) for s in range(P)]
@@ -53,8 +53,19 @@ def _ring_in_process(q, k, v, mask, mod, layout):
         dout = torch.ones_like(o)
         for s in range(P):
             m, sm = views[s]
-            dq_s, _, _, dp = tile_backward(qr, k[:, :, pos[s]], v[:, :, pos[s]], o.to(q.dtype), l, dout, None,
-                                           mask=m, score_mod=sm, scale=scale, params=params)
+            dq_s, _, _, dp = tile_backward(
+                qr,
+                k[:, :, pos[s]],
+                v[:, :, pos[s]],
+                o.to(q.dtype),
+                l,
+                dout,
+                None,
+                mask=m,
+                score_mod=sm,
+                scale=scale,
+                params=params,
+            )
             dq[:, :, pos[r]] += dq_s
             for acc, g in zip(dparams, dp, strict=True):
                 acc += g
@@ -88,5 +99,5 @@ def test_shard_views_list_declared_and_captured_tensors():
     assert [p is bias for p in ShardScoreMod(mod, pos, pos, N).parameters()] == [True]
     both = scores.compose(scores.alibi(slopes), scores.custom(mod))
     got = mod_params(both, dtype=torch.float64)
-    assert got[0] is slopes and any(p is bias for p in got)   # declared first, then captured, each once
+    assert got[0] is slopes and any(p is bias for p in got)  # declared first, then captured, each once
     assert len(got) == 2

@@ -126,8 +126,9 @@ def test_a_row_that_sees_no_key_is_zero_with_neg_inf_lse_whatever_the_values_hol
     q, kb, vb = (t.float().requires_grad_(True) for t in (q, kb, vb))
     out, lse = attnlab.attention(q, kb, vb, mask=masks.causal(), q_offset=-1, return_lse=True, backend=backend)
     assert (out[:, :, 0] == 0).all() and (lse[:, :, 0] == float("-inf")).all(), f"{backend}: {out[0, 0, 0, :4]}"
-    want = attnlab.attention(q.detach().double(), k[:, :, :3], v[:, :, :3], mask=masks.causal(), q_offset=-1,
-                             backend="reference")
+    want = attnlab.attention(
+        q.detach().double(), k[:, :, :3], v[:, :, :3], mask=masks.causal(), q_offset=-1, backend="reference"
+    )
     assert max_err(out[:, :, 1:], want[:, :, 1:]) <= 1e-5, f"{backend}: rows 1..3"
     gq, gk, gv = torch.autograd.grad((out * 1.5).sum(), [q, kb, vb])
     assert (gq[:, :, 0] == 0).all(), f"{backend}: dq of a row with no key must be 0"
@@ -181,14 +182,16 @@ def test_extreme_scales_give_the_reference_result_on_every_backend():
     bad = []
     for scale in (1e9, 1e30, 3e38, 1e-30):
         for mask in (None, masks.causal()):
-            o_ref, l_ref = attnlab.attention(q.float(), k.float(), v.float(), mask=mask, scale=scale,
-                                             backend="reference", return_lse=True)
+            o_ref, l_ref = attnlab.attention(
+                q.float(), k.float(), v.float(), mask=mask, scale=scale, backend="reference", return_lse=True
+            )
             for backend in BACKENDS:
                 if backend == "triton" and not triton_available():
                     continue
                 lse_ok = backend != "sdpa"
-                res = attnlab.attention(q.float(), k.float(), v.float(), mask=mask, scale=scale, backend=backend,
-                                        return_lse=lse_ok)
+                res = attnlab.attention(
+                    q.float(), k.float(), v.float(), mask=mask, scale=scale, backend=backend, return_lse=lse_ok
+                )
                 out, lse = res if lse_ok else (res, None)
                 what = f"scale={scale}/{mask}/{backend}"
                 try:

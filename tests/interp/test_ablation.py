@@ -75,6 +75,8 @@ def test_errors():
         pass
     with pytest.raises(ValueError, match="reference"), ablate(model, [(0, 0)], kind="mean"):
         pass
-    with pytest.raises(ValueError, match="sequence length"), \
-            ablate(model, [(0, 0)], kind="resample", reference=torch.randint(0, 30, (1, 5))):
+    with (
+        pytest.raises(ValueError, match="sequence length"),
+        ablate(model, [(0, 0)], kind="resample", reference=torch.randint(0, 30, (1, 5))),
+    ):
         model(torch.randint(0, 30, (1, 7)))

@@ -18,8 +18,9 @@ def _decoder(**kw):
     return Decoder(DecoderConfig(**cfg)).eval()
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(n_kv_heads=2), dict(n_kv_heads=1, positions="alibi"),
-                                dict(positions="learned", attn_only=True)])
+@pytest.mark.parametrize(
+    "kw", [dict(), dict(n_kv_heads=2), dict(n_kv_heads=1, positions="alibi"), dict(positions="learned", attn_only=True)]
+)
 def test_patterns_equal_output_attentions(kw):
     model = _decoder(**kw)
     ids = torch.randint(0, 40, (2, 11))
@@ -74,6 +75,7 @@ def test_hooks_removed_even_after_an_error():
 
 def test_capture_with_kv_cache_records_each_step():
     from attnlab.cache import DynamicCache
+
     model = _decoder(n_kv_heads=2)
     ids = torch.randint(0, 40, (1, 8))
     full = model(ids, output_attentions=True).attentions
@@ -103,8 +105,14 @@ def test_bad_arguments():
 
 def test_transformers_model_through_the_bridge():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=60, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=60,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.set_attn_implementation("eager")

@@ -80,7 +80,9 @@ def test_unsupported_model_type_and_unknown_name(gpt2_dir, tmp_path):
     cfg = json.loads((gpt2_dir / "config.json").read_text())
     cfg["model_type"] = "t5"
     (gpt2_dir / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"model_type 't5' is not supported; supported: \['bert', 'gpt2', 'llama'\]"):
+    with pytest.raises(
+        CheckpointError, match=r"model_type 't5' is not supported; supported: \['bert', 'gpt2', 'llama'\]"
+    ):
         load(gpt2_dir)
     with pytest.raises(ValueError, match=r"neither a known name .*'minilm'"):
         load("gpt-17")
@@ -89,8 +91,9 @@ def test_unsupported_model_type_and_unknown_name(gpt2_dir, tmp_path):
 
 
 def test_pytorch_bin_uses_weights_only(gpt2_dir, tmp_path):
-    t = {k.removeprefix("transformer."): v for k, v in
-         safetensors.load_file(str(gpt2_dir / "model.safetensors")).items()}
+    t = {
+        k.removeprefix("transformer."): v for k, v in safetensors.load_file(str(gpt2_dir / "model.safetensors")).items()
+    }
     (gpt2_dir / "model.safetensors").unlink()
     torch.save(t, gpt2_dir / "pytorch_model.bin")
     model, _ = load(gpt2_dir)  # plain tensors load
@@ -130,7 +133,7 @@ def _shard_into(folder, files):
     (folder / "model.safetensors").unlink()
     names, wm = sorted(t), {}
     for i, f in enumerate(files):
-        part = names[i::len(files)]
+        part = names[i :: len(files)]
         (folder / f).parent.mkdir(parents=True, exist_ok=True)
         safetensors.save_file({n: t[n] for n in part}, str(folder / f), metadata={"format": "pt"})
         wm.update({n: f for n in part})

@@ -40,8 +40,14 @@ def test_generation_with_an_attnlab_cache_equals_transformers_own(hf_checkpoint,
         hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         dh = cfg.hidden_size // cfg.num_attention_heads
         c = caches(kind, L, hkv, dh)
-        kw = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
-                  output_logits=True, return_dict_in_generate=True)
+        kw = dict(
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         got = hf.generate(PROMPT, past_key_values=as_hf_cache(c), **kw)
         want = hf.generate(PROMPT, **kw)
     finally:
@@ -55,8 +61,14 @@ def test_generation_with_an_attnlab_cache_equals_transformers_own(hf_checkpoint,
 
 def test_int8_cache_stays_close(hf_checkpoint):
     _, hf = hf_checkpoint("llama-gqa")
-    kw = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
-              return_dict_in_generate=True)
+    kw = dict(
+        max_new_tokens=8,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     q = QuantizedCache(2, bits=8, group_size=4, residual=4)
     got = hf.generate(PROMPT, past_key_values=as_hf_cache(q), **kw)
     want = hf.generate(PROMPT, **kw)

@@ -93,8 +93,9 @@ def test_decoder_training_with_attn_dropout_is_reproducible_and_learns(monkeypat
 
     def run(seed):
         torch.manual_seed(0)
-        model = Decoder(DecoderConfig(vocab_size=23, d_model=16, n_layers=2, n_heads=4, d_mlp=32,
-                                      attn_dropout=0.1, backend="flash")).train()
+        model = Decoder(
+            DecoderConfig(vocab_size=23, d_model=16, n_layers=2, n_heads=4, d_mlp=32, attn_dropout=0.1, backend="flash")
+        ).train()
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         torch.manual_seed(seed)
         losses = []

@@ -17,8 +17,16 @@ V = 32
 @pytest.fixture(scope="module")
 def decoder():
     torch.manual_seed(0)
-    cfg = DecoderConfig(vocab_size=V, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, max_positions=32,
-                        backend="flash", positions="alibi")
+    cfg = DecoderConfig(
+        vocab_size=V,
+        d_model=16,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=1,
+        max_positions=32,
+        backend="flash",
+        positions="alibi",
+    )
     return Decoder(cfg).double()
 
 

@@ -23,8 +23,12 @@ def data():
 
 
 def _newer(dense_t, cu, qo):
-    return [masks.band(2, 1), masks.band(None, 2) & masks.causal(), masks.dense(dense_t, q_offset=0),
-            masks.per_batch_q_offset(masks.sliding_window(3), qo)], masks.varlen(cu, window=(None, 0))
+    return [
+        masks.band(2, 1),
+        masks.band(None, 2) & masks.causal(),
+        masks.dense(dense_t, q_offset=0),
+        masks.per_batch_q_offset(masks.sliding_window(3), qo),
+    ], masks.varlen(cu, window=(None, 0))
 
 
 def _run(q, k, v, ms, vl):
@@ -37,6 +41,7 @@ def test_newer_kinds_compile_to_the_flash_op_with_no_dense_mask(data, monkeypatc
     """Built outside the compiled function (varlen's and per_batch_q_offset's checks read
     tensor values), passed in, they trace with no graph break and reach the op by key."""
     import attnlab.ops.dispatch as D
+
     q, k, v = data
     dense_t = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(1)) > 0.3
     dense_t[..., 0] = True

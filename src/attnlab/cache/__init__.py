@@ -9,5 +9,19 @@ from attnlab.cache.quantized import QuantizedCache, QuantizedKV
 from attnlab.cache.static import StaticCache
 from attnlab.cache.streaming import StreamingCache
 
-__all__ = ["KV", "DenseKV", "Cache", "LayerCache", "DynamicCache", "StaticCache", "StreamingCache", "H2OCache", "QuantizedCache",
-           "QuantizedKV", "PagedCache", "PagedKV", "CacheFullError", "StaleViewError"]
+__all__ = [
+    "KV",
+    "DenseKV",
+    "Cache",
+    "LayerCache",
+    "DynamicCache",
+    "StaticCache",
+    "StreamingCache",
+    "H2OCache",
+    "QuantizedCache",
+    "QuantizedKV",
+    "PagedCache",
+    "PagedKV",
+    "CacheFullError",
+    "StaleViewError",
+]

@@ -10,5 +10,6 @@ def add_arguments(p):
 
 def run(args) -> int:
     from attnlab.bench import tiles
+
     tiles.main(json_path=args.json)
     return 0

@@ -12,6 +12,7 @@ def add_arguments(p):
 def run(args) -> int:
     from attnlab.commands.options import write_json
     from attnlab.lab import hopfield
+
     res = hopfield.run()
     print(hopfield.summary(res))
     write_json(args.json, res)

@@ -12,6 +12,7 @@ def add_arguments(p):
 def run(args) -> int:
     from attnlab.commands.options import write_json
     from attnlab.lab import sinks
+
     res = sinks.run()
     print(sinks.summary(res))
     write_json(args.json, res)

@@ -53,8 +53,18 @@ def mod_params(score_mod, *, dtype=torch.float32, device=None) -> list[torch.Ten
 def tile_forward(q, k, v, *, mask, score_mod, scale):
     """``(out, lse)`` of local queries over one K/V shard (no autograd graph)."""
     with torch.no_grad():
-        return attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=0, kv_offset=0,
-                         return_lse=True, backend="auto")  # flash on CPU (it returns the LSE)
+        return attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=score_mod,
+            scale=scale,
+            q_offset=0,
+            kv_offset=0,
+            return_lse=True,
+            backend="auto",
+        )  # flash on CPU (it returns the LSE)
 
 
 def tile_backward(q, k, v, out, lse, dout, dlse, *, mask, score_mod, scale, params):

@@ -34,10 +34,12 @@ def _as_4d(s: torch.Tensor) -> torch.Tensor:
 
 def _checks_positions(validate):
     """Wrap a subclass's ``validate`` so that the problem's positions are bounded first."""
+
     @functools.wraps(validate)
     def checked(self, B, H, Nq, Nk, q_offset, kv_offset):
         problem_positions(Nq, Nk, q_offset, kv_offset, where=lambda: f"mask {self!r}")
         return validate(self, B, H, Nq, Nk, q_offset, kv_offset)
+
     checked.__dict__["checks_positions"] = True
     return checked
 
@@ -93,6 +95,7 @@ class Mask:
         """``(spec, tensors, ints)``: this mask by structure and parameters, what compiled code
         and the ``attnlab::flash_*`` custom ops read (:func:`mask_key`); None for ``custom``."""
         from attnlab.masks.keys import mask_key
+
         return mask_key(self)
 
     # -- tile classification -------------------------------------------------------
@@ -111,8 +114,17 @@ class Mask:
 
     validate.__dict__["checks_positions"] = True
 
-    def block_mask(self, B: int, H: int, Nq: int, Nk: int, *, q_offset: int | None = None,
-                   kv_offset: int = 0, block: tuple[int, int] = (128, 512)) -> BlockMask:
+    def block_mask(
+        self,
+        B: int,
+        H: int,
+        Nq: int,
+        Nk: int,
+        *,
+        q_offset: int | None = None,
+        kv_offset: int = 0,
+        block: tuple[int, int] = (128, 512),
+    ) -> BlockMask:
         """Classify every tile of a ``(B, H, Nq, Nk)`` problem; cached per shape.
 
         ``q_offset`` defaults to ``kv_offset + Nk - Nq`` (bottom-right), as in
@@ -179,14 +191,17 @@ class Mask:
     # -- algebra -------------------------------------------------------------------
     def __and__(self, other: Mask) -> Mask:
         from attnlab.masks.combinators import And
+
         return And(self, _check_mask(other, "&"))
 
     def __or__(self, other: Mask) -> Mask:
         from attnlab.masks.combinators import Or
+
         return Or(self, _check_mask(other, "|"))
 
     def __invert__(self) -> Mask:
         from attnlab.masks.combinators import Not
+
         return Not(self)
 
 
@@ -194,5 +209,3 @@ def _check_mask(m, op):
     if not isinstance(m, Mask):
         raise TypeError(f"mask {op}: expected an attnlab mask, got {type(m).__name__}")
     return m
-
-

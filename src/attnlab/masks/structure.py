@@ -33,6 +33,7 @@ import torch
 
 __all__ = ["ALL", "MaskStructure", "and_structures", "or_structures"]
 
+
 @dataclass(frozen=True, eq=False)
 class MaskStructure:
     """A mask as a band (with sinks), padding lengths, document ids, a key keep-vector,
@@ -160,6 +161,7 @@ class MaskStructure:
             return None
         from attnlab.masks.base import tile_states
         from attnlab.masks.builtins import block_minmax
+
         full = torch.ones((1, 1, ql.shape[0], kl.shape[1]), dtype=torch.bool)
         empty = torch.zeros_like(full)
         if self.has_band:  # q - kv ranges over [ql - kh, qh - kl] in a tile
@@ -268,9 +270,17 @@ def and_structures(a: MaskStructure | None, b: MaskStructure | None) -> MaskStru
         return None
     kv_ids = a.kv_ids if a.q_ids is not None else b.kv_ids
     d = a if a.dense is not None else b
-    return MaskStructure(kv_len=kv_len, q_ids=q_ids, kv_ids=kv_ids, key_keep=keep, dense=d.dense,
-                         dense_q_offset=d.dense_q_offset, dense_kv_offset=d.dense_kv_offset,
-                         q_shift=a.q_shift if a.q_shift is not None else b.q_shift, **band)
+    return MaskStructure(
+        kv_len=kv_len,
+        q_ids=q_ids,
+        kv_ids=kv_ids,
+        key_keep=keep,
+        dense=d.dense,
+        dense_q_offset=d.dense_q_offset,
+        dense_kv_offset=d.dense_kv_offset,
+        q_shift=a.q_shift if a.q_shift is not None else b.q_shift,
+        **band,
+    )
 
 
 def or_structures(a: MaskStructure | None, b: MaskStructure | None) -> MaskStructure | None:

@@ -76,6 +76,7 @@ class AttentionCall:
     attention pattern for any subset of heads.  ``layer`` is the index of the layer
     when the hook's installer knows it (:func:`attnlab.interp.capture` does).
     """
+
     module: object
     q: torch.Tensor
     k: torch.Tensor
@@ -95,8 +96,9 @@ class AttentionCall:
         H, Hkv = self.q.shape[1], self.k.shape[1]
         idx = torch.arange(H) if heads is None else torch.as_tensor(heads, dtype=torch.long).reshape(-1)
         if idx.numel() and (int(idx.min()) < -H or int(idx.max()) >= H):
-            raise ValueError(f"heads: expected query-head indices in [-{H}, {H}) (negative: from the end), "
-                             f"got {idx.tolist()}")
+            raise ValueError(
+                f"heads: expected query-head indices in [-{H}, {H}) (negative: from the end), got {idx.tolist()}"
+            )
         idx = idx % H  # Python's meaning of negative indices
         kv = idx // (H // Hkv)  # the kv head each chosen query head reads
         mask, mod = self.mask, self.score_mod
@@ -107,8 +109,15 @@ class AttentionCall:
             if mask is not None and not _head_independent(mask):
                 mask = masks.custom(lambda b, h, qp, kp, m=mask: m(b, dev[h], qp, kp))
             mod = None if mod is None else (lambda s, b, h, qp, kp, f=mod: f(s, b, dev[h], qp, kp))
-        return attention_probs(self.q[:, idx], self.k[:, kv], mask=mask, score_mod=mod, scale=self.scale,
-                               q_offset=self.q_offset, kv_offset=self.kv_offset)
+        return attention_probs(
+            self.q[:, idx],
+            self.k[:, kv],
+            mask=mask,
+            score_mod=mod,
+            scale=self.scale,
+            q_offset=self.q_offset,
+            kv_offset=self.kv_offset,
+        )
 
     def scores(self) -> torch.Tensor:
         """The scores ``scale·q kᵀ + score mods`` ``(B, H, Nq, Nk)`` in float32 (float64 for float64),
@@ -140,8 +149,10 @@ def run_hooks(hooks, call: AttentionCall) -> torch.Tensor:
         r = hook(call)
         if r is not None:
             if not isinstance(r, torch.Tensor) or r.shape != z.shape:
-                raise ValueError(f"hook {hook!r}: must return None or z of shape {tuple(z.shape)}, got "
-                                 f"{tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__}")
+                raise ValueError(
+                    f"hook {hook!r}: must return None or z of shape {tuple(z.shape)}, got "
+                    f"{tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__}"
+                )
             call.z = z = r
     return z
 
@@ -250,16 +261,28 @@ class MultiHeadAttention(FusedQKV):
             group (ring or Ulysses); RoPE uses the shard's global positions.
     """
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, d_head: int | None = None, *,
-                 bias: bool = True, dropout: float = 0.0, positions=None, backend: str = "auto",
-                 scale: float | None = None, context_parallel=None):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        d_head: int | None = None,
+        *,
+        bias: bool = True,
+        dropout: float = 0.0,
+        positions=None,
+        backend: str = "auto",
+        scale: float | None = None,
+        context_parallel=None,
+    ):
         super().__init__()
         d_model, n_heads, n_kv_heads, d_head = head_shape(d_model, n_heads, n_kv_heads, d_head)
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         if positions is not None and not (hasattr(positions, "cos_sin") or hasattr(positions, "score_mod")):
-            raise TypeError(f"positions: expected None, a positions.RoPE or a positions.ALiBi, got "
-                            f"{type(positions).__name__}")
+            raise TypeError(
+                f"positions: expected None, a positions.RoPE or a positions.ALiBi, got {type(positions).__name__}"
+            )
         if hasattr(positions, "cos_sin") and positions.d_head != d_head:
             raise ValueError(f"positions: RoPE built for d_head={positions.d_head}, attention has d_head={d_head}")
         if hasattr(positions, "slopes") and positions.slopes.shape[0] != n_heads:
@@ -267,8 +290,9 @@ class MultiHeadAttention(FusedQKV):
         self.d_model, self.n_heads, self.n_kv_heads, self.d_head = d_model, n_heads, n_kv_heads, d_head
         self.dropout = probability(dropout, "dropout")
         self.backend = backend
-        self.scale = 1.0 / math.sqrt(d_head) if scale is None else nonzero_real(scale, "scale",
-                                                                                  hint="default 1/sqrt(d_head)")
+        self.scale = (
+            1.0 / math.sqrt(d_head) if scale is None else nonzero_real(scale, "scale", hint="default 1/sqrt(d_head)")
+        )
         self.positions = positions  # a RoPE is a Module (buffers); ALiBi is not
         self._alibi = positions.score_mod() if hasattr(positions, "score_mod") else None
         self.context_parallel = context_parallel  # duck-typed: .positions(n, device), .attend(q, k, v, ...)
@@ -286,8 +310,7 @@ class MultiHeadAttention(FusedQKV):
         self.attnlab_points = AttentionPoints()
         self.reset_parameters()
 
-    def forward(self, x, context=None, *, mask=None, score_mod=None, pos=None, cache=None,
-                need_weights: bool = False):
+    def forward(self, x, context=None, *, mask=None, score_mod=None, pos=None, cache=None, need_weights: bool = False):
         """Attend ``x (B, N, d_model)`` to itself (or to ``context (B, M, d_model)``).
 
         Args:
@@ -303,15 +326,20 @@ class MultiHeadAttention(FusedQKV):
         Returns ``(B, N, d_model)``, or ``(out, pattern)`` with ``need_weights``.
         """
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x: expected (B, N, d_model={self.d_model}), got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+            raise ValueError(
+                f"x: expected (B, N, d_model={self.d_model}), got "
+                f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+            )
         if context is not None:
             if context.dim() != 3 or context.shape[0] != x.shape[0] or context.shape[-1] != self.d_model:
-                raise ValueError(f"context: expected (B={x.shape[0]}, M, d_model={self.d_model}), "
-                                 f"got {tuple(context.shape)}")
+                raise ValueError(
+                    f"context: expected (B={x.shape[0]}, M, d_model={self.d_model}), got {tuple(context.shape)}"
+                )
             if hasattr(self.positions, "cos_sin"):
-                raise ValueError("cross-attention (context=...) with RoPE positions is not defined: "
-                                 "build the module with positions=None or ALiBi")
+                raise ValueError(
+                    "cross-attention (context=...) with RoPE positions is not defined: "
+                    "build the module with positions=None or ALiBi"
+                )
         B, N, _ = x.shape
         q, k, v = self.project(x, context)
         pts = self.attnlab_points
@@ -331,10 +359,18 @@ class MultiHeadAttention(FusedQKV):
         """The sequence is sharded over ``self.context_parallel``'s group: ring/Ulysses
         attention of this rank's ``(B, H, N, d_head)`` shard (self-attention only)."""
         cp = self.context_parallel
-        if (cache is not None or context is not None or need_weights or self.hooks or self.attnlab_points.active()
-                or (self.training and self.dropout > 0)):
-            raise ValueError("context_parallel: runs self-attention only, without cache, context, need_weights, "
-                             "hooks or attention dropout")
+        if (
+            cache is not None
+            or context is not None
+            or need_weights
+            or self.hooks
+            or self.attnlab_points.active()
+            or (self.training and self.dropout > 0)
+        ):
+            raise ValueError(
+                "context_parallel: runs self-attention only, without cache, context, need_weights, "
+                "hooks or attention dropout"
+            )
         if rope is not None:
             p = cp.positions(N, q.device) if pos is None else pos
             q, k = rope(q, p), rope(k, p)
@@ -399,6 +435,8 @@ class MultiHeadAttention(FusedQKV):
         return F.linear(z.transpose(1, 2).reshape(B, N, self.n_heads * self.d_head), self.out_weight, self.out_bias)
 
     def extra_repr(self) -> str:
-        return (f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
-                f"d_head={self.d_head}, bias={self.qkv_bias is not None}, dropout={self.dropout}, "
-                f"backend={self.backend!r}")
+        return (
+            f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
+            f"d_head={self.d_head}, bias={self.qkv_bias is not None}, dropout={self.dropout}, "
+            f"backend={self.backend!r}"
+        )

@@ -56,8 +56,18 @@ from attnlab.ops.tiling import (
     score_tile,
 )
 
-__all__ = ["flash_attention", "flash_forward", "flash_backward", "make_problem", "tiled_function",
-           "refuse_double_backward", "DoubleBackwardError", "DOUBLE_BACKWARD", "FUSED_MAX", "LOG2E"]
+__all__ = [
+    "flash_attention",
+    "flash_forward",
+    "flash_backward",
+    "make_problem",
+    "tiled_function",
+    "refuse_double_backward",
+    "DoubleBackwardError",
+    "DOUBLE_BACKWARD",
+    "FUSED_MAX",
+    "LOG2E",
+]
 
 
 def _forward_row(pb, i, qf, kT, vf, outf, lsef, b, h, Nq, Nk, acc, mmd, B, H, careful=False):
@@ -163,8 +173,22 @@ def _backward(pb: TileProblem, q, k, v, out, lse, dout, dlse, params, careful=Fa
             if fast_tile(pb, needs_mask):
                 P = exp_shifted_fast(pb, X, L_safe)
             else:
-                X, leaf, mod_out = score_tile(pb, X, b, h, qs, qe, ks, ke, needs_mask, acc, B, H,
-                                               with_grad=pb.score_mod is not None, careful=careful)
+                X, leaf, mod_out = score_tile(
+                    pb,
+                    X,
+                    b,
+                    h,
+                    qs,
+                    qe,
+                    ks,
+                    ke,
+                    needs_mask,
+                    acc,
+                    B,
+                    H,
+                    with_grad=pb.score_mod is not None,
+                    careful=careful,
+                )
                 if careful:
                     hidden = X == NEG_INF
                 P = X.sub_(L_safe).mul_(LOG2E).exp2_()
@@ -197,8 +221,12 @@ def _backward(pb: TileProblem, q, k, v, out, lse, dout, dlse, params, careful=Fa
         dq[:, :, qs:qe] = dQi.view(BH, G, n, D)
     if not careful and not all_finite(dq, dk, dv, *dparams):
         return _backward(pb, q, k, v, out, lse, dout, dlse, params, careful=True)
-    return (dq.view(B, H, Nq, D).to(q.dtype), dk.view(B, Hkv, Nk, D).to(k.dtype),
-            dv.view(B, Hkv, Nk, Dv).to(v.dtype), dparams)
+    return (
+        dq.view(B, H, Nq, D).to(q.dtype),
+        dk.view(B, Hkv, Nk, D).to(k.dtype),
+        dv.view(B, Hkv, Nk, Dv).to(v.dtype),
+        dparams,
+    )
 
 
 def _mod_backward(mod_out, leaf, params, dparams, dS):
@@ -218,9 +246,11 @@ class DoubleBackwardError(RuntimeError):
     """A second derivative through a tiled kernel (flash, triton) was asked for."""
 
 
-DOUBLE_BACKWARD = ("attnlab {}: double backward (create_graph=True, gradgradcheck, grad of grad) is not "
-                   "implemented by the tiled kernel; use backend='reference' (materialized, differentiable any "
-                   "number of times) for second derivatives")
+DOUBLE_BACKWARD = (
+    "attnlab {}: double backward (create_graph=True, gradgradcheck, grad of grad) is not "
+    "implemented by the tiled kernel; use backend='reference' (materialized, differentiable any "
+    "number of times) for second derivatives"
+)
 
 
 class _NoDoubleBackward(torch.autograd.Function):
@@ -248,13 +278,15 @@ def refuse_double_backward(name, anchors, grads):
     :class:`DoubleBackwardError` naming ``backend='reference'`` (only when a graph is being
     recorded: ``create_graph=True`` or a torch.func transform)."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # (compiled backwards are never
-        return grads                                                     # differentiated again: torch refuses)
+        return grads  # differentiated again: torch refuses)
     anchors = [t for t in anchors if t is not None and t.requires_grad]
     live = [i for i, g in enumerate(grads) if g is not None]
     if not anchors or not live:
         return grads
     out = list(grads)
-    for i, g in zip(live, _NoDoubleBackward.apply(name, len(anchors), *anchors, *(grads[i] for i in live)), strict=False):
+    for i, g in zip(
+        live, _NoDoubleBackward.apply(name, len(anchors), *anchors, *(grads[i] for i in live)), strict=False
+    ):
         out[i] = g
     return out
 
@@ -303,8 +335,7 @@ _FlashFn = tiled_function(lambda pb, q, k, v, *params: _forward(pb, q, k, v), _b
 flash_forward, flash_backward = _forward, _backward  # the kernel pair, for backends that fall back on it
 
 
-def flash_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, block=None,
-                    dropout=None):
+def flash_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, block=None, dropout=None):
     """Tiled attention, forward and backward.  Returns ``(out, lse)``; inputs already validated.
 
     ``mask`` is an attnlab Mask, a BlockMask built for this shape, or None.  ``block``
@@ -312,8 +343,17 @@ def flash_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_o
     sizes win).  ``dropout`` (an :class:`attnlab.ops.dropout.Dropout` or None): each
     visited tile's keep-mask is regenerated from its counters, forward and backward.
     """
-    pb, params = make_problem(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
-                              kv_offset=kv_offset, block=block, dropout=dropout)
+    pb, params = make_problem(
+        q,
+        k,
+        mask=mask,
+        score_mod=score_mod,
+        scale=scale,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        block=block,
+        dropout=dropout,
+    )
     return _FlashFn.apply(pb, q, k, v, *params)
 
 
@@ -337,8 +377,9 @@ def make_problem(q, k, *, mask, score_mod, scale, q_offset, kv_offset, block=Non
     elif score_mod is not None and torch.is_grad_enabled():
         # declared (mod.parameters()) or captured (closure, bound self, module, partial):
         # every tensor requiring grad that the mod reads must be an input of the Function
-        params = score_mod_params(score_mod, dtype=acc_dtype(q.dtype), device=q.device, q_offset=q_offset,
-                                  kv_offset=kv_offset)
+        params = score_mod_params(
+            score_mod, dtype=acc_dtype(q.dtype), device=q.device, q_offset=q_offset, kv_offset=kv_offset
+        )
     else:
         params = []
     pb = TileProblem(block_mask, score_mod, scale, q_offset, kv_offset, Nq, Nk, *block)

@@ -55,15 +55,34 @@ def _max_seqlen(x, name, cu):
         return actual
     x = integer(x, name, hi=None, type_error=TypeError)
     if int(x) < actual:
-        raise ValueError(f"{name}={int(x)} is shorter than the longest sequence ({actual}); flash-attn would "
-                         "read past it, attnlab refuses")
+        raise ValueError(
+            f"{name}={int(x)} is shorter than the longest sequence ({actual}); flash-attn would "
+            "read past it, attnlab refuses"
+        )
     return int(x)
 
 
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
-                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     deterministic=False, return_attn_probs=False, *, return_lse=False, backend="flash",
-                     dropout_seed=None):
+def varlen_attention(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    *,
+    return_lse=False,
+    backend="flash",
+    dropout_seed=None,
+):
     """flash-attn's ``flash_attn_varlen_func`` on attnlab's kernels (shapes: module doc).
 
     Args (flash-attn's names and meanings):
@@ -105,8 +124,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     mask = varlen_mask(cu_seqlens_q, cu_seqlens_k, window=(left, right))
     total_q, total_k = int(mask.cu_q[-1]), int(mask.cu_k[-1])
     if q.shape[0] != total_q or k.shape[0] != total_k or v.shape[0] != total_k:
-        raise ValueError(f"cu_seqlens_q[-1]={total_q} / cu_seqlens_k[-1]={total_k} must equal the packed lengths: "
-                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"cu_seqlens_q[-1]={total_q} / cu_seqlens_k[-1]={total_k} must equal the packed lengths: "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     _max_seqlen(max_seqlen_q, "max_seqlen_q", mask.cu_q)
     _max_seqlen(max_seqlen_k, "max_seqlen_k", mask.cu_k)
     mods: list[scores.ScoreMod] = []
@@ -116,8 +137,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     if alibi_slopes is not None:
         s = alibi_slopes
         if isinstance(s, torch.Tensor) and s.dim() == 2 and s.shape[0] != mask.cu_q.numel() - 1:
-            raise ValueError(f"alibi_slopes: (num_seqs, H) slopes of shape {tuple(s.shape)} for "
-                             f"{mask.cu_q.numel() - 1} sequences")
+            raise ValueError(
+                f"alibi_slopes: (num_seqs, H) slopes of shape {tuple(s.shape)} for {mask.cu_q.numel() - 1} sequences"
+            )
         alibi_mod = scores.alibi(s, symmetric=True)
         mods.append(alibi_mod)
     mod = None
@@ -131,9 +153,21 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     kernel_mask: masks.Mask | masks.BlockMask = mask
     if backend == "flash" and total_q and total_k:  # exact tile states, tiles chosen for the packed problem
         kernel_mask = varlen_block_mask(mask, q.shape[1], q.shape[2], q.dtype, q.device)
-    res = attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask=kernel_mask, score_mod=mod, scale=softmax_scale,
-                    q_offset=0, kv_offset=0, return_lse=True, backend=backend, layout="bnhd", dropout_p=dropout_p,
-                    dropout_seed=dropout_seed)
+    res = attention(
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        mask=kernel_mask,
+        score_mod=mod,
+        scale=softmax_scale,
+        q_offset=0,
+        kv_offset=0,
+        return_lse=True,
+        backend=backend,
+        layout="bnhd",
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+    )
     out, lse = res[0][0], res[1][0]
     if return_attn_probs:
         return out, lse, None

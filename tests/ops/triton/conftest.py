@@ -30,6 +30,7 @@ TRITON = pytest.mark.skipif(not available(), reason="triton is not installed (pi
 @pytest.fixture
 def tiles16(monkeypatch):
     from attnlab.ops.triton import config
+
     monkeypatch.setattr(config, "INTERPRET_TILES", (16, 16))
     return (16, 16)
 

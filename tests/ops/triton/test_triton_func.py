@@ -36,6 +36,7 @@ def qkv():
 def _loss(mask):
     def loss(q, k, v):
         return (attnlab.attention(q, k, v, mask=MASKS[mask](), backend="triton") ** 2).sum()
+
     return loss
 
 
@@ -76,7 +77,7 @@ def test_torch_func_grad_reaches_learnable_alibi_slopes_on_triton(qkv):
         return attnlab.attention(q, k, v, mask=masks.causal(), score_mod=scores.alibi(s), backend="triton").sum()
 
     s = slopes.clone().requires_grad_()
-    want, = torch.autograd.grad(loss(s), s)
+    (want,) = torch.autograd.grad(loss(s), s)
     assert want.abs().sum() > 0
     torch.testing.assert_close(grad(loss)(slopes), want, **SAME_KERNEL)
 
