@@ -227,8 +227,8 @@ def read_headers(files: list[Path]) -> dict[str, Header]:
                 with safe_open(str(f), "pt") as h:
                     part = {
                         k: Header(tuple(h.get_slice(k).get_shape()), h.get_slice(k).get_dtype(), Path(f))
-                        for k in h.keys()
-                    }  # noqa: SIM118 - a safe_open handle is not iterable
+                        for k in h.keys()  # noqa: SIM118 - a safe_open handle is not iterable
+                    }
             except (SafetensorError, OSError, ValueError, RuntimeError) as e:
                 raise CheckpointError(
                     f"{f} ({os.path.getsize(f)} bytes): not a readable safetensors file — corrupt or truncated? ({e})"
