@@ -87,19 +87,30 @@ def check_param_grad(fast, ref, oracle, dtype, what="dparam", slack_eps=PARAM_GR
     e_fast, e_ref = max_err(fast, oracle), max_err(ref, oracle)
     M = float(oracle.abs().max()) if oracle.numel() else 0.0
     bound = 3.0 * e_ref + FLOOR[dtype] + slack_eps * torch.finfo(dtype).eps * M
-    assert e_fast <= bound, (f"{what}: fast-path error {e_fast:.3e} > 3x reference error {e_ref:.3e} + floor "
-                             f"+ {slack_eps} eps * max|dparam| ({M:.3g})")
+    assert e_fast <= bound, (
+        f"{what}: fast-path error {e_fast:.3e} > 3x reference error {e_ref:.3e} + floor "
+        f"+ {slack_eps} eps * max|dparam| ({M:.3g})"
+    )
 
 
-def check_rule(fast: dict, ref: dict, oracle: dict, dtype, what="", *, keys=None, nan_free=False,
-               param_slack_eps=PARAM_GRAD_SLACK_EPS):
+def check_rule(
+    fast: dict,
+    ref: dict,
+    oracle: dict,
+    dtype,
+    what="",
+    *,
+    keys=None,
+    nan_free=False,
+    param_slack_eps=PARAM_GRAD_SLACK_EPS,
+):
     """The DESIGN.md rule on a result dict (``out``, ``lse``, ``dq``, ``dk``, ``dv``, ``dparam``):
     :func:`assert_close_rule` with :func:`rule_factor` per key, :func:`check_param_grad` for
     ``dparam``.  ``keys=None`` checks the keys ``fast`` holds (None values skipped); given
     ``keys``, each must be there.  ``nan_free`` also refuses NaN in ``fast`` (even where the
     reference has NaN too, which would make the bound infinite)."""
     required = keys is not None
-    for key in (keys if required else ("out", "lse", "dq", "dk", "dv", "dparam")):
+    for key in keys if required else ("out", "lse", "dq", "dk", "dv", "dparam"):
         if key not in fast or fast[key] is None:
             assert not required, f"{what} {key}: missing from the result"
             continue
@@ -133,7 +144,7 @@ def tile_truth(dense, bq, bk):
     allt = torch.zeros(B, H, nqb, nkb, dtype=torch.bool)
     for i in range(nqb):
         for j in range(nkb):
-            t = dense[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].flatten(2)
+            t = dense[:, :, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk].flatten(2)
             anyt[:, :, i, j], allt[:, :, i, j] = t.any(-1), t.all(-1)
     return anyt, allt
 
@@ -143,6 +154,7 @@ def assert_tiles_sound(states, dense, bq, bk, where, exact):
     dense mask: EMPTY tiles hold no allowed pair, FULL tiles no forbidden one, and with
     ``exact`` every tile has the one verdict the truth gives."""
     from attnlab.masks import EMPTY, FULL, PARTIAL
+
     anyt, allt = tile_truth(dense, bq, bk)
     assert not ((states == EMPTY) & anyt).any(), f"{where}: a tile marked EMPTY has an allowed pair"
     assert not ((states == FULL) & ~allt).any(), f"{where}: a tile marked FULL has a forbidden pair"
@@ -157,7 +169,9 @@ def lab_lock(name: str):
     """An exclusive lock shared by every process of a test run (a file under the lab cache):
     one pytest-xdist worker trains a lab model while the others wait, then read the cache."""
     import fcntl
+
     from attnlab.lab import cache_dir
+
     with open(cache_dir() / f".{name}.lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:

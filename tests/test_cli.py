@@ -23,7 +23,7 @@ def _leaves(parser: argparse.ArgumentParser, words=()):
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
-                yield from _leaves(sub, words + (name,))
+                yield from _leaves(sub, (*words, name))
 
 
 def _options(parser):
@@ -37,7 +37,7 @@ def test_every_option_and_command_has_help():
             if isinstance(a, argparse._HelpAction) or a.help == argparse.SUPPRESS:
                 continue
             if isinstance(a, argparse._SubParsersAction):
-                missing += [f"{' '.join(words + (c.dest,))} (command)" for c in a._choices_actions if not c.help]
+                missing += [f"{' '.join((*words, c.dest))} (command)" for c in a._choices_actions if not c.help]
             elif not (a.help and a.help.strip()):
                 missing.append(f"attnlab {' '.join(words)} {a.option_strings or a.dest}")
     assert missing == []
@@ -55,19 +55,30 @@ def test_shared_options_are_spelled_the_same_everywhere():
     for words, p in _leaves(build_parser()):
         for a in _options(p):
             if a.option_strings == ["--json"]:
-                assert a.metavar == "PATH" and a.nargs is None, words      # a path everywhere, never a flag
+                assert a.metavar == "PATH" and a.nargs is None, words  # a path everywhere, never a flag
             if a.option_strings == ["--reps"]:
                 assert a.type.__name__ == "positive_int", words
             if a.option_strings == ["--quick"]:
                 assert isinstance(a, argparse._StoreTrueAction), words
 
 
-WITH_REPS = [" ".join(w) for w, p in _leaves(build_parser()) if any(a.option_strings == ["--reps"] for a in _options(p))]
+WITH_REPS = [
+    " ".join(w) for w, p in _leaves(build_parser()) if any(a.option_strings == ["--reps"] for a in _options(p))
+]
 
 
 def test_the_commands_that_repeat_take_reps():
-    assert {"bench attention", "bench models", "bench inference", "bench distributed", "bench interp",
-            "bench capture", "bench compile", "bench varlen", "lab crossover"} == set(WITH_REPS)
+    assert {
+        "bench attention",
+        "bench models",
+        "bench inference",
+        "bench distributed",
+        "bench interp",
+        "bench capture",
+        "bench compile",
+        "bench varlen",
+        "lab crossover",
+    } == set(WITH_REPS)
 
 
 @pytest.mark.parametrize("words", WITH_REPS)
@@ -109,17 +120,19 @@ def test_usage_errors_return_2_not_raise(capsys):
 # ----------------------------------------------------------------------------- claims
 def test_claims_accepts_a_seed_name(capsys):
     from attnlab.lab import claims as C
+
     assert main(["claims", "000", "--list"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     expect = [c.id for c in C.all_claims() if c.seed == C.SEED_000]
     assert listed == expect and expect
-    assert [c.id for c in C.select([C.SEED_000])] == expect                 # the file name works too
+    assert [c.id for c in C.select([C.SEED_000])] == expect  # the file name works too
     assert main(["claims", "999", "--list"]) == 2
-    assert "000" in capsys.readouterr().err                                  # names the seeds there are
+    assert "000" in capsys.readouterr().err  # names the seeds there are
 
 
 def test_claims_id_shows_the_claim_whole(capsys, tmp_path):
     from attnlab.lab import claims as C
+
     c = C.select(["dot-product-cosine"])[0]
     out = tmp_path / "one.json"
     assert main(["claims", "dot-product-cosine", "--no-progress", "--json", str(out)]) == 0
@@ -127,11 +140,11 @@ def test_claims_id_shows_the_claim_whole(capsys, tmp_path):
     doc = json.loads(out.read_text())["claims"][0]
     flat = " ".join(text.split())
     for q in c.quotes:
-        assert " ".join(q.split()) in flat                                   # the seed's quote, whole
+        assert " ".join(q.split()) in flat  # the seed's quote, whole
     assert f"verdict: {doc['verdict']}" in text and f"why: {doc['explanation']}" in flat
     assert "conditions: none" in text
     for k in doc["evidence"]:
-        assert k in text                                                     # every measured figure
+        assert k in text  # every measured figure
     assert doc["key_figure"] in flat
 
 
@@ -139,12 +152,20 @@ def test_claims_detail_states_the_conditions(monkeypatch, capsys):
     from attnlab.lab import claims as C
 
     def exp():
-        return C.Outcome(C.Verdict.HOLDS_UNDER_CONDITIONS, {"error": 1.5e-3, "sizes": [1, 2, 3]},
-                         "small error once the rows are long", conditions="only for rows longer than 64 keys",
-                         key_figure="error 1.5e-03")
+        return C.Outcome(
+            C.Verdict.HOLDS_UNDER_CONDITIONS,
+            {"error": 1.5e-3, "sizes": [1, 2, 3]},
+            "small error once the rows are long",
+            conditions="only for rows longer than 64 keys",
+            key_figure="error 1.5e-03",
+        )
+
     C.all_claims()
-    monkeypatch.setitem(C.REGISTRY._claims, "zz-conditional",
-                        C.Claim("zz-conditional", "a conditional claim", C.SEED_002, ("a quote",), exp, "tests"))
+    monkeypatch.setitem(
+        C.REGISTRY._claims,
+        "zz-conditional",
+        C.Claim("zz-conditional", "a conditional claim", C.SEED_002, ("a quote",), exp, "tests"),
+    )
     assert main(["claims", "zz-conditional", "--no-progress"]) == 0
     text = capsys.readouterr().out
     assert "conditions: only for rows longer than 64 keys" in text
@@ -153,12 +174,14 @@ def test_claims_detail_states_the_conditions(monkeypatch, capsys):
 
 def test_claims_table_wraps_long_figures_instead_of_cutting_them():
     from attnlab.lab import claims as C
+
     reg = C.Registry()
     long_figure = "a key figure " + " ".join(f"word{i}" for i in range(40)) + " end-of-figure"
 
     @reg.claim("long-one", title="t", seed=C.SEED_002, quote="q")
     def _():
         return C.Outcome.judge(True, evidence={"x": 1.0}, explanation="e", key_figure=long_figure)
+
     table = C.format_table(reg.run(progress=False), width=30)
     assert "…" not in table
     assert " ".join(table.split()).count("end-of-figure") == 1

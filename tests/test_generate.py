@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab.cache import DynamicCache, StaticCache, StreamingCache
 from attnlab.generate import Sampling, generate, stream
 from attnlab.nn import Decoder, DecoderConfig
 
@@ -14,8 +13,9 @@ V = 61
 
 def model(positions="rope", n_kv_heads=2, seed=0, **kw):
     torch.manual_seed(seed)
-    m = Decoder(DecoderConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads,
-                              positions=positions, **kw)).eval()
+    m = Decoder(
+        DecoderConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, positions=positions, **kw)
+    ).eval()
     with torch.no_grad():  # larger weights: peaked, position-sensitive next-token distributions
         for p in m.parameters():
             if p.dim() == 2:
@@ -33,7 +33,7 @@ def test_cached_generation_equals_recomputation_on_ragged_prompts(positions, cac
     ref = generate(m, PROMPTS, max_new_tokens=8, cache=None, output_logits=True)
     got = generate(m, PROMPTS, max_new_tokens=8, cache=cache, output_logits=True)
     assert got.sequences == ref.sequences
-    for a, b in zip(got.logits, ref.logits):
+    for a, b in zip(got.logits, ref.logits, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
@@ -43,7 +43,7 @@ def test_a_row_does_not_depend_on_the_other_rows():
     for i, p in enumerate(PROMPTS):
         alone = generate(m, [p], max_new_tokens=6, output_logits=True)
         assert alone.new_tokens[0] == together.new_tokens[i]
-        for a, b in zip(alone.logits, together.logits):
+        for a, b in zip(alone.logits, together.logits, strict=True):
             torch.testing.assert_close(a[0], b[i], atol=1e-5, rtol=0)
 
 
@@ -61,11 +61,11 @@ def test_stop_tokens_end_rows_independently():
     free = generate(m, PROMPTS, max_new_tokens=8)
     stop = free.new_tokens[1][2]  # the third token of row 1
     out = generate(m, PROMPTS, max_new_tokens=8, stop_tokens=[stop])
-    assert out.new_tokens[1] == free.new_tokens[1][:free.new_tokens[1].index(stop) + 1]
+    assert out.new_tokens[1] == free.new_tokens[1][: free.new_tokens[1].index(stop) + 1]
     assert out.finished[1]
     for i in (0, 2):
         toks = free.new_tokens[i]
-        expect = toks[:toks.index(stop) + 1] if stop in toks else toks
+        expect = toks[: toks.index(stop) + 1] if stop in toks else toks
         assert out.new_tokens[i] == expect
 
 
@@ -94,7 +94,7 @@ def test_top_k_top_p_filter_as_defined():
     p = logits.softmax(-1)[0]
     s = Sampling(temperature=1.0, top_p=float(p[0] + p[1] / 2))  # needs the first two tokens
     assert torch.isfinite(s.process(logits)).tolist() == [[True, True, False, False, False]]
-    s = Sampling(temperature=1.0, top_p=float(p[0]) - 1e-6)      # the first alone reaches it
+    s = Sampling(temperature=1.0, top_p=float(p[0]) - 1e-6)  # the first alone reaches it
     assert torch.isfinite(s.process(logits)).tolist() == [[True, False, False, False, False]]
 
 
@@ -113,11 +113,17 @@ def test_sampled_frequencies_follow_the_distribution():
     assert (freq - torch.tensor([0.5, 0.3, 0.2])).abs().max() < 0.03  # ~4 sigma at n=4000
 
 
-@pytest.mark.parametrize("bad, words", [
-    (dict(temperature=-1), "temperature"), (dict(top_k=0), "top_k"), (dict(top_p=1.5), "top_p"),
-    (dict(repetition_penalty=0), "repetition_penalty"), (dict(max_new_tokens=-1), "max_new_tokens"),
-    (dict(cache="bogus"), "cache: expected None"),
-])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(max_new_tokens=-1), "max_new_tokens"),
+        (dict(cache="bogus"), "cache: expected None"),
+    ],
+)
 def test_bad_arguments_are_named(bad, words):
     kw = dict(max_new_tokens=2)
     kw.update(bad)
@@ -135,11 +141,13 @@ def test_streaming_cache_refuses_padded_prompts_and_learned_positions():
 @pytest.mark.parametrize("mixer,positions", [("ssm", "none"), ("linear", "rope")])
 def test_recurrent_mixers_decode_from_their_state(mixer, positions):
     from attnlab.nn import Decoder, DecoderConfig
+
     torch.manual_seed(0)
-    m = Decoder(DecoderConfig(vocab_size=30, d_model=32, n_layers=2, n_heads=4, mixer=mixer,
-                              positions=positions)).eval()
+    m = Decoder(
+        DecoderConfig(vocab_size=30, d_model=32, n_layers=2, n_heads=4, mixer=mixer, positions=positions)
+    ).eval()
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
     want = generate(m, prompts, max_new_tokens=6, cache=None).new_tokens  # recompute: the reference
-    assert generate(m, prompts, max_new_tokens=6).new_tokens == want      # default cache -> the recurrent state
+    assert generate(m, prompts, max_new_tokens=6).new_tokens == want  # default cache -> the recurrent state
     with pytest.raises(ValueError, match="recurrent state"):
         generate(m, prompts, max_new_tokens=2, cache="paged")

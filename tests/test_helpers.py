@@ -38,9 +38,9 @@ def test_lab_lock_lets_one_holder_in_at_a_time(tmp_path, monkeypatch):
     t = threading.Thread(target=first)
     t.start()
     assert held.wait(10)
-    with lab_lock("x"):   # a second open file: flock makes it wait for the first holder
+    with lab_lock("x"):  # a second open file: flock makes it wait for the first holder
         events.append("second in")
     t.join()
     assert events == ["first out", "second in"]
-    with lab_lock("y"):   # another name is another lock
+    with lab_lock("y"):  # another name is another lock
         pass

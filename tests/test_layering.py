@@ -124,7 +124,8 @@ def test_the_package_is_found():
 def test_no_module_imports_another_modules_private_names(path):
     bad = [v for v in violations(path) if v[:3] not in ALLOWED]
     assert not bad, "private imports (make the name public, or move it where it belongs):\n" + "\n".join(
-        f"  {path.relative_to(SRC)}:{line}: {mod} imports {name!r} from {target}" for mod, target, name, line in bad)
+        f"  {path.relative_to(SRC)}:{line}: {mod} imports {name!r} from {target}" for mod, target, name, line in bad
+    )
 
 
 def test_the_allowed_exceptions_still_exist():
@@ -134,15 +135,18 @@ def test_the_allowed_exceptions_still_exist():
     assert not stale, f"remove from ALLOWED (fixed): {sorted(stale)}"
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("from attnlab.ops.flash import _backward\n", [("attnlab.ops.flash", "_backward")]),
-    ("from ..ops.dispatch import _auto\n", [("attnlab.ops.dispatch", "_auto")]),
-    ("from attnlab.ops import flash as f\nf._Problem\n", [("attnlab.ops.flash", "_Problem")]),
-    ("import attnlab.ops.flash as f\nf._backward\n", [("attnlab.ops.flash", "_backward")]),
-    ("from attnlab.report._util import x\n", [("attnlab.report._util", "*")]),
-    ("from attnlab.ops.flash import flash_attention, __all__\n", []),
-    ("import torch\ntorch._C\n", []),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("from attnlab.ops.flash import _backward\n", [("attnlab.ops.flash", "_backward")]),
+        ("from ..ops.dispatch import _auto\n", [("attnlab.ops.dispatch", "_auto")]),
+        ("from attnlab.ops import flash as f\nf._Problem\n", [("attnlab.ops.flash", "_Problem")]),
+        ("import attnlab.ops.flash as f\nf._backward\n", [("attnlab.ops.flash", "_backward")]),
+        ("from attnlab.report._util import x\n", [("attnlab.report._util", "*")]),
+        ("from attnlab.ops.flash import flash_attention, __all__\n", []),
+        ("import torch\ntorch._C\n", []),
+    ],
+)
 def test_the_checker_sees_every_route(source, expected):
     """The checker itself, on ``source`` read as if it were attnlab/distributed/probe.py."""
     got = [(t, n) for _, t, n, _ in violations(PKG / "distributed" / "probe.py", source)]

@@ -27,14 +27,18 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_lab_does_not_import_bench():
-    bad = {str(p.relative_to(PKG)): sorted(m for m in _imports(p) if m.startswith("attnlab.bench"))
-           for p in (PKG / "lab").rglob("*.py")}
+    bad = {
+        str(p.relative_to(PKG)): sorted(m for m in _imports(p) if m.startswith("attnlab.bench"))
+        for p in (PKG / "lab").rglob("*.py")
+    }
     assert {k: v for k, v in bad.items() if v} == {}
 
 
 def test_memprobe_does_not_import_the_attention_benchmark():
-    assert not any(m.startswith("attnlab.bench.attention") and m != "attnlab.bench.attention_probe"
-                   for m in _imports(PKG / "bench" / "memprobe.py"))
+    assert not any(
+        m.startswith("attnlab.bench.attention") and m != "attnlab.bench.attention_probe"
+        for m in _imports(PKG / "bench" / "memprobe.py")
+    )
 
 
 def test_the_triton_benchmark_lives_in_bench():
@@ -47,13 +51,15 @@ def test_no_pytest_files_inside_the_package():
 
 def test_importing_the_benchmarks_changes_no_environment():
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
-    code = ("import os, attnlab.bench.models, attnlab.bench.inference, attnlab.cli; "
-            "print(os.environ.get('HF_HUB_OFFLINE'))")
+    code = (
+        "import os, attnlab.bench.models, attnlab.bench.inference, attnlab.cli; print(os.environ.get('HF_HUB_OFFLINE'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "None"
 
 
 def test_cache_files_are_under_600_lines():
-    long = {p.name: n for p in (PKG / "cache").glob("*.py")
-            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600}
+    long = {
+        p.name: n for p in (PKG / "cache").glob("*.py") if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600
+    }
     assert long == {}

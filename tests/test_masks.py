@@ -26,12 +26,12 @@ ID_LEN = 20  # document ids / tree nodes cover absolute positions 0..19
 # (Nq, Nk, q_offset, kv_offset); q_offset None = the bottom-right default kv_offset + Nk - Nq
 SHAPES = [
     (9, 9, None, 0),
-    (3, 10, None, 0),   # few queries, newest tokens (q positions 7..9)
-    (10, 4, 0, 2),      # more queries than keys, top-left, keys shifted
+    (3, 10, None, 0),  # few queries, newest tokens (q positions 7..9)
+    (10, 4, 0, 2),  # more queries than keys, top-left, keys shifted
     (5, 7, 4, 3),
-    (1, 13, None, 3),   # single decode query at position 15
-    (6, 11, 13, 0),     # queries far past the keys
-    (10, 4, None, 0),   # default q_offset = -6: negative query positions
+    (1, 13, None, 3),  # single decode query at position 15
+    (6, 11, 13, 0),  # queries far past the keys
+    (10, 4, None, 0),  # default q_offset = -6: negative query positions
     (7, 1, 2, 5),
 ]
 
@@ -69,6 +69,7 @@ def b_sink(s, w):
 def b_document(q_ids, kv_ids):
     def row(ids, b):
         return ids[b] if isinstance(ids[0], list) else ids
+
     return lambda b, h, q, k: row(q_ids, b)[q] == row(kv_ids, b)[k]
 
 
@@ -88,6 +89,7 @@ def b_tree(parents, prefix_len):
         if q >= prefix_len and k >= prefix_len:
             return (k - prefix_len) in ancestors(q - prefix_len)
         return k <= q
+
     return f
 
 
@@ -130,6 +132,7 @@ TREE_PARENTS0 = [-1, 0, 1, 1, 2, 0, 5, -1, 7, 7, 8, 9, 3, 12, 6, 14, 14, 10, 17,
 
 def case_list():
     """(id, make(shape) -> (mask, brute, exact), needs_nonneg_positions)."""
+
     def fixed(mask_fn, brute, exact):
         return lambda shape: (mask_fn(), brute, exact)
 
@@ -138,8 +141,8 @@ def case_list():
             Nk, ko = shape[1], shape[3]
             L = lengths_of(ko + Nk)
             return masks.padding(L), b_padding(L), True
-        return make
 
+        return make
 
     cs = [
         ("causal", fixed(masks.causal, b_causal, True), False),
@@ -147,46 +150,112 @@ def case_list():
         ("window3", fixed(lambda: masks.sliding_window(3), b_window(3), True), False),
         ("prefix0", fixed(lambda: masks.prefix_lm(0), b_prefix(0), True), False),
         ("prefix4", fixed(lambda: masks.prefix_lm(4), b_prefix(4), True), False),
-        ("doc_sorted", fixed(lambda: masks.document(torch.tensor(DOC_SORTED)),
-                             b_document(DOC_SORTED, DOC_SORTED), True), True),
-        ("doc_sorted_batched", fixed(lambda: masks.document(torch.tensor(DOC_SORTED_B)),
-                                     b_document(DOC_SORTED_B, DOC_SORTED_B), True), True),
-        ("doc_cross", fixed(lambda: masks.document(torch.tensor(DOC_SORTED), torch.tensor(DOC_KV)),
-                            b_document(DOC_SORTED, DOC_KV), True), True),
-        ("doc_cross_batched_q", fixed(lambda: masks.document(torch.tensor(DOC_SORTED_B), torch.tensor(DOC_KV)),
-                                      b_document(DOC_SORTED_B, DOC_KV), True), True),
-        ("doc_scattered", fixed(lambda: masks.document(DOC_SCATTER),  # a plain list is accepted
-                                b_document(DOC_SCATTER, DOC_SCATTER), False), True),
+        (
+            "doc_sorted",
+            fixed(lambda: masks.document(torch.tensor(DOC_SORTED)), b_document(DOC_SORTED, DOC_SORTED), True),
+            True,
+        ),
+        (
+            "doc_sorted_batched",
+            fixed(lambda: masks.document(torch.tensor(DOC_SORTED_B)), b_document(DOC_SORTED_B, DOC_SORTED_B), True),
+            True,
+        ),
+        (
+            "doc_cross",
+            fixed(
+                lambda: masks.document(torch.tensor(DOC_SORTED), torch.tensor(DOC_KV)),
+                b_document(DOC_SORTED, DOC_KV),
+                True,
+            ),
+            True,
+        ),
+        (
+            "doc_cross_batched_q",
+            fixed(
+                lambda: masks.document(torch.tensor(DOC_SORTED_B), torch.tensor(DOC_KV)),
+                b_document(DOC_SORTED_B, DOC_KV),
+                True,
+            ),
+            True,
+        ),
+        (
+            "doc_scattered",
+            fixed(
+                lambda: masks.document(DOC_SCATTER),  # a plain list is accepted
+                b_document(DOC_SCATTER, DOC_SCATTER),
+                False,
+            ),
+            True,
+        ),
         ("padding", pad(lambda n: [n // 2, n]), False),
         ("padding_zero", pad(lambda n: [0, max(n - 1, 0)]), False),
-        ("tree_prefix5", fixed(lambda: masks.tree(torch.tensor(TREE_PARENTS), prefix_len=5),
-                               b_tree(TREE_PARENTS, 5), True), False),
-        ("tree_prefix0", fixed(lambda: masks.tree(TREE_PARENTS0),
-                               b_tree(TREE_PARENTS0, 0), True), False),
+        (
+            "tree_prefix5",
+            fixed(lambda: masks.tree(torch.tensor(TREE_PARENTS), prefix_len=5), b_tree(TREE_PARENTS, 5), True),
+            False,
+        ),
+        ("tree_prefix0", fixed(lambda: masks.tree(TREE_PARENTS0), b_tree(TREE_PARENTS0, 0), True), False),
         ("sink2_3", fixed(lambda: masks.sink_window(2, 3), b_sink(2, 3), False), False),
         ("sink0_4", fixed(lambda: masks.sink_window(0, 4), b_sink(0, 4), False), False),
         ("sink3_0", fixed(lambda: masks.sink_window(3, 0), b_sink(3, 0), False), False),
         ("custom_bh", fixed(lambda: masks.custom(hash_pred_torch), hash_pred_py, True), False),
         ("custom_kv", fixed(lambda: masks.custom(kv_only_torch), kv_only_py, True), False),
         # combinations
-        ("causal_and_not_window", fixed(lambda: masks.causal() & ~masks.sliding_window(2),
-                                        b_and(b_causal, b_not(b_window(2))), False), False),
-        ("doc_and_causal", fixed(lambda: masks.document(torch.tensor(DOC_SORTED)) & masks.causal(),
-                                 b_and(b_document(DOC_SORTED, DOC_SORTED), b_causal), False), True),
-        ("prefix_or_window", fixed(lambda: masks.prefix_lm(3) | masks.sliding_window(2),
-                                   b_or(b_prefix(3), b_window(2)), False), False),
-        ("not_causal_or_custom", fixed(lambda: ~(masks.causal() | masks.custom(kv_only_torch)),
-                                       b_not(b_or(b_causal, kv_only_py)), False), False),
-        ("sink_and_doc_batched", fixed(lambda: masks.sink_window(1, 3) & masks.document(torch.tensor(DOC_SORTED_B)),
-                                       b_and(b_sink(1, 3), b_document(DOC_SORTED_B, DOC_SORTED_B)), False), True),
-        ("nested", fixed(lambda: ((masks.causal() & masks.custom(hash_pred_torch)) | ~masks.prefix_lm(5))
-                         & masks.sliding_window(6),
-                         b_and(b_or(b_and(b_causal, hash_pred_py), b_not(b_prefix(5))), b_window(6)), False), False),
+        (
+            "causal_and_not_window",
+            fixed(lambda: masks.causal() & ~masks.sliding_window(2), b_and(b_causal, b_not(b_window(2))), False),
+            False,
+        ),
+        (
+            "doc_and_causal",
+            fixed(
+                lambda: masks.document(torch.tensor(DOC_SORTED)) & masks.causal(),
+                b_and(b_document(DOC_SORTED, DOC_SORTED), b_causal),
+                False,
+            ),
+            True,
+        ),
+        (
+            "prefix_or_window",
+            fixed(lambda: masks.prefix_lm(3) | masks.sliding_window(2), b_or(b_prefix(3), b_window(2)), False),
+            False,
+        ),
+        (
+            "not_causal_or_custom",
+            fixed(lambda: ~(masks.causal() | masks.custom(kv_only_torch)), b_not(b_or(b_causal, kv_only_py)), False),
+            False,
+        ),
+        (
+            "sink_and_doc_batched",
+            fixed(
+                lambda: masks.sink_window(1, 3) & masks.document(torch.tensor(DOC_SORTED_B)),
+                b_and(b_sink(1, 3), b_document(DOC_SORTED_B, DOC_SORTED_B)),
+                False,
+            ),
+            True,
+        ),
+        (
+            "nested",
+            fixed(
+                lambda: (
+                    ((masks.causal() & masks.custom(hash_pred_torch)) | ~masks.prefix_lm(5)) & masks.sliding_window(6)
+                ),
+                b_and(b_or(b_and(b_causal, hash_pred_py), b_not(b_prefix(5))), b_window(6)),
+                False,
+            ),
+            False,
+        ),
         ("double_not", fixed(lambda: ~~masks.causal(), b_causal, True), False),
         ("not_window_exact", fixed(lambda: ~masks.sliding_window(3), b_not(b_window(3)), True), False),
-        ("tree_and_custom", fixed(lambda: masks.tree(torch.tensor(TREE_PARENTS), prefix_len=5)
-                                  & masks.custom(kv_only_torch),
-                                  b_and(b_tree(TREE_PARENTS, 5), kv_only_py), False), False),
+        (
+            "tree_and_custom",
+            fixed(
+                lambda: masks.tree(torch.tensor(TREE_PARENTS), prefix_len=5) & masks.custom(kv_only_torch),
+                b_and(b_tree(TREE_PARENTS, 5), kv_only_py),
+                False,
+            ),
+            False,
+        ),
     ]
 
     def not_padding(shape):
@@ -211,8 +280,10 @@ PARAMS = [
 
 
 def brute_dense(f, Nq, Nk, qo, ko):
-    return torch.tensor([[[[bool(f(b, h, qo + i, ko + j)) for j in range(Nk)] for i in range(Nq)]
-                          for h in range(H)] for b in range(B)], dtype=torch.bool).view(B, H, Nq, Nk)
+    return torch.tensor(
+        [[[[bool(f(b, h, qo + i, ko + j)) for j in range(Nk)] for i in range(Nq)] for h in range(H)] for b in range(B)],
+        dtype=torch.bool,
+    ).view(B, H, Nq, Nk)
 
 
 def mask_dense(m, Nq, Nk, qo, ko):
@@ -245,8 +316,16 @@ def test_block_mask_is_correct_and_exact(make, shape):
     for bq, bk in BLOCKS:
         bm = m.block_mask(B, H, Nq, Nk, q_offset=qo_arg, kv_offset=ko, block=(bq, bk))
         assert isinstance(bm, BlockMask)
-        assert (bm.B, bm.H, bm.Nq, bm.Nk, bm.q_offset, bm.kv_offset, bm.block_q, bm.block_k) == \
-            (B, H, Nq, Nk, qo, ko, bq, bk)
+        assert (bm.B, bm.H, bm.Nq, bm.Nk, bm.q_offset, bm.kv_offset, bm.block_q, bm.block_k) == (
+            B,
+            H,
+            Nq,
+            Nk,
+            qo,
+            ko,
+            bq,
+            bk,
+        )
         nqb, nkb = -(-Nq // bq), -(-Nk // bk)
         s = bm.states
         assert s.dtype == torch.int8 and s.dim() == 4 and s.shape[-2:] == (nqb, nkb)
@@ -324,9 +403,10 @@ def test_batch_dependent_mask_in_attention_matches_per_batch_runs():
     for backend in ("flash", "reference"):
         out = attnlab.attention(q, k, v, mask=masks.padding(lengths), backend=backend)
         for b, L in enumerate(lengths):
-            want = attnlab.attention(q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L],
-                                     q_offset=2, backend="reference")
-            torch.testing.assert_close(out[b:b + 1], want, atol=1e-12, rtol=0)
+            want = attnlab.attention(
+                q[b : b + 1], k[b : b + 1, :, :L], v[b : b + 1, :, :L], q_offset=2, backend="reference"
+            )
+            torch.testing.assert_close(out[b : b + 1], want, atol=1e-12, rtol=0)
 
 
 # ----------------------------------------------------------------------------- caching and shape checks
@@ -353,8 +433,7 @@ def test_block_mask_passed_to_attention_matches_mask():
     bm = m.block_mask(1, 2, 9, 11, block=(2, 3))
     want = attnlab.attention(q, k, v, mask=m, backend="reference")
     for backend in ("flash", "reference", "auto"):
-        torch.testing.assert_close(attnlab.attention(q, k, v, mask=bm, backend=backend), want,
-                                   atol=1e-12, rtol=0)
+        torch.testing.assert_close(attnlab.attention(q, k, v, mask=bm, backend=backend), want, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("backend", ["auto", "flash", "reference"])
@@ -378,34 +457,37 @@ def test_block_mask_for_another_shape_is_rejected(backend, change):
 
 
 # ----------------------------------------------------------------------------- constructor errors
-@pytest.mark.parametrize("build, exc, words", [
-    (lambda: masks.sliding_window(0), ValueError, "sliding_window(w)"),
-    (lambda: masks.sliding_window(-2), ValueError, "sliding_window(w)"),
-    (lambda: masks.sliding_window(2.0), TypeError, "sliding_window(w)"),
-    (lambda: masks.sliding_window(True), TypeError, "sliding_window(w)"),
-    (lambda: masks.prefix_lm(-1), ValueError, "prefix_lm(n)"),
-    (lambda: masks.prefix_lm(1.5), TypeError, "prefix_lm(n)"),
-    (lambda: masks.sink_window(-1, 3), ValueError, "sink_window(sinks)"),
-    (lambda: masks.sink_window(2, -3), ValueError, "sink_window(window)"),
-    (lambda: masks.sink_window(0, 0), ValueError, "sink_window"),
-    (lambda: masks.document(torch.tensor([0.0, 1.0])), TypeError, "document(ids)"),
-    (lambda: masks.document([0.5, 1.5]), TypeError, "document(ids)"),
-    (lambda: masks.document(torch.tensor([True, False])), TypeError, "document(ids)"),
-    (lambda: masks.document(torch.zeros(1, 2, 3, dtype=torch.long)), ValueError, "document(ids)"),
-    (lambda: masks.document(torch.arange(4), torch.tensor([0.0, 1.0])), TypeError, "document(kv_ids)"),
-    (lambda: masks.padding([1.0, 2.0]), TypeError, "padding(kv_lengths)"),
-    (lambda: masks.padding([[1, 2]]), ValueError, "padding(kv_lengths)"),
-    (lambda: masks.padding([3, -1]), ValueError, "padding(kv_lengths)"),
-    (lambda: masks.tree([-1, 2, 0]), ValueError, "tree(parents)"),       # points forward
-    (lambda: masks.tree([-1, 1]), ValueError, "tree(parents)"),          # points at itself
-    (lambda: masks.tree([-1, -2]), ValueError, "tree(parents)"),
-    (lambda: masks.tree(torch.tensor([-1.0, 0.0])), (ValueError, TypeError), "tree(parents)"),
-    (lambda: masks.tree([[-1, 0]]), ValueError, "tree(parents)"),
-    (lambda: masks.tree([-1, 0], prefix_len=-1), ValueError, "tree(prefix_len)"),
-    (lambda: masks.custom(3), TypeError, "custom(fn)"),
-    (lambda: masks.causal() & (lambda b, h, q, kv: kv <= q), TypeError, "&"),
-    (lambda: masks.causal() | torch.ones(3, 3, dtype=torch.bool), TypeError, "|"),
-])
+@pytest.mark.parametrize(
+    "build, exc, words",
+    [
+        (lambda: masks.sliding_window(0), ValueError, "sliding_window(w)"),
+        (lambda: masks.sliding_window(-2), ValueError, "sliding_window(w)"),
+        (lambda: masks.sliding_window(2.0), TypeError, "sliding_window(w)"),
+        (lambda: masks.sliding_window(True), TypeError, "sliding_window(w)"),
+        (lambda: masks.prefix_lm(-1), ValueError, "prefix_lm(n)"),
+        (lambda: masks.prefix_lm(1.5), TypeError, "prefix_lm(n)"),
+        (lambda: masks.sink_window(-1, 3), ValueError, "sink_window(sinks)"),
+        (lambda: masks.sink_window(2, -3), ValueError, "sink_window(window)"),
+        (lambda: masks.sink_window(0, 0), ValueError, "sink_window"),
+        (lambda: masks.document(torch.tensor([0.0, 1.0])), TypeError, "document(ids)"),
+        (lambda: masks.document([0.5, 1.5]), TypeError, "document(ids)"),
+        (lambda: masks.document(torch.tensor([True, False])), TypeError, "document(ids)"),
+        (lambda: masks.document(torch.zeros(1, 2, 3, dtype=torch.long)), ValueError, "document(ids)"),
+        (lambda: masks.document(torch.arange(4), torch.tensor([0.0, 1.0])), TypeError, "document(kv_ids)"),
+        (lambda: masks.padding([1.0, 2.0]), TypeError, "padding(kv_lengths)"),
+        (lambda: masks.padding([[1, 2]]), ValueError, "padding(kv_lengths)"),
+        (lambda: masks.padding([3, -1]), ValueError, "padding(kv_lengths)"),
+        (lambda: masks.tree([-1, 2, 0]), ValueError, "tree(parents)"),  # points forward
+        (lambda: masks.tree([-1, 1]), ValueError, "tree(parents)"),  # points at itself
+        (lambda: masks.tree([-1, -2]), ValueError, "tree(parents)"),
+        (lambda: masks.tree(torch.tensor([-1.0, 0.0])), (ValueError, TypeError), "tree(parents)"),
+        (lambda: masks.tree([[-1, 0]]), ValueError, "tree(parents)"),
+        (lambda: masks.tree([-1, 0], prefix_len=-1), ValueError, "tree(prefix_len)"),
+        (lambda: masks.custom(3), TypeError, "custom(fn)"),
+        (lambda: masks.causal() & (lambda b, h, q, kv: kv <= q), TypeError, "&"),
+        (lambda: masks.causal() | torch.ones(3, 3, dtype=torch.bool), TypeError, "|"),
+    ],
+)
 def test_constructor_errors_name_the_argument(build, exc, words):
     with pytest.raises(exc) as e:
         build()
@@ -417,18 +499,21 @@ def test_tree_error_names_the_bad_parent():
         masks.tree([-1, 0, 5, 1])
 
 
-@pytest.mark.parametrize("mask, Nq, Nk, kw, words", [
-    (lambda: masks.padding([3]), 4, 8, {}, "padding(kv_lengths)"),                 # B=2 needs 2 lengths
-    (lambda: masks.padding([3, 4, 5]), 4, 8, {}, "padding(kv_lengths)"),
-    (lambda: masks.document(torch.arange(6)), 4, 8, {}, "document("),              # ids too short
-    (lambda: masks.document(torch.arange(8)), 4, 8, {"kv_offset": 1}, "document("),
-    (lambda: masks.document(torch.arange(20)), 9, 4, {}, "document("),             # q positions < 0
-    (lambda: masks.document(torch.arange(10), torch.arange(5)), 4, 8, {}, "document(kv_ids)"),
-    (lambda: masks.document(torch.zeros(3, 8, dtype=torch.long)), 4, 8, {}, "document("),  # batch 3 vs 2
-    (lambda: masks.tree([-1, 0, 1], prefix_len=2), 4, 8, {}, "tree"),             # covers only 0..4
-    (lambda: masks.causal() & masks.padding([1, 2, 3]), 4, 8, {}, "padding(kv_lengths)"),  # through &
-    (lambda: ~masks.document(torch.arange(3)), 4, 8, {}, "document("),            # through ~
-])
+@pytest.mark.parametrize(
+    "mask, Nq, Nk, kw, words",
+    [
+        (lambda: masks.padding([3]), 4, 8, {}, "padding(kv_lengths)"),  # B=2 needs 2 lengths
+        (lambda: masks.padding([3, 4, 5]), 4, 8, {}, "padding(kv_lengths)"),
+        (lambda: masks.document(torch.arange(6)), 4, 8, {}, "document("),  # ids too short
+        (lambda: masks.document(torch.arange(8)), 4, 8, {"kv_offset": 1}, "document("),
+        (lambda: masks.document(torch.arange(20)), 9, 4, {}, "document("),  # q positions < 0
+        (lambda: masks.document(torch.arange(10), torch.arange(5)), 4, 8, {}, "document(kv_ids)"),
+        (lambda: masks.document(torch.zeros(3, 8, dtype=torch.long)), 4, 8, {}, "document("),  # batch 3 vs 2
+        (lambda: masks.tree([-1, 0, 1], prefix_len=2), 4, 8, {}, "tree"),  # covers only 0..4
+        (lambda: masks.causal() & masks.padding([1, 2, 3]), 4, 8, {}, "padding(kv_lengths)"),  # through &
+        (lambda: ~masks.document(torch.arange(3)), 4, 8, {}, "document("),  # through ~
+    ],
+)
 def test_shape_dependent_errors_at_attention_and_block_mask(mask, Nq, Nk, kw, words):
     q = torch.randn(2, 1, Nq, 4)
     k = torch.randn(2, 1, Nk, 4)

@@ -30,8 +30,9 @@ def test_band_is_flash_attn_window(left, right, Nq, Nk):
     assert torch.equal(mask_dense(m, 1, 1, Nq, Nk, Nk - Nq, 0)[0, 0], _flash_window(Nq, Nk, left, right))
     for block in ((4, 4), (3, 5), (8, 2)):
         bm = m.block_mask(1, 1, Nq, Nk, block=block)
-        assert_tiles_sound(bm.states.expand(1, 1, -1, -1), mask_dense(m, 1, 1, Nq, Nk, Nk - Nq, 0), *block,
-                           repr(m), exact=True)
+        assert_tiles_sound(
+            bm.states.expand(1, 1, -1, -1), mask_dense(m, 1, 1, Nq, Nk, Nk - Nq, 0), *block, repr(m), exact=True
+        )
 
 
 def test_sliding_window_right_is_band():
@@ -55,5 +56,5 @@ def test_dense_mask_errors():
     with pytest.raises(TypeError, match=r"masks.dense\(t\): expected a bool tensor"):
         masks.dense(torch.ones(3, 3), q_offset=0)
     m = masks.dense(torch.ones(3, 4, dtype=torch.bool), q_offset=1)
-    with pytest.raises(ValueError, match="masks.dense: built for q_offset=1"):
+    with pytest.raises(ValueError, match=r"masks.dense: built for q_offset=1"):
         m.block_mask(1, 1, 3, 4, q_offset=0)

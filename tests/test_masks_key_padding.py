@@ -9,23 +9,20 @@ query, so every tile is decidable from the keep pattern alone).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-
-import attnlab  # noqa: E402
-from attnlab import masks  # noqa: E402
-from attnlab.masks import EMPTY, FULL, PARTIAL  # noqa: E402
-from tests import helpers  # noqa: E402
-from tests.helpers import F64_FLOOR, assert_close_rule  # noqa: E402
+import attnlab
+from attnlab import masks
+from tests import helpers
+from tests.helpers import F64_FLOOR, assert_close_rule
 
 B, H, L = 3, 2, 24  # keep covers absolute key positions 0..23
 
 
 def random_keep(seed, density):
     g = torch.Generator().manual_seed(seed)
-    if density == "left":   # left padding: a random number of leading pads per row
+    if density == "left":  # left padding: a random number of leading pads per row
         n = torch.randint(0, L + 1, (B,), generator=g)
         return torch.arange(L)[None] >= n[:, None]
     if density == "right":
@@ -35,8 +32,7 @@ def random_keep(seed, density):
     return keep
 
 
-KEEPS = [(s, d) for s, d in [(0, 0.5), (1, 0.9), (2, 0.1), (3, "left"), (4, "right"), (5, 0.0), (6, 1.0),
-                              (7, 0.3)]]
+KEEPS = [(s, d) for s, d in [(0, 0.5), (1, 0.9), (2, 0.1), (3, "left"), (4, "right"), (5, 0.0), (6, 1.0), (7, 0.3)]]
 # (Nq, Nk, q_offset, kv_offset); q_offset None = bottom-right default
 SHAPES = [(24, 24, None, 0), (5, 24, None, 0), (7, 13, 0, 4), (1, 9, None, 15), (30, 11, 2, 13), (3, 1, None, 23)]
 BLOCKS = [(1, 1), (2, 3), (4, 4), (5, 7), (3, 16), (128, 512)]
@@ -50,8 +46,13 @@ def q_off(shape):
 def brute_dense(keep, Nq, Nk, qo, ko, pred=None):
     kl = keep.tolist()
     pred = pred or (lambda b, h, q, k: kl[b][k])
-    return torch.tensor([[[[bool(pred(b, h, qo + i, ko + j)) for j in range(Nk)] for i in range(Nq)]
-                          for h in range(H)] for b in range(B)], dtype=torch.bool).view(B, H, Nq, Nk)
+    return torch.tensor(
+        [
+            [[[bool(pred(b, h, qo + i, ko + j)) for j in range(Nk)] for i in range(Nq)] for h in range(H)]
+            for b in range(B)
+        ],
+        dtype=torch.bool,
+    ).view(B, H, Nq, Nk)
 
 
 def mask_dense(m, Nq, Nk, qo, ko):
@@ -72,8 +73,11 @@ def check_states(m, dense, shape, exact):
         helpers.assert_tiles_sound(s, dense, bq, bk, f"{m!r} shape={shape} block=({bq},{bk})", exact)
 
 
-CASES = [pytest.param(seed, dens, shape, id=f"keep{seed}-{dens}-{shape[0]}x{shape[1]}@{shape[2]},{shape[3]}")
-         for seed, dens in KEEPS for shape in SHAPES]
+CASES = [
+    pytest.param(seed, dens, shape, id=f"keep{seed}-{dens}-{shape[0]}x{shape[1]}@{shape[2]},{shape[3]}")
+    for seed, dens in KEEPS
+    for shape in SHAPES
+]
 
 
 @pytest.mark.parametrize("seed, density, shape", CASES)
@@ -96,8 +100,9 @@ def test_combinations_classify_correctly(seed, density, shape):
     qo = q_off(shape)
     kl = keep.tolist()
     # ~key_padding is still exact; & causal is correct (EMPTY/FULL never wrong)
-    check_states(~masks.key_padding(keep), brute_dense(keep, Nq, Nk, qo, ko, lambda b, h, q, k: not kl[b][k]),
-                 shape, exact=True)
+    check_states(
+        ~masks.key_padding(keep), brute_dense(keep, Nq, Nk, qo, ko, lambda b, h, q, k: not kl[b][k]), shape, exact=True
+    )
     dense = brute_dense(keep, Nq, Nk, qo, ko, lambda b, h, q, k: kl[b][k] and k <= q)
     m = masks.causal() & masks.key_padding(keep)
     assert torch.equal(mask_dense(m, Nq, Nk, qo, ko), dense)
@@ -110,6 +115,7 @@ def test_classifier_does_not_evaluate_the_predicate(monkeypatch):
 
     def boom(*a):
         raise AssertionError("block_mask evaluated the predicate")
+
     monkeypatch.setattr(type(m), "predicate", boom)
     bm = m.block_mask(B, H, 24, 24, block=(4, 4))
     assert bm.states.shape == (B, 1, 6, 6)
@@ -117,8 +123,9 @@ def test_classifier_does_not_evaluate_the_predicate(monkeypatch):
 
 def test_docstring_example_left_padding():
     m = masks.key_padding(torch.tensor([[False, True, True]]))
-    assert m(torch.tensor(0), torch.tensor(0), torch.tensor([[2]]), torch.arange(3)).tolist() == \
-        [[[[False, True, True]]]]
+    assert m(torch.tensor(0), torch.tensor(0), torch.tensor([[2]]), torch.arange(3)).tolist() == [
+        [[[False, True, True]]]
+    ]
     # integer 0/1 masks are accepted
     mi = masks.key_padding(torch.tensor([[0, 1, 1]]))
     assert torch.equal(mi.keep, m.keep)
@@ -152,29 +159,29 @@ SDPA_CASES = [
 @pytest.mark.parametrize("Hq, Hkv, Nq, Nk, ko", SDPA_CASES)
 def test_sdpa_mapping_matches_reference(Hq, Hkv, Nq, Nk, ko):
     keep = torch.ones(2, ko + Nk, dtype=torch.bool)
-    keep[0, ko:ko + 2] = False          # left padding
-    keep[1, ko + Nk - 3:] = False       # right padding
-    keep[1, ko + 1] = False             # a hole
-    keep[:, :ko] = False                # outside this call's keys: must be ignored
+    keep[0, ko : ko + 2] = False  # left padding
+    keep[1, ko + Nk - 3 :] = False  # right padding
+    keep[1, ko + 1] = False  # a hole
+    keep[:, :ko] = False  # outside this call's keys: must be ignored
     m = masks.key_padding(keep)
     q, k, v = make_qkv(2, Hq, Hkv, Nq, Nk, 8)
     oracle = run(q.double(), k.double(), v.double(), "reference", m, kv_offset=ko)
     ref = run(q, k, v, "reference", m, kv_offset=ko)
     # an independent oracle for the output: masked softmax by hand
     G = Hq // Hkv
-    s = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double().repeat_interleave(G, 1)) / 8 ** 0.5
+    s = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double().repeat_interleave(G, 1)) / 8**0.5
     s = s.masked_fill(~keep[:, None, None, ko:], float("-inf"))
     want = torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1), v.double().repeat_interleave(G, 1))
     torch.testing.assert_close(oracle[0], want, **F64_FLOOR)
     for backend in ("sdpa", "auto", "flash"):
         fast = run(q, k, v, backend, m, kv_offset=ko)
-        for name, f, r, o in zip(("out", "dq", "dk", "dv"), fast, ref, oracle):
-            assert_close_rule(f, r, o, torch.float32, factor=2.0 if name == "out" else 3.0,
-                              what=f"{backend} {name}")
+        for name, f, r, o in zip(("out", "dq", "dk", "dv"), fast, ref, oracle, strict=True):
+            assert_close_rule(f, r, o, torch.float32, factor=2.0 if name == "out" else 3.0, what=f"{backend} {name}")
 
 
 def test_sdpa_bool_mask_is_the_keep_slice():
     from attnlab.ops.sdpa import key_keep_slice
+
     keep = random_keep(3, "left")
     m = masks.key_padding(keep)
     assert m.lower().fields() == {"key_keep"} and m.lower().key_keep is keep
@@ -225,23 +232,29 @@ def test_flash_with_block_mask_tiles_matches_reference(block):
 
 
 # ----------------------------------------------------------------------------- errors
-@pytest.mark.parametrize("keep, exc, words", [
-    (torch.tensor([[1.0, 0.0]]), TypeError, "key_padding(keep): expected a bool or 0/1 integer tensor"),
-    (torch.tensor([[0, 2]]), ValueError, "integer masks must hold only 0 and 1"),
-    (torch.tensor([True, False]), ValueError, "key_padding(keep): expected shape (B, N), got (2,)"),
-    (torch.ones(1, 2, 3, dtype=torch.bool), ValueError, "expected shape (B, N)"),
-])
+@pytest.mark.parametrize(
+    "keep, exc, words",
+    [
+        (torch.tensor([[1.0, 0.0]]), TypeError, "key_padding(keep): expected a bool or 0/1 integer tensor"),
+        (torch.tensor([[0, 2]]), ValueError, "integer masks must hold only 0 and 1"),
+        (torch.tensor([True, False]), ValueError, "key_padding(keep): expected shape (B, N), got (2,)"),
+        (torch.ones(1, 2, 3, dtype=torch.bool), ValueError, "expected shape (B, N)"),
+    ],
+)
 def test_constructor_errors(keep, exc, words):
     with pytest.raises(exc) as e:
         masks.key_padding(keep)
     assert words in str(e.value)
 
 
-@pytest.mark.parametrize("keep_shape, Nk, kw, words", [
-    ((3, 8), 8, {}, "key_padding(keep): got 3 rows for batch size B=2"),
-    ((2, 6), 8, {}, "keep covers key positions 0..5 but the problem has keys at 0..7"),
-    ((2, 8), 8, {"kv_offset": 1}, "keys at 1..8"),
-])
+@pytest.mark.parametrize(
+    "keep_shape, Nk, kw, words",
+    [
+        ((3, 8), 8, {}, "key_padding(keep): got 3 rows for batch size B=2"),
+        ((2, 6), 8, {}, "keep covers key positions 0..5 but the problem has keys at 0..7"),
+        ((2, 8), 8, {"kv_offset": 1}, "keys at 1..8"),
+    ],
+)
 def test_shape_errors_at_attention_and_block_mask(keep_shape, Nk, kw, words):
     m = masks.key_padding(torch.ones(keep_shape, dtype=torch.bool))
     q = torch.randn(2, 1, 4, 4)

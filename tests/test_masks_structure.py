@@ -5,8 +5,7 @@ and the consumers that read the structure instead of class names."""
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from attnlab import masks
 from attnlab.masks import MaskStructure
@@ -31,8 +30,22 @@ opt_small = st.one_of(st.none(), small)
 @st.composite
 def leaf(draw, total_q, total_k):
     """A built-in mask valid for absolute positions 0..total-1, batch B."""
-    kind = draw(st.sampled_from(["causal", "sliding_window", "prefix_lm", "sink_window", "band", "document",
-                                 "padding", "key_padding", "tree", "custom"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "causal",
+                "sliding_window",
+                "prefix_lm",
+                "sink_window",
+                "band",
+                "document",
+                "padding",
+                "key_padding",
+                "tree",
+                "custom",
+            ]
+        )
+    )
     if kind == "causal":
         return masks.causal()
     if kind == "sliding_window":
@@ -53,18 +66,26 @@ def leaf(draw, total_q, total_k):
     if kind == "padding":
         return masks.padding(torch.tensor(draw(st.lists(st.integers(0, total_k + 2), min_size=B, max_size=B))))
     if kind == "key_padding":
-        return masks.key_padding(torch.tensor(draw(st.lists(st.lists(st.booleans(), min_size=total_k,
-                                                                     max_size=total_k), min_size=B, max_size=B))))
+        return masks.key_padding(
+            torch.tensor(
+                draw(st.lists(st.lists(st.booleans(), min_size=total_k, max_size=total_k), min_size=B, max_size=B))
+            )
+        )
     if kind == "tree":
         return masks.tree([-1, 0, 0, 1], prefix_len=max(0, total_q - 4))
     return masks.custom(lambda b, h, q, kv: (q + kv) % 3 != 0)
 
 
 def combos(total_q, total_k):
-    return st.recursive(leaf(total_q, total_k),
-                        lambda inner: st.one_of(st.tuples(inner, inner).map(lambda ab: ab[0] & ab[1]),
-                                                st.tuples(inner, inner).map(lambda ab: ab[0] | ab[1]),
-                                                inner.map(lambda a: ~a)), max_leaves=4)
+    return st.recursive(
+        leaf(total_q, total_k),
+        lambda inner: st.one_of(
+            st.tuples(inner, inner).map(lambda ab: ab[0] & ab[1]),
+            st.tuples(inner, inner).map(lambda ab: ab[0] | ab[1]),
+            inner.map(lambda a: ~a),
+        ),
+        max_leaves=4,
+    )
 
 
 @SETTINGS
@@ -105,7 +126,7 @@ def test_structure_tile_states_are_exact_where_they_say_so(data, bq, bk):
     want = s.evaluate(B, NQ, NK, q_offset, kv_offset).expand(B, 1, NQ, NK)
     for i in range(nqb):
         for j in range(nkb):
-            tile = want[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+            tile = want[:, :, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
             for b in range(B):
                 st_ = int(states[b, 0, i, j])
                 assert st_ != masks.FULL or bool(tile[b].all()), (m, i, j)
@@ -115,10 +136,15 @@ def test_structure_tile_states_are_exact_where_they_say_so(data, bq, bk):
 def test_enough_combinations_lower():
     """The property test is not vacuous: `&` of bands, paddings and documents lowers."""
     ids = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2, 2])
-    cases = [masks.causal() & masks.document(ids), masks.padding(torch.tensor([3, 9])) & masks.sliding_window(3),
-             masks.prefix_lm(3) & masks.causal(), masks.sink_window(2, 3) & masks.band(None, 0),
-             masks.band(2, 1) & masks.causal() & masks.key_padding(torch.ones(2, 9, dtype=torch.bool)),
-             ~~masks.causal(), masks.causal() | masks.band(None, None)]
+    cases = [
+        masks.causal() & masks.document(ids),
+        masks.padding(torch.tensor([3, 9])) & masks.sliding_window(3),
+        masks.prefix_lm(3) & masks.causal(),
+        masks.sink_window(2, 3) & masks.band(None, 0),
+        masks.band(2, 1) & masks.causal() & masks.key_padding(torch.ones(2, 9, dtype=torch.bool)),
+        ~~masks.causal(),
+        masks.causal() | masks.band(None, None),
+    ]
     for m in cases:
         s = m.lower()
         assert s is not None, m
@@ -130,7 +156,10 @@ def test_builtins_lower_to_the_contracts_fields():
     ids = torch.tensor([0, 0, 1])
     lens = torch.tensor([2, 3])
     keep = torch.ones(2, 3, dtype=torch.bool)
-    f = lambda m: {k: getattr(m.lower(), k) for k in m.lower().fields()}
+
+    def f(m):
+        return {k: getattr(m.lower(), k) for k in m.lower().fields()}
+
     assert f(masks.causal()) == {"right": 0}
     assert f(masks.sliding_window(4)) == {"left": 3, "right": 0}
     assert f(masks.sliding_window(4, right=2)) == {"left": 3, "right": 2}
@@ -204,6 +233,7 @@ def test_flash_tile_classifier_reads_the_structure_of_a_mask_without_classify():
 
 def test_sdpa_recognises_a_new_mask_lowering_to_causal():
     from attnlab.ops.sdpa import is_causal_mask, sdpa_unsupported
+
     q = torch.randn(1, 2, 4, 8)
     assert is_causal_mask(_MyCausal()) and is_causal_mask(masks.band(None, 0))
     assert is_causal_mask(masks.causal() & masks.band(None, 3))
@@ -213,6 +243,7 @@ def test_sdpa_recognises_a_new_mask_lowering_to_causal():
 
 def test_sdpa_key_padding_from_any_mask_lowering_to_key_keep():
     from attnlab.ops.sdpa import key_keep_slice
+
     keep = torch.tensor([[True, False, True], [True, True, False]])
     m = masks.key_padding(keep) & masks.band(None, None)  # not a key_padding object, same structure
     assert torch.equal(key_keep_slice(m, 2, 1), keep[:, 1:])
@@ -220,6 +251,7 @@ def test_sdpa_key_padding_from_any_mask_lowering_to_key_keep():
 
 def test_triton_lowering_reads_the_structure_not_the_class():
     from attnlab.ops.triton.masking import INT_MAX, INT_MIN, lower_mask
+
     spec = lower_mask(_MyCausal(), 1, 4, 4, 0, 0, "cpu")
     assert spec is not None and spec.band == (0, INT_MAX) and spec.sink is None
     assert lower_mask(masks.causal(), 1, 4, 4, 0, 0, "cpu").band == (0, INT_MAX)
@@ -232,8 +264,14 @@ def test_triton_lowering_reads_the_structure_not_the_class():
 
 def test_fingerprint_names_masks_by_kind_not_class_name():
     from attnlab.distributed.fingerprint import leaves
+
     assert leaves(masks.band(2, None) & masks.causal(), "m") == {
-        "m": "band & causal", "m.a": "band", "m.a.left": "2", "m.a.right": "None", "m.b": "causal"}
+        "m": "band & causal",
+        "m.a": "band",
+        "m.a.left": "2",
+        "m.a.right": "None",
+        "m.b": "causal",
+    }
     assert leaves(~masks.varlen(torch.tensor([0, 2])), "m")["m"] == "~varlen"
     assert leaves(_MyCausal(), "m")["m"] == f"{__name__}._MyCausal"  # a user class: by its own name
 
@@ -248,9 +286,15 @@ def test_distributed_work_count_reads_the_structure():
     assert work_per_rank(8, 2, "zigzag", Opaque()) == work_per_rank(8, 2, "zigzag", masks.causal())
 
 
-@pytest.mark.parametrize("make", [lambda: masks.band(1, 2), lambda: masks.varlen(torch.tensor([0, 3, 8]), window=(2, 0)),
-                                  lambda: masks.dense(torch.rand(1, 1, 8, 8) > 0.3, q_offset=0),
-                                  lambda: masks.per_batch_q_offset(masks.causal(), torch.tensor([0, 2]))])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: masks.band(1, 2),
+        lambda: masks.varlen(torch.tensor([0, 3, 8]), window=(2, 0)),
+        lambda: masks.dense(torch.rand(1, 1, 8, 8) > 0.3, q_offset=0),
+        lambda: masks.per_batch_q_offset(masks.causal(), torch.tensor([0, 2])),
+    ],
+)
 def test_newer_kinds_have_keys_that_rebuild_them(make):
     m = make()
     k = m.key()
@@ -263,17 +307,30 @@ def test_newer_kinds_have_keys_that_rebuild_them(make):
 
 def test_structural_keys_round_trip_every_kind_and_refuse_subclasses():
     import torch
+
     from attnlab import masks
+
     ids = torch.tensor([[0, 0, 1, 1, 1]])
-    every = [masks.causal(), masks.sliding_window(3), masks.prefix_lm(2), masks.sink_window(1, 2),
-             masks.document(ids), masks.padding(torch.tensor([4])), masks.key_padding(torch.ones(1, 5, dtype=torch.bool)),
-             masks.tree([-1, 0, 0]), masks.band(1, None), masks.varlen(torch.tensor([0, 2, 5])),
-             masks.per_batch_q_offset(masks.causal(), torch.tensor([1]))]
-    for m in every + [every[0] & ~every[1] | every[8]]:
+    every = [
+        masks.causal(),
+        masks.sliding_window(3),
+        masks.prefix_lm(2),
+        masks.sink_window(1, 2),
+        masks.document(ids),
+        masks.padding(torch.tensor([4])),
+        masks.key_padding(torch.ones(1, 5, dtype=torch.bool)),
+        masks.tree([-1, 0, 0]),
+        masks.band(1, None),
+        masks.varlen(torch.tensor([0, 2, 5])),
+        masks.per_batch_q_offset(masks.causal(), torch.tensor([1])),
+    ]
+    for m in [*every, every[0] & ~every[1] | every[8]]:
         spec, ts, ints = m.key()
         again = masks.mask_from_key(spec, ts, ints)
         assert type(again) is type(m) and again.key()[0] == spec
+
     class Shifted(type(masks.causal())):  # may change the predicate: a key would rebuild the parent
         def predicate(self, b, h, q, kv):
             return kv < q
+
     assert Shifted().key() is None and (Shifted() & masks.causal()).key() is None

@@ -5,10 +5,20 @@ import torch
 
 from attnlab import scores
 from attnlab.positions import (
-    ALiBi, DynamicNTKScaling, LearnedEmbedding, Llama3Scaling, LinearScaling, NTKScaling, RoPE,
-    SinusoidalEmbedding, YaRNScaling, alibi_slopes, rope_from_hf, sinusoidal,
+    ALiBi,
+    DynamicNTKScaling,
+    LearnedEmbedding,
+    LinearScaling,
+    Llama3Scaling,
+    NTKScaling,
+    RoPE,
+    SinusoidalEmbedding,
+    YaRNScaling,
+    alibi_slopes,
+    rope_from_hf,
+    sinusoidal,
 )
-from tests.helpers import EXACT  # noqa: E402
+from tests.helpers import EXACT
 
 
 def test_alibi_slopes_power_of_two_is_the_papers_geometric_sequence():
@@ -35,23 +45,54 @@ def _hf():
 
 def _llama_config(rope_parameters, head_dim=64, max_pos=8192, **kw):
     tf = _hf()
-    return tf.LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
-                          max_position_embeddings=max_pos, rope_parameters=dict(rope_parameters), **kw)
+    return tf.LlamaConfig(
+        hidden_size=4 * head_dim,
+        num_attention_heads=4,
+        head_dim=head_dim,
+        max_position_embeddings=max_pos,
+        rope_parameters=dict(rope_parameters),
+        **kw,
+    )
 
 
 HF_CASES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
     "yarn": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0, "original_max_position_embeddings": 2048},
-    "yarn_gptoss": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
-    "yarn_mscale": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0,
-                    "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
-                    "original_max_position_embeddings": 4096},
-    "yarn_partial": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "partial_rotary_factor": 0.5,
-                     "original_max_position_embeddings": 1024},
-    "llama3": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "yarn_gptoss": {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    "yarn_mscale": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.707,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "original_max_position_embeddings": 4096,
+    },
+    "yarn_partial": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "partial_rotary_factor": 0.5,
+        "original_max_position_embeddings": 1024,
+    },
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
 }
 
 
@@ -131,8 +172,10 @@ def test_rope_interleaved_matches_the_complex_number_form():
 def test_rope_scores_depend_only_on_relative_position(interleaved, scaling):
     rope = RoPE(16, interleaved=interleaved, scaling=scaling)
     g = torch.Generator().manual_seed(1)
-    q, k = torch.randn(1, 1, 1, 16, generator=g, dtype=torch.float64), torch.randn(1, 1, 1, 16, generator=g,
-                                                                                    dtype=torch.float64)
+    q, k = (
+        torch.randn(1, 1, 1, 16, generator=g, dtype=torch.float64),
+        torch.randn(1, 1, 1, 16, generator=g, dtype=torch.float64),
+    )
 
     def score(m, n):
         return float((rope(q, m) * rope(k, n)).sum())
@@ -159,7 +202,7 @@ def test_rope_per_sequence_positions():
     pos = torch.tensor([[0, 1, 2, 3, 4], [1, 1, 1, 2, 3], [7, 8, 9, 10, 11]])  # e.g. left padding
     out = rope(x, pos)
     for b in range(3):
-        torch.testing.assert_close(out[b:b + 1], rope(x[b:b + 1], pos[b]), **EXACT)
+        torch.testing.assert_close(out[b : b + 1], rope(x[b : b + 1], pos[b]), **EXACT)
     c, s = rope.cos_sin(pos)
     assert c.shape == s.shape == (3, 5, 8)
 
@@ -225,8 +268,12 @@ def test_rope_static_scalings():
 
 
 def test_rope_from_hf_reads_legacy_and_new_layouts():
-    legacy = {"rope_theta": 1e6, "partial_rotary_factor": 0.25, "max_position_embeddings": 4096,
-              "rope_scaling": {"type": "dynamic", "factor": 2.0}}
+    legacy = {
+        "rope_theta": 1e6,
+        "partial_rotary_factor": 0.25,
+        "max_position_embeddings": 4096,
+        "rope_scaling": {"type": "dynamic", "factor": 2.0},
+    }
     r = rope_from_hf(legacy, 128)
     assert (r.base, r.rotary_dim, r.scaling, r.interleaved) == (1e6, 32, DynamicNTKScaling(2.0, 4096), False)
     new = {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
@@ -291,8 +338,13 @@ def test_alibi_class_builds_the_score_mod():
     assert torch.equal(a.slopes, alibi_slopes(8))
     mod = a.score_mod()
     assert isinstance(mod, scores.ScoreMod)
-    s = mod(torch.zeros(1, 8, 1, 3), torch.zeros(1, 1, 1, 1, dtype=torch.long),
-            torch.arange(8)[None, :, None, None], torch.tensor(2).view(1, 1, 1, 1), torch.arange(3).view(1, 1, 1, 3))
+    s = mod(
+        torch.zeros(1, 8, 1, 3),
+        torch.zeros(1, 1, 1, 1, dtype=torch.long),
+        torch.arange(8)[None, :, None, None],
+        torch.tensor(2).view(1, 1, 1, 1),
+        torch.arange(3).view(1, 1, 1, 3),
+    )
     torch.testing.assert_close(s[0, :, 0], -alibi_slopes(8)[:, None] * torch.tensor([2.0, 1.0, 0.0]))
     assert torch.equal(ALiBi(2, slopes=torch.tensor([1.0, 0.5])).slopes, torch.tensor([1.0, 0.5]))
     with pytest.raises(ValueError, match="slopes"):
@@ -300,28 +352,39 @@ def test_alibi_class_builds_the_score_mod():
 
 
 # ----------------------------------------------------------------------------- errors
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(d_head=0), "d_head"),
-    (dict(d_head=8.0), "d_head"),
-    (dict(d_head=7), "rotary_dim"),
-    (dict(d_head=16, rotary_dim=5), "rotary_dim"),
-    (dict(d_head=16, rotary_dim=18), "rotary_dim"),
-    (dict(d_head=16, base=0.5), "base"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(d_head=0), "d_head"),
+        (dict(d_head=8.0), "d_head"),
+        (dict(d_head=7), "rotary_dim"),
+        (dict(d_head=16, rotary_dim=5), "rotary_dim"),
+        (dict(d_head=16, rotary_dim=18), "rotary_dim"),
+        (dict(d_head=16, base=0.5), "base"),
+    ],
+)
 def test_rope_rejects_bad_shapes(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RoPE(**kwargs)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: LinearScaling(0.0), lambda: LinearScaling(-2.0), lambda: NTKScaling(0.5),
-    lambda: DynamicNTKScaling(0.9, 4096), lambda: DynamicNTKScaling(2.0, 0),
-    lambda: YaRNScaling(0.5, 4096), lambda: YaRNScaling(4.0, 4096, beta_fast=1.0, beta_slow=2.0),
-    lambda: YaRNScaling(4.0, 4096, attention_factor=0.0),
-    lambda: Llama3Scaling(0.0, 1.0, 4.0, 8192), lambda: Llama3Scaling(8.0, 4.0, 1.0, 8192),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: LinearScaling(0.0),
+        lambda: LinearScaling(-2.0),
+        lambda: NTKScaling(0.5),
+        lambda: DynamicNTKScaling(0.9, 4096),
+        lambda: DynamicNTKScaling(2.0, 0),
+        lambda: YaRNScaling(0.5, 4096),
+        lambda: YaRNScaling(4.0, 4096, beta_fast=1.0, beta_slow=2.0),
+        lambda: YaRNScaling(4.0, 4096, attention_factor=0.0),
+        lambda: Llama3Scaling(0.0, 1.0, 4.0, 8192),
+        lambda: Llama3Scaling(8.0, 4.0, 1.0, 8192),
+    ],
+)
 def test_scalings_reject_meaningless_factors(make):
-    with pytest.raises(ValueError, match="factor|beta|original_max_positions"):
+    with pytest.raises(ValueError, match=r"factor|beta|original_max_positions"):
         make()
 
 
@@ -355,7 +418,14 @@ def test_rope_from_hf_errors():
     with pytest.raises(ValueError, match="max_position_embeddings"):
         rope_from_hf({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, 64)
     with pytest.raises(ValueError, match="per-layer"):
-        rope_from_hf({"rope_parameters": {"full_attention": {"rope_type": "default"},
-                                          "sliding_attention": {"rope_type": "default"}}}, 64)
+        rope_from_hf(
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default"},
+                    "sliding_attention": {"rope_type": "default"},
+                }
+            },
+            64,
+        )
     with pytest.raises(TypeError, match="config_dict"):
         rope_from_hf("config.json", 64)

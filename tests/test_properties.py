@@ -8,13 +8,13 @@ built-ins combined with & | ~, plus the flash kernel's tile sizes (1-40 each).
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass
 
 import torch
-from hypothesis import HealthCheck, Phase, given, note, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, given, note, settings, strategies as st
 
 import attnlab
 from attnlab import masks, scores
@@ -24,9 +24,13 @@ F64 = torch.float64
 ATOL = 1e-10  # float64 paths that sum in different orders (tiles vs one softmax)
 
 # No shrink phase: a problem is a function of its seed, and shrinking a seed means nothing.
-SETTINGS = dict(deadline=None, derandomize=True, print_blob=True,
-                phases=[Phase.explicit, Phase.reuse, Phase.generate],
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = dict(
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 # ----------------------------------------------------------------------------- generators
@@ -146,16 +150,31 @@ class Problem:
         return B, H, Nq, self.k.shape[2]
 
     def flash(self, **kw):
-        args = dict(mask=self.mask, score_mod=self.mod, scale=self.scale, q_offset=self.q_offset,
-                    kv_offset=self.kv_offset, block=self.block)
+        args = dict(
+            mask=self.mask,
+            score_mod=self.mod,
+            scale=self.scale,
+            q_offset=self.q_offset,
+            kv_offset=self.kv_offset,
+            block=self.block,
+        )
         args.update(kw)
         q, k, v = args.pop("q", self.q), args.pop("k", self.k), args.pop("v", self.v)
         return flash_attention(q, k, v, **args)
 
     def reference(self):
-        return attnlab.attention(self.q, self.k, self.v, mask=self.mask, score_mod=self.mod, scale=self.scale,
-                                 q_offset=self.q_offset, kv_offset=self.kv_offset, return_lse=True,
-                                 backend="reference")
+        return attnlab.attention(
+            self.q,
+            self.k,
+            self.v,
+            mask=self.mask,
+            score_mod=self.mod,
+            scale=self.scale,
+            q_offset=self.q_offset,
+            kv_offset=self.kv_offset,
+            return_lse=True,
+            backend="reference",
+        )
 
     def allowed(self):
         """Dense (B, H, Nq, Nk) bool: which pairs the mask allows."""
@@ -211,8 +230,10 @@ def problems(draw, allow_padding=True, max_n=70, with_mod=True):
     k = torch.randn(B, Hkv, Nk, D, dtype=F64, generator=g)
     v = torch.randn(B, Hkv, Nk, Dv, dtype=F64, generator=g)
     p = Problem(q, k, v, mask, mod, 1 / math.sqrt(D) if scale is None else scale, qo, kv_offset, block)
-    note(f"seed={seed} q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)} mask={mask!r} "
-         f"score_mod={mod!r} scale={p.scale} q_offset={qo} kv_offset={kv_offset} block={block}")
+    note(
+        f"seed={seed} q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)} mask={mask!r} "
+        f"score_mod={mod!r} scale={p.scale} q_offset={qo} kv_offset={kv_offset} block={block}"
+    )
     return p
 
 
@@ -235,8 +256,18 @@ def test_flash_equals_reference(p):
     torch.testing.assert_close(out_f, out_r, atol=ATOL, rtol=0)
     assert_lse_equal(lse_f, lse_r)
     # the public entry point (measured tiles) agrees too
-    out_a, lse_a = attnlab.attention(p.q, p.k, p.v, mask=p.mask, score_mod=p.mod, scale=p.scale,
-                                     q_offset=p.q_offset, kv_offset=p.kv_offset, return_lse=True, backend="flash")
+    out_a, lse_a = attnlab.attention(
+        p.q,
+        p.k,
+        p.v,
+        mask=p.mask,
+        score_mod=p.mod,
+        scale=p.scale,
+        q_offset=p.q_offset,
+        kv_offset=p.kv_offset,
+        return_lse=True,
+        backend="flash",
+    )
     torch.testing.assert_close(out_a, out_r, atol=ATOL, rtol=0)
     assert_lse_equal(lse_a, lse_r)
 
@@ -277,6 +308,7 @@ def test_lse_bounds_and_outputs_are_convex_combinations(p):
 
 def _table_mask(A, q_offset, kv_offset, kv_perm=None, q_perm=None):
     """A custom mask that reads the dense table A[b, h, row, col], optionally permuted."""
+
     def fn(b, h, q, kv):
         i, j = q - q_offset, kv - kv_offset
         if q_perm is not None:
@@ -284,25 +316,30 @@ def _table_mask(A, q_offset, kv_offset, kv_perm=None, q_perm=None):
         if kv_perm is not None:
             j = kv_perm[j]
         return A[b, h, i, j]
+
     return masks.custom(fn)
 
 
 @settings(max_examples=40, **SETTINGS)
 @given(p=problems(with_mod=False), data=st.data())
 def test_permutation_equivariance(p, data):
-    B, H, Nq, Nk = p.shape
+    _B, _H, Nq, Nk = p.shape
     kp = torch.tensor(data.draw(st.permutations(range(Nk))), dtype=torch.long)
     qp = torch.tensor(data.draw(st.permutations(range(Nq))), dtype=torch.long)
     A = p.allowed()
     base_out, base_lse = p.flash(mask=None if p.mask is None else _table_mask(A, p.q_offset, p.kv_offset))
     # keys and values permuted together, and the mask with them
-    out, lse = p.flash(k=p.k[:, :, kp], v=p.v[:, :, kp],
-                       mask=None if p.mask is None else _table_mask(A, p.q_offset, p.kv_offset, kv_perm=kp))
+    out, lse = p.flash(
+        k=p.k[:, :, kp],
+        v=p.v[:, :, kp],
+        mask=None if p.mask is None else _table_mask(A, p.q_offset, p.kv_offset, kv_perm=kp),
+    )
     torch.testing.assert_close(out, base_out, atol=ATOL, rtol=0)
     assert_lse_equal(lse, base_lse)
     # queries permuted: the output rows permute the same way
-    out, lse = p.flash(q=p.q[:, :, qp],
-                       mask=None if p.mask is None else _table_mask(A, p.q_offset, p.kv_offset, q_perm=qp))
+    out, lse = p.flash(
+        q=p.q[:, :, qp], mask=None if p.mask is None else _table_mask(A, p.q_offset, p.kv_offset, q_perm=qp)
+    )
     torch.testing.assert_close(out, base_out[:, :, qp], atol=ATOL, rtol=0)
     assert_lse_equal(lse, base_lse[:, :, qp])
 
@@ -319,20 +356,20 @@ def test_scaling_v_scales_the_output(p, c):
 @settings(max_examples=50, **SETTINGS)
 @given(p=problems(allow_padding=False), data=st.data())
 def test_merge_states_of_a_random_split_equals_the_whole(p, data):
-    B, H, Nq, Nk = p.shape
+    _B, _H, _Nq, Nk = p.shape
     whole_out, whole_lse = p.flash()
     # (a) contiguous chunks of keys, each at its own kv_offset
     cuts = sorted(data.draw(st.lists(st.integers(0, Nk), min_size=1, max_size=3)))
     bounds = [0, *cuts, Nk]
-    parts = [p.flash(k=p.k[:, :, s:e], v=p.v[:, :, s:e], kv_offset=p.kv_offset + s)
-             for s, e in zip(bounds[:-1], bounds[1:])]
+    parts = [
+        p.flash(k=p.k[:, :, s:e], v=p.v[:, :, s:e], kv_offset=p.kv_offset + s) for s, e in itertools.pairwise(bounds)
+    ]
     out, lse = attnlab.merge_states([o for o, _ in parts], [l for _, l in parts])
     torch.testing.assert_close(out, whole_out, atol=ATOL, rtol=0)
     assert_lse_equal(lse, whole_lse)
     # (b) a random partition of the keys into disjoint sets, each selected by a mask
     n_parts = data.draw(st.integers(1, 3))
-    label = torch.tensor(data.draw(st.lists(st.integers(0, n_parts - 1), min_size=Nk, max_size=Nk)),
-                         dtype=torch.long)
+    label = torch.tensor(data.draw(st.lists(st.integers(0, n_parts - 1), min_size=Nk, max_size=Nk)), dtype=torch.long)
     parts = []
     for i in range(n_parts):
         sel = masks.custom(lambda b, h, q, kv, i=i: label[kv - p.kv_offset] == i)
@@ -354,11 +391,21 @@ def test_flash_gradients_equal_reference(p):
         return (out * w).sum() + torch.where(torch.isfinite(lse), lse * wl, torch.zeros_like(lse)).sum()
 
     got = torch.autograd.grad(loss(*p.flash(q=q, k=k, v=v)), (q, k, v), allow_unused=True)
-    ref = attnlab.attention(q, k, v, mask=p.mask, score_mod=p.mod, scale=p.scale, q_offset=p.q_offset,
-                            kv_offset=p.kv_offset, return_lse=True, backend="reference")
+    ref = attnlab.attention(
+        q,
+        k,
+        v,
+        mask=p.mask,
+        score_mod=p.mod,
+        scale=p.scale,
+        q_offset=p.q_offset,
+        kv_offset=p.kv_offset,
+        return_lse=True,
+        backend="reference",
+    )
     want = torch.autograd.grad(loss(*ref), (q, k, v), allow_unused=True)
-    for name, a, b in zip("qkv", got, want):
+    for name, a, b in zip("qkv", got, want, strict=True):
         a = torch.zeros_like(p.q if name == "q" else p.k if name == "k" else p.v) if a is None else a
         b = torch.zeros_like(a) if b is None else b
         assert torch.isfinite(a).all(), f"d{name} has non-finite values"
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=0, msg=lambda m: f"d{name}: {m}")
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0, msg=lambda m, name=name: f"d{name}: {m}")

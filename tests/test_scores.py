@@ -17,8 +17,12 @@ F64 = torch.float64
 
 
 def grids(B, H, Nq, Nk, qo, ko):
-    return (torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1),
-            (torch.arange(Nq) + qo).view(1, 1, Nq, 1), (torch.arange(Nk) + ko).view(1, 1, 1, Nk))
+    return (
+        torch.arange(B).view(B, 1, 1, 1),
+        torch.arange(H).view(1, H, 1, 1),
+        (torch.arange(Nq) + qo).view(1, 1, Nq, 1),
+        (torch.arange(Nk) + ko).view(1, 1, 1, Nk),
+    )
 
 
 # ----------------------------------------------------------------------------- values
@@ -83,11 +87,13 @@ def test_compose_applies_in_order():
     slopes = [0.5, 0.25, 0.125]
     a = scores.alibi(torch.tensor(slopes, dtype=F64))
     s, got = _apply(scores.compose(a, scores.softcap(2.0)))
-    torch.testing.assert_close(got, _loop(s, lambda x, b, h, q, k: 2.0 * math.tanh((x - slopes[h] * (q - k)) / 2.0)),
-                               atol=1e-13, rtol=0)
+    torch.testing.assert_close(
+        got, _loop(s, lambda x, b, h, q, k: 2.0 * math.tanh((x - slopes[h] * (q - k)) / 2.0)), atol=1e-13, rtol=0
+    )
     s, got = _apply(scores.compose(scores.softcap(2.0), a))
-    torch.testing.assert_close(got, _loop(s, lambda x, b, h, q, k: 2.0 * math.tanh(x / 2.0) - slopes[h] * (q - k)),
-                               atol=1e-13, rtol=0)
+    torch.testing.assert_close(
+        got, _loop(s, lambda x, b, h, q, k: 2.0 * math.tanh(x / 2.0) - slopes[h] * (q - k)), atol=1e-13, rtol=0
+    )
     t = torch.zeros(3, 3, dtype=F64, requires_grad=True)
     sl = torch.ones(3, dtype=F64, requires_grad=True)
     comp = scores.compose(scores.alibi(sl), scores.softcap(1.0), scores.relative_bias(t))
@@ -107,7 +113,7 @@ def naive(q, k, v, bias, allowed, scale):
     (Nq, Nk) tile (so that autograd reaches its parameters); ``allowed`` is a bool
     (B, H, Nq, Nk) tensor or None.
     """
-    Bq, Hq, Nq, _ = q.shape
+    Bq, Hq, _Nq, _ = q.shape
     G = Hq // k.shape[1]
     outs, lses = [], []
     for b in range(Bq):
@@ -159,8 +165,7 @@ def make_case(name, Hq, Nq, Nk, qo, ko, dtype=F64):
         w = (torch.rand(Hq, dtype=dtype, generator=g) + 0.5).requires_grad_()
         u = torch.randn(2, dtype=dtype, generator=g).requires_grad_()
         fn = lambda s, b, h, q, kv: s * w[h] + u[b] * torch.cos(0.3 * (kv - q).to(s.dtype))  # noqa: E731
-        return (scores.custom(fn, params=[w, u]),
-                (lambda s, b, h: s * w[h] + u[b] * torch.cos(0.3 * d)), [w, u])
+        return (scores.custom(fn, params=[w, u]), (lambda s, b, h: s * w[h] + u[b] * torch.cos(0.3 * d)), [w, u])
     if name == "compose":
         R = 2
         sl = (torch.rand(Hq, dtype=dtype, generator=g) * 0.5).requires_grad_()
@@ -186,8 +191,9 @@ def _run(backend, q, k, v, mask, mod, qo, ko):
         Nq, Nk = q.shape[2], k.shape[2]
         qo = ko + Nk - Nq if qo is None else qo
         return flash_attention(q, k, v, mask=mask, score_mod=mod, scale=0.3, q_offset=qo, kv_offset=ko, block=(2, 3))
-    return attnlab.attention(q, k, v, mask=mask, score_mod=mod, scale=0.3, q_offset=qo, kv_offset=ko,
-                             return_lse=True, backend=backend)
+    return attnlab.attention(
+        q, k, v, mask=mask, score_mod=mod, scale=0.3, q_offset=qo, kv_offset=ko, return_lse=True, backend=backend
+    )
 
 
 @pytest.mark.parametrize("prob", list(PROBLEMS))
@@ -218,9 +224,9 @@ def test_attention_with_score_mod_matches_hand_written(backend, name, prob):
     inputs = [q, k, v, *params]
     got = torch.autograd.grad(loss(out, lse), inputs)
     want = torch.autograd.grad(loss(want_out, want_lse), inputs)
-    for nm, a, b in zip(["q", "k", "v"] + [f"param{i}" for i in range(len(params))], got, want):
+    for nm, a, b in zip(["q", "k", "v"] + [f"param{i}" for i in range(len(params))], got, want, strict=True):
         assert torch.isfinite(a).all(), f"{nm} grad has non-finite values"
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=lambda m: f"grad {nm}: {m}")
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=lambda m, nm=nm: f"grad {nm}: {m}")
 
 
 @pytest.mark.parametrize("backend", ["flash", "reference"])
@@ -266,23 +272,26 @@ def test_shared_parameter_gradient_is_not_double_counted(how):
 
 
 # ----------------------------------------------------------------------------- validation
-@pytest.mark.parametrize("build, exc, words", [
-    (lambda: scores.alibi(torch.tensor([1, 2])), ValueError, "alibi(slopes)"),          # integer slopes
-    (lambda: scores.alibi(torch.ones(2, 2, 2)), ValueError, "alibi(slopes)"),
-    (lambda: scores.softcap(0), ValueError, "softcap(c)"),
-    (lambda: scores.softcap(-2.0), ValueError, "softcap(c)"),
-    (lambda: scores.softcap(float("nan")), ValueError, "softcap(c)"),
-    (lambda: scores.softcap("30"), ValueError, "softcap(c)"),
-    (lambda: scores.softcap(True), ValueError, "softcap(c)"),
-    (lambda: scores.relative_bias(torch.zeros(2, 4)), ValueError, "relative_bias(table)"),  # even width
-    (lambda: scores.relative_bias(torch.zeros(5)), ValueError, "relative_bias(table)"),
-    (lambda: scores.relative_bias(torch.zeros(2, 3, dtype=torch.long)), ValueError, "relative_bias(table)"),
-    (lambda: scores.relative_bias([[0.0, 1.0, 2.0]]), ValueError, "relative_bias(table)"),
-    (lambda: scores.custom("not a function"), TypeError, "scores.custom(fn)"),
-    (lambda: scores.custom(lambda s, b, h, q, kv: s, params=[1.0]), TypeError, "scores.custom(params)"),
-    (lambda: scores.custom(lambda s, b, h, q, kv: s, params=[torch.ones(1), [2.0]]), TypeError, "params[1]"),
-    (lambda: scores.compose(scores.softcap(1.0), lambda s, b, h, q, kv: s), TypeError, "scores.compose"),
-])
+@pytest.mark.parametrize(
+    "build, exc, words",
+    [
+        (lambda: scores.alibi(torch.tensor([1, 2])), ValueError, "alibi(slopes)"),  # integer slopes
+        (lambda: scores.alibi(torch.ones(2, 2, 2)), ValueError, "alibi(slopes)"),
+        (lambda: scores.softcap(0), ValueError, "softcap(c)"),
+        (lambda: scores.softcap(-2.0), ValueError, "softcap(c)"),
+        (lambda: scores.softcap(float("nan")), ValueError, "softcap(c)"),
+        (lambda: scores.softcap("30"), ValueError, "softcap(c)"),
+        (lambda: scores.softcap(True), ValueError, "softcap(c)"),
+        (lambda: scores.relative_bias(torch.zeros(2, 4)), ValueError, "relative_bias(table)"),  # even width
+        (lambda: scores.relative_bias(torch.zeros(5)), ValueError, "relative_bias(table)"),
+        (lambda: scores.relative_bias(torch.zeros(2, 3, dtype=torch.long)), ValueError, "relative_bias(table)"),
+        (lambda: scores.relative_bias([[0.0, 1.0, 2.0]]), ValueError, "relative_bias(table)"),
+        (lambda: scores.custom("not a function"), TypeError, "scores.custom(fn)"),
+        (lambda: scores.custom(lambda s, b, h, q, kv: s, params=[1.0]), TypeError, "scores.custom(params)"),
+        (lambda: scores.custom(lambda s, b, h, q, kv: s, params=[torch.ones(1), [2.0]]), TypeError, "params[1]"),
+        (lambda: scores.compose(scores.softcap(1.0), lambda s, b, h, q, kv: s), TypeError, "scores.compose"),
+    ],
+)
 def test_constructor_errors_name_the_argument(build, exc, words):
     with pytest.raises(exc) as e:
         build()
@@ -290,12 +299,15 @@ def test_constructor_errors_name_the_argument(build, exc, words):
 
 
 @pytest.mark.parametrize("backend", ["auto", "flash", "reference"])
-@pytest.mark.parametrize("mod, words", [
-    (lambda: scores.alibi(torch.ones(3)), "alibi(slopes): 3 slopes for H=4"),
-    (lambda: scores.alibi(torch.ones(2)), "alibi(slopes): 2 slopes for H=4"),   # Hkv heads is not enough
-    (lambda: scores.relative_bias(torch.zeros(2, 5)), "relative_bias(table): table has 2 rows for H=4"),
-    (lambda: scores.compose(scores.softcap(5.0), scores.alibi(torch.ones(5))), "alibi(slopes)"),
-])
+@pytest.mark.parametrize(
+    "mod, words",
+    [
+        (lambda: scores.alibi(torch.ones(3)), "alibi(slopes): 3 slopes for H=4"),
+        (lambda: scores.alibi(torch.ones(2)), "alibi(slopes): 2 slopes for H=4"),  # Hkv heads is not enough
+        (lambda: scores.relative_bias(torch.zeros(2, 5)), "relative_bias(table): table has 2 rows for H=4"),
+        (lambda: scores.compose(scores.softcap(5.0), scores.alibi(torch.ones(5))), "alibi(slopes)"),
+    ],
+)
 def test_head_count_checked_at_attention_time(backend, mod, words):
     q = torch.randn(1, 4, 3, 8)
     k = torch.randn(1, 2, 3, 8)

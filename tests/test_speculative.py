@@ -3,8 +3,6 @@ exactly; sampling keeps the target's distribution (statistically)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -15,8 +13,11 @@ from attnlab.speculative import accept_sampled, speculative_generate
 
 def decoder(n_layers, seed, vocab=37, scale=6.0, positions="rope", n_kv_heads=2):
     torch.manual_seed(seed)
-    m = Decoder(DecoderConfig(vocab_size=vocab, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=n_kv_heads,
-                              positions=positions)).eval()
+    m = Decoder(
+        DecoderConfig(
+            vocab_size=vocab, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=n_kv_heads, positions=positions
+        )
+    ).eval()
     with torch.no_grad():
         for p in m.parameters():
             if p.dim() == 2:
@@ -55,7 +56,7 @@ def test_a_wider_tree_accepts_at_least_as_much_as_a_chain():
 def test_accept_sampled_returns_tokens_distributed_as_p():
     g = torch.Generator().manual_seed(0)
     p = torch.tensor([0.5, 0.25, 0.15, 0.1])
-    q = torch.tensor([0.1, 0.2, 0.3, 0.4])   # a poor draft
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4])  # a poor draft
     n, counts = 20000, torch.zeros(4)
     for _ in range(n):
         drafts = torch.multinomial(q, 2, replacement=True, generator=g).tolist()
@@ -74,8 +75,9 @@ def test_sampled_speculation_keeps_the_targets_first_token_distribution():
         p = Sampling(temperature=1.0).probs(target(torch.tensor([prompt])).logits[:, -1])[0]
     n, counts = 600, torch.zeros(V)
     for seed in range(n):
-        out = speculative_generate(target, draft, prompt, max_new_tokens=1, branching=(2, 1), temperature=1.0,
-                                   seed=seed)
+        out = speculative_generate(
+            target, draft, prompt, max_new_tokens=1, branching=(2, 1), temperature=1.0, seed=seed
+        )
         counts[out.tokens[0]] += 1
     # Pearson chi-square, V-1 = 5 degrees of freedom: 20.5 is the 0.1% critical value
     chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
@@ -87,7 +89,7 @@ def test_stop_tokens_and_arguments():
     free = speculative_generate(target, draft, [3, 4], max_new_tokens=12, branching=(2,))
     stop = free.tokens[4]
     out = speculative_generate(target, draft, [3, 4], max_new_tokens=12, branching=(2,), stop_tokens=[stop])
-    assert out.tokens == free.tokens[:free.tokens.index(stop) + 1]
+    assert out.tokens == free.tokens[: free.tokens.index(stop) + 1]
     with pytest.raises(ValueError, match="branching"):
         speculative_generate(target, draft, [3], max_new_tokens=2, branching=(0,))
     with pytest.raises(ValueError, match="vocab_size"):

@@ -12,4 +12,15 @@ from attnlab.ops import BACKENDS, BlockMask, attention, attention_probs, merge_s
 from attnlab.ops.varlen import flash_attn_varlen_func, varlen_attention
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_probs", "merge_states", "varlen_attention", "flash_attn_varlen_func", "masks", "scores", "BlockMask", "BACKENDS", "__version__"]
+__all__ = [
+    "attention",
+    "attention_probs",
+    "merge_states",
+    "varlen_attention",
+    "flash_attn_varlen_func",
+    "masks",
+    "scores",
+    "BlockMask",
+    "BACKENDS",
+    "__version__",
+]

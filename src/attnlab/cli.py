@@ -59,16 +59,20 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 def _version() -> str:
     from attnlab import __version__
+
     return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``attnlab`` parser; each leaf's defaults carry its ``run``."""
     from attnlab.commands.options import shared
-    p = argparse.ArgumentParser(prog="attnlab", description="attnlab: transformer attention, measured.",
-                                formatter_class=_Formatter)
-    p.add_argument("--version", action="version", version=f"attnlab {_version()}",
-                   help="print attnlab's version and exit")
+
+    p = argparse.ArgumentParser(
+        prog="attnlab", description="attnlab: transformer attention, measured.", formatter_class=_Formatter
+    )
+    p.add_argument(
+        "--version", action="version", version=f"attnlab {_version()}", help="print attnlab's version and exit"
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
     for words, name in COMMANDS:
@@ -83,9 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
             parent = groups[g]
         runtime = getattr(mod, "RUNTIME", None)
         help_ = f"{mod.HELP} [{runtime}]" if runtime else mod.HELP
-        description = mod.__doc__ + (f"\n\nRun time: {runtime}." if runtime else "")
-        cmd = parent.add_parser(leaf, help=help_, description=description, formatter_class=_Formatter,
-                                parents=[shared(**mod.SHARED)])
+        description = (mod.__doc__ or "") + (f"\n\nRun time: {runtime}." if runtime else "")
+        cmd = parent.add_parser(
+            leaf, help=help_, description=description, formatter_class=_Formatter, parents=[shared(**mod.SHARED)]
+        )
         mod.add_arguments(cmd)
         cmd.set_defaults(_run=mod.run)
     return p

@@ -34,6 +34,7 @@ CACHES = ("dynamic", "static", "paged", "quantized", "streaming")
 
 # -- argument checks shared with attnlab.speculative ---------------------------------------
 
+
 def model_vocab(model) -> int | None:
     """``model.cfg.vocab_size`` when the model has one (token ids are checked against it)."""
     v = getattr(getattr(model, "cfg", None), "vocab_size", None)
@@ -42,8 +43,9 @@ def model_vocab(model) -> int | None:
 
 def _in_vocab(t: int, name: str, vocab: int | None) -> int:
     if t < 0 or (vocab is not None and t >= vocab):
-        raise ValueError(f"{name}: token id {t} is outside the vocabulary "
-                         f"[0, {'vocab_size' if vocab is None else vocab})")
+        raise ValueError(
+            f"{name}: token id {t} is outside the vocabulary [0, {'vocab_size' if vocab is None else vocab})"
+        )
     return t
 
 
@@ -83,12 +85,15 @@ def stop_token_set(stop_tokens, vocab: int | None = None) -> set:
     return set(token_row(stop_tokens, "stop_tokens", vocab))
 
 
-_SEED_RANGE = (-(2 ** 63), 2 ** 64)  # what torch.Generator.manual_seed accepts
+_SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
 
 def check_seed(seed, name: str = "seed") -> int:
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or \
-            not _SEED_RANGE[0] <= int(seed) < _SEED_RANGE[1]:
+    if (
+        isinstance(seed, bool)
+        or not isinstance(seed, numbers.Integral)
+        or not _SEED_RANGE[0] <= int(seed) < _SEED_RANGE[1]
+    ):
         raise ValueError(f"{name}: expected an int in [-2**63, 2**64) (torch.Generator's range), got {seed!r}")
     return int(seed)
 
@@ -97,7 +102,7 @@ def row_seed(seed: int, row: int) -> int:
     """The seed of row ``row`` when ``generate`` is given one int ``seed`` (splitmix64 of
     both): ``generate(batch, seed=s)`` row ``i`` equals ``generate([batch[i]],
     seed=[row_seed(s, i)])``."""
-    m = 2 ** 64
+    m = 2**64
     z = (check_seed(seed) + (row + 1) * 0x9E3779B97F4A7C15) % m
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % m
     z = (z ^ (z >> 27)) * 0x94D049BB133111EB % m
@@ -135,6 +140,7 @@ class Sampling:
     depends on how a sort orders equal values.  ``repetition_penalty > 1`` divides the
     positive (multiplies the negative) logits of tokens already in the row (CTRL,
     Keskar et al. 2019); ``context`` entries ``< 0`` (padding, nothing) are no token."""
+
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
@@ -142,14 +148,16 @@ class Sampling:
 
     def __post_init__(self):
         self.temperature = _real(self.temperature, "temperature", lambda t: t >= 0, "a finite number >= 0")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral)
-                                       or self.top_k < 1):
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 1
+        ):
             raise ValueError(f"top_k: expected None or an int >= 1, got {self.top_k!r}")
         self.top_k = None if self.top_k is None else int(self.top_k)
         if self.top_p is not None:
             self.top_p = _real(self.top_p, "top_p", lambda p: 0 < p <= 1, "None or a number in (0, 1]")
-        self.repetition_penalty = _real(self.repetition_penalty, "repetition_penalty", lambda r: r > 0,
-                                        "a finite number > 0")
+        self.repetition_penalty = _real(
+            self.repetition_penalty, "repetition_penalty", lambda r: r > 0, "a finite number > 0"
+        )
 
     @property
     def greedy(self) -> bool:
@@ -208,6 +216,7 @@ class Generation:
     """``sequences``: prompt + generated tokens per row (no padding; a stop token is
     kept); ``new_tokens``: the generated part; ``logits``: with ``output_logits=True``,
     the raw logits of every step ``(B, V)``; ``finished``: which rows hit a stop token."""
+
     sequences: list
     new_tokens: list
     finished: list
@@ -218,8 +227,9 @@ def _prompts(input_ids, attention_mask, pad, vocab=None):
     """Left-padded ``ids (B, P)`` and ``keep (B, P)`` from a tensor (+mask) or a list of lists."""
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() != 2 or not _integer_dtype(input_ids.dtype):
-            raise ValueError(f"input_ids: expected an integer tensor (B, N), got {input_ids.dtype} "
-                             f"{tuple(input_ids.shape)}")
+            raise ValueError(
+                f"input_ids: expected an integer tensor (B, N), got {input_ids.dtype} {tuple(input_ids.shape)}"
+            )
         if attention_mask is None:
             keep = torch.ones_like(input_ids, dtype=torch.bool)
         else:
@@ -227,19 +237,24 @@ def _prompts(input_ids, attention_mask, pad, vocab=None):
             if m.shape != input_ids.shape:
                 raise ValueError(f"attention_mask: expected {tuple(input_ids.shape)}, got {tuple(m.shape)}")
             if not (m.dtype == torch.bool or _integer_dtype(m.dtype)) or not bool(((m == 0) | (m == 1)).all()):
-                raise ValueError(f"attention_mask: expected bool or 0/1 integers (1 = real token), got "
-                                 f"{m.dtype} values {torch.unique(m).tolist()[:8]}")
+                raise ValueError(
+                    f"attention_mask: expected bool or 0/1 integers (1 = real token), got "
+                    f"{m.dtype} values {torch.unique(m).tolist()[:8]}"
+                )
             keep = m.bool()
         rows = [token_row(input_ids[i][keep[i]], f"input_ids[{i}]", vocab) for i in range(input_ids.shape[0])]
     else:
         if attention_mask is not None:
             raise ValueError("attention_mask: only for a padded input_ids tensor; a list of prompts needs none")
         if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, (list, tuple)):
-            raise ValueError(f"input_ids: expected a (B, N) integer tensor or a list of token lists, got "
-                             f"{type(input_ids).__name__}")
+            raise ValueError(
+                f"input_ids: expected a (B, N) integer tensor or a list of token lists, got {type(input_ids).__name__}"
+            )
         if input_ids and all(isinstance(r, numbers.Number) for r in input_ids):
-            raise ValueError(f"input_ids: expected a list of prompts (token lists), got one flat list "
-                             f"{list(input_ids)[:8]}; wrap it: [[...]]")
+            raise ValueError(
+                f"input_ids: expected a list of prompts (token lists), got one flat list "
+                f"{list(input_ids)[:8]}; wrap it: [[...]]"
+            )
         rows = [token_row(r, f"input_ids[{i}]", vocab) for i, r in enumerate(input_ids)]
     if not rows or any(len(r) == 0 for r in rows):
         raise ValueError("input_ids: expected at least one prompt, each with at least one token")
@@ -247,21 +262,25 @@ def _prompts(input_ids, attention_mask, pad, vocab=None):
     ids = torch.full((len(rows), P), pad, dtype=torch.long)
     keep = torch.zeros(len(rows), P, dtype=torch.bool)
     for i, r in enumerate(rows):
-        ids[i, P - len(r):] = torch.tensor(r, dtype=torch.long)
-        keep[i, P - len(r):] = True
+        ids[i, P - len(r) :] = torch.tensor(r, dtype=torch.long)
+        keep[i, P - len(r) :] = True
     return rows, ids, keep
 
 
 def make_cache(kind, model, batch_size: int, capacity: int, **options):
     """A cache of ``kind`` shaped for ``model`` (a :class:`attnlab.nn.Decoder`)."""
     from attnlab import cache as C
+
     if kind is None or not isinstance(kind, str):
         return kind
     if getattr(model.cfg, "mixer", "attention") != "attention":  # linear / SSM mixers keep a state, not K/V
         from attnlab.nn.ssm import RecurrentCache
+
         if kind not in ("static", "dynamic", "recurrent"):
-            raise ValueError(f"cache: a {model.cfg.mixer!r} mixer decodes from a recurrent state; cache={kind!r} "
-                             "holds keys and values (use 'static', 'dynamic' or 'recurrent')")
+            raise ValueError(
+                f"cache: a {model.cfg.mixer!r} mixer decodes from a recurrent state; cache={kind!r} "
+                "holds keys and values (use 'static', 'dynamic' or 'recurrent')"
+            )
         return RecurrentCache.for_layers(model.cfg.n_layers)
     if kind == "dynamic":
         return C.DynamicCache(model.cfg.n_layers)
@@ -280,8 +299,19 @@ def make_cache(kind, model, batch_size: int, capacity: int, **options):
     raise ValueError(f"cache: expected None, a Cache or one of {CACHES}, got {kind!r}")
 
 
-def _check_stream_args(model, input_ids, attention_mask, max_new_tokens, sampling, stop_tokens, seed,
-                       pad_token_id, cache, cache_options, logits_out):
+def _check_stream_args(
+    model,
+    input_ids,
+    attention_mask,
+    max_new_tokens,
+    sampling,
+    stop_tokens,
+    seed,
+    pad_token_id,
+    cache,
+    cache_options,
+    logits_out,
+):
     """Every argument of :func:`stream` checked before anything runs."""
     max_new_tokens = nonneg_int(max_new_tokens, "max_new_tokens")
     if sampling is None:
@@ -299,33 +329,68 @@ def _check_stream_args(model, input_ids, attention_mask, max_new_tokens, samplin
         raise ValueError(f"cache_options: expected None or a dict, got {type(cache_options).__name__}")
     if logits_out is not None and not isinstance(logits_out, list):
         raise ValueError(f"logits_out: expected None or a list, got {type(logits_out).__name__}")
-    return max_new_tokens, sampling, pad_token_id, stops, rows, ids, keep, seeds, \
-        _open_cache(cache, model, ids, keep, max_new_tokens, cache_options)
+    return (
+        max_new_tokens,
+        sampling,
+        pad_token_id,
+        stops,
+        rows,
+        ids,
+        keep,
+        seeds,
+        _open_cache(cache, model, ids, keep, max_new_tokens, cache_options),
+    )
 
 
 def _open_cache(cache, model, ids, keep, max_new_tokens, cache_options):
     """The cache for this call; refused where left padding would leak into a row."""
     from attnlab.cache import QuantizedCache
+
     (B, P), ragged = ids.shape, not bool(keep.all())
     c = make_cache(cache, model, B, P + max_new_tokens, **(cache_options or {}))
     if c is not None and getattr(c, "rotates_keys", False) and ragged:
-        raise ValueError("cache='streaming' keeps positions in the cache and cannot serve left-padded prompts; "
-                         "generate them one at a time")
+        raise ValueError(
+            "cache='streaming' keeps positions in the cache and cannot serve left-padded prompts; "
+            "generate them one at a time"
+        )
     if isinstance(c, QuantizedCache) and ragged:
-        raise ValueError("cache='quantized' quantizes keys in groups of tokens along the padded batch, so with "
-                         "left-padded prompts a row's quantization error would depend on the other rows' "
-                         "lengths; generate prompts of different lengths one at a time, or use cache='paged'")
+        raise ValueError(
+            "cache='quantized' quantizes keys in groups of tokens along the padded batch, so with "
+            "left-padded prompts a row's quantization error would depend on the other rows' "
+            "lengths; generate prompts of different lengths one at a time, or use cache='paged'"
+        )
     return c
 
 
-def stream(model, input_ids, *, max_new_tokens: int, cache="static", attention_mask=None,
-           sampling: Sampling | None = None, stop_tokens=(), seed=None, pad_token_id: int = 0,
-           cache_options: dict | None = None, logits_out: list | None = None) -> Iterator[torch.Tensor]:
+def stream(
+    model,
+    input_ids,
+    *,
+    max_new_tokens: int,
+    cache="static",
+    attention_mask=None,
+    sampling: Sampling | None = None,
+    stop_tokens=(),
+    seed=None,
+    pad_token_id: int = 0,
+    cache_options: dict | None = None,
+    logits_out: list | None = None,
+) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, ``(B,)``, as soon as it is chosen (rows that
     have stopped yield ``pad_token_id``).  Same arguments as :func:`generate`."""
     max_new_tokens, sampling, pad_token_id, stops_set, rows, ids, keep, seeds, c = _check_stream_args(
-        model, input_ids, attention_mask, max_new_tokens, sampling, stop_tokens, seed, pad_token_id, cache,
-        cache_options, logits_out)
+        model,
+        input_ids,
+        attention_mask,
+        max_new_tokens,
+        sampling,
+        stop_tokens,
+        seed,
+        pad_token_id,
+        cache,
+        cache_options,
+        logits_out,
+    )
     return _stream(model, rows, ids, keep, max_new_tokens, c, sampling, stops_set, seeds, pad_token_id, logits_out)
 
 
@@ -343,7 +408,7 @@ def _stream(model, rows, ids, keep, max_new_tokens, c, sampling, stops_set, seed
         first = max(1, c.capacity + 1 - c.length)
         step_logits = model(ids[:, :first], cache=c).logits[:, -1]
         for t in range(first, P):
-            step_logits = model(ids[:, t:t + 1], cache=c).logits[:, -1]
+            step_logits = model(ids[:, t : t + 1], cache=c).logits[:, -1]
     else:
         kw = {} if not ragged else {"attention_mask": keep, "pos": pos}
         step_logits = model(ids, cache=c, **kw).logits[:, -1]
@@ -376,11 +441,24 @@ def _stream(model, rows, ids, keep, max_new_tokens, c, sampling, stops_set, seed
             step_logits = model(nxt.unsqueeze(1), cache=c, **kw).logits[:, -1]
 
 
-def generate(model, input_ids, *, max_new_tokens: int, cache="static", attention_mask=None,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             repetition_penalty: float = 1.0, stop_tokens=(), seed=None, pad_token_id: int = 0,
-             cache_options: dict | None = None, on_token: Callable | None = None,
-             output_logits: bool = False) -> Generation:
+def generate(
+    model,
+    input_ids,
+    *,
+    max_new_tokens: int,
+    cache="static",
+    attention_mask=None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    stop_tokens=(),
+    seed=None,
+    pad_token_id: int = 0,
+    cache_options: dict | None = None,
+    on_token: Callable | None = None,
+    output_logits: bool = False,
+) -> Generation:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
     A row's tokens never depend on the other rows of the batch: padding is hidden from
@@ -419,12 +497,23 @@ def generate(model, input_ids, *, max_new_tokens: int, cache="static", attention
         raise ValueError(f"output_logits: expected a bool, got {output_logits!r}")
     logits: list[torch.Tensor] | None = [] if output_logits else None
     max_new_tokens, sampling, pad_token_id, stops, rows, ids, keep, seeds, c = _check_stream_args(
-        model, input_ids, attention_mask, max_new_tokens, sampling, stop_tokens, seed, pad_token_id, cache,
-        cache_options, logits)
+        model,
+        input_ids,
+        attention_mask,
+        max_new_tokens,
+        sampling,
+        stop_tokens,
+        seed,
+        pad_token_id,
+        cache,
+        cache_options,
+        logits,
+    )
     new: list[list[int]] = [[] for _ in rows]
     done = [False] * len(rows)
-    for step, tok in enumerate(_stream(model, rows, ids, keep, max_new_tokens, c, sampling, stops, seeds,
-                                       pad_token_id, logits)):
+    for step, tok in enumerate(
+        _stream(model, rows, ids, keep, max_new_tokens, c, sampling, stops, seeds, pad_token_id, logits)
+    ):
         if on_token is not None:
             on_token(step, tok)
         for i, t in enumerate(tok.tolist()):

@@ -23,8 +23,20 @@ from attnlab.validate import MAX_INT, boolean, finite_tensor, integer, real, ten
 #: otherwise run for hours): far beyond any model's head count.
 MAX_HEADS = 1 << 16
 
-__all__ = ["alibi_slopes", "sinusoidal", "SinusoidalEmbedding", "LearnedEmbedding", "LinearScaling",
-           "NTKScaling", "DynamicNTKScaling", "YaRNScaling", "Llama3Scaling", "RoPE", "ALiBi", "rope_from_hf"]
+__all__ = [
+    "alibi_slopes",
+    "sinusoidal",
+    "SinusoidalEmbedding",
+    "LearnedEmbedding",
+    "LinearScaling",
+    "NTKScaling",
+    "DynamicNTKScaling",
+    "YaRNScaling",
+    "Llama3Scaling",
+    "RoPE",
+    "ALiBi",
+    "rope_from_hf",
+]
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
@@ -61,8 +73,12 @@ def _num(where, name, v, lo, *, strict=True, hint=""):
 
 
 def _positions(where, positions, alt=""):
-    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype.is_complex \
-            or positions.dtype == torch.bool:
+    if (
+        not isinstance(positions, torch.Tensor)
+        or positions.dtype.is_floating_point
+        or positions.dtype.is_complex
+        or positions.dtype == torch.bool
+    ):
         dt = positions.dtype if isinstance(positions, torch.Tensor) else type(positions).__name__
         raise TypeError(f"{where}: positions must be an integer tensor (torch.long){alt}, got {dt}")
     return positions.long()
@@ -119,8 +135,10 @@ class SinusoidalEmbedding(torch.nn.Module):
         pos = _positions("SinusoidalEmbedding", positions)
         if pos.numel() and torch.compiler.is_compiling():  # traced: an in-graph check
             # (the table cannot grow inside a graph: positions must fall in the rows it has)
-            tensor_check((pos >= 0).all() & (pos < self.table.shape[0]).all(),
-                         f"SinusoidalEmbedding: positions must lie in [0, {self.table.shape[0] - 1}] under torch.compile")
+            tensor_check(
+                (pos >= 0).all() & (pos < self.table.shape[0]).all(),
+                f"SinusoidalEmbedding: positions must lie in [0, {self.table.shape[0] - 1}] under torch.compile",
+            )
         elif pos.numel():
             lo, hi = (int(v) for v in torch.aminmax(pos))
             if lo < 0:
@@ -153,13 +171,17 @@ class LearnedEmbedding(torch.nn.Module):
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         pos = _positions("LearnedEmbedding", positions)
         if pos.numel() and torch.compiler.is_compiling():  # traced: an in-graph check
-            tensor_check((pos >= 0).all() & (pos < self.max_positions).all(),
-                         f"LearnedEmbedding: positions must lie in [0, {self.max_positions - 1}]")
+            tensor_check(
+                (pos >= 0).all() & (pos < self.max_positions).all(),
+                f"LearnedEmbedding: positions must lie in [0, {self.max_positions - 1}]",
+            )
         elif pos.numel():
             lo, hi = (int(v) for v in torch.aminmax(pos))
             if lo < 0 or hi >= self.max_positions:
-                raise ValueError(f"LearnedEmbedding: positions span [{lo}, {hi}] but max_positions="
-                                 f"{self.max_positions}; positions must lie in [0, {self.max_positions - 1}]")
+                raise ValueError(
+                    f"LearnedEmbedding: positions span [{lo}, {hi}] but max_positions="
+                    f"{self.max_positions}; positions must lie in [0, {self.max_positions - 1}]"
+                )
         return torch.nn.functional.embedding(pos.to(self.weight.device), self.weight)
 
 
@@ -167,6 +189,7 @@ class LearnedEmbedding(torch.nn.Module):
 class _Checked:
     """Validates a frozen scaling dataclass: ``_rules`` = (field, lower bound or the field it
     must exceed, bound allowed?); ``original_max_positions`` must be an int >= 1."""
+
     _rules: tuple = ()
 
     def __post_init__(self):
@@ -178,14 +201,16 @@ class _Checked:
         for name, lo, inclusive in self._rules:
             if name != "attention_factor" or getattr(self, "attention_factor", None) is not None:
                 hint = f" (must exceed {lo})" if isinstance(lo, str) else ""
-                f = _num(w, name, getattr(self, name), getattr(self, lo) if hint else lo, strict=not inclusive,
-                         hint=hint)
+                f = _num(
+                    w, name, getattr(self, name), getattr(self, lo) if hint else lo, strict=not inclusive, hint=hint
+                )
                 object.__setattr__(self, name, f)  # a float: an int such as 10**30 would overflow in torch
 
 
 @dataclass(frozen=True)
 class LinearScaling(_Checked):
     """Position interpolation (Chen et al., 2023): positions divided by ``factor``."""
+
     factor: float
     _rules = (("factor", 0.0, False),)
 
@@ -193,6 +218,7 @@ class LinearScaling(_Checked):
 @dataclass(frozen=True)
 class NTKScaling(_Checked):
     """Static "NTK-aware" scaling: ``base' = base * factor ** (rotary_dim / (rotary_dim - 2))``."""
+
     factor: float
     _rules = (("factor", 1.0, True),)
 
@@ -205,6 +231,7 @@ class DynamicNTKScaling(_Checked):
     Stateless: the base follows the positions of the current call (transformers keeps the
     largest ``seq_len`` seen so far until a call falls back under the original length; the
     two agree while positions grow, as in decoding)."""
+
     factor: float
     original_max_positions: int
     _rules = (("factor", 1.0, True),)
@@ -215,20 +242,26 @@ class YaRNScaling(_Checked):
     """YaRN (Peng et al., 2023), as transformers computes it.  ``attention_factor`` defaults to
     ``0.1 ln(factor) + 1`` and multiplies cos and sin; ``truncate`` rounds the correction range
     outwards (transformers' default; gpt-oss sets it False)."""
+
     factor: float
     original_max_positions: int
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attention_factor: float | None = None
     truncate: bool = True
-    _rules = (("factor", 1.0, True), ("beta_slow", 0.0, False), ("beta_fast", "beta_slow", False),
-              ("attention_factor", 0.0, False))
+    _rules = (
+        ("factor", 1.0, True),
+        ("beta_slow", 0.0, False),
+        ("beta_fast", "beta_slow", False),
+        ("attention_factor", 0.0, False),
+    )
 
 
 @dataclass(frozen=True)
 class Llama3Scaling(_Checked):
     """Llama 3.1: wavelengths above ``original/low_freq_factor`` are divided by ``factor``,
     those below ``original/high_freq_factor`` kept, the band between smoothly interpolated."""
+
     factor: float
     low_freq_factor: float
     high_freq_factor: float
@@ -294,26 +327,37 @@ class RoPE(torch.nn.Module):
 
     inv_freq: torch.Tensor  # (rotary_dim/2,) float32 buffer
 
-    def __init__(self, d_head: int, *, base: float = 10000.0, rotary_dim: int | None = None,
-                 interleaved: bool = False, scaling=None):
+    def __init__(
+        self,
+        d_head: int,
+        *,
+        base: float = 10000.0,
+        rotary_dim: int | None = None,
+        interleaved: bool = False,
+        scaling=None,
+    ):
         super().__init__()
         self.d_head = _int("RoPE", "d_head", d_head, 1)
         self.base = _num("RoPE", "base", base, 1.0)
         rd = d_head if rotary_dim is None else rotary_dim
         if isinstance(rd, bool) or not isinstance(rd, int) or rd < 2 or rd % 2 or rd > d_head:
-            raise ValueError(f"RoPE: rotary_dim must be an even int in [2, d_head={d_head}], got {rd!r}"
-                             + (" (d_head is odd: pass an even rotary_dim)" if rotary_dim is None else ""))
+            raise ValueError(
+                f"RoPE: rotary_dim must be an even int in [2, d_head={d_head}], got {rd!r}"
+                + (" (d_head is odd: pass an even rotary_dim)" if rotary_dim is None else "")
+            )
         if scaling is not None and not isinstance(scaling, _SCALINGS):
-            raise TypeError(f"RoPE: scaling must be None or one of {[c.__name__ for c in _SCALINGS]}, "
-                            f"got {type(scaling).__name__}")
+            raise TypeError(
+                f"RoPE: scaling must be None or one of {[c.__name__ for c in _SCALINGS]}, got {type(scaling).__name__}"
+            )
         if isinstance(scaling, (NTKScaling, DynamicNTKScaling)) and rd <= 2:
             raise ValueError(f"RoPE: {type(scaling).__name__} needs rotary_dim > 2, got {rd}")
         self.rotary_dim, self.interleaved, self.scaling = rd, boolean(interleaved, "RoPE: interleaved"), scaling
         self.attention_factor = 1.0
         if isinstance(scaling, YaRNScaling):
             af = scaling.attention_factor
-            self.attention_factor = float(af) if af is not None else (
-                0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0)
+            self.attention_factor = (
+                float(af) if af is not None else (0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0)
+            )
         # CPU master copies; the buffers are derived from them (see _apply).  Built on the CPU
         # even under a ``torch.device("meta")`` context (a loader sizing a model before it
         # allocates): the frequency check below must read real values.
@@ -327,8 +371,10 @@ class RoPE(torch.nn.Module):
             with torch.device("cpu"):
                 probe = self._dynamic_freqs_at(1 << 24, probe)
         if not bool(torch.isfinite(probe).all() & (probe > 0).all()):
-            raise ValueError(f"RoPE: base={self.base:g} with scaling={scaling} gives frequencies that are not finite "
-                             "positive float32 numbers (0, inf or nan); use a smaller base or scaling factor")
+            raise ValueError(
+                f"RoPE: base={self.base:g} with scaling={scaling} gives frequencies that are not finite "
+                "positive float32 numbers (0, inf or nan); use a smaller base or scaling factor"
+            )
         self.register_buffer("inv_freq", self._masters[torch.float32].clone(), persistent=False)
         self._freq64 = self._masters[torch.float64]
 
@@ -396,8 +442,9 @@ class RoPE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, positions) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
-            raise TypeError(f"RoPE: x must be a floating tensor (B, H, N, D), got "
-                            f"{getattr(x, 'dtype', type(x).__name__)}")
+            raise TypeError(
+                f"RoPE: x must be a floating tensor (B, H, N, D), got {getattr(x, 'dtype', type(x).__name__)}"
+            )
         if x.dim() != 4 or x.shape[-1] != self.d_head:
             raise ValueError(f"RoPE: x must be (B, H, N, D={self.d_head}), got shape {tuple(x.shape)}")
         B, _, N, _ = x.shape
@@ -411,8 +458,10 @@ class RoPE(torch.nn.Module):
             if pos.dim() == 0:  # a tensor offset
                 pos = pos.to(x.device) + torch.arange(N, device=x.device)
         if tuple(pos.shape) not in ((N,), (B, N)):
-            raise ValueError(f"RoPE: positions must have shape (N,)=({N},) or (B, N)=({B}, {N}) for x of "
-                             f"shape {tuple(x.shape)}, got {tuple(pos.shape)}")
+            raise ValueError(
+                f"RoPE: positions must have shape (N,)=({N},) or (B, N)=({B}, {N}) for x of "
+                f"shape {tuple(x.shape)}, got {tuple(pos.shape)}"
+            )
         cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
         cos, sin = self.cos_sin(pos, dtype=cdt)
         if cos.dim() == 3:  # (B, N, R/2) -> (B, 1, N, R/2)
@@ -423,14 +472,16 @@ class RoPE(torch.nn.Module):
             a, b = xr[..., 0::2], xr[..., 1::2]
             rot = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
         else:
-            a, b = xr[..., : r // 2], xr[..., r // 2:]
+            a, b = xr[..., : r // 2], xr[..., r // 2 :]
             rot = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
         rot = rot.to(x.dtype)
         return rot if r == self.d_head else torch.cat((rot, x[..., r:]), dim=-1)
 
     def extra_repr(self):
-        return (f"d_head={self.d_head}, rotary_dim={self.rotary_dim}, base={self.base:g}, "
-                f"interleaved={self.interleaved}, scaling={self.scaling}")
+        return (
+            f"d_head={self.d_head}, rotary_dim={self.rotary_dim}, base={self.base:g}, "
+            f"interleaved={self.interleaved}, scaling={self.scaling}"
+        )
 
 
 # ----------------------------------------------------------------------------- ALiBi
@@ -450,8 +501,10 @@ class ALiBi:
         self.symmetric = symmetric  # -m|i-j| for bidirectional (encoder) attention
         slopes = alibi_slopes(n_heads) if slopes is None else torch.as_tensor(slopes)
         if not slopes.dtype.is_floating_point or tuple(slopes.shape) != (n_heads,):
-            raise ValueError(f"ALiBi: slopes must be a float tensor of shape (n_heads,)=({n_heads},), "
-                             f"got {slopes.dtype} {tuple(slopes.shape)}")
+            raise ValueError(
+                f"ALiBi: slopes must be a float tensor of shape (n_heads,)=({n_heads},), "
+                f"got {slopes.dtype} {tuple(slopes.shape)}"
+            )
         self.slopes = finite_tensor(slopes, "ALiBi: slopes")
 
     def score_mod(self) -> scores.ScoreMod:
@@ -478,12 +531,15 @@ def rope_from_hf(config_dict: dict, d_head: int) -> RoPE:
     LinearScaling(factor=2.0)
     """
     if not isinstance(config_dict, dict):
-        raise TypeError("rope_from_hf: config_dict must be a dict (the contents of config.json), "
-                        f"got {type(config_dict).__name__}")
+        raise TypeError(
+            f"rope_from_hf: config_dict must be a dict (the contents of config.json), got {type(config_dict).__name__}"
+        )
     c, p = config_dict, config_dict.get("rope_parameters") or config_dict.get("rope_scaling") or {}
     if not isinstance(p, dict) or (p and all(isinstance(v, dict) or v is None for v in p.values())):
-        raise ValueError(f"rope_from_hf: rope parameters must be one flat dict; got {p!r} (per-layer "
-                         "parameters: pass a config whose 'rope_parameters' is the entry of one layer type)")
+        raise ValueError(
+            f"rope_from_hf: rope parameters must be one flat dict; got {p!r} (per-layer "
+            "parameters: pass a config whose 'rope_parameters' is the entry of one layer type)"
+        )
     kind = p.get("rope_type", p.get("type", "default"))
 
     def need(key, *values):  # the first value that is not None, else a ValueError naming key
@@ -494,8 +550,12 @@ def rope_from_hf(config_dict: dict, d_head: int) -> RoPE:
 
     max_pos = c.get("max_position_embeddings")
     if kind in ("yarn", "llama3"):  # transformers: a top-level value wins (Phi-3), then the dict's, then max_pos
-        orig = need("original_max_position_embeddings", c.get("original_max_position_embeddings"),
-                    p.get("original_max_position_embeddings"), max_pos)
+        orig = need(
+            "original_max_position_embeddings",
+            c.get("original_max_position_embeddings"),
+            p.get("original_max_position_embeddings"),
+            max_pos,
+        )
     scaling: LinearScaling | DynamicNTKScaling | YaRNScaling | Llama3Scaling | None
     if kind == "default":
         scaling = None
@@ -508,11 +568,16 @@ def rope_from_hf(config_dict: dict, d_head: int) -> RoPE:
         af, ms, ms_all = p.get("attention_factor"), p.get("mscale"), p.get("mscale_all_dim")
         if af is None and ms and ms_all and factor > 1:  # DeepSeek's mscale ratio
             af = (0.1 * ms * math.log(factor) + 1.0) / (0.1 * ms_all * math.log(factor) + 1.0)
-        scaling = YaRNScaling(factor, orig, p.get("beta_fast") or 32.0, p.get("beta_slow") or 1.0, af,
-                              bool(p.get("truncate", True)))
+        scaling = YaRNScaling(
+            factor, orig, p.get("beta_fast") or 32.0, p.get("beta_slow") or 1.0, af, bool(p.get("truncate", True))
+        )
     elif kind == "llama3":
-        scaling = Llama3Scaling(need("factor", p.get("factor")), need("low_freq_factor", p.get("low_freq_factor")),
-                                need("high_freq_factor", p.get("high_freq_factor")), orig)
+        scaling = Llama3Scaling(
+            need("factor", p.get("factor")),
+            need("low_freq_factor", p.get("low_freq_factor")),
+            need("high_freq_factor", p.get("high_freq_factor")),
+            orig,
+        )
     else:
         raise ValueError(f"rope_from_hf: unsupported rope_type {kind!r}; supported: {', '.join(_HF_TYPES)}")
     theta = need("rope_theta", p.get("rope_theta"), c.get("rope_theta"), 10000.0)

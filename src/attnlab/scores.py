@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from attnlab.validate import ArgumentTypeError, boolean, finite_tensor, real, tensor_check
+from attnlab.validate import boolean, finite_tensor, real, tensor_check
 
 __all__ = ["ScoreMod", "alibi", "softcap", "relative_bias", "custom", "compose", "bias"]
 
@@ -68,8 +68,10 @@ class _Alibi(ScoreMod):
 
     def validate(self, B, H):
         if self.slopes.shape[-1] != H:
-            raise ValueError(f"alibi(slopes): {self.slopes.shape[-1]} slopes for H={H} query heads "
-                             f"(slopes shape {tuple(self.slopes.shape)}; expected (H,) or (B, H))")
+            raise ValueError(
+                f"alibi(slopes): {self.slopes.shape[-1]} slopes for H={H} query heads "
+                f"(slopes shape {tuple(self.slopes.shape)}; expected (H,) or (B, H))"
+            )
         if self.slopes.dim() == 2 and self.slopes.shape[0] not in (1, B):
             raise ValueError(f"alibi(slopes): (B, H) slopes of shape {tuple(self.slopes.shape)} for batch size B={B}")
 
@@ -77,7 +79,7 @@ class _Alibi(ScoreMod):
         return f"alibi({tuple(self.slopes.shape)} slopes{', symmetric' if self.symmetric else ''})"
 
 
-def alibi(slopes, symmetric: bool = False) -> ScoreMod:
+def alibi(slopes, symmetric: bool = False) -> _Alibi:
     """ALiBi (Press et al., 2022): ``score + slopes[h] * (kv_pos - q_pos)``.
 
     The bias is ``-m·(i-j)`` for a key ``i-j`` tokens in the past; keys in the
@@ -141,8 +143,10 @@ def relative_bias(table: torch.Tensor) -> ScoreMod:
     when it requires grad.
     """
     if not isinstance(table, torch.Tensor) or not table.dtype.is_floating_point or table.dim() != 2:
-        raise ValueError("relative_bias(table): expected a float tensor of shape (H, 2*R+1), got "
-                         f"{getattr(table, 'dtype', type(table).__name__)} {tuple(getattr(table, 'shape', ()))}")
+        raise ValueError(
+            "relative_bias(table): expected a float tensor of shape (H, 2*R+1), got "
+            f"{getattr(table, 'dtype', type(table).__name__)} {tuple(getattr(table, 'shape', ()))}"
+        )
     if table.shape[1] % 2 != 1:
         raise ValueError(f"relative_bias(table): the second dim must be odd (2*R+1), got {table.shape[1]}")
     finite_tensor(table, "relative_bias(table)")
@@ -236,6 +240,7 @@ def mod_key(mod):
     """``(spec, tensors, ints)`` describing a built-in score mod by structure and parameters,
     or None (``custom``, or a plain callable)."""
     from attnlab.masks import KeyBuilder
+
     kb = KeyBuilder()
     spec = _key_into(mod, kb)
     return None if spec is None else (spec, kb.tensors, kb.ints)
@@ -292,8 +297,10 @@ def bias(t: torch.Tensor, *, q_offset: int, kv_offset: int = 0) -> ScoreMod:
     requires grad is learned: its gradient is computed tile by tile (FlexAttention's
     learnable biases)."""
     if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
-        raise TypeError(f"scores.bias(t): expected a float tensor, got "
-                        f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        raise TypeError(
+            f"scores.bias(t): expected a float tensor, got "
+            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}"
+        )
     if t.dim() > 4:
         raise ValueError(f"scores.bias(t): at most 4 dims (B, H, Nq, Nk), got shape {tuple(t.shape)}")
     while t.dim() < 4:

@@ -46,8 +46,8 @@ from attnlab.validate import nonneg_int
 
 @dataclass
 class SpeculativeResult:
-    tokens: list                       # the generated tokens
-    rounds: int = 0                    # target passes after the prompt
+    tokens: list  # the generated tokens
+    rounds: int = 0  # target passes after the prompt
     accepted: list = field(default_factory=list)  # draft tokens accepted per round
 
     @property
@@ -101,15 +101,25 @@ def _forward_nodes(model, cache, tree, nodes, prefix_len):
     """Run ``model`` on tree ``nodes`` (consecutive indices) with the tree mask; logits (len, V)."""
     ids = torch.tensor([[tree.tokens[i] for i in nodes]])
     pos = torch.tensor([[prefix_len + tree.depths[i] for i in nodes]])
-    parents = torch.tensor(tree.parents[:nodes[-1] + 1])
+    parents = torch.tensor(tree.parents[: nodes[-1] + 1])
     mask = masks.tree(parents, prefix_len)
     return model(ids, cache=cache, pos=pos, mask=mask).logits[0]
 
 
 @torch.no_grad()
-def speculative_generate(target, draft, prompt, *, max_new_tokens: int, branching=(2, 2, 1),
-                         temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                         seed: int | None = None, stop_tokens=()) -> SpeculativeResult:
+def speculative_generate(
+    target,
+    draft,
+    prompt,
+    *,
+    max_new_tokens: int,
+    branching=(2, 2, 1),
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_tokens=(),
+) -> SpeculativeResult:
     """Generate from ``target`` with ``draft`` proposing a token tree each round.
 
     ``prompt``: one sequence of token ids (a list of ints or a 1-d integer tensor).
@@ -119,17 +129,25 @@ def speculative_generate(target, draft, prompt, *, max_new_tokens: int, branchin
     :func:`attnlab.generate.generate`'s (``ValueError`` naming the argument).
     """
     max_new_tokens = nonneg_int(max_new_tokens, "max_new_tokens")
-    if not isinstance(branching, (list, tuple)) or not branching or \
-            any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in branching):
+    if (
+        not isinstance(branching, (list, tuple))
+        or not branching
+        or any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in branching)
+    ):
         raise ValueError(f"branching: expected a non-empty sequence of ints >= 1, got {branching!r}")
     branching = [int(b) for b in branching]
     if target.cfg.vocab_size != draft.cfg.vocab_size:
         raise ValueError(f"draft vocab_size {draft.cfg.vocab_size} != target vocab_size {target.cfg.vocab_size}")
     vocab = model_vocab(target)
-    if isinstance(prompt, (list, tuple)) and prompt and (isinstance(prompt[0], (list, tuple))
-                                                          or getattr(prompt[0], "ndim", 0) > 0):
-        raise ValueError("prompt: expected one sequence of token ids (speculative decoding runs one prompt), "
-                         f"got a nested sequence of {len(prompt)}")
+    if (
+        isinstance(prompt, (list, tuple))
+        and prompt
+        and (isinstance(prompt[0], (list, tuple)) or getattr(prompt[0], "ndim", 0) > 0)
+    ):
+        raise ValueError(
+            "prompt: expected one sequence of token ids (speculative decoding runs one prompt), "
+            f"got a nested sequence of {len(prompt)}"
+        )
     prompt = token_row(prompt, "prompt", vocab)
     if not prompt:
         raise ValueError("prompt: needs at least one token")
@@ -188,7 +206,7 @@ def speculative_generate(target, draft, prompt, *, max_new_tokens: int, branchin
         in_draft = [i for i in path if i < fed]
         dc.retain(torch.cat([torch.arange(L + 1), L + torch.tensor(in_draft, dtype=torch.long)]))
         if len(in_draft) < len(path):  # accepted leaves the draft never ran: catch it up
-            draft(torch.tensor([[tree.tokens[i] for i in path[len(in_draft):]]]), cache=dc)
+            draft(torch.tensor([[tree.tokens[i] for i in path[len(in_draft) :]]]), cache=dc)
         for t in new:
             if len(res.tokens) < max_new_tokens:
                 res.tokens.append(t)

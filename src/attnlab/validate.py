@@ -36,13 +36,36 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
+from typing import cast
 
 import torch
 
-__all__ = ["MAX_INT", "FLOAT_DTYPES", "ArgumentTypeError", "integer", "real", "nonzero_real", "boolean",
-           "finite_tensor", "problem_positions", "lossless_cast", "tensor_check", "tensor", "ndim", "float_dtype",
-           "same_dtype", "same_device", "gqa_heads", "positive_int", "nonneg_int", "probability", "positive_float",
-           "choice", "head_shape"]
+__all__ = [
+    "MAX_INT",
+    "FLOAT_DTYPES",
+    "ArgumentTypeError",
+    "integer",
+    "real",
+    "nonzero_real",
+    "boolean",
+    "finite_tensor",
+    "problem_positions",
+    "lossless_cast",
+    "tensor_check",
+    "tensor",
+    "ndim",
+    "float_dtype",
+    "same_dtype",
+    "same_device",
+    "gqa_heads",
+    "positive_int",
+    "nonneg_int",
+    "probability",
+    "positive_float",
+    "choice",
+    "head_shape",
+]
 
 #: The largest int any constructor accepts (positions, sizes, windows, offsets): differences
 #: of two such numbers, and a position plus a length, stay inside int64.
@@ -60,8 +83,15 @@ def _fmt(x) -> str:
     return f"{type(x).__name__} {x!r:.60}"
 
 
-def integer(x, name: str, *, lo: int | None = None, hi: int | None = MAX_INT, what: str = "",
-            type_error: type = ArgumentTypeError) -> int:
+def integer(
+    x,
+    name: str,
+    *,
+    lo: int | None = None,
+    hi: int | None = MAX_INT,
+    what: str = "",
+    type_error: type = ArgumentTypeError,
+) -> int:
     """``x`` as an int in ``[lo, hi]`` (``hi=None``: no upper bound); ``bool`` and floats
     (even ``2.0``) are refused.  ``what`` words the int in the message ("tile size");
     ``type_error`` is the class raised for a wrong type (the op entry points raise a plain
@@ -77,8 +107,9 @@ def integer(x, name: str, *, lo: int | None = None, hi: int | None = MAX_INT, wh
     return x
 
 
-def real(x, name: str, *, gt: float | None = None, ge: float | None = None, lt: float | None = None,
-         le: float | None = None) -> float:
+def real(
+    x, name: str, *, gt: float | None = None, ge: float | None = None, lt: float | None = None, le: float | None = None
+) -> float:
     """``x`` as a finite float with the given strict (``gt``, ``lt``) or inclusive (``ge``,
     ``le``) bounds; ``bool``, NaN, ±inf and ints beyond float range are refused."""
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
@@ -89,9 +120,13 @@ def real(x, name: str, *, gt: float | None = None, ge: float | None = None, lt: 
         f = math.inf
     if not math.isfinite(f):
         raise ValueError(f"{name}: must be a finite number, got {x!r:.60}")
-    for bound, ok, word in ((gt, lambda: f > gt, ">"), (ge, lambda: f >= ge, ">="),
-                            (lt, lambda: f < lt, "<"), (le, lambda: f <= le, "<=")):
-        if bound is not None and not ok():
+    for bound, ok, word in (
+        (gt, operator.gt, ">"),
+        (ge, operator.ge, ">="),
+        (lt, operator.lt, "<"),
+        (le, operator.le, "<="),
+    ):
+        if bound is not None and not ok(f, bound):
             raise ValueError(f"{name}: must be {word} {bound}, got {x!r:.60}")
     return f
 
@@ -120,8 +155,10 @@ def finite_tensor(t: torch.Tensor, name: str, *, allow_neg_inf: bool = False) ->
             return t
         if bool(bad.any()):
             i = tuple(int(j) for j in torch.nonzero(bad)[0])
-            raise ValueError(f"{name}: expected finite values, got {float(t[i])} at index {i}"
-                             + ("" if allow_neg_inf else " (hide what must not be attended with a mask)"))
+            raise ValueError(
+                f"{name}: expected finite values, got {float(t[i])} at index {i}"
+                + ("" if allow_neg_inf else " (hide what must not be attended with a mask)")
+            )
     return t
 
 
@@ -132,8 +169,15 @@ def problem_positions(Nq: int, Nk: int, q_offset: int, kv_offset: int, where="ma
     ``where`` (a string, or a callable giving one: only called to word an error) names the
     caller.  Costs a few comparisons when everything is in range (it runs on every call)."""
     ints = (Nq, Nk, q_offset, kv_offset)
-    if all(type(x) is int for x in ints) and Nq >= 0 and Nk >= 0 and -MAX_INT <= q_offset \
-            and q_offset + Nq <= MAX_INT and -MAX_INT <= kv_offset and kv_offset + Nk <= MAX_INT:
+    if (
+        all(type(x) is int for x in ints)
+        and Nq >= 0
+        and Nk >= 0
+        and -MAX_INT <= q_offset
+        and q_offset + Nq <= MAX_INT
+        and -MAX_INT <= kv_offset
+        and kv_offset + Nk <= MAX_INT
+    ):
         return
     where = where() if callable(where) else where
     for name, n in (("Nq", Nq), ("Nk", Nk)):
@@ -141,8 +185,10 @@ def problem_positions(Nq: int, Nk: int, q_offset: int, kv_offset: int, where="ma
     for name, off, n in (("q_offset", q_offset, Nq), ("kv_offset", kv_offset, Nk)):
         off = integer(off, f"{where}: {name}", lo=-MAX_INT)
         if off + n > MAX_INT:
-            raise ValueError(f"{where}: {name}={off} with {n} positions reaches {off + n - 1}; positions must stay "
-                             "below 2**62 so that they and their differences fit in int64")
+            raise ValueError(
+                f"{where}: {name}={off} with {n} positions reaches {off + n - 1}; positions must stay "
+                "below 2**62 so that they and their differences fit in int64"
+            )
 
 
 def tensor_check(ok: torch.Tensor, message: str) -> bool:
@@ -188,8 +234,9 @@ def same_dtype(**named: torch.Tensor) -> torch.dtype:
     listing each one's."""
     dts = {t.dtype for t in named.values()}
     if len(dts) > 1:
-        raise TypeError(f"{', '.join(named)} must share a dtype, got "
-                                + ", ".join(f"{n} {t.dtype}" for n, t in named.items()))
+        raise TypeError(
+            f"{', '.join(named)} must share a dtype, got " + ", ".join(f"{n} {t.dtype}" for n, t in named.items())
+        )
     return next(iter(dts))
 
 
@@ -197,8 +244,9 @@ def same_device(**named: torch.Tensor) -> torch.device:
     """The one device of the named tensors, or ``ValueError`` listing each one's."""
     devs = [t.device for t in named.values()]
     if any(d != devs[0] for d in devs):
-        raise ValueError(f"{', '.join(named)} must be on one device, got "
-                         + ", ".join(f"{n} {t.device}" for n, t in named.items()))
+        raise ValueError(
+            f"{', '.join(named)} must be on one device, got " + ", ".join(f"{n} {t.device}" for n, t in named.items())
+        )
     return devs[0]
 
 
@@ -206,8 +254,10 @@ def gqa_heads(H: int, Hkv: int, context: str = "") -> None:
     """The GQA rule: ``Hkv >= 1`` kv heads and ``H % Hkv == 0`` query heads (query head ``h``
     reads kv head ``h // (H // Hkv)``).  ``context`` (the shapes) ends the message."""
     if Hkv == 0 or H % Hkv != 0:
-        raise ValueError(f"query heads H={H} must be a multiple of kv heads Hkv={Hkv} (GQA; the kv heads must "
-                         f"divide the query heads){': ' + context if context else ''}")
+        raise ValueError(
+            f"query heads H={H} must be a multiple of kv heads Hkv={Hkv} (GQA; the kv heads must "
+            f"divide the query heads){': ' + context if context else ''}"
+        )
 
 
 # ----------------------------------------------------------------------------- modules and configs
@@ -225,7 +275,7 @@ def probability(x, name: str) -> float:
     """A float in ``[0, 1)`` (a dropout rate)."""
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise ArgumentTypeError(f"{name}: expected a probability in [0, 1), got {type(x).__name__} {x!r:.60}")
-    if not (0.0 <= x < 1.0):
+    if not (0.0 <= cast(float, x) < 1.0):  # a numbers.Real compares with floats
         raise ValueError(f"{name}: expected a probability in [0, 1), got {x!r}")
     return float(x)
 

@@ -38,8 +38,10 @@ def test_time_call_is_a_median_of_positive_times():
 
 
 def test_tiny_case_end_to_end_reports_ratios_and_auto_choice():
-    cases = [bench.Case("tiny window", "window256", 1, 2, 1, 512, 32, "float32"),
-             bench.Case("tiny causal fwd+bwd", "causal", 1, 2, 2, 256, 16, "float32", mode="fwdbwd")]
+    cases = [
+        bench.Case("tiny window", "window256", 1, 2, 1, 512, 32, "float32"),
+        bench.Case("tiny causal fwd+bwd", "causal", 1, 2, 2, 256, 16, "float32", mode="fwdbwd"),
+    ]
     res = bench.run(cases, reps=1, with_flex=False, progress=False, memory=False)
     assert set(res["matmul_gflops"]) == {"float32"}
     assert res["matmul_gflops"]["float32"] > 0
@@ -47,15 +49,15 @@ def test_tiny_case_end_to_end_reports_ratios_and_auto_choice():
     names = [r["backend"] for r in win["results"]]
     assert names == ["attnlab auto", "attnlab flash", "torch sdpa (dense mask)"]
     # window 256 over 512 keys: exactly sum_{i<512} min(i+1, 256) allowed pairs per head
-    expect = sum(min(i + 1, 256) for i in range(512)) / 512 ** 2
+    expect = sum(min(i + 1, 256) for i in range(512)) / 512**2
     assert win["density"] == pytest.approx(expect)
     assert set(res) == {"machine", "cases", "matmul_gflops"}
     # a CPU's float32 matmul rate: above 0.1 GFLOP/s, below 100 TFLOP/s
     assert 0.1 < res["matmul_gflops"]["float32"] < 1e5
-    for case, c in zip(cases, res["cases"]):
+    for case, c in zip(cases, res["cases"], strict=True):
         assert {k: c[k] for k in case.__dataclass_fields__} == {k: getattr(case, k) for k in case.__dataclass_fields__}
         # the work counted: 4·D flops per allowed pair forward, 3.5x that forward and backward
-        work = 4 * case.D * c["density"] * case.B * case.H * case.N ** 2 * (3.5 if case.mode == "fwdbwd" else 1)
+        work = 4 * case.D * c["density"] * case.B * case.H * case.N**2 * (3.5 if case.mode == "fwdbwd" else 1)
         assert c["flops"] == pytest.approx(work) == bench.case_flops(case)
         anchor = next(r for r in c["results"] if r["backend"].startswith("torch sdpa"))
         assert anchor["vs_torch_sdpa"] == pytest.approx(1.0)
@@ -90,14 +92,19 @@ def test_cli_rejects_bad_reps_and_unknown_commands(capsys):
 
 
 def test_console_script_is_installed_and_prints_help():
-    out = subprocess.run([sys.executable, "-m", "attnlab.cli", "bench", "attention", "--help"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "attnlab.cli", "bench", "attention", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "--json" in out and "--quick" in out
 
 
 @pytest.mark.skipif(not memory_supported(), reason="needs /proc/self/clear_refs (Linux)")
 def test_memprobe_child_reports_the_working_set():
     from attnlab.bench import memprobe
+
     # (1, 1, 1024, 32) float32: the reference materializes 1024x1024 scores (4 MiB and
     # copies of it); flash holds one tile, so it must need clearly less
     c = bench.Case("probe", "causal", 1, 1, 1, 1024, 32, "float32")

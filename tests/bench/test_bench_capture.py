@@ -13,7 +13,7 @@ def test_capture_bench_runs_and_kept_memory_is_the_tensors_bytes():
     assert res["ratio_to_plain"]["plain"] == 1.0
     for m, t in res["seconds"].items():
         assert res["ratio_to_plain"][m] == pytest.approx(t / res["seconds"]["plain"])
-    kept = {m: v * 2 ** 20 for m, v in res["kept_mib"].items()}
+    kept = {m: v * 2**20 for m, v in res["kept_mib"].items()}
     f32, V, BN = 4, 4096, B * N
     # run_with_cache without patterns, per layer: ln1 scale (B,N,1) and output, the fused qkv projection that
     # q, k and v are views of (3d), z, attn_out, resid_mid, ln2 scale and output, mlp pre and post (4d each),
@@ -30,4 +30,3 @@ def test_capture_bench_runs_and_kept_memory_is_the_tensors_bytes():
     assert kept["capture"] == f32 * L * (3 * BN * d + BN * d)
     assert kept["plain"] == 0
     assert "run_with_cache" in bench.summary(res)
-

@@ -8,19 +8,21 @@ import torch
 
 pytest.importorskip("transformers")
 
-from attnlab.bench import inference as bench  # noqa: E402
-from attnlab.train.textmodels import TextModels  # noqa: E402
-from attnlab.nn import Decoder, DecoderConfig  # noqa: E402
+from attnlab.bench import inference as bench
+from attnlab.nn import Decoder, DecoderConfig
+from attnlab.train.textmodels import TextModels
 
 
 def tiny_models():
     torch.manual_seed(0)
-    cfg = DecoderConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, positions="rope",
-                        max_positions=128)
+    cfg = DecoderConfig(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, positions="rope", max_positions=128
+    )
     target = Decoder(cfg).eval()
     draft = Decoder(cfg.replace(n_layers=1)).eval()
-    return TextModels(None, target, draft, torch.randint(0, 64, (2000,), generator=torch.Generator().manual_seed(1)),
-                      0.0)
+    return TextModels(
+        None, target, draft, torch.randint(0, 64, (2000,), generator=torch.Generator().manual_seed(1)), 0.0
+    )
 
 
 def test_decode_speed_runs_both_and_they_agree():
@@ -28,7 +30,7 @@ def test_decode_speed_runs_both_and_they_agree():
     r = rows[0]
     assert r["attnlab_tok_s"] > 0 and r["transformers_tok_s"] > 0
     assert r["ratio"] == pytest.approx(r["attnlab_tok_s"] / r["transformers_tok_s"])
-    assert 1e-2 < r["ratio"] < 1e2, r   # the same weights decoding the same tokens: within two orders of magnitude
+    assert 1e-2 < r["ratio"] < 1e2, r  # the same weights decoding the same tokens: within two orders of magnitude
     assert (r["batch"], r["prompt"], r["new_tokens"]) == (2, 64, 8)
     assert r["same_tokens"] == "16/16"  # same weights, greedy: the same continuation
 

@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from attnlab.bench import models as bench  # noqa: E402
+from attnlab.bench import models as bench
 
 
 def test_quick_run_compares_the_same_weights_and_reports_ratios():
@@ -18,6 +18,6 @@ def test_quick_run_compares_the_same_weights_and_reports_ratios():
     for c in res["cases"]:
         assert c["attnlab"] > 0 and c["transformers"] > 0
         assert c["ratio"] == pytest.approx(c["attnlab"] / c["transformers"])
-        assert 1e-2 < c["ratio"] < 1e2, c   # the same weights and shapes: within two orders of magnitude
+        assert 1e-2 < c["ratio"] < 1e2, c  # the same weights and shapes: within two orders of magnitude
     table = bench.format_table(res)
     assert "gpt2 train step f32" in table and "x" in table

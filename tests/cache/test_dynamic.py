@@ -10,7 +10,7 @@ from attnlab import masks
 from attnlab.cache import DenseKV, DynamicCache, StaticCache
 from attnlab.nn import Decoder, DecoderConfig, MultiHeadAttention
 from attnlab.positions import RoPE
-from tests.helpers import F64_FLOOR  # noqa: E402
+from tests.helpers import F64_FLOOR
 
 
 def kv(B, H, n, D, Dv=None, seed=0):
@@ -54,27 +54,33 @@ def test_fork_is_independent(kind):
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
-@pytest.mark.parametrize("k_shape, v_shape", [
-    ((2, 3, 4), (2, 3, 4, 5)),          # k not 4-D
-    ((2, 3, 4, 8), (2, 3, 5, 5)),       # different n
-    ((2, 3, 4, 8), (1, 3, 4, 5)),       # different B
-])
+@pytest.mark.parametrize(
+    "k_shape, v_shape",
+    [
+        ((2, 3, 4), (2, 3, 4, 5)),  # k not 4-D
+        ((2, 3, 4, 8), (2, 3, 5, 5)),  # different n
+        ((2, 3, 4, 8), (1, 3, 4, 5)),  # different B
+    ],
+)
 def test_update_rejects_bad_shapes(kind, k_shape, v_shape):
     with pytest.raises(ValueError, match=r"update: expected k \(B, Hkv, n, D\) and v \(B, Hkv, n, Dv\)"):
         make(kind).update(0, torch.zeros(k_shape), torch.zeros(v_shape))
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
-@pytest.mark.parametrize("k_shape, v_shape", [
-    ((1, 3, 1, 8), (1, 3, 1, 5)),       # B changes
-    ((2, 1, 1, 8), (2, 1, 1, 5)),       # Hkv changes
-    ((2, 3, 1, 4), (2, 3, 1, 5)),       # D changes
-    ((2, 3, 1, 8), (2, 3, 1, 6)),       # Dv changes
-])
+@pytest.mark.parametrize(
+    "k_shape, v_shape",
+    [
+        ((1, 3, 1, 8), (1, 3, 1, 5)),  # B changes
+        ((2, 1, 1, 8), (2, 1, 1, 5)),  # Hkv changes
+        ((2, 3, 1, 4), (2, 3, 1, 5)),  # D changes
+        ((2, 3, 1, 8), (2, 3, 1, 6)),  # Dv changes
+    ],
+)
 def test_update_rejects_chunks_that_do_not_continue(kind, k_shape, v_shape):
     c = make(kind)
     c.update(0, *kv(2, 3, 3, 8, Dv=5))
-    with pytest.raises(ValueError, match="do not continue the cached|do not fit buffers"):
+    with pytest.raises(ValueError, match=r"do not continue the cached|do not fit buffers"):
         c.update(0, torch.zeros(k_shape), torch.zeros(v_shape))
     assert c.seen == 3  # a rejected update leaves the cache alone
 
@@ -102,7 +108,7 @@ def test_static_window_eviction_is_sliding_window_attention():
     W = 5
     full = mha(x, mask=masks.causal() & masks.sliding_window(W))
     c = StaticCache(1, 1, 2, 4, W, dtype=torch.float64, evict="window")
-    out = torch.cat([mha(x[:, t:t + 1], mask=masks.causal(), cache=c[0]) for t in range(12)], 1)
+    out = torch.cat([mha(x[:, t : t + 1], mask=masks.causal(), cache=c[0]) for t in range(12)], 1)
     torch.testing.assert_close(out, full, **F64_FLOOR)
     assert c.length == W and c.seen == 12 and c.offsets[0] == 12 - W
 
@@ -114,11 +120,14 @@ def test_mha_with_cache_equals_full_forward_and_fills_the_cache(kind):
     x = torch.randn(2, 7, 16, dtype=torch.float64)
     full = mha(x, mask=masks.causal())
     c = DynamicCache(1) if kind == "dynamic" else StaticCache(1, 2, 2, 4, 8, dtype=torch.float64)
-    out = torch.cat([mha(x[:, :3], mask=masks.causal(), cache=c[0])] +
-                    [mha(x[:, t:t + 1], mask=masks.causal(), cache=c[0]) for t in range(3, 7)], 1)
+    out = torch.cat(
+        [mha(x[:, :3], mask=masks.causal(), cache=c[0])]
+        + [mha(x[:, t : t + 1], mask=masks.causal(), cache=c[0]) for t in range(3, 7)],
+        1,
+    )
     torch.testing.assert_close(out, full, **F64_FLOOR)
     K = c.k[0][:, :, :7]
-    q, k, v = mha.project(x)
+    _q, k, _v = mha.project(x)
     torch.testing.assert_close(K, mha.positions(k, 0), **F64_FLOOR)  # rotated at absolute positions
 
 

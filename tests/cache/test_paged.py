@@ -3,19 +3,20 @@ decoding (paged, forked, prefix-shared, ragged batches) against full recomputati
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 import torch
 
 from attnlab import masks, scores
+from attnlab.cache import paged_kv
 from attnlab.cache.blocks import CacheFullError
-from attnlab.cache import paged, paged_kv
 from attnlab.cache.paged import PagedCache, PagedKV
 from attnlab.nn import Decoder, DecoderConfig
 from attnlab.ops.decode import split_kv_attention
 from attnlab.ops.dispatch import attention
-from tests.helpers import F64_FLOOR  # noqa: E402
+from tests.helpers import F64_FLOOR
 
 TOL = dict(rtol=0, atol=1e-5)  # the bar for float32 logits, cached vs recomputed
 
@@ -31,8 +32,11 @@ def write(cache, seqs, n, seed, layers=None):
     Dv = cache.v_pool[0].shape[3]
     kv = None
     for layer in range(cache.n_layers if layers is None else layers):
-        kv = cache.update(layer, rand(len(seqs), Hkv, n, D, seed=seed + 100 * layer, dtype=cache.k_pool[0].dtype),
-                          rand(len(seqs), Hkv, n, Dv, seed=seed + 100 * layer + 1, dtype=cache.k_pool[0].dtype))
+        kv = cache.update(
+            layer,
+            rand(len(seqs), Hkv, n, D, seed=seed + 100 * layer, dtype=cache.k_pool[0].dtype),
+            rand(len(seqs), Hkv, n, Dv, seed=seed + 100 * layer + 1, dtype=cache.k_pool[0].dtype),
+        )
     return kv
 
 
@@ -60,7 +64,7 @@ def ragged_cache():
     b = c.fork(a)
     z, _ = c.add_sequence()
     write(c, [z], 3, seed=2)
-    d, n = c.add_sequence(list(range(6)) + [7, 7, 7])
+    d, n = c.add_sequence([*range(6), 7, 7, 7])
     assert n == 4 and c.block_table(d) == c.block_table(a)[:1]
     write(c, [d], 5, seed=3)
     return c, [a, b, z, d]
@@ -81,8 +85,9 @@ def batch_dependent_masks(B, M):
 
 
 @pytest.mark.parametrize("nq", [1, 3])
-@pytest.mark.parametrize("mask_name", ["none", "causal", "window", "key_padding", "custom_b", "padding",
-                                       "padding_empty_rows"])
+@pytest.mark.parametrize(
+    "mask_name", ["none", "causal", "window", "key_padding", "custom_b", "padding", "padding_empty_rows"]
+)
 def test_attend_equals_the_op_on_the_dense_equivalent(nq, mask_name):
     c, seqs = ragged_cache()
     kv = write(c, seqs, nq, seed=9)
@@ -98,8 +103,17 @@ def test_attend_equals_the_op_on_the_dense_equivalent(nq, mask_name):
         assert kv.q_offsets[r] == q_off
         # the oracle: row r repeated B times, so batch-dependent masks see batch index r
         rep = lambda t: t.unsqueeze(0).expand(B, *t.shape)  # noqa: E731
-        o_ref, l_ref = attention(q[r:r + 1].expand(B, -1, -1, -1), rep(k), rep(v), mask=mask, score_mod=mod,
-                                 q_offset=q_off, kv_offset=start, return_lse=True, backend="reference")
+        o_ref, l_ref = attention(
+            q[r : r + 1].expand(B, -1, -1, -1),
+            rep(k),
+            rep(v),
+            mask=mask,
+            score_mod=mod,
+            q_offset=q_off,
+            kv_offset=start,
+            return_lse=True,
+            backend="reference",
+        )
         torch.testing.assert_close(out[r], o_ref[r], **F64_FLOOR)
         torch.testing.assert_close(lse[r], l_ref[r], **F64_FLOOR)
 
@@ -112,7 +126,7 @@ def test_attend_of_equal_length_rows_equals_one_batched_call():
     write(c, [b], 2, seed=2)
     d, _ = c.add_sequence()
     write(c, [d], 9, seed=3)
-    kv = write(c, [b, d], 3, seed=4)          # both hold 12 tokens: one q_offset for the batch
+    kv = write(c, [b, d], 3, seed=4)  # both hold 12 tokens: one q_offset for the batch
     q = rand(2, 4, 3, 8, seed=5)
     keep = torch.rand(2, 12, generator=torch.Generator().manual_seed(0)) > 0.4
     mask = masks.causal() & masks.key_padding(keep)
@@ -129,7 +143,7 @@ def test_pieces_are_views_of_the_pool_one_per_run_of_adjacent_blocks(monkeypatch
     pool_ptr = c.k_pool[0].untyped_storage().data_ptr()
     for r, s in enumerate(seqs):
         table = c.block_table(s)
-        runs = 1 + sum(1 for x, y in zip(table, table[1:]) if y != x + 1)
+        runs = 1 + sum(1 for x, y in itertools.pairwise(table) if y != x + 1)
         pieces = kv.pieces(r)
         assert len(pieces) == runs
         assert sum(p[0].shape[2] for p in pieces) == c.seq_len(s)
@@ -149,8 +163,9 @@ def test_pieces_are_views_of_the_pool_one_per_run_of_adjacent_blocks(monkeypatch
     assert len(calls) == len(seqs) and all(m is None for _, m in calls)
     calls.clear()
     kv.attend(q, mask=masks.sliding_window(3))
-    visible = [p[2] for r in range(len(seqs)) for p in kv.pieces(r)
-               if p[2] + p[0].shape[2] > kv.q_offsets[r] - 2]  # pieces holding one of keys q-2 .. q
+    visible = [
+        p[2] for r in range(len(seqs)) for p in kv.pieces(r) if p[2] + p[0].shape[2] > kv.q_offsets[r] - 2
+    ]  # pieces holding one of keys q-2 .. q
     assert sorted(o for offs, _ in calls for o in offs) == sorted(visible)
 
     # a fresh sequence written in one go is one run: one piece
@@ -181,10 +196,10 @@ def test_ragged_batched_decode_equals_recomputation(positions, n_kv_heads):
         # prefill in chunks (n > 1 over a non-empty cache: causal within the chunk)
         seqs = [c.add_sequence()[0] for _ in prompts]
         last = []
-        for s, p in zip(seqs, prompts):
+        for s, p in zip(seqs, prompts, strict=True):
             c.select([s])
             for i in range(0, len(p), 4):
-                logits = m(torch.tensor([p[i:i + 4]]), cache=c).logits[0, -1]
+                logits = m(torch.tensor([p[i : i + 4]]), cache=c).logits[0, -1]
             last.append(logits)
             torch.testing.assert_close(logits, recompute(m, p), **TOL)
         logits = torch.stack(last)
@@ -192,7 +207,7 @@ def test_ragged_batched_decode_equals_recomputation(positions, n_kv_heads):
         toks = [list(p) for p in prompts]
         for _ in range(6):
             nxt = logits.argmax(-1)
-            for t, x in zip(toks, nxt.tolist()):
+            for t, x in zip(toks, nxt.tolist(), strict=True):
                 t.append(x)
             logits = m(nxt[:, None], cache=c).logits[:, -1]
             for r, t in enumerate(toks):
@@ -209,19 +224,19 @@ def test_forked_sequences_share_blocks_copy_on_write_and_equal_recomputation():
         root = c.selection[0]
         forks = [root] + [c.fork(root) for _ in range(3)]
         full, partial = c.block_table(root)[:2], c.block_table(root)[2]
-        assert all(c.allocator.refcount[b] == 4 for b in full + [partial])
-        toks = [prompt + [t] for t in (1, 2, 3, int(logits.argmax()))]  # parallel samples diverge at once
+        assert all(c.allocator.refcount[b] == 4 for b in [*full, partial])
+        toks = [[*prompt, t] for t in (1, 2, 3, int(logits.argmax()))]  # parallel samples diverge at once
         c.select(forks)
         logits = m(torch.tensor([[t[-1]] for t in toks]), cache=c).logits[:, -1]
         tables = [c.block_table(s) for s in forks]
-        assert all(t[:2] == full for t in tables)                        # full blocks stay shared
+        assert all(t[:2] == full for t in tables)  # full blocks stay shared
         assert len({t[2] for t in tables}) == 4 and partial in {t[2] for t in tables}  # the last writer kept it
         assert c.allocator.refcount[full[0]] == 4 and c.allocator.refcount[partial] == 1
         for _ in range(4):
             for r, t in enumerate(toks):
                 torch.testing.assert_close(logits[r], recompute(m, t), **TOL)
             nxt = logits.argmax(-1)
-            for t, x in zip(toks, nxt.tolist()):
+            for t, x in zip(toks, nxt.tolist(), strict=True):
                 t.append(x)
             logits = m(nxt[:, None], cache=c).logits[:, -1]
         c.free(forks[0])
@@ -247,7 +262,7 @@ def test_prefix_shared_prompts_reuse_blocks_and_equal_recomputation():
         torch.testing.assert_close(logits2, recompute(m, p2), **TOL)
         # decode both together: a ragged batch over shared blocks
         c.select([s1, s2])
-        toks = [p1 + [5], p2 + [6]]
+        toks = [[*p1, 5], [*p2, 6]]
         logits = m(torch.tensor([[5], [6]]), cache=c).logits[:, -1]
         for r, t in enumerate(toks):
             torch.testing.assert_close(logits[r], recompute(m, t), **TOL)
@@ -266,8 +281,8 @@ def test_prefix_hash_covers_all_previous_tokens_and_leaves_the_last_token_to_com
     c = PagedCache(1, 16, 1, 2, block_size=2)
     a, _ = c.add_sequence([1, 2, 3, 4, 5])
     write(c, [a], 5, seed=0)
-    assert c.add_sequence([9, 9, 3, 4, 5])[1] == 0         # same second block, other first block: no hit
-    assert c.add_sequence([1, 2, 3, 4, 5])[1] == 4         # the block holding the last token is computed
+    assert c.add_sequence([9, 9, 3, 4, 5])[1] == 0  # same second block, other first block: no hit
+    assert c.add_sequence([1, 2, 3, 4, 5])[1] == 4  # the block holding the last token is computed
     assert c.add_sequence([1, 2, 3, 4])[1] == 2
     assert c.add_sequence([1, 2, 3, 9, 9, 9])[1] == 2
     assert c.add_sequence([1])[1] == 0
@@ -279,14 +294,14 @@ def test_lru_prefix_blocks_are_evicted_when_allocation_needs_them():
     write(c, [a], 6, seed=0)
     b, _ = c.add_sequence([7, 8, 9])
     write(c, [b], 1, seed=1)
-    c.free(b)                         # unregistered: plain free
+    c.free(b)  # unregistered: plain free
     table = c.block_table(a)
-    c.free(a)                         # its 3 registered blocks go to the LRU, oldest first
+    c.free(a)  # its 3 registered blocks go to the LRU, oldest first
     assert c.allocator.n_free == 1 and c.allocator.cached_blocks() == table
     d, _ = c.add_sequence()
-    write(c, [d], 4, seed=2)         # needs 2 blocks: the free one, then the LRU's oldest (block of [1, 2])
+    write(c, [d], 4, seed=2)  # needs 2 blocks: the free one, then the LRU's oldest (block of [1, 2])
     assert c.allocator.n_cached == 2
-    assert c.add_sequence([1, 2, 3, 4, 5, 6, 0])[1] == 0   # the chain is broken at its first block
+    assert c.add_sequence([1, 2, 3, 4, 5, 6, 0])[1] == 0  # the chain is broken at its first block
     assert c.evict_cached() == 2 and c.allocator.n_cached == 0
 
 
@@ -300,16 +315,23 @@ def test_cache_full_raises_before_writing_anything():
         b2 = c.fork(b)
 
         def state():
-            return ([t.clone() for t in c.k_pool + c.v_pool], list(c.allocator.refcount),
-                    [c.block_table(s) for s in (a, b, b2)], [c.seq_len(s) for s in (a, b, b2)])
+            return (
+                [t.clone() for t in c.k_pool + c.v_pool],
+                list(c.allocator.refcount),
+                [c.block_table(s) for s in (a, b, b2)],
+                [c.seq_len(s) for s in (a, b, b2)],
+            )
 
         before = state()
         c.select([a, b, b2])  # a needs a new block; b and b2 share a partial block: one copies
-        with pytest.raises(CacheFullError, match=r"needs 2 block\(s\) \(1 new, 1 copy-on-write\) but 1 of 5 are "
-                                                 r"available \(1 free, 0 cached prefix blocks\)"):
+        with pytest.raises(
+            CacheFullError,
+            match=r"needs 2 block\(s\) \(1 new, 1 copy-on-write\) but 1 of 5 are "
+            r"available \(1 free, 0 cached prefix blocks\)",
+        ):
             m(torch.tensor([[1], [2], [3]]), cache=c)
         after = state()
-        assert all(torch.equal(x, y) for x, y in zip(before[0], after[0])) and before[1:] == after[1:]
+        assert all(torch.equal(x, y) for x, y in zip(before[0], after[0], strict=True)) and before[1:] == after[1:]
         with pytest.raises(CacheFullError):
             c.select([a]).reserve(7)  # 8 + 7 tokens need 2 more blocks
         assert state()[1:] == before[1:]
@@ -318,16 +340,16 @@ def test_cache_full_raises_before_writing_anything():
         c.select([a, b])
         out = m(logits.argmax(-1)[:, None], cache=c).logits[:, -1]
         for r, p in enumerate((p1, p2)):
-            torch.testing.assert_close(out[r], recompute(m, p + [int(logits[r].argmax())]), **TOL)
+            torch.testing.assert_close(out[r], recompute(m, [*p, int(logits[r].argmax())]), **TOL)
         assert c.allocator.n_available == 0
 
 
 def test_copy_on_write_counts_exactly_when_the_last_holder_writes_in_place():
     c = PagedCache(1, 3, 1, 2, block_size=4)
     a, _ = c.add_sequence()
-    write(c, [a], 6, seed=0)          # blocks 0, 1 (1 holds 2 tokens)
+    write(c, [a], 6, seed=0)  # blocks 0, 1 (1 holds 2 tokens)
     b = c.fork(a)
-    write(c, [a, b], 1, seed=1)       # one copy (the other writer keeps block 1): fits in the 1 free block
+    write(c, [a, b], 1, seed=1)  # one copy (the other writer keeps block 1): fits in the 1 free block
     assert c.allocator.n_free == 0 and sorted([c.block_table(a)[1], c.block_table(b)[1]]) == [1, 2]
 
 
@@ -337,15 +359,15 @@ def test_registered_prefix_blocks_are_immutable():
 
     c = PagedCache(1, 2, 1, 1, block_size=2, dtype=torch.float64)
     a, _ = c.add_sequence([1, 2, 3, 4])
-    c.select([a]).update(0, torch.tensor([1., 2, 3, 4]).view(1, 1, 4, 1).double(), torch.zeros(1, 1, 4, 1).double())
-    c.truncate(a, 3)                   # into block 1, which names the prefix [1, 2, 3, 4]
+    c.select([a]).update(0, torch.tensor([1.0, 2, 3, 4]).view(1, 1, 4, 1).double(), torch.zeros(1, 1, 4, 1).double())
+    c.truncate(a, 3)  # into block 1, which names the prefix [1, 2, 3, 4]
     x = torch.full((1, 1, 1, 1), 9.0, dtype=torch.float64)
     with pytest.raises(CacheFullError, match=r"1 copy-on-write.*Nothing was written"):
-        c.update(0, x, x)              # writing needs a copy of block 1, and the pool is full
+        c.update(0, x, x)  # writing needs a copy of block 1, and the pool is full
     assert tok(c, a) == [1, 2, 3]
     c = PagedCache(1, 3, 1, 1, block_size=2, dtype=torch.float64)
     a, _ = c.add_sequence([1, 2, 3, 4])
-    c.select([a]).update(0, torch.tensor([1., 2, 3, 4]).view(1, 1, 4, 1).double(), torch.zeros(1, 1, 4, 1).double())
+    c.select([a]).update(0, torch.tensor([1.0, 2, 3, 4]).view(1, 1, 4, 1).double(), torch.zeros(1, 1, 4, 1).double())
     c.truncate(a, 3)
     c.update(0, x, x)
     assert tok(c, a) == [1, 2, 3, 9] and c.block_table(a) == [0, 2] and c.allocator.cached_blocks() == [1]
@@ -363,7 +385,7 @@ def test_attention_mask_with_equal_length_rows_and_need_weights():
         out = m(ids, attention_mask=keep, cache=c, output_attentions=True)
         ref = m(ids, attention_mask=keep, output_attentions=True)
         torch.testing.assert_close(out.logits[keep], ref.logits[keep], **TOL)
-        for w, wr in zip(out.attentions, ref.attentions):
+        for w, wr in zip(out.attentions, ref.attentions, strict=True):
             torch.testing.assert_close(w, wr, rtol=0, atol=1e-6)
         keep2 = torch.cat([keep, torch.ones(2, 1, dtype=torch.bool)], 1)
         ids2 = torch.cat([ids, torch.tensor([[8], [9]])], 1)
@@ -382,7 +404,7 @@ def test_evict_oldest_blocks_keeps_positions_and_attends_what_is_held():
     c = PagedCache(1, 8, 2, 4, block_size=2, dtype=torch.float64)
     a, _ = c.add_sequence()
     write(c, [a], 7, seed=0)
-    k_all, v_all, _ = c.sequence_kv(a, 0)
+    k_all, _v_all, _ = c.sequence_kv(a, 0)
     c.evict(a, 2)
     assert c.seq_len(a) == 7 and c.length.tolist() == [3] and c.allocator.n_free == 6
     kv = write(c, [a], 1, seed=1)
@@ -402,17 +424,17 @@ def test_truncate_rolls_back_draft_tokens_and_recovers_a_failed_forward():
     with torch.no_grad():
         c.prefill(m, [p])
         s = c.selection[0]
-        m(torch.tensor([[6, 5, 3]]), cache=c)     # three draft tokens
-        c.truncate(s, 8)                           # keep one
+        m(torch.tensor([[6, 5, 3]]), cache=c)  # three draft tokens
+        c.truncate(s, 8)  # keep one
         out = m(torch.tensor([[7]]), cache=c).logits[0, -1]
-        torch.testing.assert_close(out, recompute(m, p + [6, 7]), **TOL)
+        torch.testing.assert_close(out, recompute(m, [*p, 6, 7]), **TOL)
         # a forward that fails between layers leaves the layers out of step
         c.update(0, *[torch.zeros(1, 2, 1, 4)] * 2)
         with pytest.raises(ValueError, match=r"half way through a forward.*truncate\(0, 9\)"):
             m(torch.tensor([[1]]), cache=c)
         c.truncate(s, c.seq_len(s))
         out = m(torch.tensor([[1]]), cache=c).logits[0, -1]
-        torch.testing.assert_close(out, recompute(m, p + [6, 7, 1]), **TOL)
+        torch.testing.assert_close(out, recompute(m, [*p, 6, 7, 1]), **TOL)
 
 
 def test_waste_of_a_realistic_batch_is_below_one_block_per_sequence():
@@ -420,12 +442,12 @@ def test_waste_of_a_realistic_batch_is_below_one_block_per_sequence():
     lengths = [rng.randint(50, 500) for _ in range(16)]
     c = PagedCache(1, sum(-(-n // 16) for n in lengths) + 16, 1, 1, block_size=16)
     seqs = [c.add_sequence()[0] for _ in lengths]
-    for s, n in zip(seqs, lengths):
+    for s, n in zip(seqs, lengths, strict=True):
         c.select([s]).update(0, torch.zeros(1, 1, n, 1), torch.zeros(1, 1, n, 1))
     c.select(seqs).update(0, torch.zeros(16, 1, 1, 1), torch.zeros(16, 1, 1, 1))  # one decode step
     st = c.stats()
     expected = [-(n + 1) % 16 for n in lengths]
-    assert st["waste_per_sequence"] == dict(zip(seqs, expected)) and st["waste"] == sum(expected)
+    assert st["waste_per_sequence"] == dict(zip(seqs, expected, strict=True)) and st["waste"] == sum(expected)
     assert max(expected) < 16  # less than one block per sequence
     assert st["allocated_slots"] - st["used_slots"] == st["waste"] and st["tokens_held"] == sum(lengths) + 16
     assert c.nbytes() == 2 * c.n_blocks * 16 * 4 and st["bytes_per_block"] == 2 * 16 * 4

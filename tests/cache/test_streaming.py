@@ -7,14 +7,19 @@ import torch
 
 import attnlab
 from attnlab import masks
-from attnlab.cache import DynamicCache, H2OCache, StreamingCache
+from attnlab.cache import H2OCache, StreamingCache
 from attnlab.nn import Decoder, DecoderConfig
 
 
 def decoder(positions, n_layers=2, seed=0):
     torch.manual_seed(seed)
-    m = Decoder(DecoderConfig(vocab_size=41, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2,
-                              positions=positions)).double().eval()
+    m = (
+        Decoder(
+            DecoderConfig(vocab_size=41, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, positions=positions)
+        )
+        .double()
+        .eval()
+    )
     with torch.no_grad():
         for p in m.parameters():
             if p.dim() == 2:
@@ -29,7 +34,6 @@ def test_without_positions_streaming_equals_the_sink_window_mask(first_chunk):
     m = decoder("none")
     S, W, N = 2, 5, 24
     ids = torch.randint(0, 41, (2, N), generator=torch.Generator().manual_seed(1))
-    h = None
 
     def full_forward():
         x = m.embed(ids)
@@ -40,7 +44,7 @@ def test_without_positions_streaming_equals_the_sink_window_mask(first_chunk):
     want = full_forward()
     c = StreamingCache.for_model(m, sinks=S, window=W)
     outs = [m(ids[:, :first_chunk], cache=c).logits]
-    outs += [m(ids[:, t:t + 1], cache=c).logits for t in range(first_chunk, N)]
+    outs += [m(ids[:, t : t + 1], cache=c).logits for t in range(first_chunk, N)]
     torch.testing.assert_close(torch.cat(outs, 1), want, rtol=0, atol=1e-10)
     assert c.length == S + W and c.seen == N
 
@@ -53,7 +57,7 @@ def test_rope_positions_are_slots_in_the_cache():
     ids = torch.randint(0, 41, (1, N), generator=torch.Generator().manual_seed(2))
     c = StreamingCache.for_model(m, sinks=S, window=W)
     for t in range(N):
-        got = m(ids[:, t:t + 1], cache=c).logits[:, -1]
+        got = m(ids[:, t : t + 1], cache=c).logits[:, -1]
         kept = list(range(min(S, t + 1))) + list(range(max(S, t - W), t + 1))
         want = m(ids[:, kept]).logits[:, -1]
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
@@ -74,6 +78,7 @@ def test_memory_stays_bounded_over_20000_tokens():
 
 def test_generate_feeds_a_long_prompt_in_pieces_and_matches_token_by_token():
     from attnlab.generate import generate
+
     m = decoder("rope")
     prompt = torch.randint(0, 41, (17,), generator=torch.Generator().manual_seed(5)).tolist()
     c = StreamingCache.for_model(m, sinks=2, window=6)
@@ -87,7 +92,7 @@ def test_generate_feeds_a_long_prompt_in_pieces_and_matches_token_by_token():
 def test_streaming_errors():
     with pytest.raises(ValueError, match="window must be an int >= 1"):
         StreamingCache(1, 2, 0)
-    with pytest.raises(TypeError, match="rope must be a positions.RoPE"):
+    with pytest.raises(TypeError, match=r"rope must be a positions.RoPE"):
         StreamingCache(1, 2, 3, rope=object())
 
 
@@ -97,7 +102,7 @@ def test_h2o_with_room_for_everything_equals_full_attention():
     ids = torch.randint(0, 41, (2, 12), generator=torch.Generator().manual_seed(3))
     want = m(ids).logits
     c = H2OCache(n_layers=2, budget=64, recent=4)
-    got = torch.cat([m(ids[:, :5], cache=c).logits] + [m(ids[:, t:t + 1], cache=c).logits for t in range(5, 12)], 1)
+    got = torch.cat([m(ids[:, :5], cache=c).logits] + [m(ids[:, t : t + 1], cache=c).logits for t in range(5, 12)], 1)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
 
 
@@ -119,7 +124,7 @@ def test_h2o_keeps_heavy_hitters_and_the_recent_window_within_budget():
     D = 8
     c = H2OCache(n_layers=1, budget=4, recent=2)
     heavy = torch.zeros(1, 1, 1, D)
-    heavy[..., 0] = 10.0   # a key every query aligns with
+    heavy[..., 0] = 10.0  # a key every query aligns with
     q = torch.zeros(1, 1, 1, D)
     q[..., 0] = 1.0
     for t in range(12):

@@ -20,16 +20,42 @@ import time
 import torch
 
 import attnlab
-from attnlab import masks, scores
 import attnlab.distributed as D
+from attnlab import masks, scores
 
 DT = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16}
 
 
-def case(name, method="ring", layout="contiguous", N=37, mask="causal", B=1, H=4, Hkv=2, Dh=16, Dv=None,
-         dtype="f32", mod=None, seed=0):
-    return dict(name=name, method=method, layout=layout, N=N, mask=mask, B=B, H=H, Hkv=Hkv, D=Dh,
-                Dv=Dh if Dv is None else Dv, dtype=dtype, mod=mod, seed=seed)
+def case(
+    name,
+    method="ring",
+    layout="contiguous",
+    N=37,
+    mask="causal",
+    B=1,
+    H=4,
+    Hkv=2,
+    Dh=16,
+    Dv=None,
+    dtype="f32",
+    mod=None,
+    seed=0,
+):
+    return dict(
+        name=name,
+        method=method,
+        layout=layout,
+        N=N,
+        mask=mask,
+        B=B,
+        H=H,
+        Hkv=Hkv,
+        D=Dh,
+        Dv=Dh if Dv is None else Dv,
+        dtype=dtype,
+        mod=mod,
+        seed=seed,
+    )
 
 
 def case_id(c) -> str:
@@ -102,8 +128,15 @@ def reference(c, dtype=None):
     q, k, v = (x.to(dt).requires_grad_() for x in (q, k, v))
     p = mod_param(c)
     p = None if p is None else p.to(pdt).requires_grad_()
-    out, lse = attnlab.attention(q, k, v, mask=build_mask(c["mask"], c["N"], c["B"]), score_mod=build_mod(c, p),
-                                 return_lse=True, backend="reference")
+    out, lse = attnlab.attention(
+        q,
+        k,
+        v,
+        mask=build_mask(c["mask"], c["N"], c["B"]),
+        score_mod=build_mod(c, p),
+        return_lse=True,
+        backend="reference",
+    )
     loss_of(out, lse, w, cw).backward()
     res = {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     if p is not None:
@@ -124,11 +157,27 @@ def run_one(c, rank, world):
     p = None if p is None else p.to(torch.float64 if c["dtype"] == "f64" else torch.float32).requires_grad_()
     fn = D.ring_attention if c["method"] == "ring" else D.ulysses_attention
     with D.profile() as prof:
-        out, lse = fn(qs, ks, vs, mask=build_mask(c["mask"], c["N"], c["B"]), score_mod=build_mod(c, p),
-                      layout=lay, seq_len=c["N"], return_lse=True, timeout=30)
+        out, lse = fn(
+            qs,
+            ks,
+            vs,
+            mask=build_mask(c["mask"], c["N"], c["B"]),
+            score_mod=build_mod(c, p),
+            layout=lay,
+            seq_len=c["N"],
+            return_lse=True,
+            timeout=30,
+        )
         loss_of(out, lse, ws, cs).backward()
-    res = {"out": out.detach(), "lse": lse.detach(), "dq": qs.grad, "dk": ks.grad, "dv": vs.grad,
-           "fwd": prof.summary("ring fwd"), "bwd": prof.summary("ring bwd")}
+    res = {
+        "out": out.detach(),
+        "lse": lse.detach(),
+        "dq": qs.grad,
+        "dk": ks.grad,
+        "dv": vs.grad,
+        "fwd": prof.summary("ring fwd"),
+        "bwd": prof.summary("ring bwd"),
+    }
     if p is not None:
         res["dparam"] = p.grad
     return res
@@ -157,8 +206,12 @@ def _gather(rank, world):
     xs = D.shard_sequence(x, dim=1, layout="zigzag", rank=rank, world_size=world).requires_grad_()
     full = D.gather_sequence(xs, dim=1, seq_len=N, layout="zigzag", timeout=30)
     (full * w).sum().backward()
-    return {"full": full.detach(), "x": x, "grad": xs.grad,
-            "want_grad": world * D.shard_sequence(w, dim=1, layout="zigzag", rank=rank, world_size=world)}
+    return {
+        "full": full.detach(),
+        "x": x,
+        "grad": xs.grad,
+        "want_grad": world * D.shard_sequence(w, dim=1, layout="zigzag", rank=rank, world_size=world),
+    }
 
 
 def _mismatch(rank, world):
@@ -247,7 +300,10 @@ def mha_group(rank, world, configs):
         xs = D.shard_sequence(x, dim=1, layout=layout).requires_grad_()
         y = mha(xs, mask=masks.causal())
         (y * D.shard_sequence(gy, dim=1, layout=layout)).sum().backward()
-        res[f"{method}-{layout}"] = {"y": y.detach(), "dx": xs.grad,
-                                     "dw": {n: p.grad.clone() for n, p in mha.named_parameters()}}
+        res[f"{method}-{layout}"] = {
+            "y": y.detach(),
+            "dx": xs.grad,
+            "dw": {n: p.grad.clone() for n, p in mha.named_parameters()},
+        }
         D.enable_context_parallel(mha, None)
     return res

@@ -7,14 +7,10 @@ what is left and raises), so nothing here can hang.
 
 from __future__ import annotations
 
-
 import pytest
-import torch
 
-
-from tests.helpers import check_rule as rule  # noqa: E402
-
-import attnlab.distributed as D  # noqa: E402
+import attnlab.distributed as D
+from tests.helpers import check_rule as rule
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -40,8 +36,10 @@ def unshard_results(results: list, name: str, c: dict) -> dict:
     per = [r[name] for r in results]
     for r, x in enumerate(per):
         assert "error" not in x, f"rank {r}: {x['error']}"
-    out = {key: D.unshard_sequence([x[key] for x in per], dim=2, seq_len=c["N"], layout=c["layout"])
-           for key in ("out", "lse", "dq", "dk", "dv")}
+    out = {
+        key: D.unshard_sequence([x[key] for x in per], dim=2, seq_len=c["N"], layout=c["layout"])
+        for key in ("out", "lse", "dq", "dk", "dv")
+    }
     if "dparam" in per[0]:
         out["dparam"] = sum(x["dparam"] for x in per)
     return out

@@ -35,9 +35,11 @@ def _single(dtype):
 def test_module_context_parallel_equals_single_process(group, method, layout):
     key = f"{method}-{layout}"
     N = 37
-    got = {"y": D.unshard_sequence([g[key]["y"] for g in group], dim=1, seq_len=N, layout=layout),
-           "dx": D.unshard_sequence([g[key]["dx"] for g in group], dim=1, seq_len=N, layout=layout),
-           "dw": {n: sum(g[key]["dw"][n] for g in group) for n in group[0][key]["dw"]}}
+    got = {
+        "y": D.unshard_sequence([g[key]["y"] for g in group], dim=1, seq_len=N, layout=layout),
+        "dx": D.unshard_sequence([g[key]["dx"] for g in group], dim=1, seq_len=N, layout=layout),
+        "dw": {n: sum(g[key]["dw"][n] for g in group) for n in group[0][key]["dw"]},
+    }
     ref, oracle = _single(torch.float32), _single(torch.float64)
     assert_close_rule(got["y"], ref["y"], oracle["y"], torch.float32, 2.0, f"{key} y")
     assert_close_rule(got["dx"], ref["dx"], oracle["dx"], torch.float32, 3.0, f"{key} dx")

@@ -14,7 +14,7 @@ import torch
 import attnlab.distributed as D
 from tests.distributed._cases import DT, case, case_id, reference, run_cases
 from tests.distributed.conftest import check_rule, unshard_results
-from tests.helpers import F64_FLOOR  # noqa: E402
+from tests.helpers import F64_FLOOR
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 MASKS = ("full", "causal", "window7", "doc_causal", "doc")

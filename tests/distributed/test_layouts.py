@@ -22,9 +22,13 @@ def _masks(N, B=1):
     keep = torch.ones(B, N, dtype=torch.bool)
     keep[:, :3] = False
     return {
-        "none": None, "causal": masks.causal(), "window5": masks.sliding_window(5),
-        "doc": masks.document(ids), "doc_causal": masks.document(ids) & masks.causal(),
-        "prefix": masks.prefix_lm(N // 4), "keypad": masks.key_padding(keep) & masks.causal(),
+        "none": None,
+        "causal": masks.causal(),
+        "window5": masks.sliding_window(5),
+        "doc": masks.document(ids),
+        "doc_causal": masks.document(ids) & masks.causal(),
+        "prefix": masks.prefix_lm(N // 4),
+        "keypad": masks.key_padding(keep) & masks.causal(),
         "custom": masks.custom(lambda b, h, q, kv: (q - kv) % 3 == 0),
         "not_window": masks.causal() & ~masks.sliding_window(4),
     }
@@ -54,8 +58,15 @@ def test_shard_then_unshard_is_the_identity(layout, N, P):
         assert torch.equal(p[:, :, pos >= N], torch.zeros_like(p[:, :, pos >= N]))
         assert torch.equal(p[:, :, pos < N], x[:, :, pos[pos < N]])
     ids = torch.arange(N).view(1, N)  # integer tensors and dim=-1 / dim=1
-    assert torch.equal(D.unshard_sequence([D.shard_sequence(ids, dim=-1, layout=layout, rank=r, world_size=P)
-                                           for r in range(P)], dim=1, seq_len=N, layout=layout), ids)
+    assert torch.equal(
+        D.unshard_sequence(
+            [D.shard_sequence(ids, dim=-1, layout=layout, rank=r, world_size=P) for r in range(P)],
+            dim=1,
+            seq_len=N,
+            layout=layout,
+        ),
+        ids,
+    )
 
 
 def test_layout_examples():
@@ -93,7 +104,8 @@ def test_causal_work_balance_by_layout(P):
     assert D.balance(striped) < 1 + 2 * P / N
     # the closed form agrees with evaluating the mask
     assert D.work_per_rank(37, 3, "zigzag", masks.causal()) == D.work_per_rank(
-        37, 3, "zigzag", masks.custom(lambda b, h, q, kv: kv <= q))  # evaluated: no structure
+        37, 3, "zigzag", masks.custom(lambda b, h, q, kv: kv <= q)
+    )  # evaluated: no structure
 
 
 # ------------------------------------------------------------------------ shard masks
@@ -108,8 +120,12 @@ def _truth_need(mask, pos, N, B=1, H=2):
             if mask is None:
                 out[r][s] = True
                 continue
-            m = mask(torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1), qp.view(1, 1, -1, 1),
-                     kp.view(1, 1, 1, -1))
+            m = mask(
+                torch.arange(B).view(B, 1, 1, 1),
+                torch.arange(H).view(1, H, 1, 1),
+                qp.view(1, 1, -1, 1),
+                kp.view(1, 1, 1, -1),
+            )
             out[r][s] = bool(m.any())
     return out
 
@@ -142,7 +158,9 @@ def test_shard_mask_predicate_and_tiles_agree_with_global_positions(layout, name
             got = mask_dense(sm, B, H, C, C, 0, 0)
             want = (qp.view(-1, 1) < N) & (kp.view(1, -1) < N)
             if mask is not None:
-                want = want & mask_dense(mask, B, H, N, N, 0, 0)[:, :, qp.clamp(max=N - 1)][:, :, :, kp.clamp(max=N - 1)]
+                want = (
+                    want & mask_dense(mask, B, H, N, N, 0, 0)[:, :, qp.clamp(max=N - 1)][:, :, :, kp.clamp(max=N - 1)]
+                )
             assert torch.equal(got, want.expand_as(got))
             for bq, bk in ((4, 4), (5, 3), (16, 16)):
                 st = sm.block_mask(B, H, C, C, q_offset=0, kv_offset=0, block=(bq, bk)).states
@@ -159,8 +177,10 @@ def test_head_view_shifts_heads_for_predicate_and_classifier():
     want = mask_dense(m, 1, 4, 8, 8, 0, 0)[:, 2:4]
     assert torch.equal(got, want)
     cw = HeadView(masks.causal(), 1, 1, 2)
-    assert torch.equal(cw.block_mask(1, 1, 8, 8, block=(4, 4)).states.flatten(),
-                       masks.causal().block_mask(1, 1, 8, 8, block=(4, 4)).states.flatten())
+    assert torch.equal(
+        cw.block_mask(1, 1, 8, 8, block=(4, 4)).states.flatten(),
+        masks.causal().block_mask(1, 1, 8, 8, block=(4, 4)).states.flatten(),
+    )
 
 
 # ------------------------------------------------------------------------- the schedule
@@ -274,7 +294,7 @@ def test_call_arguments_are_checked_before_any_message():
         check_call("op", q, k, v, **{**kw, "mask": masks.causal().block_mask(1, 4, 16, 16)})
     with pytest.raises(ValueError, match="document"):  # ids shorter than the whole sequence
         check_call("op", q, k, v, **{**kw, "mask": masks.document(torch.zeros(10, dtype=torch.long))})
-    with pytest.raises(ValueError, match="H=4 must be a multiple|multiple of kv heads"):
+    with pytest.raises(ValueError, match=r"H=4 must be a multiple|multiple of kv heads"):
         check_call("op", q, torch.zeros(1, 3, 8, 16), torch.zeros(1, 3, 8, 16), **kw)
     with pytest.raises(TypeError, match="return_lse"):
         check_call("op", q, k, v, **{**kw, "return_lse": 1})

@@ -41,7 +41,7 @@ def _ring_in_process(q, k, v, mask, mod, layout):
     pos = [shard_positions(N, P, r, layout) for r in range(P)]
     dq = torch.zeros_like(q)
     dparams = [torch.zeros_like(p) for p in params]
-    scale = D ** -0.5
+    scale = D**-0.5
     for r in range(P):
         qr = q[:, :, pos[r]]
         views = [(ShardMask(mask, pos[r], pos[s], N), ShardScoreMod(mod, pos[r], pos[s], N)) for s in range(P)]
@@ -53,10 +53,21 @@ def _ring_in_process(q, k, v, mask, mod, layout):
         dout = torch.ones_like(o)
         for s in range(P):
             m, sm = views[s]
-            dq_s, _, _, dp = tile_backward(qr, k[:, :, pos[s]], v[:, :, pos[s]], o.to(q.dtype), l, dout, None,
-                                           mask=m, score_mod=sm, scale=scale, params=params)
+            dq_s, _, _, dp = tile_backward(
+                qr,
+                k[:, :, pos[s]],
+                v[:, :, pos[s]],
+                o.to(q.dtype),
+                l,
+                dout,
+                None,
+                mask=m,
+                score_mod=sm,
+                scale=scale,
+                params=params,
+            )
             dq[:, :, pos[r]] += dq_s
-            for acc, g in zip(dparams, dp):
+            for acc, g in zip(dparams, dp, strict=True):
                 acc += g
     return params, dparams, dq
 
@@ -67,7 +78,7 @@ def test_a_closure_captured_bias_gets_the_gradient_attention_gives_it(layout):
     mask = masks.causal()
     params, dparams, dq = _ring_in_process(q, k, v, mask, mod, layout)
     assert any(p is bias for p in params), "the captured bias is not routed to the tiled backward"
-    got = dparams[[i for i, p in enumerate(params) if p is bias][0]]
+    got = dparams[next(i for i, p in enumerate(params) if p is bias)]
 
     def grad_via(backend):
         qq = q.clone().requires_grad_()
@@ -88,5 +99,5 @@ def test_shard_views_list_declared_and_captured_tensors():
     assert [p is bias for p in ShardScoreMod(mod, pos, pos, N).parameters()] == [True]
     both = scores.compose(scores.alibi(slopes), scores.custom(mod))
     got = mod_params(both, dtype=torch.float64)
-    assert got[0] is slopes and any(p is bias for p in got)   # declared first, then captured, each once
+    assert got[0] is slopes and any(p is bias for p in got)  # declared first, then captured, each once
     assert len(got) == 2

@@ -8,7 +8,7 @@ import torch
 
 from attnlab import cache as C
 from attnlab.cache import DynamicCache, H2OCache, PagedCache, StaticCache, StreamingCache
-from tests.helpers import EXACT  # noqa: E402
+from tests.helpers import EXACT
 
 # looked up so that, run against code without it, each test fails on its own instead of the module
 StaleViewError = getattr(C, "StaleViewError", type("NoStaleViewError", (Exception,), {}))
@@ -24,9 +24,11 @@ def kv(n, dtype=torch.float32, value=None, seed=0, B=1, H=2, D=4):
 
 
 # ----------------------------------------------------------------------------- lossy writes
-@pytest.mark.parametrize("src, value", [(torch.float64, 1.0), (torch.float32, 1e6), (torch.float64, 1e300),
-                                        (torch.bfloat16, 1.0)],
-                         ids=["float64", "float32 1e6", "float64 1e300", "bfloat16"])
+@pytest.mark.parametrize(
+    "src, value",
+    [(torch.float64, 1.0), (torch.float32, 1e6), (torch.float64, 1e300), (torch.bfloat16, 1.0)],
+    ids=["float64", "float32 1e6", "float64 1e300", "bfloat16"],
+)
 def test_static_cache_refuses_a_lossy_write_and_writes_nothing(src, value):
     c = StaticCache(2, 1, 2, 4, capacity=8, dtype=torch.float16)
     c.update(0, *kv(2, torch.float16))
@@ -39,11 +41,15 @@ def test_static_cache_refuses_a_lossy_write_and_writes_nothing(src, value):
     assert bool(torch.isfinite(c.k[0]).all())
 
 
-@pytest.mark.parametrize("make", [
-    lambda: DynamicCache(1),
-    lambda: StreamingCache(1, sinks=1, window=8),
-    lambda: H2OCache(1, budget=8, recent=2),
-], ids=["dynamic", "streaming", "h2o"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: DynamicCache(1),
+        lambda: StreamingCache(1, sinks=1, window=8),
+        lambda: H2OCache(1, budget=8, recent=2),
+    ],
+    ids=["dynamic", "streaming", "h2o"],
+)
 def test_growing_caches_keep_the_dtype_of_their_first_write(make):
     # torch.cat would promote the whole cache to float64 (or round new keys to float16)
     for first, second in ((torch.float16, torch.float64), (torch.float32, torch.float16)):
@@ -57,14 +63,18 @@ def test_growing_caches_keep_the_dtype_of_their_first_write(make):
 def test_paged_cache_refuses_a_lossy_write():  # a regression test: PagedCache always refused
     c = PagedCache(1, 4, 2, 4, block_size=4, dtype=torch.float16)
     a, _ = c.add_sequence()
-    with pytest.raises(TypeError, match="layer 0.*torch.float32.*torch.float16"):
+    with pytest.raises(TypeError, match=r"layer 0.*torch.float32.*torch.float16"):
         c.select([a]).update(0, *kv(2, torch.float32, value=1e6))
 
 
-@pytest.mark.parametrize("make", [
-    lambda dt: StaticCache(1, 1, 2, 4, capacity=4, dtype=dt),
-    lambda dt: PagedCache(1, 4, 2, 4, block_size=4, dtype=dt),
-], ids=["static", "paged"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda dt: StaticCache(1, 1, 2, 4, capacity=4, dtype=dt),
+        lambda dt: PagedCache(1, 4, 2, 4, block_size=4, dtype=dt),
+    ],
+    ids=["static", "paged"],
+)
 def test_caches_hold_floating_dtypes_only(make):
     # an int64 buffer would truncate every key to an integer
     for dt in (torch.int64, torch.bool, "float16"):
@@ -121,7 +131,7 @@ def test_paged_view_stays_valid_while_its_blocks_are_held():
     torch.testing.assert_close(view.attend(q), want, **EXACT)
 
 
-@pytest.mark.parametrize("token", [2 ** 63, 10 ** 30])
+@pytest.mark.parametrize("token", [2**63, 10**30])
 def test_paged_prefix_tokens_beyond_int64_are_refused_up_front(token):
     # they are hashed as int64 once their block is full: array('q') raised a bare OverflowError
     c = PagedCache(1, 4, 2, 4, block_size=2)

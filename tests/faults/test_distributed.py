@@ -29,9 +29,8 @@ import time
 import pytest
 import torch
 
-
-import attnlab.distributed as D  # noqa: E402
-from attnlab import masks, scores  # noqa: E402
+import attnlab.distributed as D
+from attnlab import masks, scores
 
 T = 6.0  # seconds: the timeout of every call here (a death is noticed at once; this bounds a miss)
 BOUND = 25.0  # seconds a survivor may take to report (T plus slack for 16 processes on 2 busy cores)
@@ -81,14 +80,21 @@ PAIRS_PER_GROUP = 8  # 16 processes per spawned group: 2 groups in all
 # Where the survivor reports the death: the first step at or after the dying rank's at
 # which the survivor communicates (ring, P = 2, no skipped sends: it posts nothing at
 # forward step 1, so a death there is found at backward step 0).
-RING_STEP = {0: "forward step 0", 1: "backward step 0", 2: "backward step 0", 3: "backward step 1",
-             4: "backward step 2"}
-ULYSSES_WHAT = {0: "q/k/v all-to-all (sequence to heads, forward)",
-                1: "output all-to-all (heads to sequence, forward)",
-                2: "LSE all-to-all (heads to sequence, forward)",
-                3: "LSE all-to-all (heads to sequence, backward)",
-                4: "output all-to-all (heads to sequence, backward)",
-                5: "q/k/v all-to-all (sequence to heads, backward)"}
+RING_STEP = {
+    0: "forward step 0",
+    1: "backward step 0",
+    2: "backward step 0",
+    3: "backward step 1",
+    4: "backward step 2",
+}
+ULYSSES_WHAT = {
+    0: "q/k/v all-to-all (sequence to heads, forward)",
+    1: "output all-to-all (heads to sequence, forward)",
+    2: "LSE all-to-all (heads to sequence, forward)",
+    3: "LSE all-to-all (heads to sequence, backward)",
+    4: "output all-to-all (heads to sequence, backward)",
+    5: "q/k/v all-to-all (sequence to heads, backward)",
+}
 
 
 def _instrument(name, index, action):
@@ -125,7 +131,7 @@ def death_pairs(rank, world, cases, timeout):
 
     groups = [dist.new_group([2 * i, 2 * i + 1]) for i in range(len(cases))]
     i, grank = rank // 2, rank % 2
-    name, method, layout, fn_name, index, after = cases[i]
+    _name, method, layout, fn_name, index, after = cases[i]
     dies = grank == 1 - i % 2
     if dies:
         how = "kill" if i % 3 == 0 else "exit"
@@ -137,8 +143,7 @@ def death_pairs(rank, world, cases, timeout):
     fn = D.ring_attention if method == "ring" else D.ulysses_attention
     t0 = time.perf_counter()
     try:
-        out, lse = fn(q, k, v, group=groups[i], mask=mask, layout=layout, seq_len=N, return_lse=True,
-                      timeout=timeout)
+        out, lse = fn(q, k, v, group=groups[i], mask=mask, layout=layout, seq_len=N, return_lse=True, timeout=timeout)
         (out.sum() + lse.sum()).backward()
         return ("no error", "", time.perf_counter() - t0, grank)
     except Exception as e:  # noqa: BLE001 - the test inspects it
@@ -149,7 +154,7 @@ def death_pairs(rank, world, cases, timeout):
 def deaths():
     out = {}
     for g in range(0, len(DEATHS), PAIRS_PER_GROUP):
-        cases = DEATHS[g:g + PAIRS_PER_GROUP]
+        cases = DEATHS[g : g + PAIRS_PER_GROUP]
         # timeout: launching 16 ranks that each import torch; the bound under test is T/BOUND below
         res = D.run_local(_me().death_pairs, 2 * len(cases), cases, T, timeout=300, return_errors=True)
         for i, c in enumerate(cases):
@@ -166,8 +171,12 @@ def _check_survivor(res, name, step_text):
     assert took < BOUND, f"{name}: took {took:.1f} s"
     op = "ulysses_attention" if "ulysses" in name else "ring_attention"
     assert msg.startswith(f"{op}: rank {grank} "), f"{name}: {msg}"
-    named = (f"lost the connection to rank {dead} ", f"cannot reach rank {dead} ", f"and rank {dead} never answered",
-             f": rank {dead} did not answer")
+    named = (
+        f"lost the connection to rank {dead} ",
+        f"cannot reach rank {dead} ",
+        f"and rank {dead} never answered",
+        f": rank {dead} did not answer",
+    )
     assert any(x in msg for x in named), f"{name}: the dead peer is not named: {msg}"
     assert step_text in msg, f"{name}: expected {step_text!r} in: {msg}"
 
@@ -230,30 +239,69 @@ MISMATCHES = {
     "window": (dict(mask=masks.sliding_window(7)), dict(mask=masks.sliding_window(8)), "mask.w", ("7", "8")),
     "document-ids": (dict(mask=masks.document(_ids(0))), dict(mask=masks.document(_ids(1))), "mask.q_ids", ()),
     "prefix": (dict(mask=masks.prefix_lm(5)), dict(mask=masks.prefix_lm(6)), "mask.n", ("5", "6")),
-    "padding-lengths": (dict(mask=masks.padding([12])), dict(mask=masks.padding([13])), "mask.lengths",
-                        ("[12]", "[13]")),
-    "key-padding": (dict(mask=masks.key_padding(torch.arange(N).view(1, N) < 12)),
-                    dict(mask=masks.key_padding(torch.arange(N).view(1, N) < 11)), "mask.keep", ()),
+    "padding-lengths": (
+        dict(mask=masks.padding([12])),
+        dict(mask=masks.padding([13])),
+        "mask.lengths",
+        ("[12]", "[13]"),
+    ),
+    "key-padding": (
+        dict(mask=masks.key_padding(torch.arange(N).view(1, N) < 12)),
+        dict(mask=masks.key_padding(torch.arange(N).view(1, N) < 11)),
+        "mask.keep",
+        (),
+    ),
     "sinks": (dict(mask=masks.sink_window(2, 4)), dict(mask=masks.sink_window(1, 4)), "mask.sinks", ("2", "1")),
-    "and-vs-or": (dict(mask=masks.causal() & masks.sliding_window(4)),
-                  dict(mask=masks.causal() | masks.sliding_window(4)), "mask", ("causal & sliding_window",
-                                                                             "causal | sliding_window")),
-    "negation": (dict(mask=masks.causal() & ~masks.sliding_window(2)),
-                 dict(mask=masks.causal() & masks.sliding_window(2)), "mask.b", ("~sliding_window",)),
-    "combined-window": (dict(mask=masks.document(_ids(0)) & masks.sliding_window(3)),
-                        dict(mask=masks.document(_ids(0)) & masks.sliding_window(4)), "mask.b.w", ("3", "4")),
-    "custom-function": (dict(mask=masks.custom(_window_fn(3))), dict(mask=masks.custom(_other_fn)), "mask.fn",
-                        ("_window_fn", "_other_fn")),
-    "custom-closure": (dict(mask=masks.custom(_window_fn(3))), dict(mask=masks.custom(_window_fn(4))), "mask.fn.w",
-                       ("3", "4")),
+    "and-vs-or": (
+        dict(mask=masks.causal() & masks.sliding_window(4)),
+        dict(mask=masks.causal() | masks.sliding_window(4)),
+        "mask",
+        ("causal & sliding_window", "causal | sliding_window"),
+    ),
+    "negation": (
+        dict(mask=masks.causal() & ~masks.sliding_window(2)),
+        dict(mask=masks.causal() & masks.sliding_window(2)),
+        "mask.b",
+        ("~sliding_window",),
+    ),
+    "combined-window": (
+        dict(mask=masks.document(_ids(0)) & masks.sliding_window(3)),
+        dict(mask=masks.document(_ids(0)) & masks.sliding_window(4)),
+        "mask.b.w",
+        ("3", "4"),
+    ),
+    "custom-function": (
+        dict(mask=masks.custom(_window_fn(3))),
+        dict(mask=masks.custom(_other_fn)),
+        "mask.fn",
+        ("_window_fn", "_other_fn"),
+    ),
+    "custom-closure": (
+        dict(mask=masks.custom(_window_fn(3))),
+        dict(mask=masks.custom(_window_fn(4))),
+        "mask.fn.w",
+        ("3", "4"),
+    ),
     "mask-or-none": (dict(mask=masks.causal()), dict(mask=None), "mask", ("causal", "None")),
     "scale": (dict(scale=0.25), dict(scale=0.3), "scale", ("0.25", "0.3")),
-    "alibi-slopes": (dict(score_mod=scores.alibi(torch.tensor([0.5, 0.25]))),
-                     dict(score_mod=scores.alibi(torch.tensor([0.5, 0.125]))), "score_mod.slopes", ("0.25", "0.125")),
-    "softcap": (dict(score_mod=scores.softcap(20.0)), dict(score_mod=scores.softcap(30.0)), "score_mod.c",
-                ("20.0", "30.0")),
-    "relative-bias-table": (dict(score_mod=scores.relative_bias(torch.ones(H, 9))),
-                            dict(score_mod=scores.relative_bias(torch.ones(H, 9) * 2)), "score_mod.table", ()),
+    "alibi-slopes": (
+        dict(score_mod=scores.alibi(torch.tensor([0.5, 0.25]))),
+        dict(score_mod=scores.alibi(torch.tensor([0.5, 0.125]))),
+        "score_mod.slopes",
+        ("0.25", "0.125"),
+    ),
+    "softcap": (
+        dict(score_mod=scores.softcap(20.0)),
+        dict(score_mod=scores.softcap(30.0)),
+        "score_mod.c",
+        ("20.0", "30.0"),
+    ),
+    "relative-bias-table": (
+        dict(score_mod=scores.relative_bias(torch.ones(H, 9))),
+        dict(score_mod=scores.relative_bias(torch.ones(H, 9) * 2)),
+        "score_mod.table",
+        (),
+    ),
     "score-mod-or-none": (dict(score_mod=scores.softcap(20.0)), dict(), "score_mod", ("softcap", "None")),
     "dtype": (dict(dtype=torch.float32), dict(dtype=torch.float64), "q.dtype", ("float32", "float64")),
     "shape": (dict(d=8), dict(d=16), "q.shape", ("(1, 2, 8, 8)", "(1, 2, 8, 16)")),
@@ -262,10 +310,18 @@ MISMATCHES = {
     "ring-vs-ulysses": (dict(method="ring"), dict(method="ulysses"), "function", ("ring_attention",)),
     "return-lse": (dict(return_lse=True), dict(return_lse=False), "return_lse", ("True", "False")),
     "gradients": (dict(grad=True), dict(grad=False), "gradients", ("True", "False")),
-    "ulysses-backend": (dict(method="ulysses", backend="flash"), dict(method="ulysses", backend="reference"),
-                        "backend", ("'flash'", "'reference'")),
-    "ulysses-window": (dict(method="ulysses", mask=masks.sliding_window(3)),
-                       dict(method="ulysses", mask=masks.sliding_window(5)), "mask.w", ("3", "5")),
+    "ulysses-backend": (
+        dict(method="ulysses", backend="flash"),
+        dict(method="ulysses", backend="reference"),
+        "backend",
+        ("'flash'", "'reference'"),
+    ),
+    "ulysses-window": (
+        dict(method="ulysses", mask=masks.sliding_window(3)),
+        dict(method="ulysses", mask=masks.sliding_window(5)),
+        "mask.w",
+        ("3", "5"),
+    ),
     "an-argument-error-on-one-rank": (dict(), dict(bad_k=True), "error", ("none", "ValueError")),
 }
 
@@ -274,8 +330,10 @@ SAME = {
     "default-scale-equals-explicit": (dict(), dict(scale=_S)),
     "document-ids-built-apart": (dict(mask=masks.document(_ids(1))), dict(mask=masks.document(_ids(1).clone()))),
     "custom-closure-built-apart": (dict(mask=masks.custom(_window_fn(3))), dict(mask=masks.custom(_window_fn(3)))),
-    "alibi-built-apart": (dict(score_mod=scores.alibi(torch.tensor([0.5, 0.25]))),
-                          dict(score_mod=scores.alibi(torch.tensor([0.5, 0.25])))),
+    "alibi-built-apart": (
+        dict(score_mod=scores.alibi(torch.tensor([0.5, 0.25]))),
+        dict(score_mod=scores.alibi(torch.tensor([0.5, 0.25]))),
+    ),
 }
 
 
@@ -372,6 +430,7 @@ def _fp():
     q, k, v = _tensors(0, 2)
     m = masks.document(_ids(1)) & masks.custom(_window_fn(3)) | ~masks.padding([9])
     mod = scores.compose(scores.alibi(torch.tensor([0.5, 0.25])), scores.softcap(20.0))
-    f = F.call_fields("ring_attention", q, k, v, seq_len=N, layout="zigzag", mask=m, score_mod=mod, scale=0.3,
-                      return_lse=True)
+    f = F.call_fields(
+        "ring_attention", q, k, v, seq_len=N, layout="zigzag", mask=m, score_mod=mod, scale=0.3, return_lse=True
+    )
     return sum(F.digests(f)) % (1 << 61)

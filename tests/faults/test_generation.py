@@ -18,8 +18,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, note, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, given, note, settings, strategies as st
 
 from attnlab.generate import Sampling, generate
 from attnlab.nn import Decoder, DecoderConfig
@@ -27,9 +26,13 @@ from attnlab.speculative import speculative_generate
 
 V = 8  # a small vocabulary: repeated tokens, stop tokens and the padding id collide often
 
-SETTINGS = dict(deadline=None, derandomize=True, print_blob=True,
-                phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = dict(
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def _decoder(seed=0, n_layers=1, scale=3.0):
@@ -60,15 +63,29 @@ def _rows_alone_equal_batch(prompts, batch, alone_kw, **kw):
 
 
 @settings(max_examples=30, **SETTINGS)
-@given(prompts=prompts, cache=caches, rp=penalties, stop=stops, pad=st.integers(0, V - 1),
-       top_k=st.one_of(st.none(), st.integers(1, V + 1)), top_p=st.one_of(st.none(), st.floats(0.05, 1.0)),
-       n=st.integers(1, 5), as_tensor=st.booleans())
-def test_greedy_row_in_a_ragged_batch_equals_the_row_alone(prompts, cache, rp, stop, pad, top_k, top_p, n,
-                                                          as_tensor):
+@given(
+    prompts=prompts,
+    cache=caches,
+    rp=penalties,
+    stop=stops,
+    pad=st.integers(0, V - 1),
+    top_k=st.one_of(st.none(), st.integers(1, V + 1)),
+    top_p=st.one_of(st.none(), st.floats(0.05, 1.0)),
+    n=st.integers(1, 5),
+    as_tensor=st.booleans(),
+)
+def test_greedy_row_in_a_ragged_batch_equals_the_row_alone(prompts, cache, rp, stop, pad, top_k, top_p, n, as_tensor):
     """Greedy with every deterministic option: exact equality of tokens and stop flags.
     The batch is a list of prompts, or a right-padded tensor with its attention_mask."""
-    kw = dict(max_new_tokens=n, cache=cache, repetition_penalty=rp, stop_tokens=stop, pad_token_id=pad,
-              top_k=top_k, top_p=top_p)
+    kw = dict(
+        max_new_tokens=n,
+        cache=cache,
+        repetition_penalty=rp,
+        stop_tokens=stop,
+        pad_token_id=pad,
+        top_k=top_k,
+        top_p=top_p,
+    )
     if as_tensor:
         P = max(map(len, prompts))
         ids = torch.tensor([p + [pad] * (P - len(p)) for p in prompts])
@@ -80,22 +97,39 @@ def test_greedy_row_in_a_ragged_batch_equals_the_row_alone(prompts, cache, rp, s
 
 
 @settings(max_examples=25, **SETTINGS)
-@given(prompts=prompts, cache=caches, rp=penalties, stop=stops, temperature=st.floats(0.05, 4.0),
-       top_k=st.one_of(st.none(), st.integers(1, V + 1)), top_p=st.one_of(st.none(), st.floats(0.05, 1.0)),
-       seeds=st.lists(st.integers(0, 2 ** 64 - 1), min_size=4, max_size=4), one_seed=st.booleans(),
-       n=st.integers(1, 5))
-def test_sampled_row_in_a_ragged_batch_equals_the_row_alone_with_its_seed(prompts, cache, rp, stop, temperature,
-                                                                           top_k, top_p, seeds, one_seed, n):
+@given(
+    prompts=prompts,
+    cache=caches,
+    rp=penalties,
+    stop=stops,
+    temperature=st.floats(0.05, 4.0),
+    top_k=st.one_of(st.none(), st.integers(1, V + 1)),
+    top_p=st.one_of(st.none(), st.floats(0.05, 1.0)),
+    seeds=st.lists(st.integers(0, 2**64 - 1), min_size=4, max_size=4),
+    one_seed=st.booleans(),
+    n=st.integers(1, 5),
+)
+def test_sampled_row_in_a_ragged_batch_equals_the_row_alone_with_its_seed(
+    prompts, cache, rp, stop, temperature, top_k, top_p, seeds, one_seed, n
+):
     """Temperature, top-k, top-p, penalty and stops combined; each row draws from its own
     generator: a per-row seed list, or one seed split by ``row_seed``."""
     from attnlab.generate import row_seed
-    kw = dict(max_new_tokens=n, cache=cache, repetition_penalty=rp, stop_tokens=stop, temperature=temperature,
-              top_k=top_k, top_p=top_p)
+
+    kw = dict(
+        max_new_tokens=n,
+        cache=cache,
+        repetition_penalty=rp,
+        stop_tokens=stop,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+    )
     if one_seed:
         batch = generate(MODEL, prompts, seed=seeds[0], **kw)
         _rows_alone_equal_batch(prompts, batch, lambda i: {"seed": [row_seed(seeds[0], i)]}, **kw)
     else:
-        batch = generate(MODEL, prompts, seed=seeds[:len(prompts)], **kw)
+        batch = generate(MODEL, prompts, seed=seeds[: len(prompts)], **kw)
         _rows_alone_equal_batch(prompts, batch, lambda i: {"seed": [seeds[i]]}, **kw)
 
 
@@ -118,8 +152,9 @@ def test_a_tiny_temperature_is_the_greedy_limit(temperature):
     greedy = generate(MODEL, [[1, 2, 3], [4]], max_new_tokens=4)
     tiny = generate(MODEL, [[1, 2, 3], [4]], max_new_tokens=4, temperature=temperature, seed=0)
     assert tiny.new_tokens == greedy.new_tokens
-    spec = speculative_generate(TARGET, DRAFT, [1, 2, 3], max_new_tokens=4, branching=(2,),
-                                temperature=temperature, seed=0)
+    spec = speculative_generate(
+        TARGET, DRAFT, [1, 2, 3], max_new_tokens=4, branching=(2,), temperature=temperature, seed=0
+    )
     assert spec.tokens == generate(TARGET, [[1, 2, 3]], max_new_tokens=4).new_tokens[0]
 
 
@@ -138,7 +173,7 @@ def test_inputs_that_mean_the_same_give_the_same_tokens():
 
 
 GENERATE_BAD = [
-    (dict(input_ids=[[1.7, 2]]), "input_ids"),                       # not silently token 1
+    (dict(input_ids=[[1.7, 2]]), "input_ids"),  # not silently token 1
     (dict(input_ids=[[True, 2]]), "input_ids"),
     (dict(input_ids=[[1 + 0j, 2]]), "input_ids"),
     (dict(input_ids=torch.tensor([[True, False]])), "input_ids"),
@@ -146,7 +181,7 @@ GENERATE_BAD = [
     (dict(input_ids=[1, 2, 3]), r"input_ids: .*flat list"),
     (dict(input_ids=[[1, 2]], attention_mask=torch.ones(1, 2, dtype=torch.bool)), "attention_mask"),
     (dict(input_ids=torch.tensor([[1, 2]]), attention_mask=torch.tensor([[2, 1]])), "attention_mask"),
-    (dict(pad_token_id=V), "pad_token_id"),                          # out of vocab: named as such
+    (dict(pad_token_id=V), "pad_token_id"),  # out of vocab: named as such
     (dict(pad_token_id=-1), "pad_token_id"),
     (dict(pad_token_id=1.5), "pad_token_id"),
     (dict(input_ids=[[1, 2]], pad_token_id=V + 3), "pad_token_id"),  # not even used: still refused
@@ -159,8 +194,8 @@ GENERATE_BAD = [
     (dict(repetition_penalty=True), "repetition_penalty"),
     (dict(seed=1.5, temperature=1.0), "seed"),
     (dict(seed=True, temperature=1.0), "seed"),
-    (dict(seed=2 ** 64, temperature=1.0), "seed"),
-    (dict(seed=[1], temperature=1.0), "seed"),                       # one seed for two rows
+    (dict(seed=2**64, temperature=1.0), "seed"),
+    (dict(seed=[1], temperature=1.0), "seed"),  # one seed for two rows
     (dict(cache=5), "cache"),
     (dict(cache_options=[1]), "cache_options"),
     (dict(on_token=5), "on_token"),
@@ -177,18 +212,22 @@ def test_generate_refuses_bad_arguments_by_name(bad, words):
         generate(MODEL, kw.pop("input_ids"), **kw)
 
 
-@pytest.mark.parametrize("bad, words", [
-    (dict(input_ids=[[1.7]]), "input_ids"),                          # before: 1.7 became 1 at next()
-    (dict(input_ids=[[1, 2], [3]], cache="quantized"), "quantized"),
-])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (dict(input_ids=[[1.7]]), "input_ids"),  # before: 1.7 became 1 at next()
+        (dict(input_ids=[[1, 2], [3]], cache="quantized"), "quantized"),
+    ],
+)
 def test_stream_refuses_bad_arguments_at_the_call_not_at_the_first_token(bad, words):
     from attnlab.generate import stream
+
     with pytest.raises(ValueError, match=words):
         stream(MODEL, bad.pop("input_ids"), max_new_tokens=2, **bad)
 
 
 SPECULATIVE_BAD = [
-    (dict(max_new_tokens=-1), "max_new_tokens"),   # generate's own check, shared
+    (dict(max_new_tokens=-1), "max_new_tokens"),  # generate's own check, shared
     (dict(max_new_tokens=2.5), "max_new_tokens"),
     (dict(max_new_tokens=True), "max_new_tokens"),
     (dict(prompt=[1.7, 2]), "prompt"),
@@ -204,8 +243,7 @@ SPECULATIVE_BAD = [
 ]
 
 
-@pytest.mark.parametrize("bad, words", SPECULATIVE_BAD,
-                         ids=[f"{i}-{w}" for i, (_, w) in enumerate(SPECULATIVE_BAD)])
+@pytest.mark.parametrize("bad, words", SPECULATIVE_BAD, ids=[f"{i}-{w}" for i, (_, w) in enumerate(SPECULATIVE_BAD)])
 def test_speculative_generate_refuses_bad_arguments_like_generate(bad, words):
     kw = dict(prompt=[1, 2, 3], max_new_tokens=3, branching=(2,))
     kw.update(bad)

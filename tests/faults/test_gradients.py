@@ -23,10 +23,9 @@ import functools
 import pytest
 import torch
 
-
-import attnlab  # noqa: E402
-from attnlab import masks, scores  # noqa: E402
-from tests.helpers import assert_close_rule, check_param_grad  # noqa: E402
+import attnlab
+from attnlab import masks, scores
+from tests.helpers import assert_close_rule, check_param_grad
 
 BACKENDS = ["flash", "auto"]
 F32, F64 = torch.float32, torch.float64
@@ -80,15 +79,15 @@ def _nonleaf(w):
 
 
 KINDS = {
-    "closure": lambda w: (lambda s, b, h, qp, kp: s + w * _dist(qp, kp, s)),
+    "closure": lambda w: lambda s, b, h, qp, kp: s + w * _dist(qp, kp, s),
     "custom-without-params": lambda w: scores.custom(lambda s, b, h, qp, kp: s + w * _dist(qp, kp, s)),
     "bound-method": lambda w: _Holder(w).mod,
     "module-attribute": lambda w: _ModuleWithTensor(w),
     "partial": lambda w: functools.partial(_partial_fn, slope=w),
     "global": _set_global,
     "non-leaf-closure": _nonleaf,
-    "ignores-input": lambda w: (lambda s, b, h, qp, kp: torch.zeros_like(s) + w * _dist(qp, kp, s)),
-    "in-place": lambda w: (lambda s, b, h, qp, kp: s.add_(w * _dist(qp, kp, s))),
+    "ignores-input": lambda w: lambda s, b, h, qp, kp: torch.zeros_like(s) + w * _dist(qp, kp, s),
+    "in-place": lambda w: lambda s, b, h, qp, kp: s.add_(w * _dist(qp, kp, s)),
 }
 
 
@@ -110,7 +109,7 @@ def _grads(backend, factory, dtype, seed=0, with_param=True):
     ins = [q, k, v] + ([w] if with_param else [])
     gs = torch.autograd.grad((out.double() * w_out).sum(), ins, allow_unused=True)
     names = ["dq", "dk", "dv", "dw"]
-    return {n: (torch.zeros_like(x) if g is None else g) for n, x, g in zip(names, ins, gs)}
+    return {n: (torch.zeros_like(x) if g is None else g) for n, x, g in zip(names, ins, gs, strict=False)}
 
 
 def _check(backend, factory, with_param=True, what=""):
@@ -157,7 +156,7 @@ def test_a_tensor_that_cannot_be_routed_is_refused_at_call_time(backend):
 def test_a_mod_that_ignores_its_input_score_backpropagates(backend):
     """The issue's mod: ``zeros_like(s) - |q_pos - kv_pos|``; the output does not depend on
     q or k (their gradients are 0), dv is the reference's."""
-    factory = lambda w: (lambda s, b, h, qp, kp: torch.zeros_like(s) - (qp - kp).abs().to(s.dtype))  # noqa: E731
+    factory = lambda w: lambda s, b, h, qp, kp: torch.zeros_like(s) - (qp - kp).abs().to(s.dtype)  # noqa: E731
     fast = _check(backend, factory, with_param=False, what=f"{backend}/ignores-input")
     assert (fast["dq"] == 0).all() and (fast["dk"] == 0).all()
 
@@ -165,6 +164,5 @@ def test_a_mod_that_ignores_its_input_score_backpropagates(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_mod_that_writes_into_its_input_backpropagates(backend):
     """``s.mul_(0.5)`` then ``add_``: the flash backward hands such a mod a copy of its input."""
-    factory = lambda w: (lambda s, b, h, qp, kp: s.mul_(0.5).add_(w * _dist(qp, kp, s)))  # noqa: E731
+    factory = lambda w: lambda s, b, h, qp, kp: s.mul_(0.5).add_(w * _dist(qp, kp, s))  # noqa: E731
     _check(backend, factory, what=f"{backend}/in-place")
-

@@ -35,11 +35,27 @@ def base(tmp_path_factory):
     T = transformers
     made = {
         "gpt2": T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=WIDTH, n_positions=32)),
-        "llama": T.LlamaForCausalLM(T.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=32,
-                                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                                  max_position_embeddings=32)),
-        "bert": T.BertModel(T.BertConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2,
-                                         num_attention_heads=2, intermediate_size=32, max_position_embeddings=32)),
+        "llama": T.LlamaForCausalLM(
+            T.LlamaConfig(
+                vocab_size=VOCAB,
+                hidden_size=WIDTH,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                max_position_embeddings=32,
+            )
+        ),
+        "bert": T.BertModel(
+            T.BertConfig(
+                vocab_size=VOCAB,
+                hidden_size=WIDTH,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=32,
+                max_position_embeddings=32,
+            )
+        ),
     }
     root = tmp_path_factory.mktemp("faults-models")
     out = {}
@@ -82,9 +98,9 @@ def shard(folder: Path) -> dict:
     (folder / "model.safetensors").unlink()
     names = sorted(t)
     files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    parts = [names[: len(names) // 2], names[len(names) // 2:]]
+    parts = [names[: len(names) // 2], names[len(names) // 2 :]]
     wm = {}
-    for f, part in zip(files, parts):
+    for f, part in zip(files, parts, strict=True):
         safetensors.save_file({n: t[n] for n in part}, str(folder / f), metadata={"format": "pt"})
         wm.update({n: f for n in part})
     index = {"metadata": {}, "weight_map": wm}
@@ -105,7 +121,7 @@ def write_index(folder: Path, index) -> None:
 # Today's loader allocates the model the config describes first (6.4 GB for
 # vocab_size=1e8 at width 16) and so dies on the cap.
 
-CAP_MB = 256          # room far beyond a tiny load, far below what the hostile configs ask for
+CAP_MB = 256  # room far beyond a tiny load, far below what the hostile configs ask for
 GROWTH_LIMIT_MB = 64  # a refused load may touch a few MB (headers, the meta model's Python objects)
 HUGE = 10**8
 
@@ -186,13 +202,21 @@ def hostile_results(base, tmp_path_factory):
         with open(folder / fname, "r+b") as f:  # a sparse file: 1 GiB of zeros, no disk used
             f.truncate(1 << 30)
         cases[case] = str(folder)
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(Path(attnlab.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cases), str(base["gpt2"]), str(CAP_MB)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(Path(attnlab.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(cases), str(base["gpt2"]), str(CAP_MB)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULTS")), None)
     assert line is not None, f"child failed (rc {proc.returncode}): {proc.stderr[-2000:]}"
-    return json.loads(line[len("RESULTS"):])
+    return json.loads(line[len("RESULTS") :])
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE) + sorted(SPARSE))
@@ -216,13 +240,16 @@ def test_config_beyond_int64_names_the_field(base, tmp_path, field, cfg_field):
     # Now the config check refuses it by name (DecoderConfig bounds sizes to int64-safe
     # 2**62) before any header is compared or anything allocated.
     folder = make(base, "gpt2", tmp_path / "ckpt", **{field: 10**30})
-    with pytest.raises(CheckpointError, match=rf"config\.json: .*DecoderConfig\.{cfg_field}: expected an int <= 2\*\*62"):
+    with pytest.raises(
+        CheckpointError, match=rf"config\.json: .*DecoderConfig\.{cfg_field}: expected an int <= 2\*\*62"
+    ):
         load(folder)
 
 
 def test_headers_that_declare_more_bytes_than_the_files_hold(tmp_path):
     # the last guard of the header phase, for a file whose header lies about its data
     from attnlab.models.checkpoint import Entry, Header, check_plan
+
     f = tmp_path / "w.bin"
     f.write_bytes(b"\0" * 16)
     headers = {"w": Header((2, 3), "F32", f), "b": Header((2,), "F32", f)}  # 32 bytes declared, 16 held
@@ -238,10 +265,10 @@ BAD_FIELDS = [
     ("gpt2", "vocab_size", "50"),
     ("gpt2", "n_embd", 16.0),
     ("gpt2", "n_head", 0),
-    ("gpt2", "n_head", 3),                # does not divide n_embd=16
+    ("gpt2", "n_head", 3),  # does not divide n_embd=16
     ("gpt2", "n_layer", -1),
     ("gpt2", "n_layer", True),
-    ("gpt2", "n_inner", 0),               # today: silently 4 * n_embd
+    ("gpt2", "n_inner", 0),  # today: silently 4 * n_embd
     ("gpt2", "n_positions", 0),
     ("gpt2", "layer_norm_epsilon", float("nan")),
     ("gpt2", "layer_norm_epsilon", -1e-5),
@@ -254,12 +281,12 @@ BAD_FIELDS = [
     ("llama", "rope_theta", -1.0),
     ("llama", "num_key_value_heads", 0),  # today: silently num_attention_heads
     ("llama", "num_key_value_heads", 3),  # does not divide num_attention_heads=2
-    ("llama", "head_dim", 0),             # today: silently hidden_size // heads
+    ("llama", "head_dim", 0),  # today: silently hidden_size // heads
     ("llama", "partial_rotary_factor", 2.0),
     ("llama", "rope_scaling", "linear"),
     ("llama", "attention_bias", "no"),
     ("llama", "num_hidden_layers", None),
-    ("bert", "pad_token_id", 10**6),      # beyond vocab_size
+    ("bert", "pad_token_id", 10**6),  # beyond vocab_size
     ("bert", "type_vocab_size", -1),
     ("bert", "layer_norm_eps", 0.0),
     ("bert", "hidden_act", ["gelu"]),
@@ -279,14 +306,20 @@ def test_bad_config_field_names_file_and_field(base, tmp_path, arch, field, valu
 
 
 def test_rope_scaling_with_nan_factor(base, tmp_path):
-    folder = make(base, "llama", tmp_path / "ckpt", rope_parameters=DELETE,
-                  rope_scaling={"rope_type": "linear", "factor": float("nan")})
+    folder = make(
+        base,
+        "llama",
+        tmp_path / "ckpt",
+        rope_parameters=DELETE,
+        rope_scaling={"rope_type": "linear", "factor": float("nan")},
+    )
     with pytest.raises(CheckpointError, match=r"config\.json.*rope_scaling.*factor"):
         load(folder)
 
 
 # ---------------------------------------------------------------------------------------------
 # 3. Malformed JSON files: CheckpointError naming the file, never AttributeError & co.
+
 
 @pytest.mark.parametrize("text", ["[1, 2]", '"gpt2"', "null", "NaN", "3"])
 def test_config_that_is_not_an_object(base, tmp_path, text):
@@ -322,6 +355,7 @@ def test_config_with_a_duplicated_key(base, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # 4. Shard indexes: every name a string that stays inside the folder.
 
+
 def _sharded(base, tmp_path):
     folder = make(base, "gpt2", tmp_path / "ckpt")
     return folder, shard(folder)
@@ -354,8 +388,12 @@ def _escape(base, tmp_path, how):
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     shutil.move(folder / second, outside / second)
-    name = {"dotdot": f"../elsewhere/{second}", "absolute": str(outside / second),
-            "symlink": second, "dot-inside-dotdot": f"./sub/../../elsewhere/{second}"}[how]
+    name = {
+        "dotdot": f"../elsewhere/{second}",
+        "absolute": str(outside / second),
+        "symlink": second,
+        "dot-inside-dotdot": f"./sub/../../elsewhere/{second}",
+    }[how]
     if how == "symlink":
         (folder / second).symlink_to(outside / second)
     index["weight_map"] = {k: (name if v == second else v) for k, v in index["weight_map"].items()}
@@ -400,10 +438,16 @@ def test_index_that_disagrees_with_its_shards_is_refused(base, tmp_path, how):
 # ---------------------------------------------------------------------------------------------
 # 5. Two names for one tensor after the prefix is dropped: refused, both named.
 
-@pytest.mark.parametrize("arch,long,short", [("gpt2", "transformer.wte.weight", "wte.weight"),
-                                             ("gpt2", "transformer.h.0.ln_1.bias", "h.0.ln_1.bias"),
-                                             ("llama", "model.norm.weight", "norm.weight"),
-                                             ("bert", "bert.pooler.dense.bias", "pooler.dense.bias")])
+
+@pytest.mark.parametrize(
+    "arch,long,short",
+    [
+        ("gpt2", "transformer.wte.weight", "wte.weight"),
+        ("gpt2", "transformer.h.0.ln_1.bias", "h.0.ln_1.bias"),
+        ("llama", "model.norm.weight", "norm.weight"),
+        ("bert", "bert.pooler.dense.bias", "pooler.dense.bias"),
+    ],
+)
 def test_prefix_collision_is_refused(base, tmp_path, arch, long, short):
     folder = make(base, arch, tmp_path / "ckpt")
 

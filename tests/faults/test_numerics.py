@@ -23,17 +23,16 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 if "attnlab.ops.triton.forward" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"  # as tests/ops/triton/conftest.py: before the kernels are defined
 
-import attnlab  # noqa: E402
-from attnlab import masks, merge_states  # noqa: E402
-from attnlab.ops.decode import split_kv_attention  # noqa: E402
-from attnlab.ops.triton import available as triton_available  # noqa: E402
-from tests.helpers import FLOOR, assert_close_rule, max_err  # noqa: E402
+import attnlab
+from attnlab import masks, merge_states
+from attnlab.ops.decode import split_kv_attention
+from attnlab.ops.triton import available as triton_available
+from tests.helpers import FLOOR, assert_close_rule, max_err
 
 BACKENDS = ["reference", "flash", "sdpa", "auto", "triton"]
 F32 = torch.float32
@@ -127,8 +126,9 @@ def test_a_row_that_sees_no_key_is_zero_with_neg_inf_lse_whatever_the_values_hol
     q, kb, vb = (t.float().requires_grad_(True) for t in (q, kb, vb))
     out, lse = attnlab.attention(q, kb, vb, mask=masks.causal(), q_offset=-1, return_lse=True, backend=backend)
     assert (out[:, :, 0] == 0).all() and (lse[:, :, 0] == float("-inf")).all(), f"{backend}: {out[0, 0, 0, :4]}"
-    want = attnlab.attention(q.detach().double(), k[:, :, :3], v[:, :, :3], mask=masks.causal(), q_offset=-1,
-                             backend="reference")
+    want = attnlab.attention(
+        q.detach().double(), k[:, :, :3], v[:, :, :3], mask=masks.causal(), q_offset=-1, backend="reference"
+    )
     assert max_err(out[:, :, 1:], want[:, :, 1:]) <= 1e-5, f"{backend}: rows 1..3"
     gq, gk, gv = torch.autograd.grad((out * 1.5).sum(), [q, kb, vb])
     assert (gq[:, :, 0] == 0).all(), f"{backend}: dq of a row with no key must be 0"
@@ -182,14 +182,16 @@ def test_extreme_scales_give_the_reference_result_on_every_backend():
     bad = []
     for scale in (1e9, 1e30, 3e38, 1e-30):
         for mask in (None, masks.causal()):
-            o_ref, l_ref = attnlab.attention(q.float(), k.float(), v.float(), mask=mask, scale=scale,
-                                             backend="reference", return_lse=True)
+            o_ref, l_ref = attnlab.attention(
+                q.float(), k.float(), v.float(), mask=mask, scale=scale, backend="reference", return_lse=True
+            )
             for backend in BACKENDS:
                 if backend == "triton" and not triton_available():
                     continue
                 lse_ok = backend != "sdpa"
-                res = attnlab.attention(q.float(), k.float(), v.float(), mask=mask, scale=scale, backend=backend,
-                                        return_lse=lse_ok)
+                res = attnlab.attention(
+                    q.float(), k.float(), v.float(), mask=mask, scale=scale, backend=backend, return_lse=lse_ok
+                )
                 out, lse = res if lse_ok else (res, None)
                 what = f"scale={scale}/{mask}/{backend}"
                 try:
@@ -293,7 +295,7 @@ def test_property_poisoned_slots_change_nothing_for_the_rows_that_cannot_see_the
     if grad:
         keep = torch.ones(Nk, dtype=torch.bool)
         keep[slots] = False
-        for name_, a, r, o in zip(("dq", "dk", "dv"), g, rg, og):
+        for name_, a, r, o in zip(("dq", "dk", "dv"), g, rg, og, strict=True):
             sel = (slice(None),) * 2 + ((slice(None),) if name_ == "dq" else (keep,))
             assert_close_rule(a[sel], r[sel], o[sel], F32, factor=3.0, what=f"{backend}/{name}: {name_}")
         assert (g[1][:, :, slots] == 0).all() and (g[2][:, :, slots] == 0).all(), "poisoned slots' grads must be 0"

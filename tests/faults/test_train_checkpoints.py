@@ -76,9 +76,11 @@ def stepped(seed):
 
 def snapshot(model, opt):
     sd = opt.state_dict()
-    return ({k: v.detach().clone() for k, v in model.state_dict().items()},
-            {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in sd["state"].items()},
-            json.dumps(sd["param_groups"], default=str, sort_keys=True))
+    return (
+        {k: v.detach().clone() for k, v in model.state_dict().items()},
+        {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in sd["state"].items()},
+        json.dumps(sd["param_groups"], default=str, sort_keys=True),
+    )
 
 
 def same(a, b) -> bool:
@@ -92,9 +94,11 @@ def same(a, b) -> bool:
             return False
         for k, v in sa[i].items():
             w = sb[i][k]
-            if torch.is_tensor(v) != torch.is_tensor(w) or (torch.is_tensor(v) and not (
-                    v.dtype == w.dtype and v.shape == w.shape and torch.equal(v, w))) or (
-                    not torch.is_tensor(v) and v != w):
+            if (
+                torch.is_tensor(v) != torch.is_tensor(w)
+                or (torch.is_tensor(v) and not (v.dtype == w.dtype and v.shape == w.shape and torch.equal(v, w)))
+                or (not torch.is_tensor(v) and v != w)
+            ):
                 return False
     return True
 
@@ -106,8 +110,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the root conftest's 
 def time_limit(seconds):
     """Raise TimeoutError in the main thread after ``seconds`` (the code under test is a
     Python loop, so the signal interrupts it)."""
+
     def on_alarm(signum, frame):
         raise TimeoutError(f"still running after {seconds} s")
+
     old = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
@@ -126,6 +132,7 @@ OS_STEPS = ("mkdir", "replace", "rename", "rmdir", "unlink", "remove", "fsync", 
 def _kill_before_step(k: int) -> None:
     """From now on, SIGKILL this process right before its k-th file-system step (0-based)."""
     import safetensors.torch as st
+
     count = [0]
 
     def wrap(mod, name):
@@ -136,7 +143,9 @@ def _kill_before_step(k: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             count[0] += 1
             return orig(*a, **kw)
+
         setattr(mod, name, hooked)
+
     for name in OS_STEPS:
         if hasattr(os, name):
             wrap(os, name)
@@ -183,8 +192,8 @@ def kill_harness(root: Path, seed: int) -> list[dict]:
     # 1. the step sweep: a save of the other one killed before its k-th file-system step,
     #    k = 0, 1, ... until a save completes.
     for k in itertools.count():
-        for p in root.iterdir():          # from a clean state, so every trial runs the same steps
-            if p.name != "ck":            # (the library's own clean-up is checked at the end)
+        for p in root.iterdir():  # from a clean state, so every trial runs the same steps
+            if p.name != "ck":  # (the library's own clean-up is checked at the end)
                 shutil.rmtree(p)
         target = "B" if current == "A" else "A"
         sys.stdout.flush()
@@ -223,11 +232,19 @@ def kill_harness(root: Path, seed: int) -> list[dict]:
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         found = _verify(root, ck, states, loader_first=r % 2 == 1)
-        results.append({"phase": "random", "k": r, "killed": os.WIFSIGNALED(status), "old": current,
-                        "new": "either", "found": found})
+        results.append(
+            {
+                "phase": "random",
+                "k": r,
+                "killed": os.WIFSIGNALED(status),
+                "old": current,
+                "new": "either",
+                "found": found,
+            }
+        )
         if found in states:
             current = found
-    save(current)     # a clean save removes what the dead processes left
+    save(current)  # a clean save removes what the dead processes left
     results.append({"phase": "end", "left": sorted(os.listdir(root))})
     return results
 
@@ -235,24 +252,32 @@ def kill_harness(root: Path, seed: int) -> list[dict]:
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the harness forks a child per kill")
 def test_sigkill_at_every_step_and_at_random_instants_leaves_old_or_new(tmp_path):
     src = Path(sys.modules["attnlab"].__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--kill-harness", str(tmp_path), "0"], env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__, "--kill-harness", str(tmp_path), "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     end = results.pop()
     sweep = [r for r in results if r["phase"] == "step"]
-    bad = [r for r in results if r["found"] not in ("A", "B") or (
-        r["phase"] == "step" and r["found"] not in ((r["old"], r["new"]) if r["killed"] else (r["new"],)))]
+    bad = [
+        r
+        for r in results
+        if r["found"] not in ("A", "B")
+        or (r["phase"] == "step" and r["found"] not in ((r["old"], r["new"]) if r["killed"] else (r["new"],)))
+    ]
     assert not bad, [f"{r['phase']} k={r['k']} old={r['old']} new={r['new']}: {r['found']}" for r in bad]
     kills = sum(r["killed"] for r in results)
     assert kills <= MAX_KILLS + RANDOM_KILLS and len(results) - RANDOM_KILLS <= MAX_KILLS + 1
     assert not sweep[-1]["killed"], "the sweep did not reach a completed save"
-    assert len(sweep) >= 10                             # the hook saw the save's file-system steps
+    assert len(sweep) >= 10  # the hook saw the save's file-system steps
     outcomes = {r["found"] == r["old"] for r in sweep if r["killed"]}
-    assert outcomes == {True, False}                    # kills before and after the switch
-    assert end["left"] == ["ck"], end                   # no temporary folder or backup left behind
+    assert outcomes == {True, False}  # kills before and after the switch
+    assert end["left"] == ["ck"], end  # no temporary folder or backup left behind
 
 
 def test_save_interrupted_between_backup_and_switch_keeps_the_old(tmp_path, monkeypatch):
@@ -267,6 +292,7 @@ def test_save_interrupted_between_backup_and_switch_keeps_the_old(tmp_path, monk
         if Path(b).name == "ck" and ".tmp" in Path(a).name:
             raise KeyboardInterrupt
         return real(a, b)
+
     monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(ck, new_model, new_opt, step=2)
@@ -279,6 +305,7 @@ def test_save_interrupted_between_backup_and_switch_keeps_the_old(tmp_path, monk
 
 # -- damaged or inconsistent checkpoints ------------------------------------------------
 
+
 def checkpoint(tmp_path) -> Path:
     model = make_model(1)
     res = train(model, data(1), tcfg(checkpoint_dir=str(tmp_path / "run")), progress=False)
@@ -290,6 +317,7 @@ def edit_json(path: Path, edit, record_crc=True) -> None:
     consistent (but wrong) writer would, so that the field checks are what is tested."""
     from safetensors import safe_open
     from safetensors.torch import save_file
+
     meta = json.loads((path / "trainer.json").read_text())
     edit(meta)
     raw = json.dumps(meta, indent=1, sort_keys=True).encode()
@@ -297,7 +325,7 @@ def edit_json(path: Path, edit, record_crc=True) -> None:
     if record_crc:
         f = path / "trainer.safetensors"
         with safe_open(str(f), "pt") as h:
-            md, tensors = dict(h.metadata() or {}), {k: h.get_tensor(k) for k in h.keys()}
+            md, tensors = dict(h.metadata() or {}), {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118 - a safe_open handle is not iterable
         md[JSON_CRC_KEY] = str(zlib.crc32(raw))
         save_file(tensors, str(f), metadata=md)
 
@@ -306,11 +334,14 @@ def edit_tensors(file: Path, edit, metadata_edit=None) -> None:
     """Change the tensors of a safetensors file, keeping its per-tensor CRC-32s consistent."""
     from safetensors import safe_open
     from safetensors.torch import save_file
+
     with safe_open(str(file), "pt") as h:
-        md, tensors = dict(h.metadata() or {}), {k: h.get_tensor(k) for k in h.keys()}
+        md, tensors = dict(h.metadata() or {}), {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118 - a safe_open handle is not iterable
     edit(tensors)
-    crcs = {k: zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy()) if t.numel() else 0
-            for k, t in tensors.items()}
+    crcs = {
+        k: zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy()) if t.numel() else 0
+        for k, t in tensors.items()
+    }
     md[TENSOR_CRC_KEY] = json.dumps(crcs, sort_keys=True)
     if metadata_edit:
         metadata_edit(md)
@@ -330,55 +361,85 @@ RNG = "rng.torch_cpu"
 
 BAD = {
     # RNG state: size, content, presence
-    "rng-wrong-size": (lambda p: edit_tensors(p / TRAINER, lambda t: _set(t, RNG, torch.zeros(100, dtype=torch.uint8))),
-                       r"rng.torch_cpu.*shape \(100,\)"),
-    "rng-invalid-state": (lambda p: edit_tensors(p / TRAINER, lambda t: _set(t, RNG, torch.zeros_like(t[RNG]))),
-                          r"rng.torch_cpu.*not a valid"),
+    "rng-wrong-size": (
+        lambda p: edit_tensors(p / TRAINER, lambda t: _set(t, RNG, torch.zeros(100, dtype=torch.uint8))),
+        r"rng.torch_cpu.*shape \(100,\)",
+    ),
+    "rng-invalid-state": (
+        lambda p: edit_tensors(p / TRAINER, lambda t: _set(t, RNG, torch.zeros_like(t[RNG]))),
+        r"rng.torch_cpu.*not a valid",
+    ),
     "trainer-file-missing": (lambda p: (p / TRAINER).unlink(), r"trainer.safetensors"),
     # trainer.json: its checksum, then every field with a consistent checksum
-    "json-edited": (lambda p: edit_json(p, lambda m: _set(m["extra"], "note", "edited"), record_crc=False),
-                    r"trainer.json.*CRC-32"),
-    "param-ids-replaced": (lambda p: edit_json(p, lambda m: [_set(g, "params", [i + 100 for i in g["params"]])
-                                                             for g in _groups(m)]),
-                           r"param_groups\[0\]\.params"),
-    "param-ids-not-ints": (lambda p: edit_json(p, lambda m: _set(_groups(m)[1], "params",
-                                                                 [str(i) for i in _groups(m)[1]["params"]])),
-                           r"param_groups\[1\]\.params"),
-    "lr-not-a-number": (lambda p: edit_json(p, lambda m: _set(_groups(m)[0], "lr", "fast")),
-                        r"param_groups\[0\]\.lr"),
-    "lr-negative": (lambda p: edit_json(p, lambda m: _set(_groups(m)[0], "lr", -1.0)),
-                    r"param_groups\[0\].*learning rate"),
-    "betas-wrong-length": (lambda p: edit_json(p, lambda m: _set(_groups(m)[0], "betas", {"__tuple__": [0.9]})),
-                           r"param_groups\[0\]\.betas"),
-    "amsgrad-not-bool": (lambda p: edit_json(p, lambda m: _set(_groups(m)[1], "amsgrad", 1)),
-                         r"param_groups\[1\]\.amsgrad"),
-    "unknown-hyperparameter": (lambda p: edit_json(p, lambda m: _set(_groups(m)[0], "surprise", 1)),
-                               r"param_groups\[0\].*surprise"),
-    "param-names-not-a-list": (lambda p: edit_json(p, lambda m: _set(m["optimizer"], "param_names", 7)),
-                               r"optimizer.param_names"),
+    "json-edited": (
+        lambda p: edit_json(p, lambda m: _set(m["extra"], "note", "edited"), record_crc=False),
+        r"trainer.json.*CRC-32",
+    ),
+    "param-ids-replaced": (
+        lambda p: edit_json(p, lambda m: [_set(g, "params", [i + 100 for i in g["params"]]) for g in _groups(m)]),
+        r"param_groups\[0\]\.params",
+    ),
+    "param-ids-not-ints": (
+        lambda p: edit_json(p, lambda m: _set(_groups(m)[1], "params", [str(i) for i in _groups(m)[1]["params"]])),
+        r"param_groups\[1\]\.params",
+    ),
+    "lr-not-a-number": (lambda p: edit_json(p, lambda m: _set(_groups(m)[0], "lr", "fast")), r"param_groups\[0\]\.lr"),
+    "lr-negative": (
+        lambda p: edit_json(p, lambda m: _set(_groups(m)[0], "lr", -1.0)),
+        r"param_groups\[0\].*learning rate",
+    ),
+    "betas-wrong-length": (
+        lambda p: edit_json(p, lambda m: _set(_groups(m)[0], "betas", {"__tuple__": [0.9]})),
+        r"param_groups\[0\]\.betas",
+    ),
+    "amsgrad-not-bool": (
+        lambda p: edit_json(p, lambda m: _set(_groups(m)[1], "amsgrad", 1)),
+        r"param_groups\[1\]\.amsgrad",
+    ),
+    "unknown-hyperparameter": (
+        lambda p: edit_json(p, lambda m: _set(_groups(m)[0], "surprise", 1)),
+        r"param_groups\[0\].*surprise",
+    ),
+    "param-names-not-a-list": (
+        lambda p: edit_json(p, lambda m: _set(m["optimizer"], "param_names", 7)),
+        r"optimizer.param_names",
+    ),
     "extra-not-an-object": (lambda p: edit_json(p, lambda m: _set(m, "extra", [1])), r"'extra'"),
     "unknown-field": (lambda p: edit_json(p, lambda m: _set(m, "surprise", 1)), r"surprise"),
-    "aliases-not-an-object": (lambda p: edit_json(p, lambda m: _set(m["model"], "aliases", [])),
-                              r"model.aliases"),
+    "aliases-not-an-object": (lambda p: edit_json(p, lambda m: _set(m["model"], "aliases", [])), r"model.aliases"),
     "rng-field": (lambda p: edit_json(p, lambda m: _set(m, "rng", {"torch_cpu": "elsewhere"})), r"'rng'"),
-    "alias-metadata-not-an-object": (lambda p: edit_tensors(p / "model.safetensors", lambda t: None,
-                                                            lambda md: _set(md, "attnlab.aliases", "[]")),
-                                     r"attnlab.aliases"),
+    "alias-metadata-not-an-object": (
+        lambda p: edit_tensors(p / "model.safetensors", lambda t: None, lambda md: _set(md, "attnlab.aliases", "[]")),
+        r"attnlab.aliases",
+    ),
     # per-parameter optimizer state
-    "scalar-exp-avg": (lambda p: edit_tensors(p / OPT, lambda t: _set(t, "state.0.exp_avg", torch.tensor(0.0))),
-                       r"parameter 0 \(embed.weight\).*'exp_avg' is a 0-d tensor"),
-    "missing-exp-avg-sq": (lambda p: edit_tensors(p / OPT, lambda t: t.pop("state.1.exp_avg_sq")),
-                           r"parameter 1 \(pos_embed.weight\).*missing \['exp_avg_sq'\]"),
-    "step-not-scalar": (lambda p: edit_tensors(p / OPT, lambda t: _set(t, "state.0.step", torch.ones(8, 8))),
-                        r"parameter 0 .*'step' has shape \(8, 8\)"),
-    "step-not-a-number": (lambda p: (edit_tensors(p / OPT, lambda t: t.pop("state.0.step")),
-                                     edit_json(p, lambda m: _set(m["optimizer"]["state"], "0", {"step": "abc"}))),
-                          r"parameter 0 .*'step' is a str"),
-    "exp-avg-integer": (lambda p: edit_tensors(p / OPT, lambda t: _set(t, "state.2.exp_avg",
-                                                                        t["state.2.exp_avg"].long())),
-                        r"parameter 2 .*'exp_avg' has dtype torch.int64"),
-    "unknown-state-entry": (lambda p: edit_tensors(p / OPT, lambda t: _set(t, "state.3.bogus", torch.zeros(()))),
-                            r"parameter 3 .*unknown keys \['bogus'\]"),
+    "scalar-exp-avg": (
+        lambda p: edit_tensors(p / OPT, lambda t: _set(t, "state.0.exp_avg", torch.tensor(0.0))),
+        r"parameter 0 \(embed.weight\).*'exp_avg' is a 0-d tensor",
+    ),
+    "missing-exp-avg-sq": (
+        lambda p: edit_tensors(p / OPT, lambda t: t.pop("state.1.exp_avg_sq")),
+        r"parameter 1 \(pos_embed.weight\).*missing \['exp_avg_sq'\]",
+    ),
+    "step-not-scalar": (
+        lambda p: edit_tensors(p / OPT, lambda t: _set(t, "state.0.step", torch.ones(8, 8))),
+        r"parameter 0 .*'step' has shape \(8, 8\)",
+    ),
+    "step-not-a-number": (
+        lambda p: (
+            edit_tensors(p / OPT, lambda t: t.pop("state.0.step")),
+            edit_json(p, lambda m: _set(m["optimizer"]["state"], "0", {"step": "abc"})),
+        ),
+        r"parameter 0 .*'step' is a str",
+    ),
+    "exp-avg-integer": (
+        lambda p: edit_tensors(p / OPT, lambda t: _set(t, "state.2.exp_avg", t["state.2.exp_avg"].long())),
+        r"parameter 2 .*'exp_avg' has dtype torch.int64",
+    ),
+    "unknown-state-entry": (
+        lambda p: edit_tensors(p / OPT, lambda t: _set(t, "state.3.bogus", torch.zeros(()))),
+        r"parameter 3 .*unknown keys \['bogus'\]",
+    ),
 }
 
 
@@ -397,10 +458,14 @@ def test_bad_checkpoint_is_refused_before_anything_changes(tmp_path, case):
 # -- resume ---------------------------------------------------------------------------
 
 RESUME_BAD = {
-    "batches-consumed-not-a-number": (lambda m: _set(m["extra"]["data"], "batches_consumed", "many"),
-                                      r"extra.data.batches_consumed"),
-    "batches-consumed-beyond-the-data": (lambda m: _set(m["extra"]["data"], "batches_consumed", 10 ** 12),
-                                         r"extra.data.batches_consumed.*step 2"),
+    "batches-consumed-not-a-number": (
+        lambda m: _set(m["extra"]["data"], "batches_consumed", "many"),
+        r"extra.data.batches_consumed",
+    ),
+    "batches-consumed-beyond-the-data": (
+        lambda m: _set(m["extra"]["data"], "batches_consumed", 10**12),
+        r"extra.data.batches_consumed.*step 2",
+    ),
     "train-config-not-an-object": (lambda m: _set(m["extra"], "train_config", "abc"), r"extra.train_config"),
 }
 
@@ -422,26 +487,49 @@ def test_resume_past_the_configured_steps_skips_nothing(tmp_path):
     """A checkpoint at step 10**12 (batches_consumed 10**12) resumed with steps=4: there is
     nothing left to train, so nothing is skipped; it returns at once."""
     path = checkpoint(tmp_path)
-    edit_json(path, lambda m: (_set(m, "step", 10 ** 12), _set(m["extra"]["data"], "batches_consumed", 10 ** 12)))
+    edit_json(path, lambda m: (_set(m, "step", 10**12), _set(m["extra"]["data"], "batches_consumed", 10**12)))
     with time_limit(RESUME_TIMEOUT_S), pytest.warns(UserWarning, match="different steps"):
         res = train(make_model(7), itertools.repeat(next(data())), tcfg(steps=4), resume=path, progress=False)
-    assert res.final_step == 10 ** 12 and res.losses == []
+    assert res.final_step == 10**12 and res.losses == []
 
 
 # -- checkpoint folders checked before training --------------------------------------------
+
 
 def test_train_checks_checkpoint_dir_before_the_first_step(tmp_path):
     (tmp_path / "file").write_text("not a folder")
     steps = []
     for bad in (tmp_path / "file", tmp_path / "file" / "sub"):
-        with pytest.raises(ValueError, match="TrainConfig.checkpoint_dir"):
-            train(make_model(), data(), tcfg(checkpoint_dir=str(bad)), progress=False,
-                  callback=lambda info: steps.append(info.step))
+        with pytest.raises(ValueError, match=r"TrainConfig.checkpoint_dir"):
+            train(
+                make_model(),
+                data(),
+                tcfg(checkpoint_dir=str(bad)),
+                progress=False,
+                callback=lambda info: steps.append(info.step),
+            )
     assert steps == []
 
 
-TINY = ["train", "--task", "induction", "--steps", "2", "--layers", "1", "--d-model", "16", "--heads", "2",
-        "--seq-len", "8", "--batch", "2", "--vocab", "8"]
+TINY = [
+    "train",
+    "--task",
+    "induction",
+    "--steps",
+    "2",
+    "--layers",
+    "1",
+    "--d-model",
+    "16",
+    "--heads",
+    "2",
+    "--seq-len",
+    "8",
+    "--batch",
+    "2",
+    "--vocab",
+    "8",
+]
 
 
 @pytest.fixture
@@ -451,21 +539,24 @@ def no_training(monkeypatch):
 
     def refuse(*a, **kw):
         raise AssertionError("training started")
+
     monkeypatch.setattr(run, "train", refuse)
 
 
 def test_cli_refuses_resume_without_out(no_training, capsys):
     from attnlab.cli import main
-    assert main(TINY + ["--resume"]) == 2
+
+    assert main([*TINY, "--resume"]) == 2
     assert "--out" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("where", ["a-file", "under-a-file"])
 def test_cli_checks_out_before_training(tmp_path, no_training, capsys, where):
     from attnlab.cli import main
+
     (tmp_path / "file").write_text("not a folder")
     out = tmp_path / "file" if where == "a-file" else tmp_path / "file" / "ck"
-    assert main(TINY + ["--out", str(out)]) == 2
+    assert main([*TINY, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "--out" in err and str(out) in err
 

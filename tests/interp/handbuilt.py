@@ -20,8 +20,18 @@ POS, TOK, PREV, CONST = 0, 16, 32, 48
 
 
 def handbuilt_model() -> Decoder:
-    cfg = DecoderConfig(vocab_size=V, d_model=64, n_layers=2, n_heads=4, d_head=32, attn_only=True,
-                        positions="learned", max_positions=NPOS, bias=False, tie_embeddings=False)
+    cfg = DecoderConfig(
+        vocab_size=V,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        d_head=32,
+        attn_only=True,
+        positions="learned",
+        max_positions=NPOS,
+        bias=False,
+        tie_embeddings=False,
+    )
     m = Decoder(cfg).eval()
     with torch.no_grad():
         for p in m.parameters():
@@ -37,14 +47,14 @@ def handbuilt_model() -> Decoder:
             WQ[0, POS + i, i - 1] = BETA
         for i in range(NPOS):
             WK[0, POS + i, i] = 1.0
-        for t in range(V):       # OV: token t at the key -> PREV + t in the stream
+        for t in range(V):  # OV: token t at the key -> PREV + t in the stream
             WV[0, TOK + t, t] = 1.0
             WO[0, t, PREV + t] = 1.0
-        WQ[1, CONST, 0] = BETA   # L0H1: every query -> position 0
+        WQ[1, CONST, 0] = BETA  # L0H1: every query -> position 0
         WK[1, POS + 0, 0] = 1.0
         for i in range(1, NPOS):
             WV[1, POS + i, i] = 1.0  # value norm 0 at the sink, 1 elsewhere
-        for t in range(V):       # L0H2: same token, minus itself
+        for t in range(V):  # L0H2: same token, minus itself
             WQ[2, TOK + t, t] = BETA
             WK[2, TOK + t, t] = 1.0
         for i in range(NPOS):
@@ -54,7 +64,7 @@ def handbuilt_model() -> Decoder:
             WQ[3, POS + i, i - 2] = BETA
         for i in range(NPOS):
             WK[3, POS + i, i] = 1.0
-        for t in range(V):       # L1H0: current token against "previous token" dims
+        for t in range(V):  # L1H0: current token against "previous token" dims
             a1.W_Q[0, TOK + t, t] = BETA
             a1.W_K[0, PREV + t, t] = 1.0
             a1.W_V[0, TOK + t, t] = 1.0

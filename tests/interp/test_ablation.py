@@ -69,15 +69,14 @@ def test_effects_equal_ablating_each_head_by_hand():
 
 def test_errors():
     model = _model()
-    with pytest.raises(ValueError, match="kind"):
-        with ablate(model, [(0, 0)], kind="noise"):
-            pass
-    with pytest.raises(ValueError, match="head 4"):
-        with ablate(model, [(0, 4)]):
-            pass
-    with pytest.raises(ValueError, match="reference"):
-        with ablate(model, [(0, 0)], kind="mean"):
-            pass
-    with pytest.raises(ValueError, match="sequence length"):
-        with ablate(model, [(0, 0)], kind="resample", reference=torch.randint(0, 30, (1, 5))):
-            model(torch.randint(0, 30, (1, 7)))
+    with pytest.raises(ValueError, match="kind"), ablate(model, [(0, 0)], kind="noise"):
+        pass
+    with pytest.raises(ValueError, match="head 4"), ablate(model, [(0, 4)]):
+        pass
+    with pytest.raises(ValueError, match="reference"), ablate(model, [(0, 0)], kind="mean"):
+        pass
+    with (
+        pytest.raises(ValueError, match="sequence length"),
+        ablate(model, [(0, 0)], kind="resample", reference=torch.randint(0, 30, (1, 5))),
+    ):
+        model(torch.randint(0, 30, (1, 7)))

@@ -115,8 +115,9 @@ def test_stack_head_results():
     heads, labels = cache.stack_head_results(return_labels=True)
     assert heads.shape == (L * H, 2, 6, D) and labels[:2] == ["L0H0", "L0H1"] and labels[-1] == f"L{L - 1}H{H - 1}"
     for l in range(L):
-        torch.testing.assert_close(heads[l * H:(l + 1) * H].sum(0) + model.blocks[l].attn.b_O,
-                                   cache["attn_out", l], atol=ATOL, rtol=0)
+        torch.testing.assert_close(
+            heads[l * H : (l + 1) * H].sum(0) + model.blocks[l].attn.b_O, cache["attn_out", l], atol=ATOL, rtol=0
+        )
     two, labels = cache.stack_head_results(2, incl_remainder=True, return_labels=True)
     assert labels[-1] == "remainder" and two.shape[0] == 2 * H + 1
     torch.testing.assert_close(two.sum(0), cache["resid_post", 1], atol=ATOL, rtol=0)
@@ -164,8 +165,9 @@ def test_encoder_stream_is_not_a_sum_and_has_no_unembedding():
 def test_transformers_gpt2_decompose_and_logit_attrs():
     tr = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = tr.GPT2LMHeadModel(tr.GPT2Config(vocab_size=V, n_positions=32, n_embd=D, n_layer=2, n_head=H,
-                                             bos_token_id=1, eos_token_id=2)).eval()
+    model = tr.GPT2LMHeadModel(
+        tr.GPT2Config(vocab_size=V, n_positions=32, n_embd=D, n_layer=2, n_head=H, bos_token_id=1, eos_token_id=2)
+    ).eval()
     ids = torch.randint(0, V, (2, 6))
     logits, cache = run_with_cache(model, ids)
     parts = cache.decompose_resid()
@@ -195,8 +197,14 @@ def test_the_cache_holds_what_a_hook_in_the_same_pass_edited():
     ids = torch.randint(0, V, (1, 6))
     uni = torch.ones(6, 6).tril()
     uni = uni / uni.sum(-1, keepdim=True)
-    _, cache = run_with_cache(model, ids, fwd_hooks=[("blocks.1.attn.hook_pattern", lambda p, h: uni.expand_as(p).clone()),
-                                                    ("blocks.0.attn.hook_z", lambda z, h: z * 0)])
+    _, cache = run_with_cache(
+        model,
+        ids,
+        fwd_hooks=[
+            ("blocks.1.attn.hook_pattern", lambda p, h: uni.expand_as(p).clone()),
+            ("blocks.0.attn.hook_z", lambda z, h: z * 0),
+        ],
+    )
     torch.testing.assert_close(cache["pattern", 1], uni.expand(1, H, 6, 6))
     torch.testing.assert_close(cache.pattern(1, heads=[-1]), uni.expand(1, 1, 6, 6))
     assert not torch.allclose(cache["pattern", 0], uni.expand(1, H, 6, 6))  # layer 0 untouched (lazy)
@@ -209,7 +217,7 @@ def test_the_cache_holds_what_a_hook_in_the_same_pass_edited():
 def test_full_resid_decomposition_and_stack_activation(kind):
     model = _decoder(kind)
     ids = torch.randint(0, V, (2, 6))
-    logits, cache = run_with_cache(model, ids)
+    _logits, cache = run_with_cache(model, ids)
     parts, labels = cache.get_full_resid_decomposition(return_labels=True)
     assert labels[:2] == ["L0H0", "L0H1"] and labels[-1] == "bias" and f"{L - 1}_mlp_out" in labels
     assert parts.shape == (L * H + L + (2 if kind == "gpt2" else 1) + 1, 2, 6, D)
@@ -218,8 +226,9 @@ def test_full_resid_decomposition_and_stack_activation(kind):
     torch.testing.assert_close(mid.sum(0), cache["resid_mid", 1], atol=ATOL, rtol=0)
     # per-head direct logit attribution sums to the logit (minus ln_final's bias term), as decompose_resid's
     tok = torch.randint(0, V, (2, 6))
-    torch.testing.assert_close(cache.logit_attrs(parts, tok).sum(0), cache.logit_attrs(cache.decompose_resid(), tok).sum(0),
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        cache.logit_attrs(parts, tok).sum(0), cache.logit_attrs(cache.decompose_resid(), tok).sum(0), atol=ATOL, rtol=0
+    )
     st = cache.stack_activation("pattern")
     assert st.shape == (L, 2, H, 6, 6) and torch.equal(st[1], cache["pattern", 1])
     assert cache.stack_activation("scale", 2, "ln1").shape == (2, 2, 6, 1)

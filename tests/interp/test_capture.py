@@ -18,8 +18,9 @@ def _decoder(**kw):
     return Decoder(DecoderConfig(**cfg)).eval()
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(n_kv_heads=2), dict(n_kv_heads=1, positions="alibi"),
-                                dict(positions="learned", attn_only=True)])
+@pytest.mark.parametrize(
+    "kw", [dict(), dict(n_kv_heads=2), dict(n_kv_heads=1, positions="alibi"), dict(positions="learned", attn_only=True)]
+)
 def test_patterns_equal_output_attentions(kw):
     model = _decoder(**kw)
     ids = torch.randint(0, 40, (2, 11))
@@ -67,14 +68,14 @@ def test_fast_path_stays_on_and_nothing_materializes_during_forward(monkeypatch)
 
 def test_hooks_removed_even_after_an_error():
     model = _decoder()
-    with pytest.raises(RuntimeError):
-        with capture(model):
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), capture(model):
+        raise RuntimeError("boom")
     assert all(not m.hooks for _, m, _ in attention_modules(model))
 
 
 def test_capture_with_kv_cache_records_each_step():
     from attnlab.cache import DynamicCache
+
     model = _decoder(n_kv_heads=2)
     ids = torch.randint(0, 40, (1, 8))
     full = model(ids, output_attentions=True).attentions
@@ -90,25 +91,28 @@ def test_capture_with_kv_cache_records_each_step():
 
 def test_bad_arguments():
     model = _decoder()
-    with pytest.raises(ValueError, match="layers"):
-        with capture(model, layers=[7]):
-            pass
-    with pytest.raises(ValueError, match="keep"):
-        with capture(model, keep=("q", "attn")):
-            pass
+    with pytest.raises(ValueError, match="layers"), capture(model, layers=[7]):
+        pass
+    with pytest.raises(ValueError, match="keep"), capture(model, keep=("q", "attn")):
+        pass
     with pytest.raises(ValueError, match="heads"):
         with capture(model) as cap:
             model(torch.randint(0, 40, (1, 4)))
         cap.pattern(0, heads=[4])
-    with pytest.raises(ValueError, match="no attention modules"):
-        with capture(torch.nn.Linear(2, 2)):
-            pass
+    with pytest.raises(ValueError, match="no attention modules"), capture(torch.nn.Linear(2, 2)):
+        pass
 
 
 def test_transformers_model_through_the_bridge():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=60, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=60,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.set_attn_implementation("eager")
@@ -133,8 +137,7 @@ def test_negative_layers_and_heads_mean_what_they_mean_in_python():
     torch.testing.assert_close(cap.pattern(-1), want[2], atol=1e-6, rtol=0)
     torch.testing.assert_close(cap.pattern(2, heads=[-1, -4]), want[2][:, [3, 0]], atol=1e-6, rtol=0)
     assert cap[-3] is cap[0]
-    with pytest.raises(ValueError, match="layers"):
-        with capture(model, layers=[-4]):
-            pass
+    with pytest.raises(ValueError, match="layers"), capture(model, layers=[-4]):
+        pass
     with pytest.raises(ValueError, match="heads"):
         cap.pattern(0, heads=[-5])

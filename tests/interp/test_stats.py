@@ -23,11 +23,10 @@ import math
 import pytest
 import torch
 
-
-from attnlab import masks, scores  # noqa: E402
-from attnlab.interp.stats import HeadStats, head_stats, stats_from_probs  # noqa: E402
-from attnlab.ops.reference import reference_probs  # noqa: E402
-from tests.helpers import assert_close_rule, max_err  # noqa: E402
+from attnlab import masks, scores
+from attnlab.interp.stats import HeadStats, head_stats, stats_from_probs
+from attnlab.ops.reference import reference_probs
+from tests.helpers import assert_close_rule, max_err
 
 # Both sides compute the same sums in float64 in a different order (tiles vs whole rows)
 # and entropy by a different formula (log l - t/l vs -Σ p log p): a few hundred ulps at
@@ -67,13 +66,29 @@ CASES = {
     "document": (2, 2, 97, 97, 40, lambda n: masks.document(_ids(n)), None, {}),
     "nq_lt_nk_default_offset": (4, 4, 17, 97, 40, lambda n: masks.causal(), None, {}),
     # keys at 8..104, queries at 3..19: rows 0..4 precede every key (fully masked); sink = 8, 9
-    "q_offset_kv_offset": (4, 4, 17, 97, 40, lambda n: masks.causal(), None,
-                           dict(q_offset=3, kv_offset=8, sink_tokens=10)),
+    "q_offset_kv_offset": (
+        4,
+        4,
+        17,
+        97,
+        40,
+        lambda n: masks.causal(),
+        None,
+        dict(q_offset=3, kv_offset=8, sink_tokens=10),
+    ),
     "nq_gt_nk_top_left": (2, 2, 97, 40, 40, lambda n: masks.causal(), None, dict(q_offset=0)),
     "gqa_8_2": (8, 2, 97, 97, 40, lambda n: masks.causal(), None, {}),
     "mqa_8_1": (8, 1, 97, 97, 59, lambda n: masks.sliding_window(20), None, {}),
-    "alibi_causal": (4, 4, 97, 97, 40, lambda n: masks.causal(),
-                     lambda H: scores.alibi(torch.tensor([0.5, 0.25, 0.125, 0.0625])), {}),
+    "alibi_causal": (
+        4,
+        4,
+        97,
+        97,
+        40,
+        lambda n: masks.causal(),
+        lambda H: scores.alibi(torch.tensor([0.5, 0.25, 0.125, 0.0625])),
+        {},
+    ),
     "softcap_sliding": (4, 2, 97, 97, 59, lambda n: masks.sliding_window(30), lambda H: scores.softcap(5.0), {}),
     "negative_scale": (4, 2, 97, 97, 40, None, None, dict(scale=-0.3)),
     "negative_scale_causal": (4, 2, 97, 97, 40, lambda n: masks.causal(), None, dict(scale=-0.3)),
@@ -82,12 +97,27 @@ CASES = {
     "decode_1_over_97": (4, 2, 1, 97, 40, lambda n: masks.causal(), None, {}),
     "len1025_causal": (2, 1, 1025, 1025, 40, lambda n: masks.causal(), None, dict(block=(64, 128), sink_tokens=4)),
     "len1025_none": (2, 2, 1025, 1025, 59, None, None, dict(block=(128, 64))),
-    "key_bool_cols": (4, 2, 97, 97, 40, lambda n: masks.causal(), None,
-                      dict(key_positions=torch.arange(97) % 5 == 1)),
-    "key_bool_batch": (4, 2, 97, 97, 40, lambda n: masks.sliding_window(40), None,
-                       dict(key_positions=torch.stack([torch.arange(97) < 10, torch.arange(97) % 2 == 0]))),
-    "key_long_positions_offset": (2, 2, 30, 97, 40, lambda n: masks.causal(), None,
-                                  dict(kv_offset=5, key_positions=torch.tensor([5, 6, 50, 101]))),
+    "key_bool_cols": (4, 2, 97, 97, 40, lambda n: masks.causal(), None, dict(key_positions=torch.arange(97) % 5 == 1)),
+    "key_bool_batch": (
+        4,
+        2,
+        97,
+        97,
+        40,
+        lambda n: masks.sliding_window(40),
+        None,
+        dict(key_positions=torch.stack([torch.arange(97) < 10, torch.arange(97) % 2 == 0])),
+    ),
+    "key_long_positions_offset": (
+        2,
+        2,
+        30,
+        97,
+        40,
+        lambda n: masks.causal(),
+        None,
+        dict(kv_offset=5, key_positions=torch.tensor([5, 6, 50, 101])),
+    ),
 }
 
 
@@ -98,15 +128,24 @@ def _inputs(H, Hkv, Nq, Nk, D, dtype, seed=0):
     return q, k
 
 
-def _reference(q, k, *, mask=None, score_mod=None, scale=None, q_offset=None, kv_offset=0, sink_tokens=1,
-               key_positions=None):
+def _reference(
+    q, k, *, mask=None, score_mod=None, scale=None, q_offset=None, kv_offset=0, sink_tokens=1, key_positions=None
+):
     """stats_from_probs of the materialized reference pattern, in q's dtype's precision."""
     Nq, Nk, D = q.shape[2], k.shape[2], q.shape[3]
     qo = kv_offset + Nk - Nq if q_offset is None else q_offset
-    p, lse = reference_probs(q, k, mask=mask, score_mod=score_mod, scale=D ** -0.5 if scale is None else scale,
-                             q_offset=qo, kv_offset=kv_offset)
-    return stats_from_probs(p, q_offset=qo, kv_offset=kv_offset, sink_tokens=sink_tokens,
-                            key_positions=key_positions, lse=lse)
+    p, lse = reference_probs(
+        q,
+        k,
+        mask=mask,
+        score_mod=score_mod,
+        scale=D**-0.5 if scale is None else scale,
+        q_offset=qo,
+        kv_offset=kv_offset,
+    )
+    return stats_from_probs(
+        p, q_offset=qo, kv_offset=kv_offset, sink_tokens=sink_tokens, key_positions=key_positions, lse=lse
+    )
 
 
 def _run(name, dtype):
@@ -157,8 +196,7 @@ def test_float32_within_reference_error(name):
     _check_structure(fast, oracle)
     for f in FIELDS:
         if getattr(fast, f) is not None:
-            assert_close_rule(getattr(fast, f), getattr(same, f), getattr(oracle, f), torch.float32,
-                              what=f"{name}.{f}")
+            assert_close_rule(getattr(fast, f), getattr(same, f), getattr(oracle, f), torch.float32, what=f"{name}.{f}")
 
 
 def test_bfloat16_within_reference_error():
@@ -197,8 +235,9 @@ def test_default_tiles_match():
 
 def test_fully_masked_rows_are_zero_never_nan():
     q, k = _inputs(2, 2, 33, 33, 40, torch.float32)
-    st = head_stats(q, k, mask=masks.padding([0, 5]) & masks.causal(), key_positions=torch.tensor([0, 1]),
-                    block_q=8, block_k=8)
+    st = head_stats(
+        q, k, mask=masks.padding([0, 5]) & masks.causal(), key_positions=torch.tensor([0, 1]), block_q=8, block_k=8
+    )
     assert not st.valid[0].any() and st.valid[1].all()
     for f in ("entropy", "sink_mass", "prev_mass", "max_weight", "key_mass"):
         x = getattr(st, f)
@@ -240,8 +279,9 @@ def test_sink_tokens_and_key_positions_forms():
     m = masks.sliding_window(25)
     st0 = head_stats(q, k, mask=m, sink_tokens=0, block_q=16, block_k=16)
     assert (st0.sink_mass == 0).all()
-    st_all = head_stats(q, k, mask=m, sink_tokens=1000, key_positions=torch.ones(60, dtype=torch.bool),
-                        block_q=16, block_k=16)
+    st_all = head_stats(
+        q, k, mask=m, sink_tokens=1000, key_positions=torch.ones(60, dtype=torch.bool), block_q=16, block_k=16
+    )
     assert torch.allclose(st_all.sink_mass, torch.ones_like(st_all.sink_mass), atol=1e-12)
     assert torch.allclose(st_all.key_mass, torch.ones_like(st_all.key_mass), atol=1e-12)
     sel = torch.tensor([0, 3, 17, 41, 59])
@@ -276,8 +316,9 @@ def test_empty_tiles_are_skipped():
 
 def test_per_head_means():
     q, k = _inputs(4, 2, 40, 40, 40, torch.float64)
-    st = head_stats(q, k, mask=masks.padding([0, 30]) & masks.causal(), key_positions=torch.tensor([2, 3]),
-                    block_q=16, block_k=16)
+    st = head_stats(
+        q, k, mask=masks.padding([0, 30]) & masks.causal(), key_positions=torch.tensor([2, 3]), block_q=16, block_k=16
+    )
     for skip in (0, 1, 5):
         ph = st.per_head(skip_first=skip)
         assert set(ph) == {"entropy", "sink_mass", "prev_mass", "max_weight", "key_mass", "rows"}

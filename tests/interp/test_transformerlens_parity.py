@@ -24,23 +24,34 @@ ALIASES = {"logits": "hook_unembed"}  # attnlab name -> TL name for the same ten
 
 def _tokenizer(folder, vocab):
     from tokenizers import Tokenizer, models, pre_tokenizers
+
     tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="t1", eos_token="t2", unk_token="t0",
-                                               pad_token="t3")
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="t1", eos_token="t2", unk_token="t0", pad_token="t3"
+    )
     tok.save_pretrained(folder)
 
 
 def _models(kind, folder):
     torch.manual_seed(0)
     if kind == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-                                      bos_token_id=1, eos_token_id=2)
+        cfg = transformers.GPT2Config(
+            vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2
+        )
         cls = transformers.GPT2LMHeadModel
     else:  # GQA Llama: 4 query heads over 2 kv heads
-        cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                       bos_token_id=1, eos_token_id=2)
+        cfg = transformers.LlamaConfig(
+            vocab_size=100,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
         cls = transformers.LlamaForCausalLM
     ours = cls(cfg).eval()
     ours.save_pretrained(folder)
@@ -54,6 +65,7 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     import huggingface_hub.constants as hc
+
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True, raising=False)
 
 
@@ -87,8 +99,15 @@ def test_every_shared_hook_name_holds_the_same_activation(kind, tmp_path, offlin
     tl_only = {n for n in tl_names - set(shared) - set(ALIASES.values())}
     assert all(TL_ONLY.search(n) for n in tl_only), sorted(n for n in tl_only if not TL_ONLY.search(n))
     names = set(hook_names(ours))
-    want_shared = {"hook_embed", "blocks.1.hook_resid_mid", "blocks.0.ln1.hook_scale", "blocks.1.attn.hook_pattern",
-                   "blocks.0.attn.hook_z", "blocks.1.mlp.hook_post", "ln_final.hook_normalized"}
+    want_shared = {
+        "hook_embed",
+        "blocks.1.hook_resid_mid",
+        "blocks.0.ln1.hook_scale",
+        "blocks.1.attn.hook_pattern",
+        "blocks.0.attn.hook_z",
+        "blocks.1.mlp.hook_post",
+        "ln_final.hook_normalized",
+    }
     assert want_shared <= set(shared)
     if kind == "llama":
         assert {"blocks.0.attn.hook_rot_q", "blocks.0.attn.hook_rot_k", "blocks.0.mlp.hook_pre_linear"} <= set(shared)
@@ -98,10 +117,12 @@ def test_every_shared_hook_name_holds_the_same_activation(kind, tmp_path, offlin
     N = ids.shape[1]
     uniform = torch.ones(N, N).tril()
     uniform = uniform / uniform.sum(-1, keepdim=True)
-    edits = [("blocks.0.attn.hook_z", lambda z, hook: z.index_fill(2, torch.tensor([1]), 0.0)),
-             ("blocks.1.hook_resid_pre", lambda x, hook: x.index_fill(1, torch.tensor([3]), 0.5)),
-             ("blocks.0.hook_mlp_out", lambda x, hook: x * 2),
-             ("blocks.1.attn.hook_pattern", lambda p, hook: uniform.expand_as(p).to(p.dtype).clone())]
+    edits = [
+        ("blocks.0.attn.hook_z", lambda z, hook: z.index_fill(2, torch.tensor([1]), 0.0)),
+        ("blocks.1.hook_resid_pre", lambda x, hook: x.index_fill(1, torch.tensor([3]), 0.5)),
+        ("blocks.0.hook_mlp_out", lambda x, hook: x * 2),
+        ("blocks.1.attn.hook_pattern", lambda p, hook: uniform.expand_as(p).to(p.dtype).clone()),
+    ]
     for edit in edits:
         want = bridge.run_with_hooks(ids, fwd_hooks=[edit])
         got = run_with_hooks(ours, ids, fwd_hooks=[edit])

@@ -55,8 +55,10 @@ EXPECTED = {
     "attention-cost-quadratic": H,
     "linear-attention-reassociation": H,
 }
-OURS = {f"attnlab.lab.claims.{m}" for m in ("scores", "softmax", "multihead", "circuits", "positions", "masking",
-                                            "inference")}
+OURS = {
+    f"attnlab.lab.claims.{m}"
+    for m in ("scores", "softmax", "multihead", "circuits", "positions", "masking", "inference")
+}
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +167,8 @@ def test_main(tmp_path, capsys, monkeypatch):
 
     def boom():
         raise RuntimeError("boom")
-    monkeypatch.setitem(C.REGISTRY._claims, "zz-raises",
-                        C.Claim("zz-raises", "t", C.SEED_000, ("q",), boom, "tests"))
+
+    monkeypatch.setitem(C.REGISTRY._claims, "zz-raises", C.Claim("zz-raises", "t", C.SEED_000, ("q",), boom, "tests"))
     assert main(["claims", "zz-raises", "--no-progress"]) == 1
 
 
@@ -179,16 +181,18 @@ def test_run_claims_restores_threads():
 # ----------------------------------------------------------------------------- broken implementations
 def test_scale_of_one_flips_the_variance_claims(monkeypatch):
     from attnlab.ops import args
+
     monkeypatch.setattr(args, "scale_arg", lambda scale, D: 1.0 if scale is None else float(scale))
     assert _verdict("scaling-restores-unit-variance") is N
     assert _verdict("score-variance-grows-with-dk") is N
-    assert _verdict("dot-product-cosine") is H          # an explicit scale is untouched
+    assert _verdict("dot-product-cosine") is H  # an explicit scale is untouched
 
 
 def test_leaky_causal_mask_flips_the_past_fixed_claim(monkeypatch):
     from attnlab import masks
     from attnlab.masks import cache as mask_cache
     from attnlab.nn import decoder
+
     causal = type(masks.causal())
     mask_cache.clear()  # tiles classified before the leak would hide it; tiles classified with it must not stay
     monkeypatch.setattr(causal, "predicate", lambda self, b, h, q, kv: kv <= q + 1)  # peeks one ahead
@@ -203,27 +207,35 @@ def test_leaky_causal_mask_flips_the_past_fixed_claim(monkeypatch):
 
 def test_stale_kv_cache_flips_the_cache_claim(monkeypatch):
     from attnlab.cache.base import DenseKV
+
     attend = DenseKV.attend
 
     def forgets_newest(self, q, **kw):  # a cache that does not show the newest key/value
         if self.k.shape[2] < 2:
             return attend(self, q, **kw)
-        return attend(DenseKV(self.k[:, :, :-1], self.v[:, :, :-1], self.kv_offset, self.q_offset,
-                              self.q_positions), q, **kw)
+        return attend(
+            DenseKV(self.k[:, :, :-1], self.v[:, :, :-1], self.kv_offset, self.q_offset, self.q_positions), q, **kw
+        )
+
     monkeypatch.setattr(DenseKV, "attend", forgets_newest)
     assert _verdict("kv-cache-equals-recomputation") is N
 
 
 def test_absolute_angle_rope_flips_the_relative_offset_claim(monkeypatch):
     from attnlab.positions import RoPE
+
     cos_sin = RoPE.cos_sin
-    monkeypatch.setattr(RoPE, "cos_sin", lambda self, positions, dtype=torch.float32:
-                        cos_sin(self, positions * positions.abs() // 3, dtype=dtype))  # angle ∝ position²
+    monkeypatch.setattr(
+        RoPE,
+        "cos_sin",
+        lambda self, positions, dtype=torch.float32: cos_sin(self, positions * positions.abs() // 3, dtype=dtype),
+    )  # angle ∝ position²
     assert _verdict("rope-relative-offset") is N
 
 
 def test_identity_rope_flips_the_permutation_claim(monkeypatch):
     from attnlab.positions import RoPE
+
     monkeypatch.setattr(RoPE, "forward", lambda self, x, positions: x)  # RoPE that rotates nothing
     assert _verdict("permutation-equivariance") is N
 
@@ -231,14 +243,16 @@ def test_identity_rope_flips_the_permutation_claim(monkeypatch):
 def test_scaled_concatenation_flips_the_budget_of_heads_not_the_torch_parity(monkeypatch):
     """If attnlab scaled the concatenation by 1/sqrt(h) as the seed says, it would part from torch."""
     from attnlab.nn import attention as nn_attention
+
     out = nn_attention.MultiHeadAttention._out
 
     def scaled(self, z, B, N_):
-        return out(self, z / self.n_heads ** 0.5, B, N_)
+        return out(self, z / self.n_heads**0.5, B, N_)
+
     monkeypatch.setattr(nn_attention.MultiHeadAttention, "_out", scaled)
     (r,) = C.run_claims(["concat-scaled-by-inverse-sqrt-h"], progress=False)
     assert r.evidence["max |attnlab − torch.nn.MultiheadAttention|"] > 0.1
-    assert _verdict("w-o-mixes-heads") is N          # MHA ≠ Σ_m head_m W_O^m any more
+    assert _verdict("w-o-mixes-heads") is N  # MHA ≠ Σ_m head_m W_O^m any more
 
 
 def test_materializing_flash_flips_the_memory_claim(monkeypatch):
@@ -248,7 +262,9 @@ def test_materializing_flash_flips_the_memory_claim(monkeypatch):
     class Materializing:  # a "flash" kernel that builds the n×n matrix (and autograd saves it)
         @staticmethod
         def apply(pb, q, k, v, *params):
-            return reference_attention(q, k, v, score_mod=pb.score_mod, scale=pb.scale, q_offset=pb.q_offset,
-                                       kv_offset=pb.kv_offset)
+            return reference_attention(
+                q, k, v, score_mod=pb.score_mod, scale=pb.scale, q_offset=pb.q_offset, kv_offset=pb.kv_offset
+            )
+
     monkeypatch.setattr(flash, "_FlashFn", Materializing)
     assert _verdict("flash-exact-with-linear-memory") is N

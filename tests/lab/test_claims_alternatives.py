@@ -7,12 +7,12 @@ import torch
 import attnlab.lab.claims as C
 from attnlab.lab.claims import Verdict
 
-EXPECTED = {"hopfield-update-is-attention": Verdict.HOLDS,
-            "hopfield-exponential-capacity": Verdict.HOLDS_UNDER_CONDITIONS,
-            "linear-attention-approximates-softmax": Verdict.HOLDS_UNDER_CONDITIONS}
+EXPECTED = {
+    "hopfield-update-is-attention": Verdict.HOLDS,
+    "hopfield-exponential-capacity": Verdict.HOLDS_UNDER_CONDITIONS,
+    "linear-attention-approximates-softmax": Verdict.HOLDS_UNDER_CONDITIONS,
+}
 TIMED = ("linear-attention-faster-at-long-sequences", "additive-attention-costlier")  # wall-time evidence
-
-
 
 
 @pytest.mark.parametrize("claim_id", sorted(EXPECTED))
@@ -32,8 +32,9 @@ def test_timed_claims_run(claim_id, tmp_path, monkeypatch):
 
 def test_a_hopfield_update_with_the_wrong_temperature_flips_the_identity(monkeypatch):
     import attnlab.ops.hopfield as H
+
     real = H.hopfield_update
-    monkeypatch.setattr(H, "hopfield_update", lambda xi, X, beta: real(xi, X, beta ** 0.5))
+    monkeypatch.setattr(H, "hopfield_update", lambda xi, X, beta: real(xi, X, beta**0.5))
     (r,) = C.run_claims(["hopfield-update-is-attention"], progress=False)
     assert r.verdict is Verdict.DOES_NOT_HOLD
 
@@ -57,14 +58,25 @@ def test_favor_features_without_the_exponential_flip_the_approximation(monkeypat
 #: learning rates, softmax attention and the SSM.  Measured: attention 1.00 / 1.00, the SSM
 #: 0.56 / 0.23 (the no-binding bar is 0.75 / 0.52); 45 CPU seconds.  An attention mixer that sees only
 #: its own token (below) drops to chance, under the SSM: the verdict flips.
-SMALL_RECALL = dict(vocab_size=32, seq_len=16, n_pairs=(2, 4), d_model=32, n_heads=2, d_state=4, steps=600,
-                    batch_size=32, warmup_steps=100, mixers=("attention", "ssm"))
+SMALL_RECALL = dict(
+    vocab_size=32,
+    seq_len=16,
+    n_pairs=(2, 4),
+    d_model=32,
+    n_heads=2,
+    d_state=4,
+    steps=600,
+    batch_size=32,
+    warmup_steps=100,
+    mixers=("attention", "ssm"),
+)
 
 
 def _small_recall(monkeypatch):
     """The claim's ``recall.run()`` trains SMALL_RECALL, in this process (the pytest-xdist
     workers already hold the cores; the result does not depend on ``workers``)."""
     from attnlab.lab import recall
+
     cfg = recall.RecallConfig(**SMALL_RECALL)
     real = recall.run
     monkeypatch.setattr(recall, "run", lambda **kw: real(**{**kw, "config": cfg, "workers": 1}))
@@ -74,21 +86,22 @@ def _small_recall(monkeypatch):
 @pytest.mark.slow
 def test_ssm_recall_claim(monkeypatch):
     _small_recall(monkeypatch)
-    (r,) = C.run_claims(["ssm-weaker-content-recall"], progress=False)   # trained once, then the lab cache
+    (r,) = C.run_claims(["ssm-weaker-content-recall"], progress=False)  # trained once, then the lab cache
     assert r.ok, r.error
     assert r.verdict is Verdict.HOLDS_UNDER_CONDITIONS, (r.key_figure, r.evidence)
-    assert r.evidence["accuracy attention"][-1] > 0.9   # attention learnt the binding at this size
+    assert r.evidence["accuracy attention"][-1] > 0.9  # attention learnt the binding at this size
 
 
 @pytest.mark.slow
 def test_attention_that_sees_only_its_own_token_flips_the_recall_claim(monkeypatch, tmp_path):
     from attnlab import masks
-    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path))   # not the genuine run's cache entry
+
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path))  # not the genuine run's cache entry
     recall = _small_recall(monkeypatch)
     real_build = recall.build_model
     own_token = masks.sliding_window(1)
 
-    def build(cfg, mixer):   # softmax attention with its retrieval removed: each query sees itself only
+    def build(cfg, mixer):  # softmax attention with its retrieval removed: each query sees itself only
         model = real_build(cfg, mixer)
         if mixer == "attention":
             fwd = model.forward
@@ -103,10 +116,14 @@ def test_attention_that_sees_only_its_own_token_flips_the_recall_claim(monkeypat
 
 def test_an_ssm_that_recalls_like_attention_flips_the_recall_claim(monkeypatch):
     from attnlab.lab import recall
+
     acc = {"2": 1.0, "4": 1.0, "8": 0.99}
-    fake = {"n_pairs": [2, 4, 8], "no_binding": {"2": 0.75, "4": 0.52, "8": 0.34},
-            "config": {"seq_len": 32, "d_model": 64, "steps": 10},
-            "models": {m: {"accuracy": dict(acc), "params": 1} for m in ("attention", "ssm")}}
+    fake = {
+        "n_pairs": [2, 4, 8],
+        "no_binding": {"2": 0.75, "4": 0.52, "8": 0.34},
+        "config": {"seq_len": 32, "d_model": 64, "steps": 10},
+        "models": {m: {"accuracy": dict(acc), "params": 1} for m in ("attention", "ssm")},
+    }
     monkeypatch.setattr(recall, "run", lambda **kw: fake)
     (r,) = C.run_claims(["ssm-weaker-content-recall"], progress=False)
     assert r.verdict is Verdict.DOES_NOT_HOLD

@@ -9,11 +9,11 @@ from attnlab.lab.claims import Verdict
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
-LAB = {"induction-heads-need-two-layers": Verdict.HOLDS,
-       "attention-sinks-in-trained-models": Verdict.HOLDS_UNDER_CONDITIONS,
-       "evicting-the-sink-collapses-quality": Verdict.DOES_NOT_HOLD}
-
-
+LAB = {
+    "induction-heads-need-two-layers": Verdict.HOLDS,
+    "attention-sinks-in-trained-models": Verdict.HOLDS_UNDER_CONDITIONS,
+    "evicting-the-sink-collapses-quality": Verdict.DOES_NOT_HOLD,
+}
 
 
 #: the trained models each claim reads (root conftest fixtures: trained once per run, shared by the workers)
@@ -32,7 +32,9 @@ def test_verdict(claim_id, request):
 
 def test_a_blind_induction_detector_flips_the_induction_claim(monkeypatch, induction_models):
     import torch
+
     from attnlab.interp import detectors
+
     # the induction score is recomputed from the (cached) models: a detector that sees nothing flips the verdict
     monkeypatch.setattr(detectors, "induction", lambda p, tokens: torch.zeros(p.shape[1]))
     (r,) = C.run_claims(["induction-heads-need-two-layers"], progress=False)
@@ -40,11 +42,13 @@ def test_a_blind_induction_detector_flips_the_induction_claim(monkeypatch, induc
 
 
 def test_sinks_vanish_when_attention_ignores_the_special_tokens(monkeypatch):
-    from attnlab.lab import sinks
     import torch
+
+    from attnlab.lab import sinks
+
     real = sinks.D.keys_mass
 
-    def no_sinks(p, keys, rows=None):   # attention that never lands on [CLS]/[SEP]
+    def no_sinks(p, keys, rows=None):  # attention that never lands on [CLS]/[SEP]
         return torch.zeros(p.shape[1])
 
     monkeypatch.setattr(sinks.D, "keys_mass", no_sinks)
@@ -55,6 +59,7 @@ def test_sinks_vanish_when_attention_ignores_the_special_tokens(monkeypatch):
 
 def test_a_window_that_loses_quality_flips_the_streaming_claim(monkeypatch, text_models):
     import attnlab.lab.streaming as inf
+
     real = inf.streaming_table
 
     def collapsed(tm, **kw):  # as if the window-only cache had lost the model's sink

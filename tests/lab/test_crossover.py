@@ -7,26 +7,44 @@ import json
 import math
 
 import pytest
-import torch
 
 from attnlab.cli import main
 from attnlab.lab import crossover
 from attnlab.lab.crossover import LINEAR, METHODS, SOFTMAX, _crossover, run, summary
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny problems: a 2nd thread only spins
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return run(ns=(32, 64), reps=1, d_head=16, heads=2, error_features=(8, 64, 512), error_n=64,
-               error_scales=(1.0, 0.5), error_seeds=3, progress=False)
+    return run(
+        ns=(32, 64),
+        reps=1,
+        d_head=16,
+        heads=2,
+        error_features=(8, 64, 512),
+        error_n=64,
+        error_scales=(1.0, 0.5),
+        error_seeds=3,
+        progress=False,
+    )
 
 
 def test_runs_and_records(tiny):
     r = tiny
-    assert {"config", "env", "ns", "times", "samples", "ratios", "crossover", "errors", "favor_vs_features",
-            "notes", "seconds"} <= set(r)
+    assert {
+        "config",
+        "env",
+        "ns",
+        "times",
+        "samples",
+        "ratios",
+        "crossover",
+        "errors",
+        "favor_vs_features",
+        "notes",
+        "seconds",
+    } <= set(r)
     assert r["ns"] == [32, 64]
     for mode in ("fwd", "fwdbwd"):
         for m in METHODS:
@@ -68,8 +86,10 @@ def test_favor_error_falls_as_features_grow(tiny):
 def test_crossover_bookkeeping():
     ns = [256, 512, 1024, 2048]
     assert _crossover(ns, [2.0, 1.5, 0.8, 0.5]) == {
-        "n": 1024, "interpolated": pytest.approx(2 ** (9 + math.log(1.5) / (math.log(1.5) - math.log(0.8)))),
-        "below_grid": False}
+        "n": 1024,
+        "interpolated": pytest.approx(2 ** (9 + math.log(1.5) / (math.log(1.5) - math.log(0.8)))),
+        "below_grid": False,
+    }
     assert _crossover(ns, [0.9, 0.8, 0.5, 0.2])["below_grid"] is True
     assert _crossover(ns, [0.9, 1.2, 1.1, 1.3])["n"] is None
     # a dip below 1 that does not last does not count: the crossover is where it stays below

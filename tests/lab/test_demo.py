@@ -8,12 +8,18 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from attnlab.cli import main  # noqa: E402
+from attnlab.cli import main
 
 pytestmark = pytest.mark.slow
 CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--disable-sync", "--no-first-run"]
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 def _open_in_chromium(path):
@@ -21,6 +27,7 @@ def _open_in_chromium(path):
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium); CI installs it")
     from playwright.sync_api import sync_playwright
+
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         pg = b.new_page(viewport={"width": 1280, "height": 900})
@@ -29,8 +36,9 @@ def _open_in_chromium(path):
         pg.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
         pg.on("request", lambda r: requests.append(r.url))
         pg.goto(path.as_uri())
-        pg.wait_for_function("() => [...document.querySelectorAll('figure.al-heat')].every(f => f.dataset.ready !== '0')",
-                             timeout=30_000)
+        pg.wait_for_function(
+            "() => [...document.querySelectorAll('figure.al-heat')].every(f => f.dataset.ready !== '0')", timeout=30_000
+        )
         titles = pg.eval_on_selector_all("h2", "els => els.map(e => e.textContent)")
         inked = pg.evaluate("""() => [...document.querySelectorAll('figure.al-heat canvas')].some(c => {
             const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
@@ -46,16 +54,25 @@ def test_demo_runs_and_its_report_opens(tmp_path, monkeypatch, capsys):
     # claims: their section is tested below on a few claims (the full set retrains the induction models)
     assert main(["demo", "--quick", "--no-claims", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    for part in ("== induction heads ==", "== attention sinks (MiniLM) ==", "== KV-cache decoding ==",
-                 "== associative recall (MQAR) ==",
-                 f"report: {out.resolve()}"):
+    for part in (
+        "== induction heads ==",
+        "== attention sinks (MiniLM) ==",
+        "== KV-cache decoding ==",
+        "== associative recall (MQAR) ==",
+        f"report: {out.resolve()}",
+    ):
         assert part in printed
     assert re.search(r"cache = recompute in (\d+)/\1", printed)  # every continuation equal
     console, errors, requests, titles, inked = _open_in_chromium(out)
     assert errors == [] and console == []
-    assert set(requests) == {out.resolve().as_uri()}             # nothing leaves the file
-    assert {"Induction heads form", "Attention sinks in MiniLM", "Decoding with the KV cache", "Hopfield capacity",
-            "Associative recall: softmax attention, linear attention, a state-space model"} <= set(titles)
+    assert set(requests) == {out.resolve().as_uri()}  # nothing leaves the file
+    assert {
+        "Induction heads form",
+        "Attention sinks in MiniLM",
+        "Decoding with the KV cache",
+        "Hopfield capacity",
+        "Associative recall: softmax attention, linear attention, a state-space model",
+    } <= set(titles)
     assert inked
 
 
@@ -63,6 +80,7 @@ def test_claims_section_renders(tmp_path):
     from attnlab.lab import pages
     from attnlab.lab.claims import run_claims
     from attnlab.report import Report
+
     results = run_claims(["dot-product-cosine", "w-o-shape-dh-by-d", "rope-relative-offset"], progress=False)
     r = Report("claims")
     pages.claims_section(r, results)
@@ -79,10 +97,10 @@ def test_inspect_prints_heads_and_writes_report(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "layers × 12 heads" in printed and "previous_token" in printed and "sink_vw" in printed
     html = out.read_text()
-    assert "<b>sat</b>" not in html                               # user text is escaped
-    console, errors, _, titles, inked = _open_in_chromium(out)
+    assert "<b>sat</b>" not in html  # user text is escaped
+    console, errors, _, _titles, inked = _open_in_chromium(out)
     assert errors == [] and console == [] and inked
-    assert main(["inspect", "   ", "--out", str(out)]) == 2       # a clear error, not a traceback
+    assert main(["inspect", "   ", "--out", str(out)]) == 2  # a clear error, not a traceback
 
 
 def test_inspect_shows_special_tokens_and_a_head_view(tmp_path, capsys):

@@ -14,12 +14,12 @@ def test_batches_make_induction_the_only_predictor():
     periods = set()
     for b in range(64):
         scored = (y[b] != I.IGNORE).nonzero().flatten()
-        P = int(scored[0])                        # the first copy is never scored
+        P = int(scored[0])  # the first copy is never scored
         periods.add(P)
         assert cfg.p_min <= P <= cfg.p_max and scored.tolist() == list(range(P, cfg.seq_len))
         t = scored
         assert torch.equal(y[b, t], x[b, t + 1 - P])  # next token = the one after the earlier copy
-    assert len(periods) > 5                       # no fixed offset finds the copy
+    assert len(periods) > 5  # no fixed offset finds the copy
 
 
 def test_cache_roundtrip(tmp_path, monkeypatch):
@@ -27,9 +27,9 @@ def test_cache_roundtrip(tmp_path, monkeypatch):
     cfg = I.InductionConfig(steps=4, eval_every=2, batch=4)
     m, log = I.load_or_train(cfg, 1, progress=False)
     assert log["step"] == [0, 2, 4] and len(log["train_loss"]) == 4
-    m2, log2 = I.load_or_train(cfg, 1, progress=False)   # from the cache: same weights, same log
+    m2, log2 = I.load_or_train(cfg, 1, progress=False)  # from the cache: same weights, same log
     assert log2 == log
-    for (k, a), (_, b) in zip(m.state_dict().items(), m2.state_dict().items()):
+    for (k, a), (_, b) in zip(m.state_dict().items(), m2.state_dict().items(), strict=True):
         assert torch.equal(a, b), k
 
 
@@ -41,16 +41,16 @@ def test_phase_change_step():
 
 @pytest.mark.slow
 def test_two_layers_form_an_induction_head_one_layer_does_not(induction_models):
-    res = I.run(progress=False)                   # the models trained once per run (induction_models)
+    res = I.run(progress=False)  # the models trained once per run (induction_models)
     two, one = res["models"]["2L"], res["models"]["1L"]
     f2, f1 = two["final"], one["final"]
-    assert max(map(max, f2["induction"][1:])) > 0.5          # an induction head in layer 1
-    assert max(f2["previous_token"][0]) > 0.4                 # fed by a previous-token head in layer 0
-    assert max(f1["induction"][0]) < 0.25                     # the control has none
+    assert max(map(max, f2["induction"][1:])) > 0.5  # an induction head in layer 1
+    assert max(f2["previous_token"][0]) > 0.4  # fed by a previous-token head in layer 0
+    assert max(f1["induction"][0]) < 0.25  # the control has none
     b = f2["k_comp_baseline"]
     assert f2["k_comp_induction_prev"] > b["mean"] + 4 * b["std"]
     assert two["phase_change_step"] is not None and one["phase_change_step"] is None
     assert f2["second_half_loss"] < 0.5 * f1["second_half_loss"]
     pl, ph = f2["prev_token_head"]
-    assert f2["ablation"][pl][ph] > 1.0                        # removing the previous-token head breaks it
+    assert f2["ablation"][pl][ph] > 1.0  # removing the previous-token head breaks it
     assert two["log"]["icl"][-1] < one["log"]["icl"][-1]

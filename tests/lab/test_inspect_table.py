@@ -10,18 +10,21 @@ from attnlab.lab import demo, induction
 def _scores():
     sink = torch.zeros(2, 3)
     sink[1, 2] = 0.8
-    return {"sink": HeadScores("sink", sink, [0, 1]), "induction": HeadScores("induction", torch.zeros(2, 3), [0, 1]),
-            "sink_vw": HeadScores("sink_vw", sink * 0.5, [0, 1]),
-            "positional": HeadScores("positional", torch.full((2, 3), 0.004), [0, 1])}
+    return {
+        "sink": HeadScores("sink", sink, [0, 1]),
+        "induction": HeadScores("induction", torch.zeros(2, 3), [0, 1]),
+        "sink_vw": HeadScores("sink_vw", sink * 0.5, [0, 1]),
+        "positional": HeadScores("positional", torch.full((2, 3), 0.004), [0, 1]),
+    }
 
 
 def test_zero_scores_are_not_top_heads_and_the_columns_are_explained():
     text = "\n".join(demo.format_inspect(["a", "b"], _scores(), n_layers=2, n_heads=3))
     rows = {}
-    for line in text.splitlines():   # the table's row of each detector (the legend below repeats the names)
+    for line in text.splitlines():  # the table's row of each detector (the legend below repeats the names)
         if line.split():
             rows.setdefault(line.split()[0], line)
-    assert "L1H2 0.80" in rows["sink"] and "L0H0" not in rows["sink"]          # only the head that scores
+    assert "L1H2 0.80" in rows["sink"] and "L0H0" not in rows["sink"]  # only the head that scores
     assert "0.00" not in rows["induction"] and "none" in rows["induction"]
     assert "0.00" not in rows["positional"] and "none" in rows["positional"]  # 0.004 rounds to 0.00
     assert "L1H2 0.40" in rows["sink_vw"]

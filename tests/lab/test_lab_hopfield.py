@@ -6,10 +6,8 @@ out-stores the classical Hebbian one."""
 import json
 
 import pytest
-import torch
 
 from attnlab.lab.hopfield import run, summary
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny problems: a 2nd thread only spins
 
@@ -43,7 +41,7 @@ def test_accuracy_falls_with_n_and_capacity_rises_with_d(small):
     assert not any(m["censored"].values())
     # the modern network stores more than the classical one at the same corruption
     assert m["capacity"]["32"] > c["capacity"]["32"]
-    assert all(c["accuracy"][d][-1] == 0.0 for d in ("16", "32"))   # 512 patterns swamp a Hebbian net
+    assert all(c["accuracy"][d][-1] == 0.0 for d in ("16", "32"))  # 512 patterns swamp a Hebbian net
     assert small["growth"]["modern_log2_capacity_per_dim"] > 0
 
 

@@ -10,8 +10,19 @@ import torch
 from attnlab.lab import recall
 from attnlab.lab.recall import RecallConfig, mqar_batch, mqar_batches, run, summary
 
-TINY = RecallConfig(vocab_size=17, seq_len=16, n_pairs=(2, 4), d_model=16, n_layers=1, n_heads=2, d_state=4,
-                    steps=3, batch_size=4, warmup_steps=0, eval_sequences=8)
+TINY = RecallConfig(
+    vocab_size=17,
+    seq_len=16,
+    n_pairs=(2, 4),
+    d_model=16,
+    n_layers=1,
+    n_heads=2,
+    d_state=4,
+    steps=3,
+    batch_size=4,
+    warmup_steps=0,
+    eval_sequences=8,
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the root conftest's one-thread fixture
@@ -33,15 +44,15 @@ def test_mqar_layout():
         assert len(set(keys.tolist())) == 5 and ((keys >= 1) & (keys <= K)).all()
         assert ((values > K) & (values < 33)).all() and len(set(values.tolist())) == 5
         scored = (y[row] != -100).nonzero().flatten()
-        assert sorted(x[row, scored].tolist()) == sorted(keys.tolist())       # every key queried once
+        assert sorted(x[row, scored].tolist()) == sorted(keys.tolist())  # every key queried once
         for p in scored.tolist():
             assert p >= 10 and y[row, p] == values[keys == x[row, p]].item()  # target = its value
-            assert p + 1 >= 40 or x[row, p + 1] == y[row, p]                   # and the value follows
+            assert p + 1 >= 40 or x[row, p + 1] == y[row, p]  # and the value follows
         rest = torch.ones(40, dtype=torch.bool)
         rest[:10] = False
         rest[scored] = False
         rest[(scored + 1).clamp_max(39)] = False
-        assert (x[row, rest] == 0).all()                                        # filler elsewhere
+        assert (x[row, rest] == 0).all()  # filler elsewhere
 
 
 def test_mqar_mixture_and_errors():
@@ -55,22 +66,31 @@ def test_mqar_mixture_and_errors():
         mqar_batches(64, 4, 12, 4, seed=0)
     with pytest.raises(ValueError, match="batch_size: 5 must split evenly"):
         mqar_batches(17, 5, 16, (2, 4), seed=0)
-    with pytest.raises(ValueError, match="RecallConfig.mixers"):
+    with pytest.raises(ValueError, match=r"RecallConfig.mixers"):
         RecallConfig(mixers=("attention", "rnn"))
 
 
 def test_tiny_run_and_cache(lab_cache, monkeypatch):
     result = run(config=TINY, progress=False, workers=1)
-    assert set(result) == {"experiment", "key", "config", "n_pairs", "chance", "no_binding", "models", "elapsed_s",
-                           "torch"}
+    assert set(result) == {
+        "experiment",
+        "key",
+        "config",
+        "n_pairs",
+        "chance",
+        "no_binding",
+        "models",
+        "elapsed_s",
+        "torch",
+    }
     assert result["n_pairs"] == [2, 4] and result["chance"] == pytest.approx(1 / 8)
     assert result["no_binding"] == pytest.approx({"2": 3 / 4, "4": 25 / 48})
     assert set(result["models"]) == {"attention", "linear", "ssm"}
     for m in result["models"].values():
         assert set(m["accuracy"]) == {"2", "4"} and all(0 <= a <= 1 for a in m["accuracy"].values())
         assert m["params"] > m["mixer_params"] > 0 and m["final_loss"] > 0
-        assert [r["lr"] for r in m["runs"]] == list(TINY.lrs)          # every learning rate ran
-        best = min(m["runs"], key=lambda r: r["final_loss"])             # chosen by training loss
+        assert [r["lr"] for r in m["runs"]] == list(TINY.lrs)  # every learning rate ran
+        best = min(m["runs"], key=lambda r: r["final_loss"])  # chosen by training loss
         assert m["lr"] == best["lr"] and m["accuracy"] == best["accuracy"]
     p = result["models"]
     assert p["linear"]["mixer_params"] == p["attention"]["mixer_params"]
@@ -83,7 +103,7 @@ def test_tiny_run_and_cache(lab_cache, monkeypatch):
     assert run(config=TINY, progress=False, workers=1) == result
     monkeypatch.undo()
     monkeypatch.setenv("ATTNLAB_CACHE", str(lab_cache))
-    again = run(config=TINY, force=True, progress=False, workers=2)   # retrains in 2 processes: same numbers
+    again = run(config=TINY, force=True, progress=False, workers=2)  # retrains in 2 processes: same numbers
     for mixer, m in again["models"].items():
         assert m["accuracy"] == result["models"][mixer]["accuracy"]
         assert m["final_loss"] == pytest.approx(result["models"][mixer]["final_loss"], rel=1e-6)
@@ -93,6 +113,7 @@ def test_tiny_run_and_cache(lab_cache, monkeypatch):
 
 def test_main_writes_json_and_prints_table(lab_cache, monkeypatch, capsys, tmp_path):
     from attnlab.cli import main
+
     small = RecallConfig(**{**TINY.to_dict(), "mixers": ("ssm",), "n_pairs": (2,), "batch_size": 2, "lrs": (1e-3,)})
     monkeypatch.setattr(recall, "QUICK", small)
     path = tmp_path / "recall.json"

@@ -6,19 +6,22 @@ import torch
 
 pytest.importorskip("transformers")
 
-from attnlab.lab import sinks  # noqa: E402
+from attnlab.lab import sinks
 
 
 @pytest.fixture(scope="module")
 def minilm():
     from attnlab.models import load
+
     model, tok = load("minilm")
     return model.eval(), tok
 
 
 def test_masses_equal_transformers_eager_attentions(minilm):
     from transformers import BertModel
+
     from attnlab.models.load import minilm_path
+
     model, tok = minilm
     sents = sinks.SENTENCES[:5]
     res = sinks.analyse(model, tok, sents)
@@ -29,8 +32,8 @@ def test_masses_equal_transformers_eager_attentions(minilm):
     keep = b["attention_mask"].bool()
     last = keep.long().sum(1) - 1
     for l in range(6):
-        a = att[l]                                              # (B, H, N, N)
-        cls = a[..., 0]                                         # mass on [CLS] per query
+        a = att[l]  # (B, H, N, N)
+        cls = a[..., 0]  # mass on [CLS] per query
         sep = a.gather(-1, last.view(-1, 1, 1, 1).expand(-1, a.shape[1], a.shape[2], 1))[..., 0]
         w = keep.unsqueeze(1).float()
         want_cls = (cls * w).sum((0, 2)) / w.sum((0, 2))

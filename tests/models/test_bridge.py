@@ -23,26 +23,66 @@ def _registered():
 
 
 def _gpt2():
-    return T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=V, n_positions=64,
-                                          attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0))
+    return T.GPT2LMHeadModel(
+        T.GPT2Config(
+            n_layer=2,
+            n_head=4,
+            n_embd=64,
+            vocab_size=V,
+            n_positions=64,
+            attn_pdrop=0.0,
+            embd_pdrop=0.0,
+            resid_pdrop=0.0,
+        )
+    )
 
 
 def _llama():  # GQA 4:2
-    return T.LlamaForCausalLM(T.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    return T.LlamaForCausalLM(
+        T.LlamaConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )
 
 
 def _mistral():  # sliding window 4 < sequence length: the windowed mask is really used
-    return T.MistralForCausalLM(T.MistralConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
-                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                                                sliding_window=4, max_position_embeddings=64))
+    return T.MistralForCausalLM(
+        T.MistralConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            sliding_window=4,
+            max_position_embeddings=64,
+        )
+    )
 
 
 def _gemma2():  # alternating sliding (4) / full layers; softcap 0.5 and larger weights, so the cap bites
-    return T.Gemma2ForCausalLM(T.Gemma2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                              num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                              sliding_window=4, attn_logit_softcapping=0.5, query_pre_attn_scalar=8,
-                                              max_position_embeddings=64, initializer_range=0.3))
+    return T.Gemma2ForCausalLM(
+        T.Gemma2Config(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            sliding_window=4,
+            attn_logit_softcapping=0.5,
+            query_pre_attn_scalar=8,
+            max_position_embeddings=64,
+            initializer_range=0.3,
+        )
+    )
 
 
 DECODERS = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "gemma2": _gemma2}
@@ -108,8 +148,14 @@ def test_static_cache_generate_uses_top_left_prefill():
     # q_offset 0, so causal must be aligned top-left, not bottom-right.
     m = model_for("llama")
     ids = torch.randint(1, V, (1, 5), generator=torch.Generator().manual_seed(3))
-    kw = dict(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None,
-              cache_implementation="static")
+    kw = dict(
+        input_ids=ids,
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        cache_implementation="static",
+    )
     m.set_attn_implementation("eager")
     want = m.generate(**kw)
     m.set_attn_implementation("attnlab")
@@ -137,8 +183,14 @@ def test_gradients_match_eager(family):
 @pytest.fixture(scope="module")
 def bert():
     torch.manual_seed(0)
-    cfg = T.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                       intermediate_size=64, max_position_embeddings=64)
+    cfg = T.BertConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
     return T.BertModel(cfg).float().eval()
 
 
@@ -184,7 +236,7 @@ def test_output_attentions_returns_weights():
     got = run(m, "attnlab", input_ids=ids, attention_mask=am, output_attentions=True).attentions
     assert len(got) == len(want) == 2
     real = am.bool()
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype
         torch.testing.assert_close(g.transpose(1, 2)[real], w.transpose(1, 2)[real], atol=ATOL, rtol=0)
         assert (g.transpose(1, 2)[~real] == 0).all()  # fully masked rows: zeros, not eager's uniform
@@ -207,8 +259,9 @@ def test_output_attentions_weights_carry_the_gradient():
 def test_training_with_attention_dropout_runs_it():
     """(Was refused with NotImplementedError; tests/models/test_bridge_dropout.py covers it.)"""
     torch.manual_seed(0)
-    m = T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=V, attn_pdrop=0.5,
-                                       embd_pdrop=0.0, resid_pdrop=0.0))
+    m = T.GPT2LMHeadModel(
+        T.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=V, attn_pdrop=0.5, embd_pdrop=0.0, resid_pdrop=0.0)
+    )
     m.set_attn_implementation("attnlab")
     ids = torch.randint(1, V, (1, 5))
     m.eval()
@@ -220,6 +273,7 @@ def test_training_with_attention_dropout_runs_it():
 def test_register_names_and_backend():
     assert bridge.register() == bridge.register() == "attnlab"
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
     assert "attnlab" in T.AttentionInterface._global_mapping
     assert ALL_MASK_ATTENTION_FUNCTIONS["attnlab"] is sdpa_mask
     for bad in ("attnlab_flash", "my_sdpa", "eager", "", "flex_x"):
@@ -238,8 +292,11 @@ def test_register_names_and_backend():
 # --------------------------------------------------------------- the function itself
 def _qkv(B=2, H=4, Hkv=2, Nq=7, Nk=7, D=8, seed=5):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, H, Nq, D, generator=g), torch.randn(B, Hkv, Nk, D, generator=g),
-            torch.randn(B, Hkv, Nk, D, generator=g))
+    return (
+        torch.randn(B, H, Nq, D, generator=g),
+        torch.randn(B, Hkv, Nk, D, generator=g),
+        torch.randn(B, Hkv, Nk, D, generator=g),
+    )
 
 
 def _module(H=4, Hkv=2, **kw):
@@ -248,16 +305,19 @@ def _module(H=4, Hkv=2, **kw):
 
 def _eager(mod, q, k, v, mask, **kw):
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
     return eager_attention_forward(mod, q, k, v, mask, **kw)
 
 
 def _mask(fn, Nq, Nk, q_offset, B=2):
     from transformers.masking_utils import sdpa_mask
+
     return sdpa_mask(B, Nq, Nk, q_offset=q_offset, mask_function=fn, allow_is_causal_skip=False)
 
 
 def test_mask_none_alignment_decode_and_sliding_window():
     from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
     mod = _module()
     for Nq, Nk, w in ((7, 7, None), (1, 9, None), (7, 7, 3), (1, 9, 3)):
         q, k, v = _qkv(Nq=Nq, Nk=Nk)
@@ -316,6 +376,7 @@ def test_softcap_and_position_bias():
 
 def test_gpt_oss_sinks():
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
     q, k, v = _qkv()
     sinks = torch.randn(4, requires_grad=True)
     mod = _module(sinks=sinks)

@@ -31,8 +31,14 @@ def _gpt2():
 
 
 def _bert():
-    cfg = T.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                       intermediate_size=64, max_position_embeddings=32)
+    cfg = T.BertConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
     assert cfg.attention_probs_dropout_prob == 0.1
 
     def batch(ids):
@@ -106,6 +112,7 @@ def test_after_training_eval_mode_equals_eager(name):
 def test_the_bridge_runs_the_ops_dropout_in_training_only():
     import attnlab
     from attnlab import masks
+
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 4, 7, 8, generator=g) for _ in range(3))
     module = torch.nn.Module()

@@ -8,7 +8,7 @@ import torch._dynamo as dynamo
 from attnlab import masks
 from attnlab.nn import Decoder
 from attnlab.nn.config import DecoderConfig
-from tests.helpers import EXACT  # noqa: E402
+from tests.helpers import EXACT
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,8 +26,9 @@ class _Logits(torch.nn.Module):
 
 def test_export_of_a_decoder_matches_eager():
     torch.manual_seed(0)
-    dec = Decoder(DecoderConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_positions=32,
-                                backend="flash")).eval()
+    dec = Decoder(
+        DecoderConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_positions=32, backend="flash")
+    ).eval()
     ids = torch.randint(0, 32, (2, 10))
     ep = torch.export.export(_Logits(dec), (ids,))
     other = torch.randint(0, 32, (2, 10))
@@ -40,10 +41,21 @@ def gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from attnlab.models import bridge
+
     bridge.register()
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=32, attn_pdrop=0.0,
-                     resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        vocab_size=50,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=32,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = GPT2LMHeadModel(cfg).eval()
     model.set_attn_implementation("attnlab")
     return model
@@ -70,5 +82,4 @@ def test_export_of_a_bridged_gpt2_matches_eager(gpt2):
     torch.testing.assert_close(ep.module()(ids, keep), want, **EXACT)
     keep2 = keep.clone()
     keep2[0, :5] = 0  # another padding pattern: the exported program reads the mask's values
-    torch.testing.assert_close(ep.module()(ids, keep2), gpt2(input_ids=ids, attention_mask=keep2).logits,
-                               **EXACT)
+    torch.testing.assert_close(ep.module()(ids, keep2), gpt2(input_ids=ids, attention_mask=keep2).logits, **EXACT)

@@ -64,7 +64,7 @@ def test_unexpected_tensor(gpt2_dir):
 
 def test_nan_weights(gpt2_dir):
     _rewrite(gpt2_dir, lambda t: t["transformer.ln_f.weight"].__setitem__(0, float("nan")))
-    with pytest.raises(CheckpointError, match="'ln_f.weight' holds NaN"):
+    with pytest.raises(CheckpointError, match=r"'ln_f.weight' holds NaN"):
         load(gpt2_dir)
 
 
@@ -80,17 +80,20 @@ def test_unsupported_model_type_and_unknown_name(gpt2_dir, tmp_path):
     cfg = json.loads((gpt2_dir / "config.json").read_text())
     cfg["model_type"] = "t5"
     (gpt2_dir / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"model_type 't5' is not supported; supported: \['bert', 'gpt2', 'llama'\]"):
+    with pytest.raises(
+        CheckpointError, match=r"model_type 't5' is not supported; supported: \['bert', 'gpt2', 'llama'\]"
+    ):
         load(gpt2_dir)
-    with pytest.raises(ValueError, match="neither a known name .*'minilm'"):
+    with pytest.raises(ValueError, match=r"neither a known name .*'minilm'"):
         load("gpt-17")
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(CheckpointError, match=r"no config.json"):
         load(tmp_path)
 
 
 def test_pytorch_bin_uses_weights_only(gpt2_dir, tmp_path):
-    t = {k.removeprefix("transformer."): v for k, v in
-         safetensors.load_file(str(gpt2_dir / "model.safetensors")).items()}
+    t = {
+        k.removeprefix("transformer."): v for k, v in safetensors.load_file(str(gpt2_dir / "model.safetensors")).items()
+    }
     (gpt2_dir / "model.safetensors").unlink()
     torch.save(t, gpt2_dir / "pytorch_model.bin")
     model, _ = load(gpt2_dir)  # plain tensors load
@@ -120,7 +123,7 @@ def test_failed_assign_leaves_model_untouched():
 
 def test_tied_checkpoint_with_different_head_is_refused(gpt2_dir):
     _rewrite(gpt2_dir, lambda t: t.__setitem__("lm_head.weight", torch.randn_like(t["transformer.wte.weight"])))
-    with pytest.raises(CheckpointError, match="tie_word_embeddings is set but lm_head.weight differs"):
+    with pytest.raises(CheckpointError, match=r"tie_word_embeddings is set but lm_head.weight differs"):
         load(gpt2_dir)
 
 
@@ -130,7 +133,7 @@ def _shard_into(folder, files):
     (folder / "model.safetensors").unlink()
     names, wm = sorted(t), {}
     for i, f in enumerate(files):
-        part = names[i::len(files)]
+        part = names[i :: len(files)]
         (folder / f).parent.mkdir(parents=True, exist_ok=True)
         safetensors.save_file({n: t[n] for n in part}, str(folder / f), metadata={"format": "pt"})
         wm.update({n: f for n in part})

@@ -12,8 +12,6 @@ from attnlab.cache import DynamicCache, PagedCache, QuantizedCache, StaticCache,
 from attnlab.models import bridge  # noqa: E402
 from attnlab.models.hf_cache import as_hf_cache  # noqa: E402
 
-from tests.models.conftest import VOCAB  # noqa: E402
-
 PROMPT = torch.tensor([[5, 17, 3, 44, 9, 12, 7]])
 
 
@@ -42,14 +40,20 @@ def test_generation_with_an_attnlab_cache_equals_transformers_own(hf_checkpoint,
         hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         dh = cfg.hidden_size // cfg.num_attention_heads
         c = caches(kind, L, hkv, dh)
-        kw = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
-                  output_logits=True, return_dict_in_generate=True)
+        kw = dict(
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         got = hf.generate(PROMPT, past_key_values=as_hf_cache(c), **kw)
         want = hf.generate(PROMPT, **kw)
     finally:
         hf.set_attn_implementation("eager")
     assert torch.equal(got.sequences, want.sequences)
-    for a, b in zip(got.logits, want.logits):
+    for a, b in zip(got.logits, want.logits, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
     seen = c.seen if isinstance(c.seen, int) else int(c.seen[0])
     assert seen == PROMPT.shape[1] + 9  # the last token is produced, not cached
@@ -57,13 +61,19 @@ def test_generation_with_an_attnlab_cache_equals_transformers_own(hf_checkpoint,
 
 def test_int8_cache_stays_close(hf_checkpoint):
     _, hf = hf_checkpoint("llama-gqa")
-    kw = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
-              return_dict_in_generate=True)
+    kw = dict(
+        max_new_tokens=8,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     q = QuantizedCache(2, bits=8, group_size=4, residual=4)
     got = hf.generate(PROMPT, past_key_values=as_hf_cache(q), **kw)
     want = hf.generate(PROMPT, **kw)
     scale = max(float(x.abs().max()) for x in want.logits)
-    err = max(float((a - b).abs().max()) for a, b in zip(got.logits, want.logits))
+    err = max(float((a - b).abs().max()) for a, b in zip(got.logits, want.logits, strict=True))
     assert 0 < err < 0.02 * scale  # quantized: not exact, but close (int8 step ~ range/255)
 
 

@@ -7,9 +7,8 @@ import torch
 
 from attnlab.cache import DynamicCache
 from attnlab.models import load
-
+from tests.helpers import EXACT
 from tests.models.conftest import VOCAB
-from tests.helpers import EXACT  # noqa: E402
 
 DECODERS = ["gpt2", "gpt2-untied", "llama-gqa", "llama-mqa-tied-bias", "llama-yarn", "llama3-rope"]
 

@@ -58,8 +58,13 @@ def test_hidden_states_and_attention_match_bert(models):
     keep = batch["attention_mask"].bool()
     with torch.no_grad():
         ref = hf(**batch, output_attentions=True, output_hidden_states=True)
-        got = ours(batch["input_ids"], attention_mask=batch["attention_mask"],
-                   token_type_ids=batch["token_type_ids"], output_attentions=True, output_hidden_states=True)
+        got = ours(
+            batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            token_type_ids=batch["token_type_ids"],
+            output_attentions=True,
+            output_hidden_states=True,
+        )
         # each layer's attention probabilities from the same input (transformers' residual
         # stream entering that layer): every query row, every key; padding keys get exactly
         # 0 here and ~1e-45 through transformers' additive finfo.min mask
@@ -69,17 +74,18 @@ def test_hidden_states_and_attention_match_bert(models):
             assert (pattern * ~keep[:, None, None, :]).abs().max() == 0
     # token embeddings (the embedding layer's output) and every layer's residual stream, on real tokens
     assert len(got.hidden_states) == len(ref.hidden_states) == 7
-    for r, g in zip(ref.hidden_states, got.hidden_states):
+    for r, g in zip(ref.hidden_states, got.hidden_states, strict=True):
         torch.testing.assert_close(g[keep], r[keep], atol=1e-5, rtol=0)
     torch.testing.assert_close(got.pooled, ref.pooler_output, atol=1e-5, rtol=0)
     # End to end, the probabilities of deep layers differ by up to ~2e-5 between the two
     # float32 models: float32 rounding of six layers, not a bug.  Measured against
     # transformers in float64, attnlab's float32 error is no larger than transformers' own.
-    hf64 = transformers.BertModel.from_pretrained(str(minilm_path()), attn_implementation="eager",
-                                                  dtype=torch.float64).eval()
+    hf64 = transformers.BertModel.from_pretrained(
+        str(minilm_path()), attn_implementation="eager", dtype=torch.float64
+    ).eval()
     with torch.no_grad():
         truth = hf64(**batch, output_attentions=True).attentions
-    for t, r, g in zip(truth, ref.attentions, got.attentions):
+    for t, r, g in zip(truth, ref.attentions, got.attentions, strict=True):
         ours_err, theirs_err = (g - t).abs().max(), (r - t).abs().max()
         assert ours_err <= 1.5 * theirs_err + 1e-6, (ours_err, theirs_err)
 
@@ -100,12 +106,15 @@ def test_sentence_embeddings_match_transformers_and_sentence_transformers(models
 
 def test_embeddings_are_meaningful(models):
     ours, tok, _ = models
-    e = sentence_embeddings(ours, tok, ["A man is playing a guitar.", "Someone plays an instrument.",
-                                        "The stock market fell sharply today."])
+    e = sentence_embeddings(
+        ours,
+        tok,
+        ["A man is playing a guitar.", "Someone plays an instrument.", "The stock market fell sharply today."],
+    )
     sim = e @ e.T
     assert sim[0, 1] > sim[0, 2] + 0.3  # paraphrases closer than an unrelated sentence
 
 
 def test_truncates_at_max_seq_length(models):
-    ours, tok, _ = models
+    _ours, tok, _ = models
     assert tok(["word " * 1000])["input_ids"].shape[1] == 256

@@ -18,12 +18,11 @@ import math
 import pytest
 import torch
 
-
-from attnlab import masks  # noqa: E402
-from attnlab.cache import DynamicCache  # noqa: E402
-from attnlab.nn import MultiHeadAttention  # noqa: E402
-from attnlab.positions import ALiBi, RoPE, alibi_slopes  # noqa: E402
-from tests.helpers import F32_REORDER_UNIT, assert_close_rule  # noqa: E402
+from attnlab import masks
+from attnlab.cache import DynamicCache
+from attnlab.nn import MultiHeadAttention
+from attnlab.positions import ALiBi, RoPE, alibi_slopes
+from tests.helpers import F32_REORDER_UNIT, assert_close_rule
 
 F64_TOL = 1e-10  # float64 module vs float64 reference: both exact to ~1e-15 at these sizes
 
@@ -38,7 +37,7 @@ def hand_rope(x, pos, base=10000.0):
     if ang.dim() == 3:
         ang = ang[:, None]
     cos, sin = ang.cos(), ang.sin()
-    a, b = x[..., : d // 2], x[..., d // 2:]
+    a, b = x[..., : d // 2], x[..., d // 2 :]
     return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
 
 
@@ -159,8 +158,9 @@ def test_shapes_of_views_are_exact():
     assert sum(p.numel() for p in nb.parameters()) == (4 + 2 * 2) * 7 * 20 + 20 * 4 * 7
 
 
-@pytest.mark.parametrize("view, index", [("W_Q", 1), ("W_K", 0), ("W_V", 1), ("W_O", 2),
-                                         ("b_Q", 3), ("b_K", 1), ("b_V", 0), ("b_O", None)])
+@pytest.mark.parametrize(
+    "view, index", [("W_Q", 1), ("W_K", 0), ("W_V", 1), ("W_O", 2), ("b_Q", 3), ("b_K", 1), ("b_V", 0), ("b_O", None)]
+)
 def test_views_share_storage_with_the_weights(view, index):
     mha = make_mha(20, 4, 2, 7)
     x = randx(2, 5, 20)
@@ -171,7 +171,7 @@ def test_views_share_storage_with_the_weights(view, index):
         t = getattr(mha, view)
         target = t if index is None else t[index]
         target.add_(torch.randn(target.shape, dtype=target.dtype, generator=torch.Generator().manual_seed(3)))
-    changed = [not torch.equal(a, b) for a, b in zip(fused_before, mha.parameters())]
+    changed = [not torch.equal(a, b) for a, b in zip(fused_before, mha.parameters(), strict=True)]
     assert sum(changed) == 1, f"writing {view} must change exactly one stored parameter"
     after = mha(x)
     if view == "b_K":  # a key bias adds q·b_K to a whole score row: softmax-invariant, so look at k
@@ -181,8 +181,16 @@ def test_views_share_storage_with_the_weights(view, index):
     assert_close(after, reference_mha(mha, x)[0], what=f"after writing {view}")
     # the view is a view: the same storage, no copy
     t = getattr(mha, view)
-    owner = {"W_Q": mha.qkv_weight, "W_K": mha.qkv_weight, "W_V": mha.qkv_weight, "W_O": mha.out_weight,
-             "b_Q": mha.qkv_bias, "b_K": mha.qkv_bias, "b_V": mha.qkv_bias, "b_O": mha.out_bias}[view]
+    owner = {
+        "W_Q": mha.qkv_weight,
+        "W_K": mha.qkv_weight,
+        "W_V": mha.qkv_weight,
+        "W_O": mha.out_weight,
+        "b_Q": mha.qkv_bias,
+        "b_K": mha.qkv_bias,
+        "b_V": mha.qkv_bias,
+        "b_O": mha.out_bias,
+    }[view]
     assert t.untyped_storage().data_ptr() == owner.untyped_storage().data_ptr()
 
 
@@ -195,8 +203,8 @@ def test_views_write_only_their_own_head():
     assert q[:, 5].abs().max() == 0
     assert (q[:, [4, 6]].abs().amax((0, 2, 3)) > 0).all()
     # the fused rows of query head 5 are zero, the neighbours are not
-    rows = mha.qkv_weight.detach()[5 * 4:6 * 4]
-    assert rows.abs().max() == 0 and mha.qkv_weight.detach()[4 * 4:5 * 4].abs().max() > 0
+    rows = mha.qkv_weight.detach()[5 * 4 : 6 * 4]
+    assert rows.abs().max() == 0 and mha.qkv_weight.detach()[4 * 4 : 5 * 4].abs().max() > 0
 
 
 # ----------------------------------------------------------------------------- cross attention
@@ -321,12 +329,12 @@ def test_cache_prefill_and_decode_equal_full_causal_forward(kind, Hkv, chunks, w
     cache = DynamicCache(1)[0]
     start = 0
     for n in chunks:
-        pos = full_pos[:, start:start + n] if with_pos else None
-        out, w = mha(x[:, start:start + n], mask=masks.causal(), cache=cache, pos=pos, need_weights=True)
+        pos = full_pos[:, start : start + n] if with_pos else None
+        out, w = mha(x[:, start : start + n], mask=masks.causal(), cache=cache, pos=pos, need_weights=True)
         assert cache.seen == start + n
         assert w.shape == (B, 4, n, start + n)
-        assert_close(out, full[:, start:start + n], what=f"tokens {start}..{start + n - 1}")
-        assert_close(w, wfull[:, :, start:start + n, :start + n], what="pattern")
+        assert_close(out, full[:, start : start + n], what=f"tokens {start}..{start + n - 1}")
+        assert_close(w, wfull[:, :, start : start + n, : start + n], what="pattern")
         start += n
 
 
@@ -336,7 +344,7 @@ def test_cache_float32_matches_full_forward():
     full = mha(x, mask=masks.causal())
     cache = DynamicCache(1)[0]
     outs = [mha(x[:, :5], mask=masks.causal(), cache=cache)]
-    outs += [mha(x[:, t:t + 1], mask=masks.causal(), cache=cache) for t in range(5, 8)]
+    outs += [mha(x[:, t : t + 1], mask=masks.causal(), cache=cache) for t in range(5, 8)]
     torch.testing.assert_close(torch.cat(outs, 1), full, **F32_REORDER_UNIT)
 
 
@@ -380,7 +388,7 @@ def test_need_weights_fully_masked_rows_are_zero_and_output_is_bias():
 
 def test_need_weights_causal_is_lower_triangular_float32():
     mha = make_mha(16, 4, dtype=torch.float32)
-    out, w = mha(randx(2, 6, 16, dtype=torch.float32), mask=masks.causal(), need_weights=True)
+    _out, w = mha(randx(2, 6, 16, dtype=torch.float32), mask=masks.causal(), need_weights=True)
     assert w.dtype == torch.float32
     assert (torch.triu(w, diagonal=1) == 0).all()
     assert (w[..., causal_allowed(6, 6)] > 0).all()
@@ -403,9 +411,16 @@ def test_dropout_eval_is_deterministic_and_equals_no_dropout():
     torch.testing.assert_close(plain(x, mask=masks.causal()), drop(x, mask=masks.causal()))
 
 
-@pytest.mark.parametrize("mask", [None, masks.causal(), masks.sliding_window(3),
-                                  masks.key_padding(torch.tensor([[False, True, True, True, True, True]]))],
-                         ids=["none", "causal", "window3", "key_padding"])
+@pytest.mark.parametrize(
+    "mask",
+    [
+        None,
+        masks.causal(),
+        masks.sliding_window(3),
+        masks.key_padding(torch.tensor([[False, True, True, True, True, True]])),
+    ],
+    ids=["none", "causal", "window3", "key_padding"],
+)
 def test_dropout_train_changes_output_and_is_unbiased(mask):
     mha = make_mha(16, 4, 2, dropout=0.3, dtype=torch.float32)
     x = randx(1, 6, 16, dtype=torch.float32)
@@ -423,9 +438,11 @@ def test_dropout_train_changes_output_and_is_unbiased(mask):
     assert z.max() < 5.0, f"sample mean is {z.max():.1f} standard errors from the no-dropout output"
 
 
-@pytest.mark.parametrize("mask, dependent_rows", [(masks.sliding_window(2), slice(2, None)),
-                                                  (masks.causal(), slice(0, 0))],
-                         ids=["window2", "causal"])
+@pytest.mark.parametrize(
+    "mask, dependent_rows",
+    [(masks.sliding_window(2), slice(2, None)), (masks.causal(), slice(0, 0))],
+    ids=["window2", "causal"],
+)
 def test_dropout_train_respects_the_mask(mask, dependent_rows):
     """With one seed, perturbing token 0 changes no row that may not see it (rows >= 2 under
     sliding_window(2)); and perturbing the last token changes no earlier row under causal()."""
@@ -467,9 +484,9 @@ def _run_grads(mha, x, mask, w):
     out = mha(x, mask=mask)
     loss = (out.double() * w).sum()
     params = [p for _, p in sorted(mha.named_parameters())]
-    grads = torch.autograd.grad(loss, [x] + params)
+    grads = torch.autograd.grad(loss, [x, *params])
     names = ["x"] + [n for n, _ in sorted(mha.named_parameters())]
-    return out.detach(), dict(zip(names, grads))
+    return out.detach(), dict(zip(names, grads, strict=True))
 
 
 @pytest.mark.parametrize("spec, mask_name", BACKEND_CASES)
@@ -477,15 +494,25 @@ def test_backends_agree_with_float64_oracle_including_gradients(spec, mask_name)
     spec = dict(spec)
     kind = spec.pop("positions", None)
     d_head = spec.get("d_head") or spec["d_model"] // spec["H"]
-    base = make_mha(spec["d_model"], spec["H"], spec["Hkv"], spec.get("d_head"), dtype=torch.float32,
-                    positions=positions_for(kind, spec["H"], d_head))
+    base = make_mha(
+        spec["d_model"],
+        spec["H"],
+        spec["Hkv"],
+        spec.get("d_head"),
+        dtype=torch.float32,
+        positions=positions_for(kind, spec["H"], d_head),
+    )
     B, N = 2, 11
     x = randx(B, N, spec["d_model"], dtype=torch.float32)
     keep = torch.ones(B, N, dtype=torch.bool)
     keep[1, :3] = False
     keep[1, 7] = False
-    mask = {"causal": masks.causal(), "none": None, "key_padding": masks.key_padding(keep),
-            "window": masks.sliding_window(4)}[mask_name]
+    mask = {
+        "causal": masks.causal(),
+        "none": None,
+        "key_padding": masks.key_padding(keep),
+        "window": masks.sliding_window(4),
+    }[mask_name]
     w = torch.randn(B, N, spec["d_model"], generator=torch.Generator().manual_seed(5), dtype=torch.float64)
 
     def variant(backend, dtype):
@@ -502,47 +529,62 @@ def test_backends_agree_with_float64_oracle_including_gradients(spec, mask_name)
         assert_close_rule(f_out, r_out, o_out, torch.float32, factor=2.0, what=f"{backend} out")
         for name in o_g:
             assert f_g[name].shape == o_g[name].shape
-            assert_close_rule(f_g[name], r_g[name], o_g[name], torch.float32, factor=3.0,
-                              what=f"{backend} d{name}")
+            assert_close_rule(f_g[name], r_g[name], o_g[name], torch.float32, factor=3.0, what=f"{backend} d{name}")
         assert all(g.abs().max() > 0 for g in f_g.values()), "every parameter must receive a gradient"
 
 
 # ----------------------------------------------------------------------------- errors
-@pytest.mark.parametrize("build, exc, words", [
-    (lambda: MultiHeadAttention(30, 4), ValueError, "d_model=30 is not divisible by n_heads=4"),
-    (lambda: MultiHeadAttention(32, 8, 3), ValueError, "n_heads=8 must be a multiple of n_kv_heads=3"),
-    (lambda: MultiHeadAttention(32, 4, 8), ValueError, "n_kv_heads=8"),
-    (lambda: MultiHeadAttention(32, 0), ValueError, "n_heads"),
-    (lambda: MultiHeadAttention(0, 4), ValueError, "d_model"),
-    (lambda: MultiHeadAttention(32, 4, 0), ValueError, "n_kv_heads"),
-    (lambda: MultiHeadAttention(32, 4, d_head=0), ValueError, "d_head"),
-    (lambda: MultiHeadAttention(32, 4.0), ValueError, "n_heads"),
-    (lambda: MultiHeadAttention(32, 4, positions=RoPE(16)), ValueError, "RoPE built for d_head=16"),
-    (lambda: MultiHeadAttention(30, 4, d_head=6, positions=RoPE(8)), ValueError, "d_head=6"),
-    (lambda: MultiHeadAttention(32, 4, positions=ALiBi(8)), ValueError, "ALiBi has 8 slopes for n_heads=4"),
-    (lambda: MultiHeadAttention(32, 4, positions="rope"), TypeError, "positions"),
-    (lambda: MultiHeadAttention(32, 4, backend="cuda"), ValueError, "backend"),
-    (lambda: MultiHeadAttention(32, 4, dropout=1.0), ValueError, "dropout"),
-    (lambda: MultiHeadAttention(32, 4, dropout=-0.1), ValueError, "dropout"),
-])
+@pytest.mark.parametrize(
+    "build, exc, words",
+    [
+        (lambda: MultiHeadAttention(30, 4), ValueError, "d_model=30 is not divisible by n_heads=4"),
+        (lambda: MultiHeadAttention(32, 8, 3), ValueError, "n_heads=8 must be a multiple of n_kv_heads=3"),
+        (lambda: MultiHeadAttention(32, 4, 8), ValueError, "n_kv_heads=8"),
+        (lambda: MultiHeadAttention(32, 0), ValueError, "n_heads"),
+        (lambda: MultiHeadAttention(0, 4), ValueError, "d_model"),
+        (lambda: MultiHeadAttention(32, 4, 0), ValueError, "n_kv_heads"),
+        (lambda: MultiHeadAttention(32, 4, d_head=0), ValueError, "d_head"),
+        (lambda: MultiHeadAttention(32, 4.0), ValueError, "n_heads"),
+        (lambda: MultiHeadAttention(32, 4, positions=RoPE(16)), ValueError, "RoPE built for d_head=16"),
+        (lambda: MultiHeadAttention(30, 4, d_head=6, positions=RoPE(8)), ValueError, "d_head=6"),
+        (lambda: MultiHeadAttention(32, 4, positions=ALiBi(8)), ValueError, "ALiBi has 8 slopes for n_heads=4"),
+        (lambda: MultiHeadAttention(32, 4, positions="rope"), TypeError, "positions"),
+        (lambda: MultiHeadAttention(32, 4, backend="cuda"), ValueError, "backend"),
+        (lambda: MultiHeadAttention(32, 4, dropout=1.0), ValueError, "dropout"),
+        (lambda: MultiHeadAttention(32, 4, dropout=-0.1), ValueError, "dropout"),
+    ],
+)
 def test_constructor_errors(build, exc, words):
     with pytest.raises(exc) as e:
         build()
     assert words in str(e.value)
 
 
-@pytest.mark.parametrize("call, exc, words", [
-    (lambda m: m(torch.randn(5, 32)), ValueError, "x: expected (B, N, d_model=32), got (5, 32)"),
-    (lambda m: m(torch.randn(1, 5, 16)), ValueError, "x: expected (B, N, d_model=32), got (1, 5, 16)"),
-    (lambda m: m([[0.0] * 32]), ValueError, "got list"),
-    (lambda m: m(torch.randn(2, 5, 32), torch.randn(3, 4, 32)), ValueError, "context: expected (B=2, M, d_model=32)"),
-    (lambda m: m(torch.randn(2, 5, 32), torch.randn(2, 4, 16)), ValueError, "context"),
-    (lambda m: m(torch.randn(2, 5, 32), mask=masks.key_padding(torch.ones(3, 5, dtype=torch.bool))),
-     ValueError, "key_padding(keep): got 3 rows for batch size B=2"),
-    (lambda m: m(torch.randn(2, 5, 32), mask=masks.key_padding(torch.ones(2, 4, dtype=torch.bool))),
-     ValueError, "key_padding(keep)"),
-    (lambda m: m(torch.randn(2, 5, 32), mask="causal"), TypeError, "mask"),
-])
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        (lambda m: m(torch.randn(5, 32)), ValueError, "x: expected (B, N, d_model=32), got (5, 32)"),
+        (lambda m: m(torch.randn(1, 5, 16)), ValueError, "x: expected (B, N, d_model=32), got (1, 5, 16)"),
+        (lambda m: m([[0.0] * 32]), ValueError, "got list"),
+        (
+            lambda m: m(torch.randn(2, 5, 32), torch.randn(3, 4, 32)),
+            ValueError,
+            "context: expected (B=2, M, d_model=32)",
+        ),
+        (lambda m: m(torch.randn(2, 5, 32), torch.randn(2, 4, 16)), ValueError, "context"),
+        (
+            lambda m: m(torch.randn(2, 5, 32), mask=masks.key_padding(torch.ones(3, 5, dtype=torch.bool))),
+            ValueError,
+            "key_padding(keep): got 3 rows for batch size B=2",
+        ),
+        (
+            lambda m: m(torch.randn(2, 5, 32), mask=masks.key_padding(torch.ones(2, 4, dtype=torch.bool))),
+            ValueError,
+            "key_padding(keep)",
+        ),
+        (lambda m: m(torch.randn(2, 5, 32), mask="causal"), TypeError, "mask"),
+    ],
+)
 def test_forward_errors(call, exc, words):
     m = MultiHeadAttention(32, 4)
     with pytest.raises(exc) as e:
@@ -552,7 +594,7 @@ def test_forward_errors(call, exc, words):
 
 def test_context_with_rope_is_rejected():
     m = MultiHeadAttention(32, 4, positions=RoPE(8))
-    with pytest.raises(ValueError, match="cross-attention .* RoPE"):
+    with pytest.raises(ValueError, match=r"cross-attention .* RoPE"):
         m(torch.randn(1, 3, 32), torch.randn(1, 4, 32))
 
 

@@ -68,13 +68,13 @@ def test_training_dropout_never_materializes_and_flash_grads_match_reference(mas
         torch.manual_seed(9)
         mha(_x(), mask=MASKS[mask]).pow(2).sum().backward()
         grads[backend] = [p.grad for p in mha.parameters()]
-    for a, b in zip(grads["flash"], grads["reference"]):
+    for a, b in zip(grads["flash"], grads["reference"], strict=True):
         assert torch.isfinite(a).all() and max_err(a, b) <= 1e3 * FLOOR[torch.float64]
 
 
 def test_sdpa_backend_refuses_training_dropout_and_eval_is_fine():
     mha = _mha(backend="sdpa", dtype=torch.float32)
-    with pytest.raises(ValueError, match="sdpa.*dropout"):
+    with pytest.raises(ValueError, match=r"sdpa.*dropout"):
         mha(_x(torch.float32), mask=masks.causal())
     mha.eval()
     assert mha(_x(torch.float32), mask=masks.causal()).shape == (2, 6, 16)
@@ -93,8 +93,9 @@ def test_decoder_training_with_attn_dropout_is_reproducible_and_learns(monkeypat
 
     def run(seed):
         torch.manual_seed(0)
-        model = Decoder(DecoderConfig(vocab_size=23, d_model=16, n_layers=2, n_heads=4, d_mlp=32,
-                                      attn_dropout=0.1, backend="flash")).train()
+        model = Decoder(
+            DecoderConfig(vocab_size=23, d_model=16, n_layers=2, n_heads=4, d_mlp=32, attn_dropout=0.1, backend="flash")
+        ).train()
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         torch.manual_seed(seed)
         losses = []

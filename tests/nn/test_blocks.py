@@ -12,7 +12,7 @@ from torch import nn
 from attnlab import masks
 from attnlab.nn import MLP, Block, DecoderConfig, RMSNorm, SwiGLU
 from attnlab.nn.norms import make_norm
-from tests.helpers import F32_REORDER, F64_REORDER  # noqa: E402
+from tests.helpers import F32_REORDER, F64_REORDER
 
 
 def randx(*shape, seed=0, dtype=torch.float32):
@@ -28,7 +28,7 @@ def test_rmsnorm_equals_the_formula(dtype, eps):
         norm.weight.copy_(torch.linspace(-2, 3, 12))
     x = randx(3, 5, 12, dtype=dtype) * 4
     xd = x.double()
-    want = xd / torch.sqrt((xd ** 2).mean(-1, keepdim=True) + eps) * norm.weight.double()
+    want = xd / torch.sqrt((xd**2).mean(-1, keepdim=True) + eps) * norm.weight.double()
     got = norm(x)
     assert got.dtype == dtype
     tol = 1e-12 if dtype == torch.float64 else 2e-6
@@ -41,8 +41,8 @@ def test_rmsnorm_bfloat16_computes_in_float32():
     got = norm.to(torch.bfloat16)(x)
     assert got.dtype == torch.bfloat16
     xd = x.double()
-    want = xd / torch.sqrt((xd ** 2).mean(-1, keepdim=True) + 1e-6)
-    assert (got.double() - want).abs().max() <= 2 * 2 ** -8 * want.abs().max()
+    want = xd / torch.sqrt((xd**2).mean(-1, keepdim=True) + 1e-6)
+    assert (got.double() - want).abs().max() <= 2 * 2**-8 * want.abs().max()
 
 
 def test_rmsnorm_is_scale_invariant_and_unit_rms():
@@ -60,9 +60,9 @@ def test_rmsnorm_keeps_dtype_and_grads_flow_to_weight():
     assert norm.weight.grad is not None and x.grad is not None
     # d/dw of sum(w * n(x)) is sum over rows of n(x)
     xd = x.detach().double()
-    torch.testing.assert_close(norm.weight.grad.double(),
-                               (xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)).sum(0),
-                               **F32_REORDER)
+    torch.testing.assert_close(
+        norm.weight.grad.double(), (xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)).sum(0), **F32_REORDER
+    )
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True])
@@ -105,11 +105,15 @@ def gelu_erf(x):
 
 
 def gelu_tanh(x):
-    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
-HAND_ACTS = {"gelu": gelu_erf, "gelu_tanh": gelu_tanh, "relu": lambda x: x.clamp(min=0),
-             "silu": lambda x: x / (1 + torch.exp(-x))}
+HAND_ACTS = {
+    "gelu": gelu_erf,
+    "gelu_tanh": gelu_tanh,
+    "relu": lambda x: x.clamp(min=0),
+    "silu": lambda x: x / (1 + torch.exp(-x)),
+}
 
 
 @pytest.mark.parametrize("act", sorted(HAND_ACTS))
@@ -153,13 +157,16 @@ def test_swiglu_equals_hand_computation(bias):
     assert sum(p.numel() for p in sw.parameters()) == 3 * d * dm + (2 * dm + d if bias else 0)
 
 
-@pytest.mark.parametrize("build, words", [
-    (lambda: MLP(8, 16, act="tanh"), "act"),
-    (lambda: MLP(0, 16), "d_model"),
-    (lambda: MLP(8, 0), "d_mlp"),
-    (lambda: SwiGLU(8, 0), "d_mlp"),
-    (lambda: SwiGLU(8, 16, act="swish"), "act"),
-])
+@pytest.mark.parametrize(
+    "build, words",
+    [
+        (lambda: MLP(8, 16, act="tanh"), "act"),
+        (lambda: MLP(0, 16), "d_model"),
+        (lambda: MLP(8, 0), "d_mlp"),
+        (lambda: SwiGLU(8, 0), "d_mlp"),
+        (lambda: SwiGLU(8, 16, act="swish"), "act"),
+    ],
+)
 def test_mlp_errors(build, words):
     with pytest.raises(ValueError) as e:
         build()
@@ -176,8 +183,10 @@ def cfg(**kw):
 def _randomize(module):
     with torch.no_grad():
         for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype) * 0.3
-                    + (1.0 if p.dim() == 1 and p.shape[0] == 16 else 0.0))
+            p.copy_(
+                torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype) * 0.3
+                + (1.0 if p.dim() == 1 and p.shape[0] == 16 else 0.0)
+            )
     return module
 
 
@@ -198,10 +207,14 @@ def _hand_norm(norm, x):
 
 
 # float64 for LayerNorm; RMSNorm computes in float32 (see RMS_F64_BUG), so the llama case is float32
-@pytest.mark.parametrize("kw, dtype, tol", [
-    (dict(), torch.float64, 1e-10),
-    (dict(norm="rmsnorm", mlp="swiglu", act="silu", bias=False), torch.float32, 2e-5),
-], ids=["gpt2", "llama"])
+@pytest.mark.parametrize(
+    "kw, dtype, tol",
+    [
+        (dict(), torch.float64, 1e-10),
+        (dict(norm="rmsnorm", mlp="swiglu", act="silu", bias=False), torch.float32, 2e-5),
+    ],
+    ids=["gpt2", "llama"],
+)
 def test_pre_norm_block_formula(kw, dtype, tol):
     block = _randomize(Block(cfg(**kw))).to(dtype).eval()
     assert not block.post

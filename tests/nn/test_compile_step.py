@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from attnlab import masks
 from attnlab.nn import Decoder, Encoder
 from attnlab.nn.config import DecoderConfig, EncoderConfig
-from tests.helpers import F64_FLOOR  # noqa: E402
+from tests.helpers import F64_FLOOR
 
 V = 32
 
@@ -17,8 +17,16 @@ V = 32
 @pytest.fixture(scope="module")
 def decoder():
     torch.manual_seed(0)
-    cfg = DecoderConfig(vocab_size=V, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, max_positions=32,
-                        backend="flash", positions="alibi")
+    cfg = DecoderConfig(
+        vocab_size=V,
+        d_model=16,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=1,
+        max_positions=32,
+        backend="flash",
+        positions="alibi",
+    )
     return Decoder(cfg).double()
 
 
@@ -40,7 +48,7 @@ def test_decoder_sliding_window_training_step_compiles_with_zero_graph_breaks(de
     want = _loss(decoder, ids, 4)
     g_want = torch.autograd.grad(want, params)
     torch.testing.assert_close(got, want, **F64_FLOOR)  # float64: summation order only
-    for a, b in zip(g_got, g_want):
+    for a, b in zip(g_got, g_want, strict=True):
         torch.testing.assert_close(a, b, **F64_FLOOR)
 
 

@@ -16,7 +16,6 @@ from attnlab.train.data import TokenStream
 from attnlab.train.loop import TrainConfig, train
 from tests.helpers import F32_REORDER, F64_REORDER, F64_REORDER_DEEP
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the root conftest's one-thread fixture
 
 
@@ -73,7 +72,7 @@ def test_linear_mixer_pattern_averages_v():
     _, _, v = m.project(x)
     z = w.double() @ v.expand(-1, 2, -1, -1)
     want = torch.einsum("bhne,hed->bnd", z, m.W_O) + m.out_bias
-    torch.testing.assert_close(out, want, **F32_REORDER)   # the pattern is float32
+    torch.testing.assert_close(out, want, **F32_REORDER)  # the pattern is float32
 
 
 def test_linear_mixer_has_multiheadattention_parameters():
@@ -89,8 +88,9 @@ def test_linear_mixer_cache_equals_full():
     x = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     full = m(x, mask=masks.causal())
     c = RecurrentCache()
-    parts = [m(x[:, :4], mask=masks.causal(), cache=c)] + [m(x[:, t:t + 1], mask=masks.causal(), cache=c)
-                                                             for t in range(4, 10)]
+    parts = [m(x[:, :4], mask=masks.causal(), cache=c)] + [
+        m(x[:, t : t + 1], mask=masks.causal(), cache=c) for t in range(4, 10)
+    ]
     torch.testing.assert_close(torch.cat(parts, 1), full, **F64_REORDER)
     assert c.seen == 10
 
@@ -100,14 +100,15 @@ def test_linear_mixer_errors():
     x = torch.randn(1, 3, 16)
     with pytest.raises(ValueError, match="mask: linear attention takes None"):
         m(x, mask=masks.sliding_window(2))
-    with pytest.raises(ValueError, match="pass masks.causal"):
+    with pytest.raises(ValueError, match=r"pass masks.causal"):
         m(x, cache=RecurrentCache())
     with pytest.raises(TypeError, match="cache: linear attention keeps a recurrent state"):
         m(x, mask=masks.causal(), cache=[])
     with pytest.raises(ValueError, match="feature_map: expected one of"):
         LinearAttentionMixer(16, 2, feature_map="relu")
     from attnlab.positions import ALiBi
-    with pytest.raises(TypeError, match="positions: linear attention takes None or a positions.RoPE"):
+
+    with pytest.raises(TypeError, match=r"positions: linear attention takes None or a positions.RoPE"):
         LinearAttentionMixer(16, 2, positions=ALiBi(2))
 
 
@@ -125,23 +126,23 @@ def test_make_mixer_and_block_keep_the_attn_name():
     assert isinstance(ssm, SSMMixer) and (ssm.d_state, ssm.d_inner, ssm.conv) == (4, 32, None)
     assert isinstance(Block(cfg(mixer="ssm")).attn, SSMMixer)
     names = set(Decoder(cfg(mixer="linear")).state_dict())
-    assert names == set(Decoder(cfg()).state_dict())   # same checkpoint layout as softmax attention
+    assert names == set(Decoder(cfg()).state_dict())  # same checkpoint layout as softmax attention
 
 
 def test_config_validation_and_round_trip():
     with pytest.raises(ValueError, match=r"DecoderConfig.mixer: expected one of \('attention', 'linear', 'ssm'\)"):
         cfg(mixer="mamba")
-    with pytest.raises(ValueError, match="DecoderConfig.d_state: expected an int >= 1"):
+    with pytest.raises(ValueError, match=r"DecoderConfig.d_state: expected an int >= 1"):
         cfg(mixer="ssm", d_state=0)
-    with pytest.raises(ValueError, match="DecoderConfig.linear_feature_map"):
+    with pytest.raises(ValueError, match=r"DecoderConfig.linear_feature_map"):
         cfg(linear_feature_map="relu")
     with pytest.raises(ValueError, match="positions='alibi' biases softmax scores"):
         cfg(mixer="linear", positions="alibi")
-    with pytest.raises(ValueError, match="attn_dropout=0.1 drops softmax probabilities"):
+    with pytest.raises(ValueError, match=r"attn_dropout=0.1 drops softmax probabilities"):
         cfg(mixer="ssm", attn_dropout=0.1)
-    with pytest.raises(ValueError, match="n_kv_heads=1 .GQA. means nothing"):
+    with pytest.raises(ValueError, match=r"n_kv_heads=1 .GQA. means nothing"):
         cfg(mixer="ssm", n_kv_heads=1)
-    with pytest.raises(ValueError, match="EncoderConfig.mixer"):
+    with pytest.raises(ValueError, match=r"EncoderConfig.mixer"):
         EncoderConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, mixer="linear")
     c = cfg(mixer="ssm", d_state=8, positions="rope")
     assert DecoderConfig.from_dict(c.to_dict()) == c
@@ -149,7 +150,7 @@ def test_config_validation_and_round_trip():
     old = cfg().to_dict()
     for f in ("mixer", "d_state", "ssm_expand", "ssm_conv", "linear_feature_map"):
         old.pop(f)
-    assert DecoderConfig.from_dict(old).mixer == "attention"   # configs saved before the field existed
+    assert DecoderConfig.from_dict(old).mixer == "attention"  # configs saved before the field existed
 
 
 # ----------------------------------------------------------------------------- decoders
@@ -158,13 +159,12 @@ def test_decoder_trains_with_each_mixer(mixer):
     torch.manual_seed(0)
     model = Decoder(cfg(mixer=mixer, positions="rope", d_state=8))
     before = {n: p.detach().clone() for n, p in model.named_parameters() if ".attn." in n}
-    data = TokenStream(torch.arange(400) % 8).batches(8, 12, seed=0)     # 0 1 2 ... 7 0 1 ...
-    res = train(model, data, TrainConfig(steps=15, batch_size=8, seq_len=12, lr=1e-2, warmup_steps=2),
-                progress=False)
+    data = TokenStream(torch.arange(400) % 8).batches(8, 12, seed=0)  # 0 1 2 ... 7 0 1 ...
+    res = train(model, data, TrainConfig(steps=15, batch_size=8, seq_len=12, lr=1e-2, warmup_steps=2), progress=False)
     first, last = sum(res.losses[:3]) / 3, sum(res.losses[-3:]) / 3
     assert last < 0.75 * first, (mixer, first, last)
     after = dict(model.named_parameters())
-    for name, p0 in before.items():   # every parameter of the mixer was trained
+    for name, p0 in before.items():  # every parameter of the mixer was trained
         assert not torch.equal(after[name].detach(), p0), name
 
 
@@ -175,8 +175,9 @@ def test_decoder_recurrent_cache_equals_full_forward(mixer):
     ids = torch.randint(0, 16, (2, 9), generator=torch.Generator().manual_seed(0))
     full = model(ids).logits
     cache = RecurrentCache.for_layers(2)
-    parts = [model(ids[:, :5], cache=cache).logits] + [model(ids[:, t:t + 1], cache=cache).logits
-                                                        for t in range(5, 9)]
+    parts = [model(ids[:, :5], cache=cache).logits] + [
+        model(ids[:, t : t + 1], cache=cache).logits for t in range(5, 9)
+    ]
     torch.testing.assert_close(torch.cat(parts, 1), full, **F64_REORDER)
 
 
@@ -192,8 +193,10 @@ def test_decoder_mixer_errors_and_patterns():
 
 def test_equal_size_models():
     """Defaults keep the three mixers' parameter counts within 10% of softmax attention's."""
-    counts = {m: sum(p.numel() for p in Decoder(cfg(mixer=m, d_model=64, n_heads=4)).blocks[0].attn.parameters())
-              for m in ("attention", "linear", "ssm")}
+    counts = {
+        m: sum(p.numel() for p in Decoder(cfg(mixer=m, d_model=64, n_heads=4)).blocks[0].attn.parameters())
+        for m in ("attention", "linear", "ssm")
+    }
     assert counts["linear"] == counts["attention"]
     assert abs(counts["ssm"] - counts["attention"]) <= 0.1 * counts["attention"], counts
 
@@ -201,6 +204,7 @@ def test_equal_size_models():
 @pytest.mark.parametrize("mixer", ["linear", "ssm"])
 def test_generate_with_a_recurrent_cache_equals_recomputing(mixer):
     from attnlab.generate import generate
+
     torch.manual_seed(3)
     model = Decoder(cfg(mixer=mixer, positions="rope")).eval()
     prompt = [[1, 2, 3, 4], [5, 6, 7, 8]]

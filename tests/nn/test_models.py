@@ -11,7 +11,7 @@ from attnlab import masks
 from attnlab.cache import DynamicCache
 from attnlab.nn import Decoder, DecoderConfig, Encoder, EncoderConfig, ModelOutput, mean_pool
 from attnlab.positions import LinearScaling, Llama3Scaling, YaRNScaling
-from tests.helpers import F32_REORDER  # noqa: E402
+from tests.helpers import F32_REORDER
 
 V = 37
 
@@ -32,7 +32,7 @@ def model(cls, cfg, seed=0):
     torch.manual_seed(seed)
     m = cls(cfg).eval()
     with torch.no_grad():  # larger weights than the 0.02 init, so that attention is not ~uniform
-        for name, p in m.named_parameters():
+        for _name, p in m.named_parameters():
             if p.dim() == 2:
                 p.mul_(25.0)
     return m
@@ -50,8 +50,12 @@ DECODER_KINDS = [
     pytest.param(dict(positions="rope"), id="rope"),
     pytest.param(dict(positions="alibi"), id="alibi"),
     pytest.param(dict(positions="none"), id="none"),
-    pytest.param(dict(positions="rope", n_kv_heads=2, norm="rmsnorm", mlp="swiglu", act="silu", bias=False,
-                      tie_embeddings=False), id="llama-gqa"),
+    pytest.param(
+        dict(
+            positions="rope", n_kv_heads=2, norm="rmsnorm", mlp="swiglu", act="silu", bias=False, tie_embeddings=False
+        ),
+        id="llama-gqa",
+    ),
     pytest.param(dict(positions="rope", n_kv_heads=1, rotary_dim=2, rope_interleaved=True), id="mqa-partial-rope"),
     pytest.param(dict(positions="alibi", n_kv_heads=2, norm_position="post"), id="alibi-gqa-post"),
 ]
@@ -69,7 +73,7 @@ def test_decoder_cache_prefill_then_decode_equals_full_forward(kw, with_pos):
     pos = torch.arange(N).expand(B, N) if with_pos else None
     outs = [m(ids[:, :P], cache=cache, pos=None if pos is None else pos[:, :P]).logits]
     for t in range(P, N):
-        outs.append(m(ids[:, t:t + 1], cache=cache, pos=None if pos is None else pos[:, t:t + 1]).logits)
+        outs.append(m(ids[:, t : t + 1], cache=cache, pos=None if pos is None else pos[:, t : t + 1]).logits)
         assert all(c.seen == t + 1 for c in cache)
     torch.testing.assert_close(torch.cat(outs, 1), full, **TOL)
 
@@ -84,7 +88,7 @@ def test_decoder_cache_with_per_row_rope_offsets_equals_full_forward():
     torch.testing.assert_close(full, m(ids).logits, **TOL)
     cache = DynamicCache.for_model(2)
     outs = [m(ids[:, :3], cache=cache, pos=pos[:, :3]).logits]
-    outs += [m(ids[:, t:t + 1], cache=cache, pos=pos[:, t:t + 1]).logits for t in range(3, N)]
+    outs += [m(ids[:, t : t + 1], cache=cache, pos=pos[:, t : t + 1]).logits for t in range(3, N)]
     torch.testing.assert_close(torch.cat(outs, 1), full, **TOL)
 
 
@@ -99,8 +103,8 @@ def test_decoder_cache_with_attention_mask_left_padding():
         ids = torch.zeros(2, N, dtype=torch.long)
         am = torch.zeros(2, N, dtype=torch.bool)
         for b, s in enumerate(seqs):
-            ids[b, N - len(s):] = s
-            am[b, N - len(s):] = True
+            ids[b, N - len(s) :] = s
+            am[b, N - len(s) :] = True
         pos = (am.long().cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache.for_model(2)
         prefill = m(ids, attention_mask=am, pos=pos, cache=cache).logits
@@ -108,12 +112,12 @@ def test_decoder_cache_with_attention_mask_left_padding():
         for t in range(2):
             am = torch.cat([am, torch.ones(2, 1, dtype=torch.bool)], 1)
             pos = pos[:, -1:] + 1
-            steps.append(m(extra[:, t:t + 1], attention_mask=am, pos=pos, cache=cache).logits)
+            steps.append(m(extra[:, t : t + 1], attention_mask=am, pos=pos, cache=cache).logits)
         steps = torch.cat(steps, 1)
         for b, s in enumerate(seqs):
             alone = m(torch.cat([s, extra[b]])[None]).logits[0]
-            torch.testing.assert_close(prefill[b, N - len(s):], alone[:len(s)], **TOL)
-            torch.testing.assert_close(steps[b], alone[len(s):], **TOL)
+            torch.testing.assert_close(prefill[b, N - len(s) :], alone[: len(s)], **TOL)
+            torch.testing.assert_close(steps[b], alone[len(s) :], **TOL)
         assert torch.isfinite(prefill).all()
 
 
@@ -126,14 +130,14 @@ def test_decoder_left_padded_batch_equals_each_sequence_alone(positions):
     ids = torch.zeros(len(lens), N, dtype=torch.long)
     am = torch.zeros(len(lens), N, dtype=torch.bool)
     for b, s in enumerate(seqs):
-        ids[b, N - len(s):] = s
-        am[b, N - len(s):] = True
+        ids[b, N - len(s) :] = s
+        am[b, N - len(s) :] = True
     pos = (am.long().cumsum(-1) - 1).clamp(min=0)  # per-row positions of the real tokens
     out = m(ids, attention_mask=am, pos=pos)
     assert torch.isfinite(out.logits).all(), "padded query rows must not give NaN"
     for b, s in enumerate(seqs):
         alone = m(s[None]).logits[0]
-        torch.testing.assert_close(out.logits[b, N - len(s):], alone, **TOL)
+        torch.testing.assert_close(out.logits[b, N - len(s) :], alone, **TOL)
 
 
 def test_decoder_attention_mask_hides_padding_keys():
@@ -221,9 +225,15 @@ def test_output_hidden_states_and_attentions():
     torch.testing.assert_close(plain.logits, out.logits)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(positions="rope", norm="rmsnorm", mlp="swiglu", bias=False,
-                                             tie_embeddings=False, n_kv_heads=2),
-                                dict(attn_only=True, positions="alibi")], ids=["gpt2", "llama", "attn-only"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(positions="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False, n_kv_heads=2),
+        dict(attn_only=True, positions="alibi"),
+    ],
+    ids=["gpt2", "llama", "attn-only"],
+)
 def test_loss_backward_reaches_every_parameter(kw):
     m = model(Decoder, dcfg(**kw)).train()
     ids = ids_of(2, 7)
@@ -244,13 +254,16 @@ def test_decoder_llama_defaults_have_no_bias_and_rmsnorm():
 
 
 # ----------------------------------------------------------------------------- configs
-@pytest.mark.parametrize("cls, kw", [
-    (DecoderConfig, dict(positions="rope", rope_scaling=YaRNScaling(4.0, 64, attention_factor=1.2))),
-    (DecoderConfig, dict(positions="rope", rope_scaling=LinearScaling(2.0), n_kv_heads=2, rotary_dim=2)),
-    (DecoderConfig, dict(positions="rope", rope_scaling=Llama3Scaling(8.0, 1.0, 4.0, 128), attn_only=True)),
-    (DecoderConfig, dict()),
-    (EncoderConfig, dict(type_vocab_size=0, pooler=False, norm="rmsnorm")),
-])
+@pytest.mark.parametrize(
+    "cls, kw",
+    [
+        (DecoderConfig, dict(positions="rope", rope_scaling=YaRNScaling(4.0, 64, attention_factor=1.2))),
+        (DecoderConfig, dict(positions="rope", rope_scaling=LinearScaling(2.0), n_kv_heads=2, rotary_dim=2)),
+        (DecoderConfig, dict(positions="rope", rope_scaling=Llama3Scaling(8.0, 1.0, 4.0, 128), attn_only=True)),
+        (DecoderConfig, dict()),
+        (EncoderConfig, dict(type_vocab_size=0, pooler=False, norm="rmsnorm")),
+    ],
+)
 def test_config_round_trip(cls, kw):
     c = cls(vocab_size=V, d_model=16, n_layers=2, n_heads=4, **kw)
     d = c.to_dict()
@@ -293,27 +306,52 @@ def test_config_from_dict_errors():
 
 
 BAD_FIELDS = [
-    ("vocab_size", 0, ValueError), ("d_model", -4, ValueError), ("n_layers", 0, ValueError),
-    ("n_heads", 0, ValueError), ("n_heads", 2.0, ValueError), ("n_kv_heads", 3, ValueError),
-    ("n_kv_heads", 0, ValueError), ("d_head", 0, ValueError), ("d_mlp", 0, ValueError),
-    ("max_positions", 0, ValueError), ("positions", "abs", ValueError), ("norm", "batchnorm", ValueError),
-    ("norm_position", "middle", ValueError), ("mlp", "moe", ValueError), ("act", "tanh", ValueError),
-    ("backend", "cuda", ValueError), ("norm_eps", 0.0, ValueError), ("norm_eps", float("nan"), ValueError),
-    ("rope_base", -1.0, ValueError), ("dropout", 1.0, ValueError), ("attn_dropout", -0.1, ValueError),
-    ("rotary_dim", -2, ValueError), ("bias", "yes", TypeError), ("rope_interleaved", 1, TypeError),
+    ("vocab_size", 0, ValueError),
+    ("d_model", -4, ValueError),
+    ("n_layers", 0, ValueError),
+    ("n_heads", 0, ValueError),
+    ("n_heads", 2.0, ValueError),
+    ("n_kv_heads", 3, ValueError),
+    ("n_kv_heads", 0, ValueError),
+    ("d_head", 0, ValueError),
+    ("d_mlp", 0, ValueError),
+    ("max_positions", 0, ValueError),
+    ("positions", "abs", ValueError),
+    ("norm", "batchnorm", ValueError),
+    ("norm_position", "middle", ValueError),
+    ("mlp", "moe", ValueError),
+    ("act", "tanh", ValueError),
+    ("backend", "cuda", ValueError),
+    ("norm_eps", 0.0, ValueError),
+    ("norm_eps", float("nan"), ValueError),
+    ("rope_base", -1.0, ValueError),
+    ("dropout", 1.0, ValueError),
+    ("attn_dropout", -0.1, ValueError),
+    ("rotary_dim", -2, ValueError),
+    ("bias", "yes", TypeError),
+    ("rope_interleaved", 1, TypeError),
 ]
 
 
-@pytest.mark.parametrize("field, value, exc", BAD_FIELDS + [
-    ("tie_embeddings", "no", TypeError), ("attn_only", None, TypeError), ("final_norm", 0, TypeError)])
+@pytest.mark.parametrize(
+    "field, value, exc",
+    [*BAD_FIELDS, ("tie_embeddings", "no", TypeError), ("attn_only", None, TypeError), ("final_norm", 0, TypeError)],
+)
 def test_decoder_config_errors_name_the_field(field, value, exc):
     with pytest.raises(exc) as e:
         dcfg(**{field: value})
     assert field in str(e.value) and "DecoderConfig" in str(e.value)
 
 
-@pytest.mark.parametrize("field, value, exc", BAD_FIELDS + [
-    ("type_vocab_size", -1, ValueError), ("pad_token_id", -1, ValueError), ("pad_token_id", None, ValueError)])
+@pytest.mark.parametrize(
+    "field, value, exc",
+    [
+        *BAD_FIELDS,
+        ("type_vocab_size", -1, ValueError),
+        ("pad_token_id", -1, ValueError),
+        ("pad_token_id", None, ValueError),
+    ],
+)
 def test_encoder_config_errors_name_the_field(field, value, exc):
     with pytest.raises(exc) as e:
         ecfg(**{field: value})
@@ -335,7 +373,7 @@ def test_encoder_config_pad_token_id_must_be_in_vocab():
 
 @pytest.mark.parametrize("rd", [0, 3, 6])
 def test_config_rotary_dim_is_validated_by_the_config(rd):
-    with pytest.raises(ValueError, match="DecoderConfig.rotary_dim"):
+    with pytest.raises(ValueError, match=r"DecoderConfig.rotary_dim"):
         dcfg(positions="rope", rotary_dim=rd)  # d_head = 4
 
 
@@ -345,23 +383,39 @@ def test_config_rope_scaling_must_be_a_scaling():
 
 
 # ----------------------------------------------------------------------------- decoder errors
-@pytest.mark.parametrize("call, exc, words", [
-    (lambda m: m(torch.tensor([[1, 2, V]])), ValueError, f"input_ids: token ids must lie in [0, {V})"),
-    (lambda m: m(torch.tensor([[-1, 2]])), ValueError, "input_ids"),
-    (lambda m: m(torch.tensor([[1.0, 2.0]])), ValueError, "input_ids: expected an integer tensor (B, N)"),
-    (lambda m: m(torch.tensor([[True, False]])), ValueError, "input_ids"),
-    (lambda m: m(torch.tensor([1, 2, 3])), ValueError, "input_ids: expected an integer tensor (B, N)"),
-    (lambda m: m([[1, 2]]), ValueError, "input_ids"),
-    (lambda m: m(torch.tensor([[1, 2, 3]]), attention_mask=torch.ones(1, 4, dtype=torch.bool)), ValueError,
-     "attention_mask: expected (B=1, 3)"),
-    (lambda m: m(torch.tensor([[1, 2, 3]]), attention_mask=torch.ones(3, dtype=torch.bool)), ValueError,
-     "attention_mask"),
-    (lambda m: m(torch.tensor([[1, 2, 3]]), attention_mask=torch.ones(1, 3) * 0.5), TypeError, "dtype torch.float32"),
-    (lambda m: m(torch.tensor([[1, 2, 3]]), cache=DynamicCache.for_model(3)), ValueError,
-     "cache: expected 2 per-layer caches, got 3"),
-    (lambda m: m(torch.tensor([[1, 2, 3]]), pos=torch.arange(4)), ValueError, "pos"),
-    (lambda m: m(torch.tensor([[1, 2, 3]]), pos=torch.arange(3.0)), ValueError, "pos"),
-])
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        (lambda m: m(torch.tensor([[1, 2, V]])), ValueError, f"input_ids: token ids must lie in [0, {V})"),
+        (lambda m: m(torch.tensor([[-1, 2]])), ValueError, "input_ids"),
+        (lambda m: m(torch.tensor([[1.0, 2.0]])), ValueError, "input_ids: expected an integer tensor (B, N)"),
+        (lambda m: m(torch.tensor([[True, False]])), ValueError, "input_ids"),
+        (lambda m: m(torch.tensor([1, 2, 3])), ValueError, "input_ids: expected an integer tensor (B, N)"),
+        (lambda m: m([[1, 2]]), ValueError, "input_ids"),
+        (
+            lambda m: m(torch.tensor([[1, 2, 3]]), attention_mask=torch.ones(1, 4, dtype=torch.bool)),
+            ValueError,
+            "attention_mask: expected (B=1, 3)",
+        ),
+        (
+            lambda m: m(torch.tensor([[1, 2, 3]]), attention_mask=torch.ones(3, dtype=torch.bool)),
+            ValueError,
+            "attention_mask",
+        ),
+        (
+            lambda m: m(torch.tensor([[1, 2, 3]]), attention_mask=torch.ones(1, 3) * 0.5),
+            TypeError,
+            "dtype torch.float32",
+        ),
+        (
+            lambda m: m(torch.tensor([[1, 2, 3]]), cache=DynamicCache.for_model(3)),
+            ValueError,
+            "cache: expected 2 per-layer caches, got 3",
+        ),
+        (lambda m: m(torch.tensor([[1, 2, 3]]), pos=torch.arange(4)), ValueError, "pos"),
+        (lambda m: m(torch.tensor([[1, 2, 3]]), pos=torch.arange(3.0)), ValueError, "pos"),
+    ],
+)
 def test_decoder_forward_errors(call, exc, words):
     m = Decoder(dcfg())
     with pytest.raises(exc) as e:
@@ -405,7 +459,9 @@ def test_learned_positions_beyond_max_positions_error():
 # ----------------------------------------------------------------------------- encoder
 ENCODER_KINDS = [
     pytest.param(dict(), id="bert"),
-    pytest.param(dict(positions="rope", norm_position="pre", norm="rmsnorm", mlp="swiglu", n_kv_heads=2), id="rope-pre"),
+    pytest.param(
+        dict(positions="rope", norm_position="pre", norm="rmsnorm", mlp="swiglu", n_kv_heads=2), id="rope-pre"
+    ),
     pytest.param(dict(positions="sinusoidal", type_vocab_size=0, pooler=False), id="sinusoidal"),
 ]
 
@@ -418,13 +474,13 @@ def test_encoder_padding_invariance_right_padding(kw):
     seqs = [ids_of(1, n, seed=20 + n)[0] for n in lens]
     ids = torch.zeros(3, N, dtype=torch.long)  # pad id 0
     for b, s in enumerate(seqs):
-        ids[b, :len(s)] = s
+        ids[b, : len(s)] = s
     am = ids != 0
     out = enc(ids, attention_mask=am)
     assert torch.isfinite(out.last_hidden_state).all()
     for b, s in enumerate(seqs):
         alone = enc(s[None])
-        torch.testing.assert_close(out.last_hidden_state[b, :len(s)], alone.last_hidden_state[0], **TOL)
+        torch.testing.assert_close(out.last_hidden_state[b, : len(s)], alone.last_hidden_state[0], **TOL)
         if alone.pooled is not None:
             torch.testing.assert_close(out.pooled[b], alone.pooled[0], **TOL)
         pooled = mean_pool(out.last_hidden_state, am)[b]
@@ -504,8 +560,11 @@ def test_encoder_hidden_states_and_errors():
 def test_encoder_backward_reaches_every_parameter():
     enc = model(Encoder, ecfg(dropout=0.1, attn_dropout=0.1)).train()
     ids = ids_of(2, 6)
-    out = enc(ids, attention_mask=torch.tensor([[1] * 6, [1] * 4 + [0] * 2]),
-              token_type_ids=torch.tensor([[0, 0, 0, 1, 1, 1]] * 2))
+    out = enc(
+        ids,
+        attention_mask=torch.tensor([[1] * 6, [1] * 4 + [0] * 2]),
+        token_type_ids=torch.tensor([[0, 0, 0, 1, 1, 1]] * 2),
+    )
     (out.last_hidden_state.pow(2).mean() + out.pooled.sum()).backward()
     for name, p in enc.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name

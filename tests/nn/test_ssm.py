@@ -8,16 +8,13 @@ import pytest
 import torch
 
 from attnlab import masks
-from attnlab.nn.ssm import (RecurrentCache, SSMMixer, selective_scan, selective_scan_reference,
-                            selective_scan_step)
+from attnlab.nn.ssm import RecurrentCache, SSMMixer, selective_scan, selective_scan_reference, selective_scan_step
 from tests.helpers import EXACT, F64_REORDER, F64_REORDER_DEEP
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the root conftest's one-thread fixture
 
 
-def scan_inputs(b=2, N=23, H=3, P=4, S=5, *, seed=0, dtype=torch.float64, dt_scale=1.0, with_D=True,
-                with_state=False):
+def scan_inputs(b=2, N=23, H=3, P=4, S=5, *, seed=0, dtype=torch.float64, dt_scale=1.0, with_D=True, with_state=False):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     x = r(b, N, H, P)
@@ -47,8 +44,14 @@ def test_reference_is_the_recurrence_by_hand():
     for t in range(3):
         h = math.exp(dt[t] * A) * h + dt[t] * x[t] * B[t]
         want.append(float(C[t] @ h + D * x[t]))
-    args = (x.view(1, 3, 1, 1), dt.view(1, 3, 1), torch.tensor([A], dtype=torch.float64), B[None], C[None],
-            torch.tensor([D], dtype=torch.float64))
+    args = (
+        x.view(1, 3, 1, 1),
+        dt.view(1, 3, 1),
+        torch.tensor([A], dtype=torch.float64),
+        B[None],
+        C[None],
+        torch.tensor([D], dtype=torch.float64),
+    )
     for fn in (selective_scan_reference, selective_scan):
         torch.testing.assert_close(fn(*args, chunk_size=2).flatten(), torch.tensor(want, dtype=torch.float64))
 
@@ -66,9 +69,10 @@ def test_chunked_equals_reference_float64(N, chunk, with_state):
 
 
 def test_chunked_equals_reference_per_channel_heads_without_D():
-    inp = scan_inputs(b=1, N=19, H=6, P=1, S=3, with_D=False)   # P = 1: one decay per channel
-    torch.testing.assert_close(call(selective_scan, inp, chunk_size=4), call(selective_scan_reference, inp),
-                               **F64_REORDER)
+    inp = scan_inputs(b=1, N=19, H=6, P=1, S=3, with_D=False)  # P = 1: one decay per channel
+    torch.testing.assert_close(
+        call(selective_scan, inp, chunk_size=4), call(selective_scan_reference, inp), **F64_REORDER
+    )
 
 
 def test_gradients_match_reference_float64():
@@ -80,7 +84,7 @@ def test_gradients_match_reference_float64():
         y, h = call(fn, leaves, return_state=True, **kw)
         g = torch.autograd.grad((y * w).sum() + h.square().sum(), list(leaves.values()))
         grads.append(g)
-    for name, a, b in zip(leaves, *grads):
+    for name, a, b in zip(leaves, *grads, strict=True):
         torch.testing.assert_close(b, a, **F64_REORDER_DEEP, msg=lambda m, n=name: f"grad of {n}: {m}")
         assert a.abs().max() > 0  # not vacuous
 
@@ -91,7 +95,7 @@ def test_gradcheck_chunked():
     leaves = [inp[k].clone().requires_grad_(True) for k in names]
 
     def f(*t):
-        return call(selective_scan, dict(zip(names, t)), chunk_size=2)
+        return call(selective_scan, dict(zip(names, t, strict=True)), chunk_size=2)
 
     assert torch.autograd.gradcheck(f, leaves)
 
@@ -120,7 +124,7 @@ def test_half_precision_inputs_accumulate_in_float32():
     assert y.dtype == torch.bfloat16
     want = call(selective_scan_reference, {k: (None if v is None else v.double()) for k, v in inp.items()})
     # the sums run in float32; what is left is rounding the output to bfloat16 (unit roundoff 2^-8)
-    assert (y.double() - want).abs().max() <= 2 * 2 ** -8 * want.abs().max()
+    assert (y.double() - want).abs().max() <= 2 * 2**-8 * want.abs().max()
 
 
 # ----------------------------------------------------------------------------- step == scan
@@ -129,8 +133,9 @@ def test_steps_equal_the_scan():
     y_scan, h_scan = call(selective_scan, inp, chunk_size=4, return_state=True)
     h, ys = inp["state"], []
     for t in range(13):
-        y, h = selective_scan_step(inp["x"][:, t], inp["dt"][:, t], inp["A"], inp["B"][:, t], inp["C"][:, t],
-                                   inp["D"], state=h)
+        y, h = selective_scan_step(
+            inp["x"][:, t], inp["dt"][:, t], inp["A"], inp["B"][:, t], inp["C"][:, t], inp["D"], state=h
+        )
         ys.append(y)
     torch.testing.assert_close(torch.stack(ys, 1), y_scan, **F64_REORDER)
     torch.testing.assert_close(h, h_scan, **F64_REORDER)
@@ -162,10 +167,10 @@ def test_scan_is_causal(fn):
     t0 = 9
     later = {k: v.clone() for k, v in inp.items() if v is not None}
     for k in ("x", "dt", "B", "C"):
-        later[k][:, t0 + 1:] = later[k][:, t0 + 1:] * 3 + 1  # change everything after t0
+        later[k][:, t0 + 1 :] = later[k][:, t0 + 1 :] * 3 + 1  # change everything after t0
     y, y2 = call(fn, inp, chunk_size=8), call(fn, {**inp, **later}, chunk_size=8)
-    torch.testing.assert_close(y2[:, :t0 + 1], y[:, :t0 + 1], **EXACT)
-    assert (y2[:, t0 + 1:] - y[:, t0 + 1:]).abs().max() > 1e-3
+    torch.testing.assert_close(y2[:, : t0 + 1], y[:, : t0 + 1], **EXACT)
+    assert (y2[:, t0 + 1 :] - y[:, t0 + 1 :]).abs().max() > 1e-3
 
 
 def test_mixer_is_causal_including_its_conv():
@@ -175,8 +180,8 @@ def test_mixer_is_causal_including_its_conv():
     t0 = 5
     y = m(x)
     (gx,) = torch.autograd.grad(y[:, t0].sum(), x)
-    assert gx[:, t0 + 1:].abs().max() == 0
-    assert gx[:, t0 - 3:t0 + 1].abs().min() > 0   # it does read the conv window and the present
+    assert gx[:, t0 + 1 :].abs().max() == 0
+    assert gx[:, t0 - 3 : t0 + 1].abs().min() > 0  # it does read the conv window and the present
 
 
 # ----------------------------------------------------------------------------- the module
@@ -198,7 +203,7 @@ def test_mixer_cache_token_by_token_equals_full(d_conv):
     x = torch.randn(2, 11, 16, dtype=torch.float64)
     full = m(x, mask=masks.causal())
     cache = RecurrentCache()
-    pieces = [m(x[:, :3], cache=cache)] + [m(x[:, t:t + 1], cache=cache) for t in range(3, 7)]
+    pieces = [m(x[:, :3], cache=cache)] + [m(x[:, t : t + 1], cache=cache) for t in range(3, 7)]
     pieces.append(m(x[:, 7:], cache=cache))
     torch.testing.assert_close(torch.cat(pieces, 1), full, **F64_REORDER)
     assert cache.seen == 11
@@ -251,7 +256,7 @@ def test_mixer_errors():
     m(x, cache=cache)
     with pytest.raises(ValueError, match="cache: holds a state for batch 1"):
         m(torch.randn(2, 1, 16), cache=cache)
-    with pytest.raises(TypeError, match="softmax attention .* needs a KV cache"):
+    with pytest.raises(TypeError, match=r"softmax attention .* needs a KV cache"):
         cache.update(None, None)
     with pytest.raises(ValueError, match="n_heads: expand·d_model = 16 inner channels"):
         SSMMixer(16, n_heads=3)

@@ -17,11 +17,10 @@ import math
 import pytest
 import torch
 
+import attnlab
+from attnlab.ops import flash_attention
+from tests.helpers import FLOOR, PARAM_GRAD_SLACK_EPS, assert_close_rule, check_param_grad, check_rule, max_err  # noqa: F401
 
-import attnlab  # noqa: E402
-from attnlab.ops import flash_attention  # noqa: E402
-from tests.helpers import (FLOOR, PARAM_GRAD_SLACK_EPS, assert_close_rule, check_param_grad,  # noqa: E402,F401
-                           check_rule, max_err)
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread(one_torch_thread):
@@ -60,8 +59,7 @@ def default_q_offset(Nq, Nk, kv_offset=0):
     return kv_offset + Nk - Nq
 
 
-def call(q, k, v, *, backend, mask=None, score_mod=None, scale=None, q_offset=None, kv_offset=0,
-         lse=True, block=None):
+def call(q, k, v, *, backend, mask=None, score_mod=None, scale=None, q_offset=None, kv_offset=0, lse=True, block=None):
     """Run one backend; returns ``(out, lse_or_None)``.
 
     ``backend``: an attnlab backend name, or ``"flash-tiles"`` (``flash_attention`` called
@@ -73,22 +71,57 @@ def call(q, k, v, *, backend, mask=None, score_mod=None, scale=None, q_offset=No
     if backend == "flash-tiles":
         qo = default_q_offset(Nq, Nk, kv_offset) if q_offset is None else q_offset
         sc = 1.0 / math.sqrt(D) if scale is None else scale
-        out, l = flash_attention(q, k, v, mask=mask, score_mod=score_mod, scale=sc, q_offset=qo,
-                                 kv_offset=kv_offset, block=block)
+        out, l = flash_attention(
+            q, k, v, mask=mask, score_mod=score_mod, scale=sc, q_offset=qo, kv_offset=kv_offset, block=block
+        )
         return out, (l if lse else None)
     if backend == "flash-bm":
         assert mask is not None, "flash-bm needs a mask"
         bm = mask.block_mask(B, H, Nq, Nk, q_offset=q_offset, kv_offset=kv_offset, block=block)
-        res = attnlab.attention(q, k, v, mask=bm, score_mod=score_mod, scale=scale, q_offset=q_offset,
-                                kv_offset=kv_offset, return_lse=lse, backend="flash")
+        res = attnlab.attention(
+            q,
+            k,
+            v,
+            mask=bm,
+            score_mod=score_mod,
+            scale=scale,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            return_lse=lse,
+            backend="flash",
+        )
     else:
-        res = attnlab.attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
-                                kv_offset=kv_offset, return_lse=lse, backend=backend)
+        res = attnlab.attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=score_mod,
+            scale=scale,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            return_lse=lse,
+            backend=backend,
+        )
     return res if lse else (res, None)
 
 
-def run_case(q, k, v, *, backend, grad=True, lse=True, mod_factory=None, param=None, param_dtype=None,
-             w=None, c=None, raw_lse_loss=False, **kw):
+def run_case(
+    q,
+    k,
+    v,
+    *,
+    backend,
+    grad=True,
+    lse=True,
+    mod_factory=None,
+    param=None,
+    param_dtype=None,
+    w=None,
+    c=None,
+    raw_lse_loss=False,
+    **kw,
+):
     """Forward (and backward) of one problem; returns a dict of detached tensors.
 
     ``mod_factory(param) -> score_mod`` builds the score mod around a fresh copy of
@@ -114,7 +147,7 @@ def run_case(q, k, v, *, backend, grad=True, lse=True, mod_factory=None, param=N
         loss = loss + (lf * c).sum()
     inputs = [q, k, v] + ([p] if p is not None else [])
     grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-    for name, x, g_ in zip(["dq", "dk", "dv", "dparam"], inputs, grads):
+    for name, x, g_ in zip(["dq", "dk", "dv", "dparam"], inputs, grads, strict=False):
         res[name] = torch.zeros_like(x) if g_ is None else g_
     return res
 
@@ -132,8 +165,9 @@ def _cached(key, fn):
     return _CACHE[key]
 
 
-def compare_backend(q, k, v, *, backend, grad=True, lse=True, mod_factory=None, param=None, what="",
-                    cache_key=None, skip=(), **kw):
+def compare_backend(
+    q, k, v, *, backend, grad=True, lse=True, mod_factory=None, param=None, what="", cache_key=None, skip=(), **kw
+):
     """Run ``backend`` on (q, k, v), the same-dtype reference and the float64 oracle; apply the rule.
 
     ``cache_key`` (hashable, must describe the whole problem) lets several backends of one
@@ -145,20 +179,44 @@ def compare_backend(q, k, v, *, backend, grad=True, lse=True, mod_factory=None, 
     kw_ref = {key: val for key, val in kw.items() if key != "block"}
     if "block" in kw and backend not in ("flash-tiles", "flash-bm"):
         kw = kw_ref
-    oracle = _cached(None if cache_key is None else (cache_key, grad, lse, "oracle"), lambda: run_case(
-        q.double(), k.double(), v.double(), backend="reference", grad=grad, lse=lse,
-        mod_factory=mod_factory, param=param, param_dtype=torch.float64, **kw_ref))
-    ref = _cached(None if cache_key is None else (cache_key, grad, lse, "ref"), lambda: run_case(
-        q, k, v, backend="reference", grad=grad, lse=lse, mod_factory=mod_factory, param=param,
-        param_dtype=pdt, **kw_ref))
-    fast = run_case(q, k, v, backend=backend, grad=grad, lse=lse, mod_factory=mod_factory, param=param,
-                    param_dtype=pdt, **kw)
+    oracle = _cached(
+        None if cache_key is None else (cache_key, grad, lse, "oracle"),
+        lambda: run_case(
+            q.double(),
+            k.double(),
+            v.double(),
+            backend="reference",
+            grad=grad,
+            lse=lse,
+            mod_factory=mod_factory,
+            param=param,
+            param_dtype=torch.float64,
+            **kw_ref,
+        ),
+    )
+    ref = _cached(
+        None if cache_key is None else (cache_key, grad, lse, "ref"),
+        lambda: run_case(
+            q,
+            k,
+            v,
+            backend="reference",
+            grad=grad,
+            lse=lse,
+            mod_factory=mod_factory,
+            param=param,
+            param_dtype=pdt,
+            **kw_ref,
+        ),
+    )
+    fast = run_case(
+        q, k, v, backend=backend, grad=grad, lse=lse, mod_factory=mod_factory, param=param, param_dtype=pdt, **kw
+    )
     assert fast["out"].dtype == dtype, f"{what}: output dtype {fast['out'].dtype} != input dtype {dtype}"
     if fast["lse"] is not None:
         want = torch.float64 if dtype == torch.float64 else torch.float32
         assert fast["lse"].dtype == want, f"{what}: lse dtype {fast['lse'].dtype}, expected {want}"
-    check_rule({key: val for key, val in fast.items() if key not in skip}, ref, oracle, dtype,
-               what=what or backend)
+    check_rule({key: val for key, val in fast.items() if key not in skip}, ref, oracle, dtype, what=what or backend)
     return fast, ref, oracle
 
 
@@ -176,7 +234,7 @@ def dense_allowed(mask, B, H, Nq, Nk, q_offset, kv_offset=0):
 def naive_attention(q, k, v, allowed, scale=None, bias=None):
     """An independent float64 implementation: dense scores, torch.softmax, explicit empty rows."""
     q, k, v = q.double(), k.double(), v.double()
-    B, H, Nq, D = q.shape
+    _B, H, _Nq, D = q.shape
     G = H // k.shape[1]
     k = k.repeat_interleave(G, 1)
     v = v.repeat_interleave(G, 1)

@@ -22,8 +22,21 @@ import torch
 import attnlab
 from attnlab import masks, scores
 from attnlab.ops import flash_attention, merge_states
-from tests.ops.conftest import (DTYPE_IDS, DTYPES, FLOOR, call, compare_backend, dense_allowed, gen, loss_weights,
-                      make_qkv, max_err, naive_attention, randn, run_case)
+from tests.ops.conftest import (
+    DTYPE_IDS,
+    DTYPES,
+    FLOOR,
+    call,
+    compare_backend,
+    dense_allowed,
+    gen,
+    loss_weights,
+    make_qkv,
+    max_err,
+    naive_attention,
+    randn,
+    run_case,
+)
 
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 MT = (16, 32)  # tiles that make every shape below multi-tile
@@ -58,13 +71,15 @@ CANCEL_ULPS = 4.0
 def _check_degenerate_grads(fast, ref, oracle, q, k, v, dtype, what):
     eps = torch.finfo(dtype).eps
     B, H, Nq, D = q.shape
-    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    Hkv, Dv = k.shape[1], v.shape[-1]
     G = H // Hkv
     w, _ = loss_weights(B, H, Nq, Dv)
     vr = v.double().abs().repeat_interleave(G, 1)
     A = CANCEL_ULPS * eps * torch.einsum("bhqd,bhkd->bhqk", w.abs(), vr) / math.sqrt(D)
-    slack = {"dq": torch.einsum("bhqk,bhkd->bhqd", A, k.double().abs().repeat_interleave(G, 1)).max().item(),
-             "dk": torch.einsum("bhqk,bhqd->bhkd", A, q.double().abs()).max().item() * G}
+    slack = {
+        "dq": torch.einsum("bhqk,bhkd->bhqd", A, k.double().abs().repeat_interleave(G, 1)).max().item(),
+        "dk": torch.einsum("bhqk,bhqd->bhkd", A, q.double().abs()).max().item() * G,
+    }
     for key in ("dq", "dk"):
         e_fast, e_ref = max_err(fast[key], oracle[key]), max_err(ref[key], oracle[key])
         bound = 3 * e_ref + FLOOR[dtype] + slack[key]
@@ -84,8 +99,9 @@ CORE_MASKS = ["none", "causal", "causal-q0"]
 
 
 # "causal-q0" only where it differs from the default alignment (Nq != Nk)
-SHAPE_MASKS = [(sh, m) for sh in SHAPES for m in CORE_MASKS
-               if not (m == "causal-q0" and SHAPES[sh][3] == SHAPES[sh][4])]
+SHAPE_MASKS = [
+    (sh, m) for sh in SHAPES for m in CORE_MASKS if not (m == "causal-q0" and SHAPES[sh][3] == SHAPES[sh][4])
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
@@ -106,8 +122,19 @@ def test_dense_and_causal(dtype, shape, maskname, backend):
     kw = dict(block=MT) if be == "flash-tiles" else {}
     degenerate = grad and _degenerate(Nk, mask, q_offset)
     fast, ref, oracle = compare_backend(
-        q, k, v, backend=be, grad=grad, lse=lse, mask=mask, q_offset=q_offset,
-        cache_key=(shape, dtype, maskname), skip=("dq", "dk") if degenerate else (), what=f"{backend}", **kw)
+        q,
+        k,
+        v,
+        backend=be,
+        grad=grad,
+        lse=lse,
+        mask=mask,
+        q_offset=q_offset,
+        cache_key=(shape, dtype, maskname),
+        skip=("dq", "dk") if degenerate else (),
+        what=f"{backend}",
+        **kw,
+    )
     if degenerate:
         _check_degenerate_grads(fast, ref, oracle, q, k, v, dtype, backend)
 
@@ -126,15 +153,19 @@ def test_reference_matches_independent_naive(maskname, mod):
     B, H, Hkv, Nq, Nk, D = 2, 4, 2, 23, 37, 16
     q, k, v = make_qkv(B, H, Hkv, Nq, Nk, D, 12, dtype=F64, seed=7)
     ids = torch.tensor([0] * 10 + [1] * 20 + [2] * 7)
-    mask = {"none": None, "causal": masks.causal(), "sliding": masks.sliding_window(5),
-            "document": masks.document(ids), "padding0": masks.padding([20, 0]),
-            "not-causal": ~masks.causal()}[maskname]
+    mask = {
+        "none": None,
+        "causal": masks.causal(),
+        "sliding": masks.sliding_window(5),
+        "document": masks.document(ids),
+        "padding0": masks.padding([20, 0]),
+        "not-causal": ~masks.causal(),
+    }[maskname]
     g = gen(11)
     table = randn((H, 7), F64, g)
     slopes = torch.rand(H, generator=g, dtype=F64)
     smod = {"none": None, "relative_bias": scores.relative_bias(table), "alibi": scores.alibi(slopes)}[mod]
     qo = Nk - Nq
-    b = torch.arange(B).view(B, 1, 1, 1)
     h = torch.arange(H).view(1, H, 1, 1)
     qp = (torch.arange(Nq) + qo).view(1, 1, Nq, 1)
     kp = torch.arange(Nk).view(1, 1, 1, Nk)
@@ -149,8 +180,7 @@ def test_reference_matches_independent_naive(maskname, mod):
     torch.testing.assert_close(out, want_out, atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=1e-10)
     # and the flash backend in float64 agrees with the independent implementation too
-    out, lse = flash_attention(q, k, v, mask=mask, score_mod=smod, scale=1 / math.sqrt(D), q_offset=qo,
-                               block=(8, 8))
+    out, lse = flash_attention(q, k, v, mask=mask, score_mod=smod, scale=1 / math.sqrt(D), q_offset=qo, block=(8, 8))
     torch.testing.assert_close(out, want_out, atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=1e-10)
 
@@ -203,9 +233,25 @@ def _mask(name):
     }[name]()
 
 
-MASKS = ["causal", "sliding_window", "prefix_lm", "document", "document-batched", "document-kv-ids",
-         "document&causal", "padding", "padding-zero", "tree", "sink_window", "custom", "causal&~window",
-         "window|prefix", "~causal", "(sink|doc)&pad", "custom&causal"]
+MASKS = [
+    "causal",
+    "sliding_window",
+    "prefix_lm",
+    "document",
+    "document-batched",
+    "document-kv-ids",
+    "document&causal",
+    "padding",
+    "padding-zero",
+    "tree",
+    "sink_window",
+    "custom",
+    "causal&~window",
+    "window|prefix",
+    "~causal",
+    "(sink|doc)&pad",
+    "custom&causal",
+]
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=DTYPE_IDS.get)
@@ -215,8 +261,16 @@ def test_masks(dtype, maskname, backend):
     B, H, Hkv, Nq, Nk, D, Dv = 2, 4, 2, 70, 97, 40, 24
     q, k, v = make_qkv(B, H, Hkv, Nq, Nk, D, Dv, dtype=dtype, seed=1)
     kw = dict(block=MT) if backend in ("flash-bm", "flash-tiles") else {}
-    compare_backend(q, k, v, backend=backend, mask=_mask(maskname), cache_key=("mask", maskname, dtype),
-                    what=f"{maskname}/{backend}", **kw)
+    compare_backend(
+        q,
+        k,
+        v,
+        backend=backend,
+        mask=_mask(maskname),
+        cache_key=("mask", maskname, dtype),
+        what=f"{maskname}/{backend}",
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("dtype", [F16, F64], ids=DTYPE_IDS.get)
@@ -225,21 +279,43 @@ def test_masks_other_dtypes(dtype, maskname):
     q, k, v = make_qkv(2, 4, 2, 70, 97, 40, 24, dtype=dtype, seed=2)
     for be in ("flash-bm", "flash"):
         kw = dict(block=MT) if be == "flash-bm" else {}
-        compare_backend(q, k, v, backend=be, mask=_mask(maskname), cache_key=("mask2", maskname, dtype),
-                        what=f"{maskname}/{be}", **kw)
+        compare_backend(
+            q,
+            k,
+            v,
+            backend=be,
+            mask=_mask(maskname),
+            cache_key=("mask2", maskname, dtype),
+            what=f"{maskname}/{be}",
+            **kw,
+        )
 
 
 @pytest.mark.parametrize("case", ["q0-kvoff", "q-after", "qlong", "kvoff-default"])
 def test_offsets(case):
     """Explicit q_offset / kv_offset with Nq != Nk (both directions)."""
-    (Nq, Nk, q_offset, kv_offset) = {"q0-kvoff": (40, 97, 0, 5), "q-after": (33, 60, 70, 3),
-                                     "qlong": (97, 40, 0, 0), "kvoff-default": (40, 97, None, 17)}[case]
+    (Nq, Nk, q_offset, kv_offset) = {
+        "q0-kvoff": (40, 97, 0, 5),
+        "q-after": (33, 60, 70, 3),
+        "qlong": (97, 40, 0, 0),
+        "kvoff-default": (40, 97, None, 17),
+    }[case]
     q, k, v = make_qkv(2, 4, 2, Nq, Nk, 40, 24, dtype=F32, seed=4)
     for mname in ("causal", "sliding_window", "sink_window", "causal&~window"):
         for be in ("flash-bm", "flash", "auto"):
             kw = dict(block=MT) if be == "flash-bm" else {}
-            compare_backend(q, k, v, backend=be, mask=_mask(mname), q_offset=q_offset, kv_offset=kv_offset,
-                            what=f"{case}/{mname}/{be}", cache_key=("off", case, mname), **kw)
+            compare_backend(
+                q,
+                k,
+                v,
+                backend=be,
+                mask=_mask(mname),
+                q_offset=q_offset,
+                kv_offset=kv_offset,
+                what=f"{case}/{mname}/{be}",
+                cache_key=("off", case, mname),
+                **kw,
+            )
 
 
 # ------------------------------------------------------------------------------- score mods
@@ -253,8 +329,10 @@ def _mod(name, H):
     if name == "alibi-symmetric":
         return (lambda p: scores.alibi(p, symmetric=True)), torch.rand(H, generator=g, dtype=F64) * 0.2
     if name == "custom":
+
         def make(p):
             return scores.custom(lambda s, b, h, q, kv: s * p[h] + 0.01 * (q - kv).to(s.dtype), [p])
+
         return make, torch.rand(H, generator=g, dtype=F64) + 0.5
     if name == "softcap":
         return (lambda p: scores.softcap(2.0)), None
@@ -276,9 +354,18 @@ def test_score_mods(dtype, modname, maskname, backend):
     factory, param = _mod(modname, H)
     mask = None if maskname == "none" else _mask(maskname)
     kw = dict(block=MT) if backend == "flash-tiles" else {}
-    fast, _, oracle = compare_backend(q, k, v, backend=backend, mask=mask, mod_factory=factory, param=param,
-                                      cache_key=("mod", modname, maskname, dtype), what=f"{modname}/{backend}",
-                                      **kw)
+    fast, _, oracle = compare_backend(
+        q,
+        k,
+        v,
+        backend=backend,
+        mask=mask,
+        mod_factory=factory,
+        param=param,
+        cache_key=("mod", modname, maskname, dtype),
+        what=f"{modname}/{backend}",
+        **kw,
+    )
     if param is not None:
         assert oracle["dparam"].abs().max() > 0, "the parameter gradient must not vanish in this problem"
         assert fast["dparam"].shape == param.shape
@@ -288,8 +375,18 @@ def test_score_mod_f16():
     q, k, v = make_qkv(1, 4, 2, 70, 97, 40, 24, dtype=F16, seed=8)
     factory, param = _mod("relative_bias", 4)
     for be, kw in (("flash-tiles", dict(block=MT)), ("flash", {})):
-        compare_backend(q, k, v, backend=be, mask=masks.causal(), mod_factory=factory, param=param,
-                        cache_key=("f16mod",), what=be, **kw)
+        compare_backend(
+            q,
+            k,
+            v,
+            backend=be,
+            mask=masks.causal(),
+            mod_factory=factory,
+            param=param,
+            cache_key=("f16mod",),
+            what=be,
+            **kw,
+        )
 
 
 # ------------------------------------------------------------------------------ length 1025
@@ -303,8 +400,17 @@ def test_length_1025(case):
     }[case]
     q, k, v = make_qkv(B, H, Hkv, Nq, Nk, D, dtype=dtype, seed=9)
     for be in ("flash", "auto"):
-        compare_backend(q, k, v, backend=be, mask=mask, q_offset=qo, cache_key=("1025", case),
-                        lse=be == "flash", what=f"{case}/{be}")
+        compare_backend(
+            q,
+            k,
+            v,
+            backend=be,
+            mask=mask,
+            q_offset=qo,
+            cache_key=("1025", case),
+            lse=be == "flash",
+            what=f"{case}/{be}",
+        )
 
 
 # ------------------------------------------------------------------------ fully masked rows
@@ -356,8 +462,9 @@ def test_fully_masked_rows(dtype, name, backend, raw_lse):
     c = c.abs() + 0.1  # raw -inf LSE in the loss: keep it -inf (not nan) with positive weights
     lse = backend != "auto" or not raw_lse
     kw = dict(block=MT) if backend in ("flash-tiles", "flash-bm") else {}
-    res = run_case(q, k, v, backend=backend, lse=lse, mask=mask, q_offset=qo, kv_offset=ko, w=w, c=c,
-                   raw_lse_loss=raw_lse, **kw)
+    res = run_case(
+        q, k, v, backend=backend, lse=lse, mask=mask, q_offset=qo, kv_offset=ko, w=w, c=c, raw_lse_loss=raw_lse, **kw
+    )
     for key in ("out", "dq", "dk", "dv"):
         assert not torch.isnan(res[key]).any(), f"NaN in {key}"
         assert torch.isfinite(res[key]).all(), f"non-finite {key}"
@@ -374,8 +481,21 @@ def test_fully_masked_rows(dtype, name, backend, raw_lse):
     assert (res["dk"][unseen] == 0).all() and (res["dv"][unseen] == 0).all()
     # and the rest matches the oracle under the rule
     if not raw_lse and backend != "reference":
-        compare_backend(q, k, v, backend=backend, lse=lse, mask=mask, q_offset=qo, kv_offset=ko, w=w, c=c,
-                        cache_key=("masked", name, dtype), what=f"{name}/{backend}", **kw)
+        compare_backend(
+            q,
+            k,
+            v,
+            backend=backend,
+            lse=lse,
+            mask=mask,
+            q_offset=qo,
+            kv_offset=ko,
+            w=w,
+            c=c,
+            cache_key=("masked", name, dtype),
+            what=f"{name}/{backend}",
+            **kw,
+        )
 
 
 @pytest.mark.parametrize("backend", ["reference", "flash", "auto", "sdpa"])
@@ -389,8 +509,9 @@ def test_empty_sequences(backend, dtype, case, masked):
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     mask = masks.causal() if masked else None
     want_lse = backend != "sdpa"
-    res = attnlab.attention(q, k, v, mask=mask, q_offset=0 if backend == "sdpa" else None,
-                            return_lse=want_lse, backend=backend)
+    res = attnlab.attention(
+        q, k, v, mask=mask, q_offset=0 if backend == "sdpa" else None, return_lse=want_lse, backend=backend
+    )
     out, lse = res if want_lse else (res, None)
     assert out.shape == (B, H, Nq, Dv) and out.dtype == dtype
     assert (out == 0).all()
@@ -412,12 +533,14 @@ def _noncontig(q, k, v, how):
     if how == "bnhd":  # built in (B, N, H, D) layout, transposed to (B, H, N, D)
         return tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     if how == "sliced":  # a view into larger buffers (strided in every dim)
+
         def big(t):
             B, H, N, D = t.shape
             buf = torch.zeros(B + 1, H * 2, N + 3, D + 5, dtype=t.dtype)
-            view = buf[1:, ::2, 2:N + 2, 3:D + 3]
+            view = buf[1:, ::2, 2 : N + 2, 3 : D + 3]
             view.copy_(t)
             return view
+
         return tuple(big(t) for t in (q, k, v))
     if how == "expanded-kv":  # k/v heads broadcast with stride 0 (MQA style)
         return q, k[:, :1].expand_as(k), v[:, :1].expand_as(v)
@@ -460,12 +583,11 @@ def test_gradcheck_flash_mask_and_learnable_mod():
     mask = masks.sliding_window(6) | masks.prefix_lm(2)
 
     def f(q, k, v, table, gain):
-        mod = scores.compose(scores.relative_bias(table),
-                             scores.custom(lambda s, b, h, qp, kp: s * gain[h], [gain]))
+        mod = scores.compose(scores.relative_bias(table), scores.custom(lambda s, b, h, qp, kp: s * gain[h], [gain]))
         out, lse = flash_attention(q, k, v, mask=mask, score_mod=mod, scale=0.7, q_offset=Nk - Nq, block=(4, 3))
         return out, lse
 
-    out, lse = f(q, k, v, table, gain)
+    _out, lse = f(q, k, v, table, gain)
     assert torch.isfinite(lse).all(), "this problem must have no fully masked row (gradcheck needs finite lse)"
     assert torch.autograd.gradcheck(f, (q, k, v, table, gain), eps=1e-6, atol=1e-7, rtol=1e-5)
 
@@ -505,8 +627,9 @@ def test_masking_is_not_a_finite_sentinel(backend, dtype):
     want = v.double().cumsum(2) / torch.arange(1, Nk + 1, dtype=F64).view(1, 1, -1, 1)
     torch.testing.assert_close(out.double(), want, atol=1e-5 if dtype == F32 else 1e-12, rtol=0)
     want_lse = -1e30 + torch.log(torch.arange(1, Nk + 1, dtype=F64))
-    torch.testing.assert_close(lse.double().expand(B, H, Nq), want_lse.expand(B, H, Nq), atol=0,
-                               rtol=4 * torch.finfo(lse.dtype).eps)
+    torch.testing.assert_close(
+        lse.double().expand(B, H, Nq), want_lse.expand(B, H, Nq), atol=0, rtol=4 * torch.finfo(lse.dtype).eps
+    )
 
 
 # ------------------------------------------------------------------------------ scale
@@ -521,13 +644,24 @@ def test_explicit_scale(scale, backend, dtype):
     for mask in (None, masks.causal()):
         if backend == "sdpa" and mask is not None:
             continue
-        compare_backend(q, k, v, backend=backend, mask=mask, scale=scale, lse=backend in ("flash", "flash-tiles"),
-                        what=f"scale={scale}/{backend}/{mask}", **kw)
+        compare_backend(
+            q,
+            k,
+            v,
+            backend=backend,
+            mask=mask,
+            scale=scale,
+            lse=backend in ("flash", "flash-tiles"),
+            what=f"scale={scale}/{backend}/{mask}",
+            **kw,
+        )
 
 
 # ------------------------------------------------------------- large-magnitude modded scores
 def test_large_offset_score_mod_keeps_reference_accuracy():
-    mod = (lambda p: scores.custom(lambda s, b, h, qp, kp: s - 1000.0))
+    def mod(p):
+        return scores.custom(lambda s, b, h, qp, kp: s - 1000.0)
+
     for seed in range(3):
         q, k, v = make_qkv(1, 2, 1, 64, 97, 32, dtype=F32, seed=seed)
         compare_backend(q, k, v, backend="flash", mask=masks.causal(), mod_factory=mod, what=f"seed {seed}")
@@ -557,6 +691,7 @@ SDPA_PEAKY_GRAD_FACTOR = 15.0  # = 3x rule * ~5 (measured excess 4x, plus margin
 def test_peaky_softmax_sdpa():
     from tests.helpers import assert_close_rule
     from tests.ops.conftest import run_case
+
     for seed in range(5):
         q, k, v = make_qkv(1, 4, 2, 40, 97, 64, dtype=F32, seed=seed)
         fast = run_case(q, k, v, backend="sdpa", scale=3.0, lse=False)
@@ -564,5 +699,11 @@ def test_peaky_softmax_sdpa():
         oracle = run_case(q.double(), k.double(), v.double(), backend="reference", scale=3.0, lse=False)
         assert_close_rule(fast["out"], ref["out"], oracle["out"], F32, factor=2.0, what=f"seed {seed} out")
         for key in ("dq", "dk", "dv"):
-            assert_close_rule(fast[key], ref[key], oracle[key], F32, factor=SDPA_PEAKY_GRAD_FACTOR,
-                              what=f"seed {seed} {key} (torch SDPA, named exception)")
+            assert_close_rule(
+                fast[key],
+                ref[key],
+                oracle[key],
+                F32,
+                factor=SDPA_PEAKY_GRAD_FACTOR,
+                what=f"seed {seed} {key} (torch SDPA, named exception)",
+            )

@@ -14,7 +14,6 @@ from attnlab.nn.additive import AdditiveAttention
 from attnlab.ops.additive import additive_attention, naive_additive_attention
 from tests.helpers import check_rule
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny problems: a 2nd thread only spins
 
 
@@ -23,15 +22,24 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny problems: a 2nd
 TOL64 = 1e-10
 
 
-def _inputs(B=2, H=4, Hkv=2, Nq=7, Nk=11, Dq=5, Dk=6, Dv=3, A=8, per_head=False, bias=True, seed=0,
-            dtype=torch.float64):
+def _inputs(
+    B=2, H=4, Hkv=2, Nq=7, Nk=11, Dq=5, Dk=6, Dv=3, A=8, per_head=False, bias=True, seed=0, dtype=torch.float64
+):
     g = torch.Generator().manual_seed(seed)
 
     def r(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
     lead = (H,) if per_head else ()
-    return dict(q=r(B, H, Nq, Dq), k=r(B, Hkv, Nk, Dk), v=r(B, Hkv, Nk, Dv), w_q=r(*lead, A, Dq),
-                w_k=r(*lead, A, Dk), v_a=r(*lead, A), bias=r(*lead, A) if bias else None)
+    return dict(
+        q=r(B, H, Nq, Dq),
+        k=r(B, Hkv, Nk, Dk),
+        v=r(B, Hkv, Nk, Dv),
+        w_q=r(*lead, A, Dq),
+        w_k=r(*lead, A, Dk),
+        v_a=r(*lead, A),
+        bias=r(*lead, A) if bias else None,
+    )
 
 
 _ORDER = ("q", "k", "v", "w_q", "w_k", "v_a", "bias")
@@ -48,7 +56,7 @@ def _run(fn, t, grad=True, **kw):
         c = torch.randn(lse.shape, generator=g, dtype=torch.float64)
         loss = (out.double() * w).sum() + (torch.where(torch.isinf(lse), 0.0, lse).double() * c).sum()
         names = [n for n in _ORDER if leaves[n] is not None]
-        for n, gr in zip(names, torch.autograd.grad(loss, [leaves[n] for n in names])):
+        for n, gr in zip(names, torch.autograd.grad(loss, [leaves[n] for n in names]), strict=True):
             res["d" + n] = gr
     return res
 
@@ -80,13 +88,17 @@ CASES = {
     "none": lambda: None,
     "causal": masks.causal,
     "window": lambda: masks.sliding_window(3),
-    "padding": lambda: masks.padding([4, 0]),   # batch 1 sees no key: fully masked rows
+    "padding": lambda: masks.padding([4, 0]),  # batch 1 sees no key: fully masked rows
     "doc": lambda: masks.causal() & masks.custom(lambda b, h, q, kv: (q // 5) == (kv // 5)),
 }
 
 
 COMBOS = [(m, "gqa", ph) for m in CASES for ph in (False, True)] + [
-    ("causal", "mha", False), ("window", "mqa", True), ("none", "mqa", False), ("padding", "mha", True)]
+    ("causal", "mha", False),
+    ("window", "mqa", True),
+    ("none", "mqa", False),
+    ("padding", "mha", True),
+]
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (3, 1)}
 
 
@@ -125,16 +137,25 @@ def test_gradcheck_tiled_backward():
     leaves = [t[n].clone().requires_grad_(True) for n in names]
 
     def f(*xs):
-        d = dict(zip(names, xs))
-        out, lse = additive_attention(*(d[n] for n in names[:6]), bias=d["bias"], mask=m, q_offset=0,
-                                      return_lse=True, chunk_size=2, q_chunk_size=2)
+        d = dict(zip(names, xs, strict=True))
+        out, lse = additive_attention(
+            *(d[n] for n in names[:6]),
+            bias=d["bias"],
+            mask=m,
+            q_offset=0,
+            return_lse=True,
+            chunk_size=2,
+            q_chunk_size=2,
+        )
         return out, lse
+
     assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-7)
     # shared weights, no mask, no bias
     t = _inputs(B=2, H=2, Hkv=2, Nq=2, Nk=3, Dq=2, Dk=3, Dv=2, A=3, bias=False)
     leaves = [t[n].clone().requires_grad_(True) for n in names[:6]]
-    assert torch.autograd.gradcheck(lambda *xs: additive_attention(*xs, chunk_size=2, q_chunk_size=1), leaves,
-                                    eps=1e-6, atol=1e-7)
+    assert torch.autograd.gradcheck(
+        lambda *xs: additive_attention(*xs, chunk_size=2, q_chunk_size=1), leaves, eps=1e-6, atol=1e-7
+    )
 
 
 def test_fully_masked_rows_are_zero_with_zero_gradients():
@@ -186,6 +207,7 @@ def test_backward_keeps_no_pairwise_tensor():
             fn(*leaves, **kw).sum().backward()
         assert all(x.grad is not None for x in leaves)
         return max(sizes)
+
     assert max_saved(naive_additive_attention) >= pair
     assert max_saved(additive_attention, chunk_size=8, q_chunk_size=8) <= B * H * max(Nq, Nk) * A
 
@@ -207,8 +229,9 @@ def test_module_matches_functional_and_trains():
     att = AdditiveAttention(5, 6, 8)
     q, k, v = torch.randn(2, 7, 5), torch.randn(2, 9, 6), torch.randn(2, 9, 3)
     out = att(q, k, v, mask=masks.causal())
-    want = naive_additive_attention(q[:, None], k[:, None], v[:, None], att.w_q, att.w_k, att.v_a, bias=att.bias,
-                                    mask=masks.causal())[:, 0]
+    want = naive_additive_attention(
+        q[:, None], k[:, None], v[:, None], att.w_q, att.w_k, att.v_a, bias=att.bias, mask=masks.causal()
+    )[:, 0]
     assert out.shape == (2, 7, 3) and torch.allclose(out, want, atol=1e-6)
     out.square().sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in att.parameters())
@@ -228,14 +251,15 @@ def test_errors_name_the_argument():
     args = [t[n] for n in _ORDER[:6]]
 
     def call(**over):
-        a = dict(zip(_ORDER[:6], args))
+        a = dict(zip(_ORDER[:6], args, strict=True))
         kw = {key: over.pop(key) for key in list(over) if key not in a}
         a.update(over)
         return additive_attention(*(a[n] for n in _ORDER[:6]), **kw)
+
     with pytest.raises(ValueError, match=r"w_k: expected \(A=8, Dk=6\)"):
         call(w_k=torch.randn(7, 6, dtype=torch.float64))
     with pytest.raises(ValueError, match="w_q"):
-        call(w_q=torch.randn(3, 8, 5, dtype=torch.float64))          # 3 heads, q has 4
+        call(w_q=torch.randn(3, 8, 5, dtype=torch.float64))  # 3 heads, q has 4
     with pytest.raises(ValueError, match="v_a"):
         call(v_a=torch.randn(9, dtype=torch.float64))
     with pytest.raises(ValueError, match="bias"):

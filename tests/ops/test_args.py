@@ -21,8 +21,11 @@ BATCH_HINT = " (k/v may also have batch 1, shared by the batch)"  # only attenti
 
 def _qkv():
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(B, H, N, D, generator=g), torch.randn(B, Hkv, N, D, generator=g),
-            torch.randn(B, Hkv, N, D, generator=g))
+    return (
+        torch.randn(B, H, N, D, generator=g),
+        torch.randn(B, Hkv, N, D, generator=g),
+        torch.randn(B, Hkv, N, D, generator=g),
+    )
 
 
 def _additive(q, k, v, **kw):
@@ -34,9 +37,19 @@ ENTRIES = {  # name -> call(q, k, v, **kw)
     "attention": lambda q, k, v, **kw: attnlab.attention(q, k, v, **kw),
     "attention_probs": lambda q, k, v, **kw: attnlab.attention_probs(q, k, **kw),
     "head_stats": lambda q, k, v, **kw: head_stats(q, k, **kw),
-    "ring/ulysses": lambda q, k, v, **kw: check_call("ring_attention", q, k, v, mask=None, score_mod=None,
-                                                     scale=kw.get("scale"), layout="contiguous", seq_len=None,
-                                                     return_lse=False, world=1),
+    "ring/ulysses": lambda q, k, v, **kw: check_call(
+        "ring_attention",
+        q,
+        k,
+        v,
+        mask=None,
+        score_mod=None,
+        scale=kw.get("scale"),
+        layout="contiguous",
+        seq_len=None,
+        return_lse=False,
+        world=1,
+    ),
     "linear": lambda q, k, v, **kw: linear_attention(q, k, v),
     "additive": lambda q, k, v, **kw: _additive(q, k, v, **kw),
 }
@@ -77,12 +90,15 @@ def test_every_entry_point_words_a_bad_qkv_the_same(case):
         assert "k torch.float64" in got["attention"][1]
 
 
-@pytest.mark.parametrize("kw, exc, words", [
-    (dict(q_offset=1.5), TypeError, "q_offset: expected an int, got float 1.5"),
-    (dict(kv_offset=True), TypeError, "kv_offset: expected an int, got bool True"),
-    (dict(scale=0.0), ValueError, "scale: expected a finite non-zero number, got 0.0"),
-    (dict(scale=float("nan")), ValueError, "scale: expected a finite non-zero number, got nan"),
-])
+@pytest.mark.parametrize(
+    "kw, exc, words",
+    [
+        (dict(q_offset=1.5), TypeError, "q_offset: expected an int, got float 1.5"),
+        (dict(kv_offset=True), TypeError, "kv_offset: expected an int, got bool True"),
+        (dict(scale=0.0), ValueError, "scale: expected a finite non-zero number, got 0.0"),
+        (dict(scale=float("nan")), ValueError, "scale: expected a finite non-zero number, got nan"),
+    ],
+)
 def test_every_entry_point_words_a_bad_scale_or_offset_the_same(kw, exc, words):
     names = OFFSETS if "scale" not in kw else SCALE
     for name in sorted(names):
@@ -98,6 +114,6 @@ def test_normalize_returns_the_problem():
     p = normalize(q, k, v[..., :3], kv_offset=4)
     assert isinstance(p, Problem)
     assert (p.B, p.H, p.Hkv, p.Nq, p.Nk, p.D, p.Dv) == (B, H, Hkv, N, N, D, 3)
-    assert (p.q_offset, p.kv_offset) == (4, 4) and p.scale == 1 / math.sqrt(D)   # bottom-right: kv_offset + Nk - Nq
+    assert (p.q_offset, p.kv_offset) == (4, 4) and p.scale == 1 / math.sqrt(D)  # bottom-right: kv_offset + Nk - Nq
     p = normalize(q[:, :, :2], k, scale=0.5, q_offset=-3)
     assert (p.q_offset, p.kv_offset, p.scale, p.v is k, p.Dv) == (-3, 0, 0.5, True, D)

@@ -48,8 +48,10 @@ def _builtins(w, ids, slopes, table):
 
 
 def _all(q, k, v, w, ids, slopes, table, backend="flash"):
-    return [attnlab.attention(q, k, v, mask=m, score_mod=s, backend=backend, return_lse=True)
-            for m, s in _builtins(w, ids, slopes, table)]
+    return [
+        attnlab.attention(q, k, v, mask=m, score_mod=s, backend=backend, return_lse=True)
+        for m, s in _builtins(w, ids, slopes, table)
+    ]
 
 
 def test_every_builtin_mask_and_score_mod_traces_with_zero_graph_breaks(data):
@@ -66,7 +68,9 @@ def test_tree_and_inverted_masks_built_outside_trace_with_zero_graph_breaks(data
     q, k, v, *_ = data
     ms = (masks.tree([-1, 0, 0, 1], prefix_len=4), ~masks.sliding_window(3) | masks.causal())
     dynamo.reset()
-    ex = dynamo.explain(lambda q, k, v, ms: [attnlab.attention(q, k, v, mask=m, backend="flash") for m in ms])(q, k, v, ms)
+    ex = dynamo.explain(lambda q, k, v, ms: [attnlab.attention(q, k, v, mask=m, backend="flash") for m in ms])(
+        q, k, v, ms
+    )
     assert ex.graph_break_count == 0, [str(r.reason)[:200] for r in ex.break_reasons]
 
 
@@ -81,7 +85,7 @@ def test_compiled_equals_eager_outputs_and_gradients(data, compiled_all):
     leaves = [t.clone().requires_grad_() for t in (q, k, v, slopes, table)]
     got = compiled_all(leaves[0], leaves[1], leaves[2], 3, ids, leaves[3], leaves[4])
     want = _all(leaves[0], leaves[1], leaves[2], 3, ids, leaves[3], leaves[4])
-    for (go, gl), (wo, wl) in zip(got, want):
+    for (go, gl), (wo, wl) in zip(got, want, strict=True):
         torch.testing.assert_close(go, wo, atol=0, rtol=0)  # the same kernel runs in both
         torch.testing.assert_close(gl, wl, atol=0, rtol=0)
 
@@ -90,7 +94,7 @@ def test_compiled_equals_eager_outputs_and_gradients(data, compiled_all):
 
     g_got = torch.autograd.grad(loss(got), leaves)
     g_want = torch.autograd.grad(loss(want), leaves)
-    for a, b in zip(g_got, g_want):
+    for a, b in zip(g_got, g_want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)  # float64: summation order only
     assert g_got[3].abs().sum() > 0 and g_got[4].abs().sum() > 0  # learnable slopes / table get gradients
 
@@ -125,8 +129,7 @@ def test_fresh_mask_per_call_does_not_recompile_and_a_new_w_recompiles_at_most_o
     assert inside.n == 1 and outside.n == 1  # fresh mask objects: no recompile
     for w in (4, 5, 6, 2):
         torch.testing.assert_close(cf(q, k, v, w), f(q, k, v, w), atol=0, rtol=0)
-        torch.testing.assert_close(cg(q, k, v, masks.causal() & masks.sliding_window(w)), f(q, k, v, w),
-                                   atol=0, rtol=0)
+        torch.testing.assert_close(cg(q, k, v, masks.causal() & masks.sliding_window(w)), f(q, k, v, w), atol=0, rtol=0)
     assert inside.n <= 2 and outside.n <= 2  # the window size becomes a dynamic int once
 
 
@@ -138,8 +141,10 @@ def test_custom_mask_and_custom_score_mod_compile_fullgraph_and_match_eager(data
     mod = scores.custom(lambda s, b, h, qp, kp: s * 0.5 + (kp - qp).to(s.dtype) * 0.1)
 
     def f(q, k, v):
-        return (attnlab.attention(q, k, v, mask=mask, backend="flash"),
-                attnlab.attention(q, k, v, mask=mask, score_mod=mod, backend="flash"))
+        return (
+            attnlab.attention(q, k, v, mask=mask, backend="flash"),
+            attnlab.attention(q, k, v, mask=mask, score_mod=mod, backend="flash"),
+        )
 
     dynamo.reset()
     ex = dynamo.explain(f)(q, k, v)
@@ -148,18 +153,25 @@ def test_custom_mask_and_custom_score_mod_compile_fullgraph_and_match_eager(data
     qq = q.clone().requires_grad_()
     got = torch.compile(f, backend="aot_eager", fullgraph=True)(qq, k, v)
     want = f(qq, k, v)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
-    torch.testing.assert_close(torch.autograd.grad(sum(o.sum() for o in got), qq)[0],
-                               torch.autograd.grad(sum(o.sum() for o in want), qq)[0], atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        torch.autograd.grad(sum(o.sum() for o in got), qq)[0],
+        torch.autograd.grad(sum(o.sum() for o in want), qq)[0],
+        atol=1e-12,
+        rtol=0,
+    )
 
 
 def test_bad_tensor_argument_built_inside_compiled_code_still_raises(data):
     """Value checks of mask/mod tensors built in the traced region become in-graph assertions."""
     q, k, v, *_ = data
     dynamo.reset()
-    f = torch.compile(lambda q, k, v, n: attnlab.attention(q, k, v, mask=masks.padding(n), backend="flash"),
-                      backend="aot_eager", fullgraph=True)
+    f = torch.compile(
+        lambda q, k, v, n: attnlab.attention(q, k, v, mask=masks.padding(n), backend="flash"),
+        backend="aot_eager",
+        fullgraph=True,
+    )
     f(q, k, v, torch.tensor([3, 8]))
     with pytest.raises(RuntimeError, match="padding"):
         f(q, k, v, torch.tensor([-1, 8]))
@@ -176,8 +188,9 @@ def test_dropout_with_an_int_seed_compiles_fullgraph_and_matches_eager(data):
     cf = torch.compile(f, backend="aot_eager", fullgraph=True)
     got, want = cf(q, 7), f(q, 7)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
-    torch.testing.assert_close(torch.autograd.grad(got.sum(), q)[0], torch.autograd.grad(want.sum(), q)[0],
-                               atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        torch.autograd.grad(got.sum(), q)[0], torch.autograd.grad(want.sum(), q)[0], atol=1e-12, rtol=0
+    )
 
 
 def test_the_custom_ops_pass_torch_library_opcheck():
@@ -192,7 +205,7 @@ def test_the_custom_ops_pass_torch_library_opcheck():
     res = torch.library.opcheck(torch.ops.attnlab.flash_fwd.default, args)
     assert set(res.values()) == {"SUCCESS"}, res
     # with dropout and a seed drawn in a graph (the optional seed_tensor input)
-    res = torch.library.opcheck(torch.ops.attnlab.flash_fwd.default, args[:-2] + (0.3, 0, torch.tensor(5)))
+    res = torch.library.opcheck(torch.ops.attnlab.flash_fwd.default, (*args[:-2], 0.3, 0, torch.tensor(5)))
     assert set(res.values()) == {"SUCCESS"}, res
 
 
@@ -230,8 +243,9 @@ def test_dropout_without_a_seed_compiles_fullgraph_and_draws_what_eager_draws(da
     torch.manual_seed(5)
     want = f(q)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
-    torch.testing.assert_close(torch.autograd.grad(got.sum(), q)[0], torch.autograd.grad(want.sum(), q)[0],
-                               atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        torch.autograd.grad(got.sum(), q)[0], torch.autograd.grad(want.sum(), q)[0], atol=1e-12, rtol=0
+    )
     assert not torch.equal(cf(q), got)  # a fresh seed per call
 
 
@@ -265,7 +279,7 @@ def test_a_dense_additive_bias_has_a_structural_key_and_compiles_to_the_flash_op
     got = cf(q, learn)
     want = f(q, learn)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
-    ga, = torch.autograd.grad(got.sum(), learn)
-    gb, = torch.autograd.grad(want.sum(), learn)
+    (ga,) = torch.autograd.grad(got.sum(), learn)
+    (gb,) = torch.autograd.grad(want.sum(), learn)
     torch.testing.assert_close(ga, gb, atol=1e-12, rtol=0)
     assert ga.abs().sum() > 0

@@ -23,8 +23,12 @@ def data():
 
 
 def _newer(dense_t, cu, qo):
-    return [masks.band(2, 1), masks.band(None, 2) & masks.causal(), masks.dense(dense_t, q_offset=0),
-            masks.per_batch_q_offset(masks.sliding_window(3), qo)], masks.varlen(cu, window=(None, 0))
+    return [
+        masks.band(2, 1),
+        masks.band(None, 2) & masks.causal(),
+        masks.dense(dense_t, q_offset=0),
+        masks.per_batch_q_offset(masks.sliding_window(3), qo),
+    ], masks.varlen(cu, window=(None, 0))
 
 
 def _run(q, k, v, ms, vl):
@@ -37,11 +41,12 @@ def test_newer_kinds_compile_to_the_flash_op_with_no_dense_mask(data, monkeypatc
     """Built outside the compiled function (varlen's and per_batch_q_offset's checks read
     tensor values), passed in, they trace with no graph break and reach the op by key."""
     import attnlab.ops.dispatch as D
+
     q, k, v = data
     dense_t = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(1)) > 0.3
     dense_t[..., 0] = True
     ms, vl = _newer(dense_t, torch.tensor([0, 3, 8]), torch.tensor([0, 0]))
-    for m in ms + [vl]:
+    for m in [*ms, vl]:
         assert m.key() is not None, m
     eager = _run(q, k, v, ms, vl)
 
@@ -53,7 +58,7 @@ def test_newer_kinds_compile_to_the_flash_op_with_no_dense_mask(data, monkeypatc
     ex = dynamo.explain(_run)(q, k, v, ms, vl)
     assert ex.graph_break_count == 0, [str(r.reason)[:200] for r in ex.break_reasons]
     got = torch.compile(_run, backend="aot_eager", fullgraph=True)(q, k, v, ms, vl)
-    for g, e in zip(got, eager):
+    for g, e in zip(got, eager, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-12)  # the same kernel on the same tiles
 
 

@@ -19,8 +19,11 @@ F64 = torch.float64
 
 def _qkv(B=2, H=4, Hkv=2, Nq=9, Nk=13, D=8, Dv=8, dtype=F64, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, H, Nq, D, generator=g, dtype=dtype), torch.randn(B, Hkv, Nk, D, generator=g, dtype=dtype),
-            torch.randn(B, Hkv, Nk, Dv, generator=g, dtype=dtype))
+    return (
+        torch.randn(B, H, Nq, D, generator=g, dtype=dtype),
+        torch.randn(B, Hkv, Nk, D, generator=g, dtype=dtype),
+        torch.randn(B, Hkv, Nk, Dv, generator=g, dtype=dtype),
+    )
 
 
 def _sdpa(q, k, v, **kw):
@@ -33,8 +36,9 @@ def _sdpa(q, k, v, **kw):
 def test_bnhd_layout_matches_bhnd(backend):
     q, k, v = _qkv(Dv=6)
     m = masks.causal()
-    out, lse = attnlab.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask=m, return_lse=True,
-                                 layout="bnhd", backend=backend)
+    out, lse = attnlab.attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask=m, return_lse=True, layout="bnhd", backend=backend
+    )
     ref, rlse = attnlab.attention(q, k, v, mask=m, return_lse=True, backend="reference")
     assert out.shape == (2, 9, 4, 6) and lse.shape == (2, 4, 9)
     assert max_err(out, ref.transpose(1, 2)) <= FLOOR[F64] and max_err(lse, rlse) <= FLOOR[F64]
@@ -77,8 +81,10 @@ def test_bnhd_allocates_no_more_than_bhnd_when_strides_allow():
     q, k, v = _qkv(B=1, Nq=200, Nk=200, D=16, dtype=torch.float32)
     qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     with torch.no_grad():
-        calls = (lambda: attnlab.attention(qb, kb, vb, mask=masks.causal(), layout="bnhd", backend="flash"),
-                 lambda: attnlab.attention(q, k, v, mask=masks.causal(), backend="flash"))
+        calls = (
+            lambda: attnlab.attention(qb, kb, vb, mask=masks.causal(), layout="bnhd", backend="flash"),
+            lambda: attnlab.attention(q, k, v, mask=masks.causal(), backend="flash"),
+        )
         for c in calls:  # warm: the mask's tile classification is cached by structure after one call
             c()
         a, b = (_allocated(c) for c in calls)
@@ -95,8 +101,8 @@ def test_layout_errors():
 
 def test_bnhd_tensor_without_layout_names_the_layout():
     """(B, N, H, D) tensors read as (B, H, N, D) give inconsistent heads: the error says so."""
-    q = torch.randn(1, 5, 4, 8)   # (B, N=5, H=4, D)
-    k = torch.randn(1, 7, 2, 8)   # (B, N=7, Hkv=2, D)
+    q = torch.randn(1, 5, 4, 8)  # (B, N=5, H=4, D)
+    k = torch.randn(1, 7, 2, 8)  # (B, N=7, Hkv=2, D)
     with pytest.raises(ValueError, match=r"\(B, H, N, D\).*layout='bnhd'"):
         attnlab.attention(q, k, k)
 
@@ -125,7 +131,7 @@ def test_bool_tensor_mask_fully_masked_rows_are_zero():
 def test_dense_mask_tiles_are_classified_and_empty_ones_skipped():
     t = torch.zeros(64, 64, dtype=torch.bool)
     t[:32, :32] = t[32:, 32:] = True  # two blocks on the diagonal
-    t[40, 5] = True                   # one stray pair: a partial tile
+    t[40, 5] = True  # one stray pair: a partial tile
     m = masks.dense(t, q_offset=0)
     bm = m.block_mask(1, 1, 64, 64, q_offset=0, block=(16, 16))
     assert_tiles_sound(bm.states.expand(1, 1, -1, -1), mask_dense(m, 1, 1, 64, 64, 0, 0), 16, 16, "dense", exact=True)
@@ -173,14 +179,17 @@ def test_kv_batch_broadcast_without_copies(backend, monkeypatch):
     q, k, v = _qkv(B=3)
     k1, v1 = k[:1], v[:1]
     out = attnlab.attention(q, k1, v1, mask=masks.causal(), backend=backend)
-    ref = attnlab.attention(q, k1.expand_as(k).contiguous(), v1.expand_as(v).contiguous(), mask=masks.causal(),
-                            backend="reference")
+    ref = attnlab.attention(
+        q, k1.expand_as(k).contiguous(), v1.expand_as(v).contiguous(), mask=masks.causal(), backend="reference"
+    )
     assert max_err(out, ref) <= 1e-12
     seen = {}
     real = dispatch.flash_op  # the flash kernel's entry (the attnlab::flash_* custom ops)
-    monkeypatch.setattr(dispatch, "flash_op",
-                        lambda q, k, v, *a, **kw: seen.setdefault("k", (k.data_ptr(), k.stride(0))) and real(q, k, v, *a,
-                                                                                                            **kw))
+    monkeypatch.setattr(
+        dispatch,
+        "flash_op",
+        lambda q, k, v, *a, **kw: seen.setdefault("k", (k.data_ptr(), k.stride(0))) and real(q, k, v, *a, **kw),
+    )
     attnlab.attention(q, k1, v1, backend="flash")
     assert seen["k"] == (k1.data_ptr(), 0)  # a stride-0 view of the caller's K
 
@@ -193,8 +202,10 @@ def test_tensor_scale_is_learnable(backend):
     assert max_err(out, attnlab.attention(q, k, v, scale=0.7, mask=masks.causal(), backend="reference")) <= 1e-12
     (g,) = torch.autograd.grad(out.pow(2).sum(), s)
     eps = 1e-6
-    fd = [attnlab.attention(q, k, v, scale=0.7 + d, mask=masks.causal(), backend="reference").pow(2).sum()
-          for d in (eps, -eps)]
+    fd = [
+        attnlab.attention(q, k, v, scale=0.7 + d, mask=masks.causal(), backend="reference").pow(2).sum()
+        for d in (eps, -eps)
+    ]
     assert abs(float(g) - float(fd[0] - fd[1]) / (2 * eps)) < 1e-6
 
 
@@ -204,8 +215,9 @@ def test_tensor_scale_errors():
         attnlab.attention(q, k, v, scale=torch.tensor([0.1, 0.2]))
 
 
-@pytest.mark.parametrize("mask", [masks.causal(), masks.causal() & masks.padding([11, 13, 6]),
-                                  masks.sliding_window(4), None])
+@pytest.mark.parametrize(
+    "mask", [masks.causal(), masks.causal() & masks.padding([11, 13, 6]), masks.sliding_window(4), None]
+)
 def test_per_batch_q_offsets_ragged_decode(mask):
     """Each sequence's new token at its own position: equal to one call per batch element."""
     q, k, v = _qkv(B=3, Nq=1)
@@ -214,9 +226,10 @@ def test_per_batch_q_offsets_ragged_decode(mask):
     out = attnlab.attention(q, k, v, mask=mask, score_mod=mod, q_offset=qo, backend="flash")
     for b in range(3):
         m = masks.causal() & masks.padding([[11, 13, 6][b]]) if mask is not None and "padding" in repr(mask) else mask
-        ref = attnlab.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], mask=m, score_mod=mod, q_offset=int(qo[b]),
-                                backend="reference")
-        assert max_err(out[b:b + 1], ref) <= 1e-12
+        ref = attnlab.attention(
+            q[b : b + 1], k[b : b + 1], v[b : b + 1], mask=m, score_mod=mod, q_offset=int(qo[b]), backend="reference"
+        )
+        assert max_err(out[b : b + 1], ref) <= 1e-12
 
 
 def test_q_offset_tensor_errors():
@@ -231,8 +244,14 @@ def test_alibi_per_batch_head_slopes():
     sl = torch.rand(2, 4, dtype=F64, generator=torch.Generator().manual_seed(3))
     out = attnlab.attention(q, k, v, mask=masks.causal(), score_mod=scores.alibi(sl), backend="flash")
     for b in range(2):
-        ref = attnlab.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], mask=masks.causal(),
-                                score_mod=scores.alibi(sl[b]), backend="reference")
-        assert max_err(out[b:b + 1], ref) <= 1e-12
+        ref = attnlab.attention(
+            q[b : b + 1],
+            k[b : b + 1],
+            v[b : b + 1],
+            mask=masks.causal(),
+            score_mod=scores.alibi(sl[b]),
+            backend="reference",
+        )
+        assert max_err(out[b : b + 1], ref) <= 1e-12
     with pytest.raises(ValueError, match=r"alibi\(slopes\): \(B, H\) slopes of shape \(3, 4\) for batch size B=2"):
         attnlab.attention(q, k, v, score_mod=scores.alibi(torch.ones(3, 4, dtype=F64)))

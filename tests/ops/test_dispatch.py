@@ -15,16 +15,19 @@ def _qk(dtype, D, Nq=8, Nk=8, grad=False):
     return q, k
 
 
-@pytest.mark.parametrize("dtype, D, grad, mask, want", [
-    (torch.float32, 64, False, None, "sdpa"),
-    (torch.float32, 64, True, "causal", "sdpa"),
-    (torch.float64, 32, False, None, "sdpa"),
-    (torch.bfloat16, 64, False, "causal", "flash"),    # fwd: flash 1.06x SDPA at D=64
-    (torch.bfloat16, 64, True, "causal", "sdpa"),      # fwd+bwd: 0.96x at D=64
-    (torch.bfloat16, 128, True, None, "flash"),        # fwd+bwd: 1.10x at D=128
-    (torch.bfloat16, 32, False, None, "sdpa"),         # unmeasured: keep torch's kernel
-    (torch.float32, 64, False, "window", "flash"),     # SDPA would need a dense mask
-])
+@pytest.mark.parametrize(
+    "dtype, D, grad, mask, want",
+    [
+        (torch.float32, 64, False, None, "sdpa"),
+        (torch.float32, 64, True, "causal", "sdpa"),
+        (torch.float64, 32, False, None, "sdpa"),
+        (torch.bfloat16, 64, False, "causal", "flash"),  # fwd: flash 1.06x SDPA at D=64
+        (torch.bfloat16, 64, True, "causal", "sdpa"),  # fwd+bwd: 0.96x at D=64
+        (torch.bfloat16, 128, True, None, "flash"),  # fwd+bwd: 1.10x at D=128
+        (torch.bfloat16, 32, False, None, "sdpa"),  # unmeasured: keep torch's kernel
+        (torch.float32, 64, False, "window", "flash"),  # SDPA would need a dense mask
+    ],
+)
 def test_auto_policy(dtype, D, grad, mask, want):
     q, k = _qk(dtype, D, grad=grad)
     m = {None: None, "causal": masks.causal(), "window": masks.sliding_window(4)}[mask]
@@ -47,8 +50,11 @@ def test_auto_never_picks_sdpa_when_it_would_mean_something_else():
 
 
 def test_auto_results_equal_the_reference_on_each_branch():
-    for dtype, D, mask in ((torch.float32, 16, masks.causal()), (torch.float32, 16, masks.sliding_window(3)),
-                           (torch.float64, 8, None)):
+    for dtype, D, mask in (
+        (torch.float32, 16, masks.causal()),
+        (torch.float32, 16, masks.sliding_window(3)),
+        (torch.float64, 8, None),
+    ):
         q = torch.randn(1, 2, 9, D, dtype=dtype)
         k = torch.randn(1, 2, 9, D, dtype=dtype)
         v = torch.randn(1, 2, 9, D, dtype=dtype)
@@ -59,6 +65,7 @@ def test_auto_results_equal_the_reference_on_each_branch():
 
 def test_reference_called_directly_handles_no_keys():
     from attnlab.ops import reference_attention
+
     q = torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 1, 0, 4, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 1, 0, 5, dtype=torch.float64, requires_grad=True)
@@ -70,13 +77,18 @@ def test_reference_called_directly_handles_no_keys():
 
 def test_small_inference_problems_with_masks_take_a_dense_sdpa_mask(monkeypatch):
     import attnlab.ops.dispatch as D
+
     calls = []
     real = D.sdpa_dense_mask
     monkeypatch.setattr(D, "sdpa_dense_mask", lambda *a, **k: calls.append(1) or real(*a, **k))
     q = torch.randn(1, 4, 3, 16, dtype=torch.float64)
     k = torch.randn(1, 2, 9, 16, dtype=torch.float64)
     v = torch.randn(1, 2, 9, 16, dtype=torch.float64)
-    for mask in (masks.sliding_window(4), masks.tree(torch.tensor([-1, 0, 0]), 6), masks.causal() | masks.sliding_window(2)):
+    for mask in (
+        masks.sliding_window(4),
+        masks.tree(torch.tensor([-1, 0, 0]), 6),
+        masks.causal() | masks.sliding_window(2),
+    ):
         with torch.no_grad():
             got = attnlab.attention(q, k, v, mask=mask)
         want = attnlab.attention(q, k, v, mask=mask, backend="reference")

@@ -35,8 +35,9 @@ REF_CASES = {
 def test_reference_backend_passes_gradgradcheck(case):
     q, k, v = _qkv()
     kw = REF_CASES[case]
-    assert torch.autograd.gradgradcheck(lambda q, k, v: attnlab.attention(q, k, v, backend="reference", **kw),
-                                        (q, k, v))
+    assert torch.autograd.gradgradcheck(
+        lambda q, k, v: attnlab.attention(q, k, v, backend="reference", **kw), (q, k, v)
+    )
 
 
 # (backend, kwargs): each picks a kernel whose backward is not differentiable
@@ -55,8 +56,8 @@ def test_second_derivative_is_refused_naming_the_reference_backend(case):
     q, k, v = _qkv(1)
     kw = REFUSED[case]
     out = attnlab.attention(q, k, v, **kw)
-    gq, = torch.autograd.grad((out ** 2).sum(), q, create_graph=True)  # first order works
-    want, = torch.autograd.grad((attnlab.attention(q, k, v, **{**kw, "backend": "reference"}) ** 2).sum(), q)
+    (gq,) = torch.autograd.grad((out**2).sum(), q, create_graph=True)  # first order works
+    (want,) = torch.autograd.grad((attnlab.attention(q, k, v, **{**kw, "backend": "reference"}) ** 2).sum(), q)
     torch.testing.assert_close(gq, want, atol=1e-10, rtol=0)
     with pytest.raises(DoubleBackwardError, match="backend='reference'"):
         torch.autograd.grad(gq.sum(), (q, k, v))
@@ -69,7 +70,7 @@ def test_first_order_gradients_are_unchanged_by_the_refusal_marks():
     for be in ("sdpa", "flash"):
         got = torch.autograd.grad(attnlab.attention(q, k, v, backend=be).sum(), (q, k, v))
         want = torch.autograd.grad(attnlab.attention(q, k, v, backend="reference").sum(), (q, k, v))
-        for a, b in zip(got, want):
+        for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
 
 
@@ -87,7 +88,7 @@ def test_torch_func_grad_of_grad_is_refused(backend):
 
 
 def _cu(lens):
-    return torch.tensor([0] + lens).cumsum(0)
+    return torch.tensor([0, *lens]).cumsum(0)
 
 
 def test_varlen_second_derivative_refused_on_flash_and_gradgradcheck_on_reference():
@@ -98,7 +99,7 @@ def test_varlen_second_derivative_refused_on_flash_and_gradgradcheck_on_referenc
     def f(backend):
         return lambda q, k, v: attnlab.varlen_attention(q, k, v, _cu(lens), _cu(lens), causal=True, backend=backend)
 
-    gq, = torch.autograd.grad(f("flash")(q, k, v).sum(), q, create_graph=True)
+    (gq,) = torch.autograd.grad(f("flash")(q, k, v).sum(), q, create_graph=True)
     with pytest.raises(DoubleBackwardError, match="backend='reference'"):
-        torch.autograd.grad((gq ** 2).sum(), q)
+        torch.autograd.grad((gq**2).sum(), q)
     assert torch.autograd.gradgradcheck(f("reference"), (q, k, v))

@@ -17,13 +17,12 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import attnlab
 from attnlab import masks
-from tests.ops.conftest import dense_allowed, loss_weights, make_qkv
 from tests.helpers import FLOOR, check_rule
+from tests.ops.conftest import dense_allowed, loss_weights, make_qkv
 
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
 # Statistical tests fail with probability ~ 1e-6 per check at this many standard deviations
@@ -33,6 +32,7 @@ SIGMAS = 5.0
 
 def _keep(*a, **kw):
     from attnlab.ops.dropout import dropout_mask
+
     return dropout_mask(*a, **kw)
 
 
@@ -45,7 +45,7 @@ def _run(q, k, v, *, backend, grad=True, **kw):
         B, H, Nq, Dv = out.shape
         w, c = loss_weights(B, H, Nq, Dv)
         loss = (out.double() * w).sum() + (torch.where(torch.isinf(lse), 0, lse).double() * c).sum()
-        for n, g in zip(("dq", "dk", "dv"), torch.autograd.grad(loss, (q, k, v))):
+        for n, g in zip(("dq", "dk", "dv"), torch.autograd.grad(loss, (q, k, v)), strict=True):
             res[n] = g
     return res
 
@@ -78,24 +78,32 @@ def test_flash_meets_the_rule_against_the_reference_with_the_same_seed(case, dty
 def test_any_tiling_gives_the_same_mask(block):
     from attnlab.ops.dropout import Dropout
     from attnlab.ops.flash import flash_attention
+
     q, k, v = make_qkv(2, 4, 2, 37, 53, 16, dtype=F64, seed=5)
     want = _run(q, k, v, backend="reference", mask=masks.causal(), dropout_p=0.4, dropout_seed=77)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    out, lse = flash_attention(q, k, v, mask=masks.causal(), scale=0.25, q_offset=53 - 37, block=block,
-                               dropout=Dropout(0.4, 77))
+    out, lse = flash_attention(
+        q, k, v, mask=masks.causal(), scale=0.25, q_offset=53 - 37, block=block, dropout=Dropout(0.4, 77)
+    )
     w, c = loss_weights(2, 4, 37, 16)
     g = torch.autograd.grad((out * w).sum() + (torch.where(torch.isinf(lse), 0, lse) * c).sum(), (q, k, v))
     tol = 1e3 * FLOOR[F64]  # float64 sums in a different order: rounding only
-    for name, got in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *g)):
+    for name, got in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *g), strict=True):
         assert (got - want[name]).abs().max() <= tol, name
 
 
 @settings(max_examples=8, deadline=None)
-@given(bq=st.integers(5, 40), bk=st.integers(5, 40), seed=st.integers(-(2**63), 2**64 - 1),
-       p=st.floats(0.01, 0.95), causal=st.booleans())
+@given(
+    bq=st.integers(5, 40),
+    bk=st.integers(5, 40),
+    seed=st.integers(-(2**63), 2**64 - 1),
+    p=st.floats(0.01, 0.95),
+    causal=st.booleans(),
+)
 def test_property_flash_equals_reference_at_any_tiling_and_seed(bq, bk, seed, p, causal):
     from attnlab.ops.dropout import Dropout
     from attnlab.ops.flash import flash_attention
+
     q, k, v = make_qkv(1, 2, 1, 23, 31, 8, dtype=F64, seed=6)
     mask = masks.causal() if causal else None
     want = attnlab.attention(q, k, v, mask=mask, dropout_p=p, dropout_seed=seed, backend="reference")
@@ -106,8 +114,18 @@ def test_property_flash_equals_reference_at_any_tiling_and_seed(bq, bk, seed, p,
 def test_reference_equals_a_dense_computation_with_the_public_mask():
     q, k, v = make_qkv(2, 4, 2, 9, 13, 8, dtype=F64, seed=1)
     p, seed, qo, ko = 0.3, 2**40 + 7, 2, 5
-    out, lse = attnlab.attention(q, k, v, mask=masks.causal(), dropout_p=p, dropout_seed=seed, q_offset=qo,
-                                 kv_offset=ko, return_lse=True, backend="reference")
+    out, lse = attnlab.attention(
+        q,
+        k,
+        v,
+        mask=masks.causal(),
+        dropout_p=p,
+        dropout_seed=seed,
+        q_offset=qo,
+        kv_offset=ko,
+        return_lse=True,
+        backend="reference",
+    )
     allowed = dense_allowed(masks.causal(), 2, 4, 9, 13, qo, ko)
     s = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, 1)) / math.sqrt(8)
     s = s.masked_fill(~allowed, float("-inf"))
@@ -139,8 +157,10 @@ def test_no_seed_draws_from_torch_default_generator():
     b2 = attnlab.attention(q, k, v, dropout_p=0.5, backend="flash")
     assert torch.equal(a1, b1) and torch.equal(a2, b2) and not torch.equal(a1, a2)
     g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    assert torch.equal(attnlab.attention(q, k, v, dropout_p=0.5, dropout_seed=g1, backend="flash"),
-                       attnlab.attention(q, k, v, dropout_p=0.5, dropout_seed=g2, backend="flash"))
+    assert torch.equal(
+        attnlab.attention(q, k, v, dropout_p=0.5, dropout_seed=g1, backend="flash"),
+        attnlab.attention(q, k, v, dropout_p=0.5, dropout_seed=g2, backend="flash"),
+    )
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
@@ -176,8 +196,12 @@ def test_mean_over_seeds_is_the_no_dropout_output():
     q, k, v = make_qkv(1, 2, 1, 6, 10, 8, dtype=F64, seed=4)
     S, p = 200, 0.3
     want = attnlab.attention(q, k, v, mask=masks.causal(), backend="reference")
-    outs = torch.stack([attnlab.attention(q, k, v, mask=masks.causal(), dropout_p=p, dropout_seed=s,
-                                          backend="reference") for s in range(S)])  # = flash's (tested above)
+    outs = torch.stack(
+        [
+            attnlab.attention(q, k, v, mask=masks.causal(), dropout_p=p, dropout_seed=s, backend="reference")
+            for s in range(S)
+        ]
+    )  # = flash's (tested above)
     mean, sd = outs.mean(0), outs.std(0)
     # CLT: the sample mean is within SIGMAS standard errors (rows seeing one key: no variance)
     assert ((mean - want).abs() <= SIGMAS * sd / math.sqrt(S) + 1e3 * FLOOR[F64]).all()
@@ -208,24 +232,38 @@ def test_fully_masked_rows_stay_zero(backend):
 def test_auto_routes_dropout_to_flash_and_sdpa_refuses():
     q, k, v = make_qkv(1, 2, 2, 16, 16, 8, dtype=F32, seed=8)
     kw = dict(mask=masks.causal(), dropout_p=0.2, dropout_seed=42)
-    assert torch.equal(attnlab.attention(q, k, v, backend="auto", **kw),
-                       attnlab.attention(q, k, v, backend="flash", **kw))
-    with pytest.raises(ValueError, match="sdpa.*dropout"):
+    assert torch.equal(
+        attnlab.attention(q, k, v, backend="auto", **kw), attnlab.attention(q, k, v, backend="flash", **kw)
+    )
+    with pytest.raises(ValueError, match=r"sdpa.*dropout"):
         attnlab.attention(q, k, v, backend="sdpa", **kw)
 
 
 @pytest.mark.parametrize("backend", ["reference", "flash"])
 def test_gradcheck_with_dropout(backend):
     q, k, v = (t.requires_grad_(True) for t in make_qkv(1, 2, 1, 5, 7, 4, dtype=F64, seed=9))
-    assert torch.autograd.gradcheck(lambda q, k, v: attnlab.attention(
-        q, k, v, mask=masks.causal(), dropout_p=0.4, dropout_seed=11, backend=backend), (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: attnlab.attention(
+            q, k, v, mask=masks.causal(), dropout_p=0.4, dropout_seed=11, backend=backend
+        ),
+        (q, k, v),
+    )
 
 
-@pytest.mark.parametrize("p, seed, err", [
-    (1.0, None, ValueError), (-0.1, None, ValueError), (float("nan"), None, ValueError),
-    ("0.1", None, TypeError), (True, None, TypeError), (0.1, "7", TypeError), (0.1, 1.5, TypeError),
-    (0.1, 2**70, ValueError)])
+@pytest.mark.parametrize(
+    "p, seed, err",
+    [
+        (1.0, None, ValueError),
+        (-0.1, None, ValueError),
+        (float("nan"), None, ValueError),
+        ("0.1", None, TypeError),
+        (True, None, TypeError),
+        (0.1, "7", TypeError),
+        (0.1, 1.5, TypeError),
+        (0.1, 2**70, ValueError),
+    ],
+)
 def test_bad_dropout_arguments_are_refused(p, seed, err):
     q, k, v = make_qkv(1, 1, 1, 4, 4, 8, dtype=F32)
-    with pytest.raises(err, match="dropout_(p|seed): expected"):
+    with pytest.raises(err, match=r"dropout_(p|seed): expected"):
         attnlab.attention(q, k, v, dropout_p=p, dropout_seed=seed)

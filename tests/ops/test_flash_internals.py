@@ -90,7 +90,7 @@ def _tile_of(call, q_offset, kv_offset, bq, bk):
 
 
 def _brute(allowed, i, j, bq, bk):
-    t = allowed[..., i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+    t = allowed[..., i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
     return bool(t.any()), bool(t.all())
 
 
@@ -200,7 +200,7 @@ def test_default_tiles_skip_empty_and_full_tiles(maskname, n):
         if score_mod is not None and n == (1025, 1025):
             assert len(set(calls)) > 1, "this test needs several visited tiles to mean anything"
         for qlo, qhi, klo, khi in calls:
-            t = allowed[..., qlo - qo:qhi - qo + 1, klo:khi + 1]
+            t = allowed[..., qlo - qo : qhi - qo + 1, klo : khi + 1]
             assert t.any(), f"visited an empty tile q {qlo}..{qhi}, kv {klo}..{khi}"
             if score_mod is None:
                 assert not t.all(), f"evaluated the mask on a full tile q {qlo}..{qhi}, kv {klo}..{khi}"
@@ -265,8 +265,9 @@ def _gqa_mod(name, H):
     if name == "alibi":  # per *query* head slopes
         return (lambda p: scores.alibi(p)), torch.linspace(0.05, 0.5, H, dtype=F64)
     if name == "relative_bias":
-        return (lambda p: scores.relative_bias(p)), torch.randn(H, 7, generator=torch.Generator().manual_seed(4),
-                                                                dtype=F64)
+        return (lambda p: scores.relative_bias(p)), torch.randn(
+            H, 7, generator=torch.Generator().manual_seed(4), dtype=F64
+        )
     raise KeyError(name)
 
 
@@ -281,8 +282,13 @@ def test_gqa_equals_mha_with_kv_repeated(dtype, hkv, maskname, modname, backend)
     G = Hq // hkv
     kr, vr = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
     factory, param = _gqa_mod(modname, Hq)
-    kw = dict(mask=GQA_MASKS[maskname](), mod_factory=factory, param=param,
-              param_dtype=torch.float64 if dtype == F64 else torch.float32, lse=backend != "auto")
+    kw = dict(
+        mask=GQA_MASKS[maskname](),
+        mod_factory=factory,
+        param=param,
+        param_dtype=torch.float64 if dtype == F64 else torch.float32,
+        lse=backend != "auto",
+    )
     if backend == "flash-tiles":
         kw["block"] = (16, 32)
     gqa = run_case(q, k, v, backend=backend, **kw)
@@ -301,8 +307,9 @@ def test_gqa_equals_mha_with_kv_repeated(dtype, hkv, maskname, modname, backend)
 
 
 # -------------------------------------------------------------------------- tile sizes
-@pytest.mark.parametrize("block", [(1, 1), (5, 3), (16, 32), (64, 16), (128, 128), (1024, 512)],
-                         ids=lambda b: f"{b[0]}x{b[1]}")
+@pytest.mark.parametrize(
+    "block", [(1, 1), (5, 3), (16, 32), (64, 16), (128, 128), (1024, 512)], ids=lambda b: f"{b[0]}x{b[1]}"
+)
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_result_does_not_depend_on_tiles(block, dtype):
     if block == (1, 1):
@@ -314,8 +321,17 @@ def test_result_does_not_depend_on_tiles(block, dtype):
     param = torch.randn(4, 5, generator=torch.Generator().manual_seed(6), dtype=F64)
     for mask in (None, masks.causal() | masks.prefix_lm(3)):
         compare_backend(q, k, v, backend="flash-tiles", block=block, mask=mask, what=f"block {block}")
-        compare_backend(q, k, v, backend="flash-tiles", block=block, mask=mask, mod_factory=factory, param=param,
-                        what=f"block {block} + relative_bias")
+        compare_backend(
+            q,
+            k,
+            v,
+            backend="flash-tiles",
+            block=block,
+            mask=mask,
+            mod_factory=factory,
+            param=param,
+            what=f"block {block} + relative_bias",
+        )
 
 
 def test_identity_score_mod_matches_the_fast_path():

@@ -29,9 +29,11 @@ def _flops(fn):
 @pytest.fixture
 def qkv():
     g = torch.Generator().manual_seed(4)
-    return (torch.randn(B, H, N, D, generator=g, requires_grad=True),
-            torch.randn(B, H, N, D, generator=g, requires_grad=True),
-            torch.randn(B, H, N, DV, generator=g, requires_grad=True))
+    return (
+        torch.randn(B, H, N, D, generator=g, requires_grad=True),
+        torch.randn(B, H, N, D, generator=g, requires_grad=True),
+        torch.randn(B, H, N, DV, generator=g, requires_grad=True),
+    )
 
 
 def test_flash_forward_flops_equal_torch_sdpa_count_on_a_full_mask(qkv):
@@ -46,7 +48,7 @@ def test_flash_forward_flops_equal_torch_sdpa_count_on_a_full_mask(qkv):
 def test_flash_forward_and_backward_flops_equal_the_eager_kernels_matmuls_on_a_full_mask(qkv):
     q, k, v = qkv
     got, per_op = _flops(lambda: attnlab.attention(q, k, v, backend="flash").sum().backward())
-    want, _ = _flops(lambda: flash_attention(q, k, v, scale=D ** -0.5, q_offset=0)[0].sum().backward())
+    want, _ = _flops(lambda: flash_attention(q, k, v, scale=D**-0.5, q_offset=0)[0].sum().backward())
     assert set(per_op) == {"attnlab.flash_fwd", "attnlab.flash_bwd"}
     # the backward recomputes the scores: 5 matmuls to the forward's 2 (torch's SDPA backward formula)
     assert per_op["attnlab.flash_bwd"] == 2 * B * H * N * N * (3 * D + 2 * DV)
@@ -65,7 +67,7 @@ def test_masked_flash_flops_count_only_the_visited_tiles(qkv, mask):
     fwd, _ = _flops(lambda: attnlab.attention(q, k, v, mask=bm, backend="flash"))
     assert fwd == round(dense * area / (N * N)) < dense
     both, per_op = _flops(lambda: attnlab.attention(q, k, v, mask=bm, backend="flash").sum().backward())
-    eager, _ = _flops(lambda: flash_attention(q, k, v, mask=bm, scale=D ** -0.5, q_offset=0)[0].sum().backward())
+    eager, _ = _flops(lambda: flash_attention(q, k, v, mask=bm, scale=D**-0.5, q_offset=0)[0].sum().backward())
     assert both == eager and per_op["attnlab.flash_fwd"] == fwd
 
 
@@ -77,6 +79,7 @@ def test_formulas_are_registered_by_the_import_hook_when_flop_counter_is_importe
     import torch.utils
 
     from attnlab.ops import library
+
     spec = library._OnFlopCounterImport().find_spec("torch.utils.flop_counter", torch.utils.__path__)
     fresh = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fresh)

@@ -59,7 +59,7 @@ def test_vmap_grad_and_vmap_of_grad_match_the_loop(qkv, backend, mask):
         leaves = [t[i].clone().requires_grad_() for t in (q, k, v)]
         want.append(torch.autograd.grad(loss(*leaves), leaves))
     got = grad(loss, argnums=(0, 1, 2))(q[0], k[0], v[0])
-    for a, b in zip(got, want[0]):
+    for a, b in zip(got, want[0], strict=True):
         torch.testing.assert_close(a, b, **TOL)
     vg = vmap(grad(loss, argnums=(0, 1, 2)))(q, k, v)
     for j in range(3):
@@ -71,8 +71,9 @@ def test_grad_reaches_learnable_score_mod_tensors_under_torch_func(qkv):
     slopes = torch.tensor([0.5, 0.25], dtype=F64)
 
     def loss(s, backend):
-        return attnlab.attention(q[0], k[0], v[0], mask=masks.causal(), score_mod=scores.alibi(s),
-                                 backend=backend).sum()
+        return attnlab.attention(
+            q[0], k[0], v[0], mask=masks.causal(), score_mod=scores.alibi(s), backend=backend
+        ).sum()
 
     torch.testing.assert_close(grad(loss)(slopes, "flash"), grad(loss)(slopes, "reference"), **TOL)
 
@@ -81,7 +82,8 @@ def test_gradgradcheck_passes_on_reference():
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 3, 4, dtype=F64, generator=g, requires_grad=True) for _ in range(3))
     assert torch.autograd.gradgradcheck(
-        lambda q, k, v: attnlab.attention(q, k, v, mask=masks.causal(), backend="reference"), (q, k, v))
+        lambda q, k, v: attnlab.attention(q, k, v, mask=masks.causal(), backend="reference"), (q, k, v)
+    )
 
 
 @pytest.mark.parametrize("mask", ["causal", "custom"])
@@ -89,13 +91,14 @@ def test_double_backward_on_flash_is_refused_naming_the_reference_backend(mask):
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 3, 4, dtype=F64, generator=g, requires_grad=True) for _ in range(3))
     out = attnlab.attention(q, k, v, mask=MASKS[mask](), backend="flash")
-    gq, = torch.autograd.grad(out.sum(), q, create_graph=True)  # first order is fine
+    (gq,) = torch.autograd.grad(out.sum(), q, create_graph=True)  # first order is fine
     with pytest.raises(RuntimeError, match="backend='reference'") as e:
         torch.autograd.grad(gq.sum(), (q, k, v))
     assert type(e.value).__name__ == "DoubleBackwardError"  # attnlab.ops.flash.DoubleBackwardError
     with pytest.raises(RuntimeError, match="backend='reference'"):
-        torch.autograd.gradgradcheck(lambda q, k, v: attnlab.attention(q, k, v, mask=MASKS[mask](), backend="flash"),
-                                     (q, k, v))
+        torch.autograd.gradgradcheck(
+            lambda q, k, v: attnlab.attention(q, k, v, mask=MASKS[mask](), backend="flash"), (q, k, v)
+        )
 
     def inner(q):
         return attnlab.attention(q, k.detach(), v.detach(), mask=MASKS[mask](), backend="flash").sum()

@@ -10,7 +10,6 @@ import torch
 import attnlab
 from attnlab.ops.hopfield import hopfield_energy, hopfield_retrieve, hopfield_update
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny problems: a 2nd thread only spins
 
 
@@ -25,7 +24,7 @@ def _explicit_update(xi, X, beta):
     """ξ_new = X softmax(β Xᵀ ξ), column-vector form, one state at a time (float64)."""
     out = torch.empty_like(xi, dtype=torch.float64)
     for b in range(xi.shape[0]):
-        Xc = X[b].double().T                                     # (d, N): patterns as columns
+        Xc = X[b].double().T  # (d, N): patterns as columns
         for m in range(xi.shape[1]):
             out[b, m] = Xc @ torch.softmax(beta * (Xc.T @ xi[b, m].double()), dim=0)
     return out
@@ -78,8 +77,7 @@ def test_energy_formula():
         Mx = max(float(x.norm()) for x in X[b])
         for m in range(3):
             s = sum(math.exp(beta * float(x @ xi[b, m])) for x in X[b])
-            want[b, m] = (-math.log(s) / beta + 0.5 * float(xi[b, m] @ xi[b, m]) + math.log(5) / beta
-                          + 0.5 * Mx ** 2)
+            want[b, m] = -math.log(s) / beta + 0.5 * float(xi[b, m] @ xi[b, m]) + math.log(5) / beta + 0.5 * Mx**2
     assert (hopfield_energy(xi, X, beta) - want).abs().max() < 1e-12
 
 
@@ -98,7 +96,7 @@ def test_one_step_retrieves_well_separated_patterns():
     B, N, d = 2, 24, 64
     Hd = _hadamard(d)
     X = torch.stack([Hd[torch.randperm(d, generator=g)[:N]] for _ in range(B)])
-    X = X * (torch.randint(0, 2, (B, N, 1), generator=g) * 2 - 1)          # random signs
+    X = X * (torch.randint(0, 2, (B, N, 1), generator=g) * 2 - 1)  # random signs
     noisy = X.clone()
     idx = torch.rand(B, N, d, generator=g).argsort(-1)[..., :8]
     noisy.scatter_(-1, idx, -noisy.gather(-1, idx))
@@ -116,7 +114,7 @@ def test_retrieve_reaches_a_fixed_point():
     assert (hopfield_update(state, X, 1.0) - state).abs().max() <= 1e-10
     # a fixed point near the stored pattern, off it by the other patterns' exp(-β·gap) weights
     assert (state - X[:, :3]).abs().max() < 1e-4
-    cos = torch.nn.functional.cosine_similarity(state[:, :, None], X[:, None], dim=-1)   # (B, 3, N)
+    cos = torch.nn.functional.cosine_similarity(state[:, :, None], X[:, None], dim=-1)  # (B, 3, N)
     assert torch.equal(cos.argmax(-1), torch.arange(3).expand(2, 3))
     state1, n1 = hopfield_retrieve(probe, X, beta=1.0, steps=1)
     assert n1 == 1 and torch.equal(state1, hopfield_update(probe, X, 1.0))

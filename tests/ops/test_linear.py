@@ -7,8 +7,14 @@ import torch
 
 import attnlab
 from attnlab import masks
-from attnlab.ops.linear import (FavorFeatures, LinearState, elu_feature, linear_attention,
-                                linear_attention_step, naive_linear_attention)
+from attnlab.ops.linear import (
+    FavorFeatures,
+    LinearState,
+    elu_feature,
+    linear_attention,
+    linear_attention_step,
+    naive_linear_attention,
+)
 
 # float64 in, float64 sums: the chunked and the quadratic forms differ only by summation
 # order, so they agree to a few ulps of the row sums.
@@ -71,8 +77,12 @@ def test_naive_is_the_formula():
         w = pk[: i + 1] @ pq[i]
         want = (w[:, None] * v[0, 0, : i + 1]).sum(0) / w.sum()
         assert _err(naive_linear_attention(q, k, v, causal=True)[0, 0, i], want) < TOL64
-        assert _err(linear_attention(q, k, v, causal=True, normalize=False)[0, 0, i],
-                    (w[:, None] * v[0, 0, : i + 1]).sum(0)) < TOL64
+        assert (
+            _err(
+                linear_attention(q, k, v, causal=True, normalize=False)[0, 0, i], (w[:, None] * v[0, 0, : i + 1]).sum(0)
+            )
+            < TOL64
+        )
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -82,8 +92,9 @@ def test_normalize_false_is_the_numerator(causal):
     for f in ("elu", fm):
         num = linear_attention(q, k, v, feature_map=f, causal=causal, normalize=False, chunk_size=7)
         assert _err(num, naive_linear_attention(q, k, v, feature_map=f, causal=causal, normalize=False)) < TOL64
-        den = linear_attention(q, k, torch.ones_like(v[..., :1]), feature_map=f, causal=causal,
-                               normalize=False, chunk_size=7)
+        den = linear_attention(
+            q, k, torch.ones_like(v[..., :1]), feature_map=f, causal=causal, normalize=False, chunk_size=7
+        )
         norm = linear_attention(q, k, v, feature_map=f, causal=causal, chunk_size=7)
         assert _err(num / den, norm) < TOL64
 
@@ -95,8 +106,9 @@ def test_step_recurrence_equals_causal(fm):
     full = linear_attention(q, k, v, feature_map=fm, causal=True, chunk_size=4)
     state, outs = None, []
     for t in range(13):
-        o, state = linear_attention_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state,
-                                         feature_map=fm)
+        o, state = linear_attention_step(
+            q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, feature_map=fm
+        )
         outs.append(o)
     assert isinstance(state, LinearState)
     assert state.S.shape == (2, 2, 8 if fm == "elu" else 32, 5) and state.z.shape == state.S.shape[:3]
@@ -114,7 +126,7 @@ def test_step_favor_state_rescales_when_a_larger_key_arrives():
     q, k, v = _qkv(B=1, H=2, Hkv=1, N=6, D=8)
     fm = _favor(8)
     w = fm.weights[fm.weights.norm(dim=1).argmax()]
-    k[:, :, 4] = w * 8 ** 0.25  # x' = w: the largest exponent any key can reach, |w|²/2
+    k[:, :, 4] = w * 8**0.25  # x' = w: the largest exponent any key can reach, |w|²/2
     full = linear_attention(q, k, v, feature_map=fm, causal=True)
     o1, s = linear_attention_step(q[:, :, :4], k[:, :, :4], v[:, :, :4], feature_map=fm)
     o2, s2 = linear_attention_step(q[:, :, 4:], k[:, :, 4:], v[:, :, 4:], s, feature_map=fm)
@@ -134,27 +146,38 @@ def test_float32_and_low_precision_inputs():
 
 def test_gradients_flow():
     q, k, v = _qkv(B=1, H=2, Hkv=1, N=9, D=4)
-    q.requires_grad_(); k.requires_grad_(); v.requires_grad_()
+    for t in (q, k, v):
+        t.requires_grad_()
     assert torch.autograd.gradcheck(
-        lambda q, k, v: linear_attention(q, k, v, feature_map=_favor(4, 8), causal=True, chunk_size=4),
-        (q, k, v))
+        lambda q, k, v: linear_attention(q, k, v, feature_map=_favor(4, 8), causal=True, chunk_size=4), (q, k, v)
+    )
 
 
 # --- FAVOR+ -----------------------------------------------------------------------------
 
+
 def _unit_problem(seed=0, N=64, D=16):
     """q, k with |q| = |k| = D^{1/4}: the softmax logits q·k/sqrt(D) lie in [-1, 1]."""
     q, k, v = _qkv(B=1, H=2, Hkv=2, N=N, D=D, seed=seed)
-    q = q / q.norm(dim=-1, keepdim=True) * D ** 0.25
-    k = k / k.norm(dim=-1, keepdim=True) * D ** 0.25
+    q = q / q.norm(dim=-1, keepdim=True) * D**0.25
+    k = k / k.norm(dim=-1, keepdim=True) * D**0.25
     return q, k, v
 
 
 def _favor_rel_err(q, k, v, m, seeds, orthogonal=True, causal=False):
     ref = attnlab.attention(q, k, v, mask=masks.causal() if causal else None, backend="reference")
-    errs = [((linear_attention(q, k, v, causal=causal,
-                               feature_map=FavorFeatures(q.shape[-1], m, seed=s, orthogonal=orthogonal))
-              - ref).norm() / ref.norm()).item() for s in seeds]
+    errs = [
+        (
+            (
+                linear_attention(
+                    q, k, v, causal=causal, feature_map=FavorFeatures(q.shape[-1], m, seed=s, orthogonal=orthogonal)
+                )
+                - ref
+            ).norm()
+            / ref.norm()
+        ).item()
+        for s in seeds
+    ]
     return sum(errs) / len(errs)
 
 
@@ -166,7 +189,7 @@ def test_favor_kernel_is_unbiased():
     y = torch.randn(7, D, generator=g, dtype=torch.float64) * 0.5
     phi = FavorFeatures(D, 1 << 15, seed=0)
     est = phi(x) @ phi(y).T
-    exact = torch.exp(x @ y.T / D ** 0.5)
+    exact = torch.exp(x @ y.T / D**0.5)
     assert ((est - exact).abs() / exact).max() < 0.03  # ~ 1/sqrt(2^15) Monte Carlo, with margin
 
 
@@ -210,8 +233,13 @@ def test_favor_stabiliser_cancels_and_prevents_overflow():
     q, k, v = _qkv(B=1, H=2, Hkv=1, N=10, D=8)
     raw, stab = _favor(8, stabilize=False), _favor(8)
     for causal in (False, True):
-        assert _err(linear_attention(q, k, v, feature_map=stab, causal=causal),
-                    linear_attention(q, k, v, feature_map=raw, causal=causal)) < TOL64
+        assert (
+            _err(
+                linear_attention(q, k, v, feature_map=stab, causal=causal),
+                linear_attention(q, k, v, feature_map=raw, causal=causal),
+            )
+            < TOL64
+        )
     big = (q * 40).float(), (k * 40).float(), v.float()
     out = linear_attention(*big, feature_map=_favor(8), causal=True)
     assert torch.isfinite(out).all()
@@ -226,30 +254,41 @@ def test_empty_keys_give_zero():
 
 # --- errors -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("make, exc, words", [
-    (lambda q, k, v: linear_attention(q[0], k, v), ValueError, "q: expected 4 dims"),
-    (lambda q, k, v: linear_attention(q, k[..., :3], v), ValueError, "q and k head dims differ"),
-    (lambda q, k, v: linear_attention(q, k, v[:, :, :2]), ValueError, "k and v must have the same (B, Hkv, Nk)"),
-    (lambda q, k, v: linear_attention(q[:, :3], k, v), ValueError, "must divide"),
-    (lambda q, k, v: linear_attention(q, k.float(), v), TypeError, "must share a dtype"),
-    (lambda q, k, v: linear_attention(q, k, v.long()), TypeError, "v: dtype torch.int64 is not supported"),
-    (lambda q, k, v: linear_attention(q.tolist(), k, v), TypeError, "q: expected a torch.Tensor"),
-    (lambda q, k, v: linear_attention(q[:, :, :3], k, v, causal=True), ValueError, "causal: needs Nq == Nk"),
-    (lambda q, k, v: naive_linear_attention(q[:, :, :3], k, v, causal=True), ValueError, "causal:"),
-    (lambda q, k, v: linear_attention(q, k, v, feature_map="relu"), ValueError, "feature_map: unknown"),
-    (lambda q, k, v: linear_attention(q, k, v, feature_map=3), TypeError, "feature_map:"),
-    (lambda q, k, v: linear_attention(q, k, v, feature_map=FavorFeatures(5, 8, seed=0)), ValueError,
-     "feature_map: FavorFeatures built for d_head=5"),
-    (lambda q, k, v: linear_attention(q, k, v, feature_map=lambda x: x[..., 0]), ValueError, "feature_map: must map"),
-    (lambda q, k, v: linear_attention(q, k, v, causal=True, chunk_size=0), ValueError, "chunk_size"),
-    (lambda q, k, v: linear_attention(q, k, v, chunk_size=2.0), TypeError, "chunk_size"),
-    (lambda q, k, v: linear_attention(q, k, v, causal=1), TypeError, "causal"),
-    (lambda q, k, v: linear_attention(q, k, v, eps=0.0), ValueError, "eps"),
-    (lambda q, k, v: linear_attention_step(q, k, v, state=(1, 2)), TypeError, "state"),
-    (lambda q, k, v: linear_attention_step(q[:, :, :0], k[:, :, :0], v[:, :, :0]), ValueError, "new token"),
-    (lambda q, k, v: FavorFeatures(8, 0, seed=0), ValueError, "n_features"),
-    (lambda q, k, v: FavorFeatures(8, 4, seed=1.5), TypeError, "seed"),
-])
+
+@pytest.mark.parametrize(
+    "make, exc, words",
+    [
+        (lambda q, k, v: linear_attention(q[0], k, v), ValueError, "q: expected 4 dims"),
+        (lambda q, k, v: linear_attention(q, k[..., :3], v), ValueError, "q and k head dims differ"),
+        (lambda q, k, v: linear_attention(q, k, v[:, :, :2]), ValueError, "k and v must have the same (B, Hkv, Nk)"),
+        (lambda q, k, v: linear_attention(q[:, :3], k, v), ValueError, "must divide"),
+        (lambda q, k, v: linear_attention(q, k.float(), v), TypeError, "must share a dtype"),
+        (lambda q, k, v: linear_attention(q, k, v.long()), TypeError, "v: dtype torch.int64 is not supported"),
+        (lambda q, k, v: linear_attention(q.tolist(), k, v), TypeError, "q: expected a torch.Tensor"),
+        (lambda q, k, v: linear_attention(q[:, :, :3], k, v, causal=True), ValueError, "causal: needs Nq == Nk"),
+        (lambda q, k, v: naive_linear_attention(q[:, :, :3], k, v, causal=True), ValueError, "causal:"),
+        (lambda q, k, v: linear_attention(q, k, v, feature_map="relu"), ValueError, "feature_map: unknown"),
+        (lambda q, k, v: linear_attention(q, k, v, feature_map=3), TypeError, "feature_map:"),
+        (
+            lambda q, k, v: linear_attention(q, k, v, feature_map=FavorFeatures(5, 8, seed=0)),
+            ValueError,
+            "feature_map: FavorFeatures built for d_head=5",
+        ),
+        (
+            lambda q, k, v: linear_attention(q, k, v, feature_map=lambda x: x[..., 0]),
+            ValueError,
+            "feature_map: must map",
+        ),
+        (lambda q, k, v: linear_attention(q, k, v, causal=True, chunk_size=0), ValueError, "chunk_size"),
+        (lambda q, k, v: linear_attention(q, k, v, chunk_size=2.0), TypeError, "chunk_size"),
+        (lambda q, k, v: linear_attention(q, k, v, causal=1), TypeError, "causal"),
+        (lambda q, k, v: linear_attention(q, k, v, eps=0.0), ValueError, "eps"),
+        (lambda q, k, v: linear_attention_step(q, k, v, state=(1, 2)), TypeError, "state"),
+        (lambda q, k, v: linear_attention_step(q[:, :, :0], k[:, :, :0], v[:, :, :0]), ValueError, "new token"),
+        (lambda q, k, v: FavorFeatures(8, 0, seed=0), ValueError, "n_features"),
+        (lambda q, k, v: FavorFeatures(8, 4, seed=1.5), TypeError, "seed"),
+    ],
+)
 def test_errors_name_the_argument(make, exc, words):
     q, k, v = _qkv(B=1, H=4, Hkv=2, N=6, D=4)
     with pytest.raises(exc) as info:

@@ -52,8 +52,9 @@ def _part_attention(q, k, v, idx, base, q_offset, contiguous, backend):
     kp, vp = k[:, :, it], v[:, :, it]
     if contiguous and idx:
         # a shard that starts at position idx[0]: what ring attention passes
-        return attnlab.attention(q, kp, vp, mask=base, q_offset=q_offset, kv_offset=idx[0], return_lse=True,
-                                 backend=backend)
+        return attnlab.attention(
+            q, kp, vp, mask=base, q_offset=q_offset, kv_offset=idx[0], return_lse=True, backend=backend
+        )
     mask = None if base is None else masks.custom(lambda b, h, qp, kvp: base(b, h, qp, it[kvp]))
     return attnlab.attention(q, kp, vp, mask=mask, q_offset=q_offset, return_lse=True, backend=backend)
 
@@ -100,7 +101,7 @@ def test_merge_of_parts_equals_full_attention(seed, mode, maskname):
 
     got = torch.autograd.grad(loss(out, lse), (q, k, v))
     want = torch.autograd.grad(loss(full_out, full_lse), (q, k, v))
-    for a, b, name in zip(got, want, "qkv"):
+    for a, b, name in zip(got, want, "qkv", strict=True):
         assert not torch.isnan(a).any(), f"NaN in d{name}"
         torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9, msg=f"d{name}")
 
@@ -109,8 +110,10 @@ def test_padding_mask_on_a_kv_shard():
     q, k, v = make_qkv(1, 1, 1, 4, 8, 8, dtype=F64, seed=1)
     mask = masks.padding([6])
     full_out, full_lse = attnlab.attention(q, k, v, mask=mask, q_offset=4, return_lse=True)
-    parts = [attnlab.attention(q, k[:, :, a:b], v[:, :, a:b], mask=mask, q_offset=4, kv_offset=a,
-                               return_lse=True) for a, b in ((0, 4), (4, 8))]
+    parts = [
+        attnlab.attention(q, k[:, :, a:b], v[:, :, a:b], mask=mask, q_offset=4, kv_offset=a, return_lse=True)
+        for a, b in ((0, 4), (4, 8))
+    ]
     out, lse = merge_states([p[0] for p in parts], [p[1] for p in parts])
     torch.testing.assert_close(out, full_out)
     torch.testing.assert_close(lse, full_lse)
@@ -121,11 +124,23 @@ def test_merge_low_precision(dtype):
     """Merging float32 / bfloat16 partials: out keeps the input dtype, lse is float32, and the
     merge adds no more error than the partials already carry (vs. the float64 full result)."""
     q, k, v = make_qkv(1, 2, 2, 16, 64, 32, dtype=dtype, seed=3)
-    full_out, full_lse = attnlab.attention(q.double(), k.double(), v.double(), mask=masks.causal(),
-                                           return_lse=True, backend="reference")
+    full_out, full_lse = attnlab.attention(
+        q.double(), k.double(), v.double(), mask=masks.causal(), return_lse=True, backend="reference"
+    )
     parts = [(0, 20), (20, 41), (41, 64)]
-    res = [attnlab.attention(q, k[:, :, a:b], v[:, :, a:b], mask=masks.causal(), q_offset=48, kv_offset=a,
-                             return_lse=True, backend="flash") for a, b in parts]
+    res = [
+        attnlab.attention(
+            q,
+            k[:, :, a:b],
+            v[:, :, a:b],
+            mask=masks.causal(),
+            q_offset=48,
+            kv_offset=a,
+            return_lse=True,
+            backend="flash",
+        )
+        for a, b in parts
+    ]
     out, lse = merge_states([r[0] for r in res], [r[1] for r in res])
     assert out.dtype == dtype and lse.dtype == F32
     # bound: a few ulps of the input dtype (each partial's own error is of that size)
@@ -210,8 +225,19 @@ def _pair(n=4):
     return torch.zeros(1, 2, n, 3), torch.zeros(1, 2, n)
 
 
-@pytest.mark.parametrize("case", ["empty", "count-mismatch", "out-shape", "lse-shape", "out-lse-disagree",
-                                  "tensor-not-list", "not-a-tensor", "lse-not-a-tensor"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "empty",
+        "count-mismatch",
+        "out-shape",
+        "lse-shape",
+        "out-lse-disagree",
+        "tensor-not-list",
+        "not-a-tensor",
+        "lse-not-a-tensor",
+    ],
+)
 def test_merge_bad_input(case):
     o, l = _pair()
     o5, l5 = _pair(5)

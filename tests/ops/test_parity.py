@@ -35,15 +35,18 @@ def _grads(fn, q, k, v, seed=0):
 
 
 def _assert_same(got, want, dtype, what):
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-        torch.testing.assert_close(a, b, **TOL[dtype], msg=lambda m: f"{what} {name}: {m}")
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(a, b, **TOL[dtype], msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
 # ------------------------------------------------------------------------------------ SDPA
 @pytest.mark.parametrize("dtype", [F64, F32], ids=["f64", "f32"])
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("shape", [(2, 4, 4, 33, 33, 40), (1, 8, 2, 97, 97, 64), (2, 4, 1, 1, 50, 59),
-                                   (1, 2, 2, 50, 20, 111)], ids=["mha", "gqa", "mqa-decode", "nq>nk"])
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 4, 4, 33, 33, 40), (1, 8, 2, 97, 97, 64), (2, 4, 1, 1, 50, 59), (1, 2, 2, 50, 20, 111)],
+    ids=["mha", "gqa", "mqa-decode", "nq>nk"],
+)
 def test_sdpa_no_mask(dtype, backend, shape):
     B, H, Hkv, Nq, Nk, D = shape
     q, k, v = make_qkv(B, H, Hkv, Nq, Nk, D, dtype=dtype, seed=1)
@@ -53,15 +56,14 @@ def test_sdpa_no_mask(dtype, backend, shape):
 
 
 @pytest.mark.parametrize("dtype", [F64, F32], ids=["f64", "f32"])
-@pytest.mark.parametrize("backend", BACKENDS + ["sdpa"])
+@pytest.mark.parametrize("backend", [*BACKENDS, "sdpa"])
 @pytest.mark.parametrize("nq_nk", [(45, 45), (20, 45), (45, 20)], ids=["square", "nq<nk", "nq>nk"])
 def test_sdpa_is_causal(dtype, backend, nq_nk):
     """attnlab causal() with q_offset=0 == SDPA is_causal (top-left), for every Nq/Nk."""
     Nq, Nk = nq_nk
     q, k, v = make_qkv(2, 8, 2, Nq, Nk, 64, dtype=dtype, seed=2)
     want = _grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), q, k, v)
-    got = _grads(lambda q, k, v: attnlab.attention(q, k, v, mask=masks.causal(), q_offset=0, backend=backend),
-                 q, k, v)
+    got = _grads(lambda q, k, v: attnlab.attention(q, k, v, mask=masks.causal(), q_offset=0, backend=backend), q, k, v)
     _assert_same(got, want, dtype, f"{backend} causal(q_offset=0) vs SDPA is_causal")
     if Nq == Nk:  # the default offset is then 0 as well
         got = _grads(lambda q, k, v: attnlab.attention(q, k, v, mask=masks.causal(), backend=backend), q, k, v)
@@ -107,8 +109,9 @@ def _attnlab_mask(name):
 
 @pytest.mark.parametrize("dtype", [F64, F32], ids=["f64", "f32"])
 @pytest.mark.parametrize("backend", ["reference", "flash", "flash-bm", "auto"])
-@pytest.mark.parametrize("maskname", ["sliding_window", "document", "document&causal", "prefix_lm",
-                                      "sink_window", "padding", "custom"])
+@pytest.mark.parametrize(
+    "maskname", ["sliding_window", "document", "document&causal", "prefix_lm", "sink_window", "padding", "custom"]
+)
 @pytest.mark.parametrize("nq", [97, 40])
 def test_sdpa_bool_mask_from_predicate(dtype, backend, maskname, nq):
     """SDPA with attn_mask = attnlab's predicate on the (B, H, Nq, Nk) grid, GQA via enable_gqa."""
@@ -116,8 +119,7 @@ def test_sdpa_bool_mask_from_predicate(dtype, backend, maskname, nq):
     q, k, v = make_qkv(B, H, Hkv, nq, Nk, D, dtype=dtype, seed=4)
     mask = _attnlab_mask(maskname)
     allowed = dense_allowed(mask, B, H, nq, Nk, Nk - nq)
-    want = _grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True),
-                  q, k, v)
+    want = _grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True), q, k, v)
     if backend == "flash-bm":
         bm = mask.block_mask(B, H, nq, Nk, block=(16, 32))
         fn = lambda q, k, v: attnlab.attention(q, k, v, mask=bm, backend="flash")  # noqa: E731
@@ -136,9 +138,10 @@ def test_sdpa_bfloat16_under_the_rule(backend):
     oracle = run_case(q.double(), k.double(), v.double(), backend="reference", lse=False, mask=masks.causal())
     ref = run_case(q, k, v, backend="reference", lse=False, mask=masks.causal())
     got = run_case(q, k, v, backend=backend, lse=False, mask=masks.causal())
-    sd = _grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), q, k, v,
-                seed=1)
-    for key, i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
+    sd = _grads(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), q, k, v, seed=1
+    )
+    for key, _i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
         factor = 2.0 if key == "out" else 3.0
         assert_close_rule(got[key], ref[key], oracle[key], BF16, factor=factor, what=f"attnlab {key}")
     assert_close_rule(sd[0], ref["out"], oracle["out"], BF16, factor=2.0, what="torch SDPA out")
@@ -148,7 +151,7 @@ def test_sdpa_bfloat16_under_the_rule(backend):
 def _flex():
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except Exception as e:  # pragma: no cover - depends on the torch build
+    except Exception as e:  # noqa: BLE001  # pragma: no cover - depends on the torch build
         pytest.skip(f"FlexAttention is not importable in this torch build: {e!r}")
     try:
         with warnings.catch_warnings():
@@ -156,7 +159,7 @@ def _flex():
             q = torch.randn(1, 1, 8, 4)
             bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, 8, 8, device="cpu")
             flex_attention(q, q, q, block_mask=bm)
-    except Exception as e:  # pragma: no cover - depends on the torch build
+    except Exception as e:  # noqa: BLE001  # pragma: no cover - depends on the torch build
         pytest.skip(f"FlexAttention eager does not run on CPU here: {e!r}")
     return flex_attention, create_block_mask
 
@@ -169,12 +172,21 @@ def _run_flex(q, k, v, mask_mod, score_mod, B, H):
         bm = None if mask_mod is None else create_block_mask(mask_mod, B, H, Nq, Nk, device="cpu")
         try:
             from torch.nn.attention.flex_attention import AuxRequest
-            out, aux = flex_attention(q, k, v, block_mask=bm, score_mod=score_mod, enable_gqa=q.shape[1] != k.shape[1],
-                                      return_aux=AuxRequest(lse=True))
+
+            out, aux = flex_attention(
+                q,
+                k,
+                v,
+                block_mask=bm,
+                score_mod=score_mod,
+                enable_gqa=q.shape[1] != k.shape[1],
+                return_aux=AuxRequest(lse=True),
+            )
             lse = aux.lse
         except ImportError:  # older API
-            out, lse = flex_attention(q, k, v, block_mask=bm, score_mod=score_mod,
-                                      enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
+            out, lse = flex_attention(
+                q, k, v, block_mask=bm, score_mod=score_mod, enable_gqa=q.shape[1] != k.shape[1], return_lse=True
+            )
     return out, lse
 
 
@@ -188,8 +200,10 @@ def _flex_case(name, Nq, Nk, qo, ko):
     if name == "sliding_window":
         return masks.sliding_window(11), lambda b, h, qi, ki: (ki + ko <= qi + qo) & (qi + qo - (ki + ko) < 11)
     if name == "document&causal":
-        return (masks.document(ids) & masks.causal(),
-                lambda b, h, qi, ki: (ids[qi + qo] == ids[ki + ko]) & (ki + ko <= qi + qo))
+        return (
+            masks.document(ids) & masks.causal(),
+            lambda b, h, qi, ki: (ids[qi + qo] == ids[ki + ko]) & (ki + ko <= qi + qo),
+        )
     if name == "padding":
         lengths = torch.tensor([97, 0])
         return masks.padding(lengths), lambda b, h, qi, ki: ki + ko < lengths[b]
@@ -204,16 +218,20 @@ def _flex_mod(name, H):
     if name == "alibi":
         return scores.alibi(slopes), lambda s, b, h, qi, ki, qo, ko: s + slopes[h] * ((ki + ko) - (qi + qo))
     if name == "relative_bias":
-        return (scores.relative_bias(table),
-                lambda s, b, h, qi, ki, qo, ko: s + table[h, ((ki + ko) - (qi + qo)).clamp(-4, 4) + 4])
+        return (
+            scores.relative_bias(table),
+            lambda s, b, h, qi, ki, qo, ko: s + table[h, ((ki + ko) - (qi + qo)).clamp(-4, 4) + 4],
+        )
     if name == "softcap":
         return scores.softcap(1.5), lambda s, b, h, qi, ki, qo, ko: 1.5 * torch.tanh(s / 1.5)
     raise KeyError(name)
 
 
-FLEX_CASES = ([("square-mha", m, s) for m in ("none", "causal", "sliding_window", "document&causal", "padding")
-               for s in ("none", "alibi", "relative_bias", "softcap")]
-              + [("nq<nk-gqa", m, s) for m in ("causal", "document&causal", "padding") for s in ("none", "alibi")])
+FLEX_CASES = [
+    ("square-mha", m, s)
+    for m in ("none", "causal", "sliding_window", "document&causal", "padding")
+    for s in ("none", "alibi", "relative_bias", "softcap")
+] + [("nq<nk-gqa", m, s) for m in ("causal", "document&causal", "padding") for s in ("none", "alibi")]
 
 
 @pytest.mark.parametrize("dims,maskname,modname", FLEX_CASES, ids=["-".join(c) for c in FLEX_CASES])
@@ -236,7 +254,7 @@ def test_flex_attention_eager(dims, maskname, modname):
 def test_flex_attention_backward_on_cpu():
     """FlexAttention has no CPU backward in this torch; gradients are covered against SDPA
     and the float64 oracle instead.  Skips with the reason if so; compares if it works."""
-    flex_attention, create_block_mask = _flex()
+    flex_attention, _create_block_mask = _flex()
     q, k, v = make_qkv(1, 2, 2, 16, 16, 8, dtype=F64, seed=10)
     q.requires_grad_(True)
     try:

@@ -16,13 +16,16 @@ LK = [9, 4, 17, 33, 60, 1]
 
 
 def _cu(lens):
-    return torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    return torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
 
 
 def _packed(lq, lk, H=4, Hkv=2, D=16, dtype=F64, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(sum(lq), H, D, generator=g, dtype=dtype), torch.randn(sum(lk), Hkv, D, generator=g, dtype=dtype),
-            torch.randn(sum(lk), Hkv, D, generator=g, dtype=dtype))
+    return (
+        torch.randn(sum(lq), H, D, generator=g, dtype=dtype),
+        torch.randn(sum(lk), Hkv, D, generator=g, dtype=dtype),
+        torch.randn(sum(lk), Hkv, D, generator=g, dtype=dtype),
+    )
 
 
 def _per_sequence(q, k, v, lq, lk, causal=False, window=(-1, -1), softcap=0.0, slopes=None):
@@ -33,8 +36,8 @@ def _per_sequence(q, k, v, lq, lk, causal=False, window=(-1, -1), softcap=0.0, s
     if causal:
         right = 0
     for s in range(len(lq)):
-        qs = q[cq[s]:cq[s + 1]].transpose(0, 1)[None]
-        ks, vs = (t[ck[s]:ck[s + 1]].transpose(0, 1)[None] for t in (k, v))
+        qs = q[cq[s] : cq[s + 1]].transpose(0, 1)[None]
+        ks, vs = (t[ck[s] : ck[s + 1]].transpose(0, 1)[None] for t in (k, v))
         m = None if (left, right) == (-1, -1) else masks.band(left, right)
         mods = [scores.softcap(softcap)] if softcap else []
         if slopes is not None:
@@ -47,9 +50,14 @@ def _per_sequence(q, k, v, lq, lk, causal=False, window=(-1, -1), softcap=0.0, s
 
 
 CASES = {
-    "full": {}, "causal": dict(causal=True), "window": dict(window=(3, 2)), "left_only": dict(window=(7, -1)),
-    "causal_window": dict(causal=True, window=(4, -1)), "softcap": dict(causal=True, softcap=2.0),
-    "alibi_h": dict(causal=True, slopes="h"), "alibi_bh": dict(slopes="bh", window=(5, 5)),
+    "full": {},
+    "causal": dict(causal=True),
+    "window": dict(window=(3, 2)),
+    "left_only": dict(window=(7, -1)),
+    "causal_window": dict(causal=True, window=(4, -1)),
+    "softcap": dict(causal=True, softcap=2.0),
+    "alibi_h": dict(causal=True, slopes="h"),
+    "alibi_bh": dict(slopes="bh", window=(5, 5)),
 }
 
 
@@ -63,9 +71,21 @@ def _kw(case, H=4):
 
 
 def _call(q, k, v, lq, lk, backend="flash", **kw):
-    return attnlab.varlen_attention(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=kw.get("causal", False),
-                                    window_size=kw.get("window", (-1, -1)), softcap=kw.get("softcap", 0.0),
-                                    alibi_slopes=kw.get("slopes"), return_lse=True, backend=backend)
+    return attnlab.varlen_attention(
+        q,
+        k,
+        v,
+        _cu(lq),
+        _cu(lk),
+        max(lq),
+        max(lk),
+        causal=kw.get("causal", False),
+        window_size=kw.get("window", (-1, -1)),
+        softcap=kw.get("softcap", 0.0),
+        alibi_slopes=kw.get("slopes"),
+        return_lse=True,
+        backend=backend,
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -79,7 +99,7 @@ def test_varlen_matches_per_sequence_attention(case):
     fin = torch.isfinite(rlse)
     g = torch.autograd.grad(out.pow(2).sum() + lse[fin].sum(), (q, k, v))
     gr = torch.autograd.grad(ref.pow(2).sum() + rlse[fin].sum(), (q, k, v))
-    for a, b in zip(g, gr):
+    for a, b in zip(g, gr, strict=True):
         assert max_err(a, b) <= 1e-11
 
 
@@ -139,6 +159,7 @@ def test_varlen_errors():
 
 def test_bench_varlen_runs_tiny():
     from attnlab.bench import varlen
+
     row = varlen.run(seqs=3, lo=8, hi=40, heads=2, dim=8, reps=1, memory=False)
     assert row["total_tokens"] == sum(row["lengths"]) and row["varlen_s"] > 0 and row["sdpa_padded_s"] > 0
     assert sorted(row["lengths"]) == [8, 24, 40]

@@ -21,8 +21,9 @@ P = 0.3
 
 
 def _varlen(q, k, v, backend="flash", seed=7, causal=True, p=P):
-    return attnlab.varlen_attention(q, k, v, _cu(LQ), _cu(LK), causal=causal, dropout_p=p, dropout_seed=seed,
-                                    backend=backend)
+    return attnlab.varlen_attention(
+        q, k, v, _cu(LQ), _cu(LK), causal=causal, dropout_p=p, dropout_seed=seed, backend=backend
+    )
 
 
 def _oracle(q, k, v, seed=7, p=P):
@@ -32,10 +33,10 @@ def _oracle(q, k, v, seed=7, p=P):
     cq, ck = _cu(LQ), _cu(LK)
     outs = []
     for s in range(len(LQ)):
-        qs = q[cq[s]:cq[s + 1]].transpose(0, 1)[None]
-        ks, vs = (t[ck[s]:ck[s + 1]].transpose(0, 1)[None] for t in (k, v))
+        qs = q[cq[s] : cq[s + 1]].transpose(0, 1)[None]
+        ks, vs = (t[ck[s] : ck[s + 1]].transpose(0, 1)[None] for t in (k, v))
         pr = attnlab.attention_probs(qs, ks, mask=masks.causal())[0]
-        zs = z[:, cq[s]:cq[s + 1], ck[s]:ck[s + 1]]
+        zs = z[:, cq[s] : cq[s + 1], ck[s] : ck[s + 1]]
         outs.append(((pr * zs / (1 - p)) @ vs[0].repeat_interleave(G, 0)).transpose(0, 1))
     return torch.cat(outs)
 
@@ -52,7 +53,7 @@ def test_varlen_dropout_equals_the_oracle_given_the_same_keep_mask_forward_and_b
     got = _grads(lambda q, k, v: _varlen(q, k, v), q, k, v)
     ref = _grads(lambda q, k, v: _varlen(q, k, v, backend="reference"), q, k, v)
     want = _grads(_oracle, q, k, v)
-    for name, g, r, w in zip(("out", "dq", "dk", "dv"), got, ref, want):
+    for name, g, r, w in zip(("out", "dq", "dk", "dv"), got, ref, want, strict=True):
         assert_close_rule(g, r, w, F64, factor=2.0 if name == "out" else 3.0, what=name)
     no_drop = attnlab.varlen_attention(q, k, v, _cu(LQ), _cu(LK), causal=True)
     assert (got[0] - no_drop).abs().max() > 0.1  # dropout did something

@@ -6,8 +6,7 @@ cached by content, so a model's layers share it."""
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import attnlab
 from attnlab import masks
@@ -17,17 +16,23 @@ from tests.helpers import assert_tiles_sound, mask_dense
 
 
 def _cu(lens):
-    return torch.tensor([0] + lens).cumsum(0)
+    return torch.tensor([0, *lens]).cumsum(0)
 
 
 side = st.one_of(st.none(), st.integers(0, 12))
 
 
 @settings(max_examples=60, deadline=None)
-@given(lq=st.lists(st.integers(0, 30), min_size=1, max_size=6), extra=st.lists(st.integers(-5, 12), min_size=6,
-       max_size=6), left=side, right=side, bq=st.sampled_from([4, 8, 16]), bk=st.sampled_from([4, 8, 16]))
+@given(
+    lq=st.lists(st.integers(0, 30), min_size=1, max_size=6),
+    extra=st.lists(st.integers(-5, 12), min_size=6, max_size=6),
+    left=side,
+    right=side,
+    bq=st.sampled_from([4, 8, 16]),
+    bk=st.sampled_from([4, 8, 16]),
+)
 def test_exact_states_equal_the_dense_truth(lq, extra, left, right, bq, bk):
-    lk = [max(0, a + e) for a, e in zip(lq, extra)]
+    lk = [max(0, a + e) for a, e in zip(lq, extra, strict=False)]
     if sum(lq) == 0 or sum(lk) == 0:
         return
     m = masks.varlen(_cu(lq), _cu(lk), window=(left, right))

@@ -23,8 +23,9 @@ from tests.helpers import FLOOR
 
 
 # ----------------------------------------------------------------------------- flash-attn
-def attn_bias_from_alibi_slopes(slopes, seqlen_q, seqlen_k, query_padding_mask=None, key_padding_mask=None,
-                                causal=False):
+def attn_bias_from_alibi_slopes(
+    slopes, seqlen_q, seqlen_k, query_padding_mask=None, key_padding_mask=None, causal=False
+):
     batch, nheads = slopes.shape
     slopes = slopes.view(batch, nheads, 1, 1)
     if causal:
@@ -46,12 +47,24 @@ def construct_local_mask(seqlen_q, seqlen_k, window_size=(-1, -1), query_padding
     if window_size[0] < 0:
         return col_idx > row_idx + sk - sq + window_size[1]
     sk = torch.full_like(col_idx, seqlen_k) if key_padding_mask is None else sk
-    return torch.logical_or(col_idx > torch.minimum(row_idx + sk - sq + window_size[1], sk),
-                            col_idx < row_idx + sk - sq - window_size[0])
+    return torch.logical_or(
+        col_idx > torch.minimum(row_idx + sk - sq + window_size[1], sk), col_idx < row_idx + sk - sq - window_size[0]
+    )
 
 
-def attention_ref(q, k, v, query_padding_mask=None, key_padding_mask=None, attn_bias=None, causal=False,
-                  window_size=(-1, -1), softcap=0.0, upcast=True, reorder_ops=False):
+def attention_ref(
+    q,
+    k,
+    v,
+    query_padding_mask=None,
+    key_padding_mask=None,
+    attn_bias=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    upcast=True,
+    reorder_ops=False,
+):
     """q (B, Sq, H, D), k/v (B, Sk, Hkv, D) -> (out (B, Sq, H, D), attention (B, H, Sq, Sk))."""
     if causal:
         window_size = (window_size[0], 0)
@@ -118,11 +131,12 @@ def flex():
     """``(flex_attention, create_block_mask)`` if eager FlexAttention runs on this CPU."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             q = torch.randn(1, 1, 8, 4)
             flex_attention(q, q, q)
-    except Exception as e:  # pragma: no cover - depends on the torch build
+    except Exception as e:  # noqa: BLE001  # pragma: no cover - depends on the torch build
         pytest.skip(f"eager FlexAttention does not run on this CPU: {e!r}")
     return flex_attention, create_block_mask
 

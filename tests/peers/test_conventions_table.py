@@ -45,6 +45,7 @@ def test_row2_causal_top_left_vs_bottom_right_sdpa(Nq, Nk):
     got = attnlab.attention(q, k, v, mask=masks.causal(), q_offset=0)
     assert max_err(torch.where(ok, got, 0), torch.where(ok, top_left, 0)) <= FLOOR[F64] * 10
     from torch.nn.attention.bias import causal_lower_right
+
     lower_right = torch.ones(Nq, Nk, dtype=torch.bool).tril(diagonal=Nk - Nq)
     br = F.scaled_dot_product_attention(q, kr, vr, attn_mask=lower_right)
     ok = lower_right.any(-1).view(1, 1, -1, 1)
@@ -135,13 +136,16 @@ def test_row9_tensor_masks_are_sdpa_attn_mask():
 
 def test_row10_lse_is_flex_lse():
     q, k, v = _qkv()
-    from torch.nn.attention.flex_attention import flex_attention  # noqa: F401  (run_flex skips if unusable)
+    from torch.nn.attention.flex_attention import flex_attention
+
     run_flex(q, k, v)
     import warnings
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             from torch.nn.attention.flex_attention import AuxRequest
+
             _, aux = flex_attention(q, k, v, enable_gqa=True, return_aux=AuxRequest(lse=True))
             flex_lse = aux.lse
         except ImportError:  # older API

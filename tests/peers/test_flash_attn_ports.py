@@ -21,14 +21,19 @@ import torch
 
 import attnlab
 from attnlab import masks, scores
-from tests.peers.peer_refs import (attention_ref, attn_bias_from_alibi_slopes, flash_rule,
-                                   generate_random_padding_mask)
+from tests.peers.peer_refs import attention_ref, attn_bias_from_alibi_slopes, flash_rule, generate_random_padding_mask
 
 # upstream's test_flash_attn_output / test_flash_attn_causal shape lists, the odd ones
 SHAPES = [(113, 203), (128, 217), (113, 211), (108, 256), (239, 1), (799, 3), (3, 799), (1, 239), (97, 97)]
 HEAD_DIMS = [40, 59, 111, 256]
-AXES = dict(causal=[False, True], local=[False, True], alibi=[False, True], softcap=[0.0, 50.0],
-            mha_type=["mha", "mqa", "gqa"], dtype=[torch.bfloat16, torch.float16])
+AXES = dict(
+    causal=[False, True],
+    local=[False, True],
+    alibi=[False, True],
+    softcap=[0.0, 50.0],
+    mha_type=["mha", "mqa", "gqa"],
+    dtype=[torch.bfloat16, torch.float16],
+)
 
 
 def _matrix(n):
@@ -41,14 +46,23 @@ def _matrix(n):
     return out
 
 
-OUTPUT_CASES = [dict(sq=sq, sk=sk, d=d, **c) for (sq, sk), d, c in
-                zip([s for s in SHAPES for _ in HEAD_DIMS], HEAD_DIMS * len(SHAPES), _matrix(len(SHAPES) * len(HEAD_DIMS)))]
+OUTPUT_CASES = [
+    dict(sq=sq, sk=sk, d=d, **c)
+    for (sq, sk), d, c in zip(
+        [s for s in SHAPES for _ in HEAD_DIMS],
+        HEAD_DIMS * len(SHAPES),
+        _matrix(len(SHAPES) * len(HEAD_DIMS)),
+        strict=True,
+    )
+]
 
 
 def _ids(c):
-    return (f"{c['sq']}x{c['sk']}-d{c['d']}-{'causal' if c['causal'] else 'full'}{'-local' if c['local'] else ''}"
-            f"{'-alibi' if c['alibi'] else ''}{'-softcap' if c['softcap'] else ''}-{c['mha_type']}-"
-            f"{str(c['dtype']).replace('torch.', '')}")
+    return (
+        f"{c['sq']}x{c['sk']}-d{c['d']}-{'causal' if c['causal'] else 'full'}{'-local' if c['local'] else ''}"
+        f"{'-alibi' if c['alibi'] else ''}{'-softcap' if c['softcap'] else ''}-{c['mha_type']}-"
+        f"{str(c['dtype']).replace('torch.', '')}"
+    )
 
 
 # Found by these ports, left for the lead (ops/flash.py's backward, pre-existing at integrate@f002980):
@@ -71,8 +85,9 @@ def _attnlab_args(window, causal, alibi_slopes, softcap):
     if causal:
         right = 0
     mask = None if (left < 0 and right < 0) else masks.band(left if left >= 0 else None, right if right >= 0 else None)
-    mods = ([scores.softcap(softcap)] if softcap else []) + \
-        ([scores.alibi(alibi_slopes, symmetric=True)] if alibi_slopes is not None else [])
+    mods = ([scores.softcap(softcap)] if softcap else []) + (
+        [scores.alibi(alibi_slopes, symmetric=True)] if alibi_slopes is not None else []
+    )
     return mask, (None if not mods else scores.compose(*mods))
 
 
@@ -106,14 +121,20 @@ def test_flash_attn_output(c, request):
     grads = torch.autograd.grad(out, (q, k, v), gout)
     grads_ref = torch.autograd.grad(out_ref, (q, k, v), gout)
     grads_pt = torch.autograd.grad(out_pt, (q, k, v), gout)
-    for name, a, r, p in zip(("dq", "dk", "dv"), grads, grads_ref, grads_pt):
+    for name, a, r, p in zip(("dq", "dk", "dv"), grads, grads_ref, grads_pt, strict=True):
         ok = ~torch.isnan(r)  # the reference's softmax gives NaN gradients on rows with no visible key
         flash_rule(a, r, p, 3.0, dtype, name, rows=ok)
 
 
-VARLEN_CASES = [dict(sq=sq, sk=sk, d=d, **c) for (sq, sk), d, c in
-                zip([(113, 203), (239, 1), (799, 3), (128, 217), (97, 97), (1, 239)], [40, 59, 111, 256, 59, 40],
-                    _matrix(6))]
+VARLEN_CASES = [
+    dict(sq=sq, sk=sk, d=d, **c)
+    for (sq, sk), d, c in zip(
+        [(113, 203), (239, 1), (799, 3), (128, 217), (97, 97), (1, 239)],
+        [40, 59, 111, 256, 59, 40],
+        _matrix(6),
+        strict=True,
+    )
+]
 
 
 @pytest.mark.parametrize("c", VARLEN_CASES, ids=_ids)
@@ -142,8 +163,19 @@ def test_flash_attn_varlen_output(c, request):
     cu_q = torch.nn.functional.pad(qpm.sum(-1).cumsum(0), (1, 0)).to(torch.int32)
     cu_k = torch.nn.functional.pad(kpm.sum(-1).cumsum(0), (1, 0)).to(torch.int32)
     q_unpad, k_unpad, v_unpad = (t.detach().requires_grad_() for t in (q_unpad, k_unpad, v_unpad))
-    out_unpad = attnlab.varlen_attention(q_unpad, k_unpad, v_unpad, cu_q, cu_k, sq, sk, causal=c["causal"],
-                                         window_size=window_size, softcap=c["softcap"], alibi_slopes=alibi_slopes)
+    out_unpad = attnlab.varlen_attention(
+        q_unpad,
+        k_unpad,
+        v_unpad,
+        cu_q,
+        cu_k,
+        sq,
+        sk,
+        causal=c["causal"],
+        window_size=window_size,
+        softcap=c["softcap"],
+        alibi_slopes=alibi_slopes,
+    )
     out = torch.zeros(batch_size, sq, nheads, d, dtype=dtype)
     out[qpm] = out_unpad.detach()
     kw = dict(attn_bias=attn_bias, causal=c["causal"], window_size=window_size, softcap=c["softcap"])
@@ -163,13 +195,20 @@ def test_flash_attn_varlen_output(c, request):
             ref = (gq[qpm], gk[kpm], gv[kpm])
         else:
             pt = (gq[qpm], gk[kpm], gv[kpm])
-    for name, a, r, p in zip(("dq", "dk", "dv"), grads, ref, pt):
+    for name, a, r, p in zip(("dq", "dk", "dv"), grads, ref, pt, strict=True):
         flash_rule(a, r, p, 3.0, dtype, name, rows=~torch.isnan(r))
 
 
-KVCACHE_CASES = [dict(sq=sq, sk=sk, d=d, new=new, **c) for (sq, sk), d, new, c in
-                 zip([(1, 128), (1, 339), (3, 1024)[:2], (64, 800), (1, 799), (4, 203)], [59, 40, 111, 256, 59, 40],
-                     [False, True, False, True, True, False], _matrix(6))]
+KVCACHE_CASES = [
+    dict(sq=sq, sk=sk, d=d, new=new, **c)
+    for (sq, sk), d, new, c in zip(
+        [(1, 128), (1, 339), (3, 1024)[:2], (64, 800), (1, 799), (4, 203)],
+        [59, 40, 111, 256, 59, 40],
+        [False, True, False, True, True, False],
+        _matrix(6),
+        strict=True,
+    )
+]
 
 
 @pytest.mark.parametrize("c", KVCACHE_CASES, ids=lambda c: _ids(c) + ("-new_kv" if c["new"] else ""))
@@ -193,7 +232,7 @@ def test_flash_attn_kvcache(c):
         v_new = torch.randn(batch_size, seqlen_new, nheads_k, d, generator=g).to(dtype)
         for b in range(batch_size):
             s = int(cache_seqlens[b])
-            k_cache[b, s:s + seqlen_new], v_cache[b, s:s + seqlen_new] = k_new[b], v_new[b]
+            k_cache[b, s : s + seqlen_new], v_cache[b, s : s + seqlen_new] = k_new[b], v_new[b]
     lengths = cache_seqlens + seqlen_new
     key_padding_mask = torch.arange(sk).view(1, -1) < lengths.view(-1, 1)
     alibi_slopes, attn_bias = None, None
@@ -202,8 +241,9 @@ def test_flash_attn_kvcache(c):
         attn_bias = attn_bias_from_alibi_slopes(alibi_slopes, sq, sk, None, key_padding_mask, causal=c["causal"])
     mask, mod = _attnlab_args(window_size, c["causal"], alibi_slopes, c["softcap"])
     mask = masks.padding(lengths) if mask is None else masks.padding(lengths) & mask
-    out = attnlab.attention(q, k_cache, v_cache, mask=mask, score_mod=mod, q_offset=lengths - sq, layout="bnhd",
-                            backend="flash")
+    out = attnlab.attention(
+        q, k_cache, v_cache, mask=mask, score_mod=mod, q_offset=lengths - sq, layout="bnhd", backend="flash"
+    )
     kw = dict(attn_bias=attn_bias, causal=c["causal"], window_size=window_size, softcap=c["softcap"])
     out_ref, _ = attention_ref(q, k_cache, v_cache, None, key_padding_mask, **kw)
     out_pt, _ = attention_ref(q, k_cache, v_cache, None, key_padding_mask, upcast=False, reorder_ops=True, **kw)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import attnlab
-from attnlab import masks, scores
+from attnlab import masks
 from tests.peers.peer_refs import flex, flex_check_equal, run_flex
 
 Tensor = torch.Tensor
@@ -83,6 +83,7 @@ def _generate_alibi_bias(num_heads):
     def _alibi_bias(score, batch, head, token_q, token_kv):
         scale = torch.exp2(-((head + 1) * 8.0 / num_heads))
         return score + (token_kv - token_q) * scale
+
     return _alibi_bias
 
 
@@ -102,20 +103,33 @@ def _trig(score, b, h, m, n):
     return torch.sin(torch.cos(score)) + torch.tan(b)
 
 
-TEST_SCORE_MODS = [_identity, _times_two, _squared, _causal, _inverse_causal, _rel_bias, _rel_causal,
-                   _generate_alibi_bias(8), _trig]
+TEST_SCORE_MODS = [
+    _identity,
+    _times_two,
+    _squared,
+    _causal,
+    _inverse_causal,
+    _rel_bias,
+    _rel_causal,
+    _generate_alibi_bias(8),
+    _trig,
+]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _inputs(QB, QH, QS, D, KB=None, KH=None, KS=None, VD=None, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     KB, KH, KS, VD = KB or QB, KH or QH, KS or QS, VD or D
-    return (torch.randn(QB, QH, QS, D, generator=g).to(dtype), torch.randn(KB, KH, KS, D, generator=g).to(dtype),
-            torch.randn(KB, KH, KS, VD, generator=g).to(dtype))
+    return (
+        torch.randn(QB, QH, QS, D, generator=g).to(dtype),
+        torch.randn(KB, KH, KS, D, generator=g).to(dtype),
+        torch.randn(KB, KH, KS, VD, generator=g).to(dtype),
+    )
 
 
-def _run_test(score_mod, dtype, QB=2, QH=4, QS=40, D=16, KB=None, KH=None, KS=None, VD=None, mask_mod=None,
-              am_mask=None):
+def _run_test(
+    score_mod, dtype, QB=2, QH=4, QS=40, D=16, KB=None, KH=None, KS=None, VD=None, mask_mod=None, am_mask=None
+):
     """upstream's run_test: golden = FlexAttention in float64, ref = FlexAttention in dtype,
     the candidate = attnlab's flash path in dtype."""
     q, k, v = _inputs(QB, QH, QS, D, KB, KH, KS, VD, dtype)
@@ -178,14 +192,15 @@ def _input_strides_4(B, H, S, D):
 STRIDES = [_input_strides_1, _input_strides_2, _input_strides_3, _input_strides_4]
 
 
-@pytest.mark.parametrize("k_s, v_s", list(zip(STRIDES, STRIDES[1:] + STRIDES[:1])),
-                         ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize(
+    "k_s, v_s", list(zip(STRIDES, STRIDES[1:] + STRIDES[:1], strict=True)), ids=lambda f: f.__name__[1:]
+)
 @pytest.mark.parametrize("decode", [False, True], ids=["attention", "decoding"])
 def test_strided_inputs(k_s, v_s, decode):
     """test_flex_attention.py::test_strided_inputs / test_flex_decoding.py::test_strided_inputs:
     K/V as as_strided views (offset, transposed, padded, shared dims) with Hq/Hkv = 4/2; the
     decoding variant's q is ``q1.view(Hq // Hkv, Hkv, B, D).transpose(0, 2)`` (one query)."""
-    B, Hq, Hkv, S, D, dtype = 2, 4, 2, 24, 16, torch.float32
+    B, Hq, Hkv, S, D = 2, 4, 2, 24, 16
     g = torch.Generator().manual_seed(0)
     if decode:
         q = torch.randn(B * Hq * D, generator=g).view(Hq // Hkv, Hkv, B, D).transpose(0, 2).reshape(B, Hq, 1, D)
@@ -218,10 +233,14 @@ def _odd_batch(b, h, q, kv):
 MASK_CASES = {
     "causal": (_causal_mask, masks.custom(_causal_mask)),
     "noop_0d": (_noop_mask, masks.custom(_noop_mask)),
-    "and_masks": (lambda b, h, q, kv: (q >= kv) & (q - kv < 9), masks.custom(_causal_mask) & masks.custom(
-        lambda b, h, q, kv: q - kv < 9)),
-    "or_masks": (lambda b, h, q, kv: (q >= kv) | (kv < 4), masks.custom(_causal_mask) | masks.custom(
-        lambda b, h, q, kv: kv < 4)),
+    "and_masks": (
+        lambda b, h, q, kv: (q >= kv) & (q - kv < 9),
+        masks.custom(_causal_mask) & masks.custom(lambda b, h, q, kv: q - kv < 9),
+    ),
+    "or_masks": (
+        lambda b, h, q, kv: (q >= kv) | (kv < 4),
+        masks.custom(_causal_mask) | masks.custom(lambda b, h, q, kv: kv < 4),
+    ),
     "batch_dependent": (_odd_batch, masks.custom(_odd_batch)),
     "builtin_causal_top_left": (_causal_mask, masks.causal()),
 }
@@ -237,6 +256,7 @@ def test_mask_mods(name, dtype):
     q, k, v = _inputs(2, 2, 40, 16, dtype=dtype)
     flex_attention, create_block_mask = flex()
     import warnings
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         bm = create_block_mask(fm, 2, 2, 40, 40, device="cpu")
@@ -295,6 +315,6 @@ def test_learnable_biases(case, dtype):
     qr, kr, vr, br = (x.detach().requires_grad_() for x in (q, k, v, bias))
     orf = attnlab.attention(qr, kr, vr, score_mod=make(br), q_offset=0, backend="reference")
     gr = torch.autograd.grad(orf, (qr, kr, vr, br), gout)
-    for name, a, r, gg in zip(("Grad_Query", "Grad_Key", "Grad_Value", "Grad_Bias"), grads, gr, g64):
+    for name, a, r, gg in zip(("Grad_Query", "Grad_Key", "Grad_Value", "Grad_Bias"), grads, gr, g64, strict=True):
         assert a.shape == r.shape
         flex_check_equal(gg, r, a, name)

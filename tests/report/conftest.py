@@ -6,8 +6,22 @@ import numpy as np
 import pytest
 
 # Tokens that must come out as text: markup, entities, quotes, emoji, CJK, whitespace.
-EVIL = ["<script>alert(1)</script>", "&amp;", "&", '"dq"', "'sq'", "😀", "漢字", " the", "\n", "</textarea>",
-        "<img src=x onerror=alert(2)>", "]]>", "<!--", "\u2028"]
+EVIL = [
+    "<script>alert(1)</script>",
+    "&amp;",
+    "&",
+    '"dq"',
+    "'sq'",
+    "😀",
+    "漢字",
+    " the",
+    "\n",
+    "</textarea>",
+    "<img src=x onerror=alert(2)>",
+    "]]>",
+    "<!--",
+    "\u2028",
+]
 
 
 def synth_patterns(L: int, H: int, N: int, seed: int = 0, causal: bool = True) -> np.ndarray:

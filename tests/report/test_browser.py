@@ -24,8 +24,14 @@ from playwright.sync_api import sync_playwright  # noqa: E402  (after the skip: 
 
 from attnlab.report.builder import Report  # noqa: E402
 
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--disable-sync", "--no-first-run"]
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 SHOT = "/tmp/report-shot.png"
 pytestmark = pytest.mark.slow
 
@@ -35,22 +41,40 @@ def report(tmp_path_factory, synth, evil_tokens):
     synth_patterns = synth
     toks = evil_tokens + [f"t{i}" for i in range(40 - len(evil_tokens))]
     rng = np.random.default_rng(1)
-    r = Report("attnlab report: <induction> & sinks", subtitle="GPT-2-like toy model · **40** tokens and **1,200** tokens")
-    r.section("Detector scores", intro="Scores from the `induction` and `previous-token` detectors; higher is stronger.")
+    r = Report(
+        "attnlab report: <induction> & sinks", subtitle="GPT-2-like toy model · **40** tokens and **1,200** tokens"
+    )
+    r.section(
+        "Detector scores", intro="Scores from the `induction` and `previous-token` detectors; higher is stronger."
+    )
     r.head_grid(rng.random((4, 12)), title="Induction score per head")
-    r.table(["head", "induction", "prev-token", "tokens"], [[f"L{i}H{j}", rng.random(), rng.random() - 0.5, 10 ** (i + 2)]
-                                                           for i, j in ((1, 6), (2, 3), (3, 9))],
-            caption="Top heads", highlight=["induction", "prev-token"])
+    r.table(
+        ["head", "induction", "prev-token", "tokens"],
+        [[f"L{i}H{j}", rng.random(), rng.random() - 0.5, 10 ** (i + 2)] for i, j in ((1, 6), (2, 3), (3, 9))],
+        caption="Top heads",
+        highlight=["induction", "prev-token"],
+    )
     r.section("Attention patterns")
-    r.heatmaps(synth_patterns(2, 3, 40), toks, title="Short sequence (hostile tokens)",
-               labels={(1, 2): "induction"})
+    r.heatmaps(synth_patterns(2, 3, 40), toks, title="Short sequence (hostile tokens)", labels={(1, 2): "induction"})
     r.heatmaps(synth_patterns(1, 2, 1200, seed=3), None, title="Long sequence (1,200 tokens)", color="log")
     r.section("Training and circuits")
     steps = np.arange(1, 201)
-    r.line_plot({"train": 3 * steps ** -0.3, "val": 3.2 * steps ** -0.28}, x=steps, title="Loss", x_label="step",
-                y_label="loss", log_y=True)
-    r.bar_plot({"L1H6": np.geomspace(8, 0.05, 8), "L2H3": np.geomspace(5, 0.2, 8)}, labels=[f"σ{i}" for i in range(1, 9)],
-               title="OV circuit singular values", x_label="singular value", y_label="σ", log_y=True)
+    r.line_plot(
+        {"train": 3 * steps**-0.3, "val": 3.2 * steps**-0.28},
+        x=steps,
+        title="Loss",
+        x_label="step",
+        y_label="loss",
+        log_y=True,
+    )
+    r.bar_plot(
+        {"L1H6": np.geomspace(8, 0.05, 8), "L2H3": np.geomspace(5, 0.2, 8)},
+        labels=[f"σ{i}" for i in range(1, 9)],
+        title="OV circuit singular values",
+        x_label="singular value",
+        y_label="σ",
+        log_y=True,
+    )
     path = r.write(tmp_path_factory.mktemp("report") / "report.html")
     return path, toks
 
@@ -74,8 +98,9 @@ def page(browser, report):
     pg.on("request", lambda r: pg.events["requests"].append(r.url))
     pg.on("dialog", lambda d: (pg.events["dialogs"].append(d.message), d.dismiss()))
     pg.goto(path.as_uri())
-    pg.wait_for_function("() => [...document.querySelectorAll('figure.al-heat')].every(f => f.dataset.ready !== '0')",
-                         timeout=20_000)
+    pg.wait_for_function(
+        "() => [...document.querySelectorAll('figure.al-heat')].every(f => f.dataset.ready !== '0')", timeout=20_000
+    )
     yield pg
     ctx.close()
 
@@ -196,13 +221,16 @@ def test_readable_without_javascript(browser, report):
 def test_full_page_screenshot_is_not_blank(page):
     png = page.screenshot(full_page=True, path=SHOT)
     # decode the PNG with the browser itself and count colours on a coarse grid
-    stats = page.evaluate("""async (b64) => {
+    stats = page.evaluate(
+        """async (b64) => {
         const img = new Image(); img.src = 'data:image/png;base64,' + b64; await img.decode();
         const c = document.createElement('canvas'); c.width = img.width; c.height = img.height;
         const x = c.getContext('2d'); x.drawImage(img, 0, 0);
         const d = x.getImageData(0, 0, c.width, c.height).data, seen = new Set();
         for (let i = 0; i < d.length; i += 4 * 101) seen.add((d[i] << 16) | (d[i + 1] << 8) | d[i + 2]);
-        return [img.width, img.height, seen.size]; }""", base64.b64encode(png).decode())
+        return [img.width, img.height, seen.size]; }""",
+        base64.b64encode(png).decode(),
+    )
     w, h, colours = stats
     assert w >= 1200 and h > 2000
     assert colours > 50

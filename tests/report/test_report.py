@@ -170,8 +170,11 @@ def _payloads(html):
 
 def test_quantized_payload_size_and_accuracy(synth):
     x = synth(2, 3, 97)[:, :, :, :80]  # Nq != Nk
-    html = Report("q").heatmaps(torch.from_numpy(x), [f"q{i}" for i in range(97)], [f"k{i}" for i in range(80)],
-                                title="h").html()
+    html = (
+        Report("q")
+        .heatmaps(torch.from_numpy(x), [f"q{i}" for i in range(97)], [f"k{i}" for i in range(80)], title="h")
+        .html()
+    )
     cfg, blobs = _payloads(html)
     assert (cfg["nq"], cfg["nk"], cfg["layers"]) == (97, 80, [3, 3])
     assert len(blobs) == 6
@@ -256,8 +259,13 @@ def test_column_formatting():
 
 
 def test_table_html_cells_and_highlight():
-    r = Report("t").table(["name", "score", "n"], [["a", 0.25, 10], ["b", -0.5, 2000], ["c", None, 3]],
-                          caption="cap", highlight=["score", 2], fmt={"n": ",d"})
+    r = Report("t").table(
+        ["name", "score", "n"],
+        [["a", 0.25, 10], ["b", -0.5, 2000], ["c", None, 3]],
+        caption="cap",
+        highlight=["score", 2],
+        fmt={"n": ",d"},
+    )
     doc = parse(r.html())
     tds = [a for t, a in doc.tags if t == "td"]
     assert len(tds) == 9
@@ -266,7 +274,7 @@ def test_table_html_cells_and_highlight():
     text = "".join(doc.text)
     assert "0.250" in text and "-0.500" in text and "2,000" in text and "cap" in text
     r2 = Report("t").table(["x", "y"], torch.arange(6).reshape(3, 2))
-    assert "<td class=\"al-num\">4</td>" in r2.html()
+    assert '<td class="al-num">4</td>' in r2.html()
 
 
 def test_head_grid():
@@ -286,7 +294,7 @@ def test_ticks_are_round():
     assert linear_ticks(-3.3e-5, 1.1e-5)[3] == ["-4e-5", "-3e-5", "-2e-5", "-1e-5", "0", "1e-5", "2e-5"]
     lo, hi, ticks, _ = linear_ticks(5, 5)  # a constant gets a small range around it
     assert lo < 5 < hi and len(ticks) >= 3
-    lo, hi, ticks, labels, minor = log_ticks(3e-9, 2e3)
+    lo, hi, ticks, labels, _minor = log_ticks(3e-9, 2e3)
     assert lo == pytest.approx(1e-9) and hi == pytest.approx(1e4)
     assert all(math.log10(t) == round(math.log10(t)) for t in ticks) and len(ticks) <= 9
     assert log_ticks(2.0, 30.0)[3] == ["1", "2", "5", "10", "20", "50", "100"]
@@ -294,8 +302,13 @@ def test_ticks_are_round():
 
 def test_line_plot_svg():
     ys = np.exp(-np.arange(50) / 10.0)
-    svg = Report("p").line_plot({"decay": ys, "half": (np.arange(50), ys / 2)}, title="T", x_label="step",
-                                y_label="value", log_y=True).html()
+    svg = (
+        Report("p")
+        .line_plot(
+            {"decay": ys, "half": (np.arange(50), ys / 2)}, title="T", x_label="step", y_label="value", log_y=True
+        )
+        .html()
+    )
     doc = parse(svg)
     text = "".join(doc.text)
     assert "step" in text and "value" in text and "decay" in text and "half" in text
@@ -309,8 +322,18 @@ def test_line_plot_svg():
 
 
 def test_bar_plot_svg():
-    html = Report("b").bar_plot({"L1H6": [5, 1, 0.1], "L5H1": [3, 2, 0.01]}, labels=["σ1", "σ2", "σ3"], title="sv",
-                                x_label="index", y_label="σ", log_y=True).html()
+    html = (
+        Report("b")
+        .bar_plot(
+            {"L1H6": [5, 1, 0.1], "L5H1": [3, 2, 0.01]},
+            labels=["σ1", "σ2", "σ3"],
+            title="sv",
+            x_label="index",
+            y_label="σ",
+            log_y=True,
+        )
+        .html()
+    )
     doc = parse(html)
     rects = [a for t, a in doc.tags if t == "rect" and "fill" in a and a.get("height")]
     assert len(rects) >= 6
@@ -320,33 +343,36 @@ def test_bar_plot_svg():
 
 
 # -- errors name the argument -----------------------------------------------------------------
-@pytest.mark.parametrize("call, name", [
-    (lambda r: r.heatmaps(np.ones((1, 2, 1, 2, 2)), title="t"), "batch"),      # (L, B, H, N, N), B > 1: say which
-    (lambda r: r.heatmaps([np.ones((2, 1, 2, 2))], title="t"), "batch"),
-    (lambda r: r.heatmaps(np.ones((1, 2, 1, 2, 2)), title="t", batch=2), "batch"),
-    (lambda r: r.heatmaps(np.ones((1, 1, 1, 1, 2, 2)), title="t"), "patterns"),
-    (lambda r: r.heatmaps(-np.ones((2, 2)), title="t"), "patterns"),
-    (lambda r: r.heatmaps(np.full((2, 2), np.nan), title="t"), "patterns"),
-    (lambda r: r.heatmaps([np.ones((1, 2, 2)), np.ones((1, 3, 3))], title="t"), "patterns"),
-    (lambda r: r.heatmaps(np.ones((2, 2)), ["a"], title="t"), "tokens_q"),
-    (lambda r: r.heatmaps(np.ones((2, 3)), ["a", "b"], title="t"), "tokens_k"),
-    (lambda r: r.heatmaps(np.ones((2, 3)), ["a", "b"], ["x"], title="t"), "tokens_k"),
-    (lambda r: r.heatmaps(np.ones((2, 2)), title="t", labels={(0, 5): "x"}), "labels"),
-    (lambda r: r.heatmaps(np.ones((2, 2)), title="t", floor=0), "floor"),
-    (lambda r: r.heatmaps(np.ones((2, 2)), title="t", color="jet"), "color"),
-    (lambda r: r.heatmaps(np.ones((2, 2)), title=""), "title"),
-    (lambda r: r.head_grid(np.ones(3), title="t"), "scores"),
-    (lambda r: r.head_grid(np.ones((2, 2)), title="t", fmt="%d"), "fmt"),
-    (lambda r: r.table(["a", "b"], [[1, 2], [3]]), "rows"),
-    (lambda r: r.table(["a"], [[1]], highlight="b"), "highlight"),
-    (lambda r: r.table("ab", [[1]]), "columns"),
-    (lambda r: r.line_plot({"s": [1, 0]}, title="t", x_label="x", y_label="y", log_y=True), "series['s']"),
-    (lambda r: r.line_plot({"s": [1, 2]}, x=[1, 2, 3], title="t", x_label="x", y_label="y"), "x"),
-    (lambda r: r.line_plot({"s": [[1, 2]]}, title="t", x_label="x", y_label="y"), "series['s']"),
-    (lambda r: r.bar_plot([1, 2], labels=["a"], title="t", x_label="x", y_label="y"), "labels"),
-    (lambda r: r.bar_plot({"a": [1, 2], "b": [1]}, title="t", x_label="x", y_label="y"), "values"),
-    (lambda r: r.write("report.txt"), "path"),
-])
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda r: r.heatmaps(np.ones((1, 2, 1, 2, 2)), title="t"), "batch"),  # (L, B, H, N, N), B > 1: say which
+        (lambda r: r.heatmaps([np.ones((2, 1, 2, 2))], title="t"), "batch"),
+        (lambda r: r.heatmaps(np.ones((1, 2, 1, 2, 2)), title="t", batch=2), "batch"),
+        (lambda r: r.heatmaps(np.ones((1, 1, 1, 1, 2, 2)), title="t"), "patterns"),
+        (lambda r: r.heatmaps(-np.ones((2, 2)), title="t"), "patterns"),
+        (lambda r: r.heatmaps(np.full((2, 2), np.nan), title="t"), "patterns"),
+        (lambda r: r.heatmaps([np.ones((1, 2, 2)), np.ones((1, 3, 3))], title="t"), "patterns"),
+        (lambda r: r.heatmaps(np.ones((2, 2)), ["a"], title="t"), "tokens_q"),
+        (lambda r: r.heatmaps(np.ones((2, 3)), ["a", "b"], title="t"), "tokens_k"),
+        (lambda r: r.heatmaps(np.ones((2, 3)), ["a", "b"], ["x"], title="t"), "tokens_k"),
+        (lambda r: r.heatmaps(np.ones((2, 2)), title="t", labels={(0, 5): "x"}), "labels"),
+        (lambda r: r.heatmaps(np.ones((2, 2)), title="t", floor=0), "floor"),
+        (lambda r: r.heatmaps(np.ones((2, 2)), title="t", color="jet"), "color"),
+        (lambda r: r.heatmaps(np.ones((2, 2)), title=""), "title"),
+        (lambda r: r.head_grid(np.ones(3), title="t"), "scores"),
+        (lambda r: r.head_grid(np.ones((2, 2)), title="t", fmt="%d"), "fmt"),
+        (lambda r: r.table(["a", "b"], [[1, 2], [3]]), "rows"),
+        (lambda r: r.table(["a"], [[1]], highlight="b"), "highlight"),
+        (lambda r: r.table("ab", [[1]]), "columns"),
+        (lambda r: r.line_plot({"s": [1, 0]}, title="t", x_label="x", y_label="y", log_y=True), "series['s']"),
+        (lambda r: r.line_plot({"s": [1, 2]}, x=[1, 2, 3], title="t", x_label="x", y_label="y"), "x"),
+        (lambda r: r.line_plot({"s": [[1, 2]]}, title="t", x_label="x", y_label="y"), "series['s']"),
+        (lambda r: r.bar_plot([1, 2], labels=["a"], title="t", x_label="x", y_label="y"), "labels"),
+        (lambda r: r.bar_plot({"a": [1, 2], "b": [1]}, title="t", x_label="x", y_label="y"), "values"),
+        (lambda r: r.write("report.txt"), "path"),
+    ],
+)
 def test_errors_name_the_argument(call, name):
     with pytest.raises(ValueError) as e:
         call(Report("r"))

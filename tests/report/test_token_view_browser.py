@@ -18,8 +18,14 @@ from playwright.sync_api import sync_playwright  # noqa: E402
 
 from attnlab.report.builder import Report  # noqa: E402
 
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--disable-sync", "--no-first-run"]
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 pytestmark = pytest.mark.slow
 N = 10
 
@@ -47,8 +53,10 @@ def page(built):
         pg.on("pageerror", lambda e: pg.events["errors"].append(str(e)))
         pg.on("request", lambda r: pg.events["requests"].append(r.url))
         pg.goto(path.as_uri())
-        pg.wait_for_function("() => [...document.querySelectorAll('figure.al-tv, figure.al-heat')]"
-                             ".every(f => f.dataset.ready === '1')", timeout=20_000)
+        pg.wait_for_function(
+            "() => [...document.querySelectorAll('figure.al-tv, figure.al-heat')].every(f => f.dataset.ready === '1')",
+            timeout=20_000,
+        )
         yield pg
         b.close()
 
@@ -68,13 +76,13 @@ def visible_lines(w):
 def test_loads_clean_offline_and_beside_a_heatmap(page, built):
     assert page.events["errors"] == [] and [m for m in page.events["console"] if m[0] in ("error", "warning")] == []
     assert page.events["requests"] == [built[0].as_uri()]
-    assert page.evaluate("() => Object.keys(attnlab.figures).length") == 1     # the heatmap API survived
+    assert page.evaluate("() => Object.keys(attnlab.figures).length") == 1  # the heatmap API survived
 
 
 def test_lines_follow_the_weights(page, built):
     _, p, _ = built
     hv, tv = ids(page)
-    assert state(page, hv)["lines"] == sum(visible_lines(p[1, h]) for h in range(3))   # all heads of layer 1
+    assert state(page, hv)["lines"] == sum(visible_lines(p[1, h]) for h in range(3))  # all heads of layer 1
     assert state(page, tv)["lines"] == visible_lines(p[0, 2])
     colours = page.evaluate(f"""() => {{
         const c = document.querySelector('#{hv} canvas'); const d = c.getContext('2d').getImageData(0, 0, c.width,
@@ -104,7 +112,7 @@ def test_hover_isolates_a_token_and_names_its_partners(page, built):
 def test_selectors_switch_layer_and_head(page, built):
     _, p, _ = built
     tv = ids(page)[1]
-    assert "<i>prev</i>" in page.inner_text(f"#{tv} select.al-tv-head")       # the label, as text
+    assert "<i>prev</i>" in page.inner_text(f"#{tv} select.al-tv-head")  # the label, as text
     page.select_option(f"#{tv} select.al-tv-layer", "1")
     assert state(page, tv)["head"] == "all"
     page.select_option(f"#{tv} select.al-tv-head", "1")

@@ -19,7 +19,7 @@ def take(gen, n):
 
 def assert_same_batches(a, b):
     assert len(a) == len(b)
-    for (xa, ya), (xb, yb) in zip(a, b):
+    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
@@ -29,6 +29,7 @@ def check_batch(x, y, batch_size, seq_len):
 
 
 # -- TokenStream ------------------------------------------------------------------------
+
 
 def test_token_stream_windows_are_shifted_slices():
     s = TokenStream(torch.arange(1000, dtype=torch.int32))
@@ -53,7 +54,7 @@ def test_token_stream_determinism():
     torch.rand(10)
     assert_same_batches(a, take(s.batches(4, 16, seed=1), 3))
     c = take(s.batches(4, 16, seed=2), 3)
-    assert not all(torch.equal(p[0], q[0]) for p, q in zip(a, c))
+    assert not all(torch.equal(p[0], q[0]) for p, q in zip(a, c, strict=True))
 
 
 def test_from_texts_joins_documents_with_eot():
@@ -83,15 +84,18 @@ def test_eval_batches_cover_the_stream_once():
     assert all(torch.equal(y, x + 1) for x, y in s.eval_batches(3, 10))
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: TokenStream(torch.zeros(2, 3, dtype=torch.long)), "1-D"),
-    (lambda: TokenStream(torch.zeros(5)), "integer dtype"),
-    (lambda: TokenStream(torch.tensor([1, -2, 3])), ">= 0"),
-    (lambda: TokenStream(torch.arange(10)).batches(2, 10, seed=0), "seq_len=10"),
-    (lambda: TokenStream(torch.arange(10)).batches(0, 4, seed=0), "batch_size"),
-    (lambda: TokenStream(torch.arange(10)).batches(2, 0, seed=0), "seq_len"),
-    (lambda: TokenStream(torch.arange(10)).eval_batches(2, 10), "seq_len"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: TokenStream(torch.zeros(2, 3, dtype=torch.long)), "1-D"),
+        (lambda: TokenStream(torch.zeros(5)), "integer dtype"),
+        (lambda: TokenStream(torch.tensor([1, -2, 3])), ">= 0"),
+        (lambda: TokenStream(torch.arange(10)).batches(2, 10, seed=0), "seq_len=10"),
+        (lambda: TokenStream(torch.arange(10)).batches(0, 4, seed=0), "batch_size"),
+        (lambda: TokenStream(torch.arange(10)).batches(2, 0, seed=0), "seq_len"),
+        (lambda: TokenStream(torch.arange(10)).eval_batches(2, 10), "seq_len"),
+    ],
+)
 def test_token_stream_validation(make, match):
     with pytest.raises(ValueError, match=match):
         make()  # raised on the call itself, not at the first next()
@@ -106,6 +110,7 @@ def test_token_stream_type_errors():
 
 # -- repeated_sequences ---------------------------------------------------------------
 
+
 def check_repeated(x, y, vocab_size, batch_size, seq_len, P, distinct=True):
     check_batch(x, y, batch_size, seq_len)
     assert int(x.min()) >= 0 and int(x.max()) < vocab_size
@@ -114,7 +119,7 @@ def check_repeated(x, y, vocab_size, batch_size, seq_len, P, distinct=True):
     assert torch.equal(x, x[:, t % P])
     # first P targets ignored, then the next token
     assert (y[:, :P] == IGNORE_INDEX).all()
-    assert torch.equal(y[:, P:-1], x[:, P + 1:])
+    assert torch.equal(y[:, P:-1], x[:, P + 1 :])
     assert torch.equal(y[:, -1], x[:, seq_len % P])  # s[seq_len] = r[seq_len mod P]
     if distinct:
         assert all(len(set(row)) == P for row in x[:, :P].tolist())
@@ -143,8 +148,14 @@ def test_repeated_sequences_prefix_len_and_replacement():
 
 
 @settings(derandomize=True, max_examples=40, deadline=None)
-@given(vocab=st.integers(2, 40), batch=st.integers(1, 4), seq_len=st.integers(2, 40),
-       prefix=st.integers(1, 40), seed=st.integers(0, 2**31), distinct=st.booleans())
+@given(
+    vocab=st.integers(2, 40),
+    batch=st.integers(1, 4),
+    seq_len=st.integers(2, 40),
+    prefix=st.integers(1, 40),
+    seed=st.integers(0, 2**31),
+    distinct=st.booleans(),
+)
 def test_repeated_sequences_property(vocab, batch, seq_len, prefix, seed, distinct):
     P = min(prefix, seq_len - 1, vocab if distinct else seq_len)
     x, y = next(repeated_sequences(vocab, batch, seq_len, seed=seed, prefix_len=P, distinct=distinct))
@@ -160,14 +171,17 @@ def test_repeated_sequences_determinism():
     assert not torch.equal(a[0][0], b[0][0])
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(vocab_size=10, batch_size=2, seq_len=1), "seq_len"),
-    (dict(vocab_size=0, batch_size=2, seq_len=8), "vocab_size"),
-    (dict(vocab_size=10, batch_size=0, seq_len=8), "batch_size"),
-    (dict(vocab_size=10, batch_size=2, seq_len=8, prefix_len=8), "prefix_len"),
-    (dict(vocab_size=10, batch_size=2, seq_len=8, prefix_len=0), "prefix_len"),
-    (dict(vocab_size=3, batch_size=2, seq_len=8), "prefix_len=4 distinct tokens.*vocab_size=3"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(vocab_size=10, batch_size=2, seq_len=1), "seq_len"),
+        (dict(vocab_size=0, batch_size=2, seq_len=8), "vocab_size"),
+        (dict(vocab_size=10, batch_size=0, seq_len=8), "batch_size"),
+        (dict(vocab_size=10, batch_size=2, seq_len=8, prefix_len=8), "prefix_len"),
+        (dict(vocab_size=10, batch_size=2, seq_len=8, prefix_len=0), "prefix_len"),
+        (dict(vocab_size=3, batch_size=2, seq_len=8), "prefix_len=4 distinct tokens.*vocab_size=3"),
+    ],
+)
 def test_repeated_sequences_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         repeated_sequences(**kwargs, seed=0)
@@ -175,12 +189,13 @@ def test_repeated_sequences_validation(kwargs, match):
 
 # -- associative_recall ---------------------------------------------------------------
 
+
 def test_associative_recall_layout():
     V, B, n = 41, 16, 6
     K = (V - 1) // 2
     for x, y in take(associative_recall(V, B, n, seed=0), 3):
         check_batch(x, y, B, 2 * n + 2)
-        keys, values = x[:, 0:2 * n:2], x[:, 1:2 * n:2]
+        keys, values = x[:, 0 : 2 * n : 2], x[:, 1 : 2 * n : 2]
         assert ((keys >= 0) & (keys < K)).all()
         assert ((values >= K) & (values < V - 1)).all()
         assert all(len(set(row)) == n for row in keys.tolist())  # distinct keys
@@ -192,7 +207,7 @@ def test_associative_recall_layout():
 
 
 def test_associative_recall_smallest_vocab_and_queries_vary():
-    x, y = next(associative_recall(2 * 3 + 1, 64, 3, seed=0))  # exactly enough ids
+    x, _y = next(associative_recall(2 * 3 + 1, 64, 3, seed=0))  # exactly enough ids
     assert set(x[:, 1:6:2].flatten().tolist()) == {3, 4, 5}  # 3 keys (0-2), 3 values (3-5), query 6
     assert set(x[:, -1].tolist()) <= {0, 1, 2}
     assert len(set(x[:, -1].tolist())) == 3  # every pair gets queried over 64 rows
@@ -205,11 +220,14 @@ def test_associative_recall_determinism():
     assert not torch.equal(a[0][0], next(associative_recall(30, 4, 5, seed=4))[0])
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(vocab_size=6, batch_size=2, n_pairs=3), "vocab_size=6.*vocab_size >= 7"),
-    (dict(vocab_size=20, batch_size=2, n_pairs=0), "n_pairs"),
-    (dict(vocab_size=20, batch_size=0, n_pairs=2), "batch_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(vocab_size=6, batch_size=2, n_pairs=3), "vocab_size=6.*vocab_size >= 7"),
+        (dict(vocab_size=20, batch_size=2, n_pairs=0), "n_pairs"),
+        (dict(vocab_size=20, batch_size=0, n_pairs=2), "batch_size"),
+    ],
+)
 def test_associative_recall_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         associative_recall(**kwargs, seed=0)
@@ -217,8 +235,9 @@ def test_associative_recall_validation(kwargs, match):
 
 # -- the ignore index works with the loss ---------------------------------------------
 
+
 def test_cross_entropy_scores_only_unignored_targets():
-    x, y = next(repeated_sequences(30, 2, 12, seed=0))
+    _x, y = next(repeated_sequences(30, 2, 12, seed=0))
     logits = torch.randn(2, 12, 30, generator=torch.Generator().manual_seed(0))
     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
     keep = y != IGNORE_INDEX

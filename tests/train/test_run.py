@@ -12,8 +12,17 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # bitwise comparisons 
 
 
 def test_induction_task_learns_to_copy(tmp_path, capsys):
-    s = run.main(task="induction", steps=150, layers=2, d_model=128, heads=4, seq_len=64, batch=16, lr=3e-3,
-                 out=str(tmp_path / "ck"))
+    s = run.main(
+        task="induction",
+        steps=150,
+        layers=2,
+        d_model=128,
+        heads=4,
+        seq_len=64,
+        batch=16,
+        lr=3e-3,
+        out=str(tmp_path / "ck"),
+    )
     # the first half of each sequence is unpredictable (ignored); the second is a copy:
     # an induction circuit takes the loss far below uniform
     assert s["loss_first10"] > 0.9 * s["uniform_loss"]
@@ -33,6 +42,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
     """Interrupted after step 18 (only its checkpoints exist), resumed to step 30: the same losses,
     evaluation and weights as the run that was never stopped."""
     from safetensors.torch import load_file
+
     kw = dict(task="recall", steps=30, layers=1, d_model=32, heads=2, seq_len=10, batch=8, vocab=32)
     straight = run.main(**kw, out=str(tmp_path / "a"))
     names = sorted(p.name for p in (tmp_path / "a").iterdir() if p.name.startswith("step-"))
@@ -42,7 +52,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
         shutil.copytree(tmp_path / "a" / name, tmp_path / "b" / name)
     resumed = run.main(**kw, out=str(tmp_path / "b"), resume=True)
     assert resumed["steps"] == straight["steps"] == 30
-    assert resumed["loss_last10"] == straight["loss_last10"]   # steps 21-30, all after the resume
+    assert resumed["loss_last10"] == straight["loss_last10"]  # steps 21-30, all after the resume
     assert resumed["eval"] == straight["eval"]
     want, got = (_weights(tmp_path / d / "step-0000030", load_file) for d in ("a", "b"))
     assert want.keys() == got.keys() and want

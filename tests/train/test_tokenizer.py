@@ -10,7 +10,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from attnlab.train.tokenizer import (
-    EOT, PATTERN, ByteBPE, ByteTokenizer, Tokenizer, _stdlib_files, stdlib_corpus,
+    EOT,
+    PATTERN,
+    ByteBPE,
+    ByteTokenizer,
+    Tokenizer,
+    _stdlib_files,
+    stdlib_corpus,
 )
 
 TRAIN_BYTES = 1_000_000
@@ -21,10 +27,25 @@ TRAIN_BYTES = 1_000_000
 MIN_HELD_OUT_RATIO = 2.4
 
 ODD_TEXTS = [
-    "", " ", "\n", "\n\n\n", "\r\n\t \x0b\x0c", "a", "héllo wörld", "日本語のテキスト",
-    "emoji 🎉👍🏽 and ZWJ 👨‍👩‍👧", "\x00\x01\x7f", "it's they'll we've", "x = 12345678 + 0.5e-3",
-    "    def f(self):\n        return self._x  # comment\n", EOT, f"a{EOT}b{EOT}",
-    "\ufeffBOM", "\U0010ffff", "tab\tsep", "   trailing spaces   ",
+    "",
+    " ",
+    "\n",
+    "\n\n\n",
+    "\r\n\t \x0b\x0c",
+    "a",
+    "héllo wörld",
+    "日本語のテキスト",
+    "emoji 🎉👍🏽 and ZWJ 👨‍👩‍👧",
+    "\x00\x01\x7f",
+    "it's they'll we've",
+    "x = 12345678 + 0.5e-3",
+    "    def f(self):\n        return self._x  # comment\n",
+    EOT,
+    f"a{EOT}b{EOT}",
+    "\ufeffBOM",
+    "\U0010ffff",
+    "tab\tsep",
+    "   trailing spaces   ",
 ]
 
 text_st = st.text(max_size=200)  # hypothesis excludes lone surrogates by default
@@ -63,6 +84,7 @@ def _naive_encode(merges, pattern, text: str) -> list[int]:
 
 # -- the trained tokenizer ------------------------------------------------------------
 
+
 def test_trained_vocab(bpe):
     assert bpe.vocab_size == 1024
     assert bpe.eot_id == 1023
@@ -75,7 +97,7 @@ def test_trained_vocab(bpe):
 
 
 def test_compression_on_held_out_stdlib(bpe, corpus):
-    held = stdlib_corpus(2 * TRAIN_BYTES, seed=0)[len(corpus):]  # files after the training ones
+    held = stdlib_corpus(2 * TRAIN_BYTES, seed=0)[len(corpus) :]  # files after the training ones
     n_bytes = sum(len(t.encode()) for t in held)
     assert n_bytes > 300_000
     ids = bpe.encode_batch(held)
@@ -128,7 +150,7 @@ def test_special_token(bpe):
     assert bpe.eot_id not in plain  # user text cannot inject the control token
     special = bpe.encode(text, allow_special=True)
     assert special.count(bpe.eot_id) == 1
-    assert special == bpe.encode("one") + [bpe.eot_id] + bpe.encode("two")
+    assert special == [*bpe.encode("one"), bpe.eot_id, *bpe.encode("two")]
     assert bpe.decode(plain) == bpe.decode(special) == text
     tok = ByteTokenizer()
     assert tok.encode(EOT, allow_special=True) == [256]
@@ -157,6 +179,7 @@ def test_lone_surrogate_is_a_value_error(bpe):
 
 
 # -- training ---------------------------------------------------------------------------
+
 
 def test_training_is_deterministic_and_stops_early():
     texts = stdlib_corpus(30_000, seed=3)
@@ -201,6 +224,7 @@ def test_custom_pattern_keeps_every_character():
 
 # -- files ------------------------------------------------------------------------------
 
+
 def test_save_load_identity(bpe, tmp_path):
     path = tmp_path / "tok.json"
     bpe.save(path)
@@ -228,24 +252,27 @@ def _edit(**changes):
     return json.dumps(d)
 
 
-@pytest.mark.parametrize("content, match", [
-    ('{"format": "attnlab.ByteBPE", ', "not valid JSON"),
-    ("[1, 2]", "expected a JSON object"),
-    (_edit(merges=KeyError), "missing field 'merges'"),
-    (_edit(version=KeyError), "missing field 'version'"),
-    (_edit(format="gpt2"), "'format'"),
-    (_edit(version=2), "'version'"),
-    (_edit(merges="ab"), "'merges'"),
-    (_edit(merges=[[97, 98], [300, 99]]), r"merges\[1\]"),
-    (_edit(merges=[[97, 98], [97]]), r"merges\[1\]"),
-    (_edit(merges=[[97, 98], [97, 98]]), r"merges\[1\].*repeats"),
-    (_edit(merges=[[97, -1]]), r"merges\[0\]"),
-    (_edit(merges=[[97, "b"]]), r"merges\[0\]"),
-    (_edit(special_tokens={EOT: 5}), "'special_tokens'"),
-    (_edit(special_tokens={}), "'special_tokens'"),
-    (_edit(vocab_size=1000), "'vocab_size'"),
-    (_edit(pattern="(["), "pattern"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ('{"format": "attnlab.ByteBPE", ', "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        (_edit(merges=KeyError), "missing field 'merges'"),
+        (_edit(version=KeyError), "missing field 'version'"),
+        (_edit(format="gpt2"), "'format'"),
+        (_edit(version=2), "'version'"),
+        (_edit(merges="ab"), "'merges'"),
+        (_edit(merges=[[97, 98], [300, 99]]), r"merges\[1\]"),
+        (_edit(merges=[[97, 98], [97]]), r"merges\[1\]"),
+        (_edit(merges=[[97, 98], [97, 98]]), r"merges\[1\].*repeats"),
+        (_edit(merges=[[97, -1]]), r"merges\[0\]"),
+        (_edit(merges=[[97, "b"]]), r"merges\[0\]"),
+        (_edit(special_tokens={EOT: 5}), "'special_tokens'"),
+        (_edit(special_tokens={}), "'special_tokens'"),
+        (_edit(vocab_size=1000), "'vocab_size'"),
+        (_edit(pattern="(["), "pattern"),
+    ],
+)
 def test_load_rejects_malformed_files(tmp_path, content, match):
     path = tmp_path / "bad.json"
     path.write_text(content)
@@ -261,6 +288,7 @@ def test_load_round_trips_minimal_file(tmp_path):
 
 
 # -- the stdlib corpus ------------------------------------------------------------------
+
 
 def test_stdlib_corpus_is_deterministic_and_sized():
     a = stdlib_corpus(200_000, seed=0)

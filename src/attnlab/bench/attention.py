@@ -18,7 +18,9 @@ import math
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +56,7 @@ class Case:
 def default_cases() -> list[Case]:
     cs = []
     for dt in ("float32", "bfloat16"):
-        for (B, H, N, D) in ((1, 8, 4096, 64), (1, 4, 8192, 128)):
+        for B, H, N, D in ((1, 8, 4096, 64), (1, 4, 8192, 128)):
             for m in ("full", "causal"):
                 cs.append(Case(f"{m} {dt} ({B},{H},{N},{D})", m, B, H, H, N, D, dt, quick=(N == 4096)))
     for m in ("window256", "doc8", "prefix"):
@@ -64,10 +66,23 @@ def default_cases() -> list[Case]:
         cs.append(Case(f"GQA 8:2 causal {dt} (1,8,4096,64)", "causal", 1, 8, 2, 4096, 64, dt))
     for m in ("causal", "window256"):
         for dt in ("float32", "bfloat16"):
-            cs.append(Case(f"fwd+bwd {m} {dt} (1,8,2048,64)", m, 1, 8, 8, 2048, 64, dt, mode="fwdbwd",
-                           quick=dt == "float32"))
-    cs.append(Case("memory causal float32 (1,1,32768,64)", "causal", 1, 1, 1, 32768, 64, "float32",
-                   mode="fwdbwd", memory_only=True))
+            cs.append(
+                Case(f"fwd+bwd {m} {dt} (1,8,2048,64)", m, 1, 8, 8, 2048, 64, dt, mode="fwdbwd", quick=dt == "float32")
+            )
+    cs.append(
+        Case(
+            "memory causal float32 (1,1,32768,64)",
+            "causal",
+            1,
+            1,
+            1,
+            32768,
+            64,
+            "float32",
+            mode="fwdbwd",
+            memory_only=True,
+        )
+    )
     return cs
 
 
@@ -122,7 +137,7 @@ def case_flops(case: Case) -> float:
 def matmul_rate(dtype: torch.dtype, n: int = 2048) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     t = time_call(lambda: torch.matmul(a, b), reps=5)
-    return 2.0 * n ** 3 / t / 1e9
+    return 2.0 * n**3 / t / 1e9
 
 
 class Runner:
@@ -139,8 +154,8 @@ class Runner:
         self.v = torch.randn(B, Hkv, N, D, generator=g).to(dt).requires_grad_(grad)
         self.dout = torch.randn(B, H, N, D, generator=g).to(dt) if grad else None
         self.mask = attnlab_mask(case)
-        self.flex_compile_s = None
-        self._flex = None
+        self.flex_compile_s: float | None = None
+        self._flex: Callable[[], torch.Tensor] | None = None
 
     def _run(self, f):
         def go():
@@ -151,10 +166,13 @@ class Runner:
                 out.backward(self.dout)
                 return out, self.q.grad, self.k.grad, self.v.grad
             return out
+
         if self.dout is None:
+
             def nograd():
                 with torch.no_grad():
                     return go()
+
             return nograd
         return go
 
@@ -167,12 +185,14 @@ class Runner:
             "attnlab flash": self._run(lambda: attnlab.attention(q, k, v, mask=mask, backend="flash")),
         }
         if c.mask in ("full", "causal"):
-            out["torch sdpa"] = self._run(lambda: F.scaled_dot_product_attention(
-                q, k, v, is_causal=c.mask == "causal", enable_gqa=gqa))
+            out["torch sdpa"] = self._run(
+                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=c.mask == "causal", enable_gqa=gqa)
+            )
         else:
             dm = dense_bool_mask(c)
-            out["torch sdpa (dense mask)"] = self._run(lambda: F.scaled_dot_product_attention(
-                q, k, v, attn_mask=dm, enable_gqa=gqa))
+            out["torch sdpa (dense mask)"] = self._run(
+                lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dm, enable_gqa=gqa)
+            )
         if with_flex and flex_available():
             out["flex compiled"] = self._run(self._flex_call)
         return out
@@ -180,18 +200,19 @@ class Runner:
     def _flex_call(self):
         if self._flex is None:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
             c = self.case
             mm = flex_mask_mod(c)
             bm = None if mm is None else create_block_mask(mm, None, None, c.N, c.N, device="cpu")
             fn = torch.compile(flex_attention, dynamic=False)
             gqa = c.H != c.Hkv
-            self._flex = lambda: fn(self.q, self.k, self.v, block_mask=bm, enable_gqa=gqa)
+            flex = self._flex = lambda: fn(self.q, self.k, self.v, block_mask=bm, enable_gqa=gqa)
             t0 = time.perf_counter()
-            r = self._flex()
+            r = flex()
             if self.dout is not None:
                 r.backward(self.dout)
             self.flex_compile_s = time.perf_counter() - t0
-        return self._flex()
+        return flex()
 
 
 _FLEX_OK = None
@@ -202,21 +223,22 @@ def flex_available() -> bool:
     global _FLEX_OK
     if _FLEX_OK is None:
         try:
-            from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
             import shutil
+
+            from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+
             _FLEX_OK = shutil.which("g++") is not None or shutil.which("c++") is not None
-        except Exception:  # pragma: no cover - torch without flex
+        except Exception:  # noqa: BLE001  # pragma: no cover - torch without flex
             _FLEX_OK = False
     return _FLEX_OK
 
 
-def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool = True,
-        memory: bool = True) -> dict:
+def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool = True, memory: bool = True) -> dict:
     """Time every backend of every case; with ``memory``, also measure each one's peak
     extra memory in a child process (:mod:`attnlab.bench.memprobe`)."""
     from tqdm import tqdm
 
-    results = {"machine": machine_info(), "cases": [], "matmul_gflops": {}}
+    results: dict[str, Any] = {"machine": machine_info(), "cases": [], "matmul_gflops": {}}
     for dt in sorted({c.dtype for c in cases}):
         results["matmul_gflops"][dt] = matmul_rate(_DT[dt])
     plan = []
@@ -226,14 +248,15 @@ def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool
         plan.append((c, r, names))
     n_reps = {c.name: 1 if c.memory_only else reps for c, _, _ in plan}
     total = sum(len(names) * (n_reps[c.name] + 1) for c, _, names in plan)
-    bar = tqdm(total=total, desc="bench attention", unit="run", disable=not progress, file=sys.stderr,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=total, desc="bench attention", unit="run", disable=not progress, file=sys.stderr, dynamic_ncols=True
+    )
     by_case = {}
     for c, r, names in plan:
         recs = _run_case(c, r, names, n_reps[c.name], with_flex, memory, bar)
         by_case[c.name] = (c, recs)
     bar.close()
-    for name, (c, recs) in by_case.items():
+    for _name, (c, recs) in by_case.items():
         flops = case_flops(c)
         anchor = next((x["seconds"] for x in recs if x["backend"].startswith("torch sdpa") and "seconds" in x), None)
         ceil = results["matmul_gflops"][c.dtype]
@@ -242,8 +265,9 @@ def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool
                 x["gflops"] = flops / x["seconds"] / 1e9
                 x["pct_of_matmul"] = 100.0 * x["gflops"] / ceil
                 x["vs_torch_sdpa"] = anchor / x["seconds"] if anchor else None
-        results["cases"].append({**asdict(c), "flops": flops, "density": allowed_pairs(c) / (c.B * c.H * c.N * c.N),
-                                 "results": recs})
+        results["cases"].append(
+            {**asdict(c), "flops": flops, "density": allowed_pairs(c) / (c.B * c.H * c.N * c.N), "results": recs}
+        )
     return results
 
 
@@ -254,8 +278,8 @@ def _run_case(c: Case, r: Runner, names: list[str], reps: int, with_flex: bool, 
 
     fns = r.backends(with_flex)
     fns = {n: fns.get(n) or fns["torch sdpa (dense mask)"] for n in names}
-    recs = {n: {"backend": n} for n in names}
-    times = {n: [] for n in names}
+    recs: dict[str, dict[str, Any]] = {n: {"backend": n} for n in names}
+    times: dict[str, list[float]] = {n: [] for n in names}
 
     def attempt(n, what):
         bar.set_postfix_str(f"{c.name[:34]} | {n} | {what}")
@@ -266,7 +290,7 @@ def _run_case(c: Case, r: Runner, names: list[str], reps: int, with_flex: bool, 
             t0 = time.perf_counter()
             fns[n]()
             return time.perf_counter() - t0
-        except Exception as e:  # a backend that cannot run this case is reported, not fatal
+        except Exception as e:  # noqa: BLE001 - a backend that cannot run this case is reported, not fatal
             recs[n]["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             return None
         finally:
@@ -300,7 +324,7 @@ def _run_case(c: Case, r: Runner, names: list[str], reps: int, with_flex: bool, 
                     rec["peak_extra_mib"] = memprobe.measure(fields, n, "fwdbwd")
                 if c.mode == "fwd" or c.memory_only:
                     rec["peak_extra_fwd_mib"] = memprobe.measure(fields, n, "fwd")
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a failed memory probe is reported in the record
                 rec["memory_error"] = f"{type(e).__name__}: {e}"
         if n == "attnlab auto" and "error" not in rec:
             rec["auto_choice"] = _auto_choice(r)
@@ -309,21 +333,30 @@ def _run_case(c: Case, r: Runner, names: list[str], reps: int, with_flex: bool, 
 
 def _auto_choice(r: Runner) -> str:
     from attnlab.ops.dispatch import choose_backend
+
     c = r.case
     with torch.set_grad_enabled(c.mode == "fwdbwd"):
         return choose_backend(r.q, r.k, r.mask, None, c.N - c.N, 0, False)
 
 
 def machine_info() -> dict:
-    return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": torch.backends.cpu.get_cpu_capability(), "platform": platform.platform(),
-            "date": time.strftime("%Y-%m-%d %H:%M")}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "platform": platform.platform(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
 
 
 def format_table(res: dict) -> str:
-    lines = [f"torch {res['machine']['torch']}, {res['machine']['threads']} threads, {res['machine']['cpu']}, "
-             f"{res['machine']['date']}",
-             "matmul ceiling (GFLOP/s): " + ", ".join(f"{k} {v:.0f}" for k, v in res["matmul_gflops"].items()), ""]
+    lines = [
+        f"torch {res['machine']['torch']}, {res['machine']['threads']} threads, {res['machine']['cpu']}, "
+        f"{res['machine']['date']}",
+        "matmul ceiling (GFLOP/s): " + ", ".join(f"{k} {v:.0f}" for k, v in res["matmul_gflops"].items()),
+        "",
+    ]
     hdr = f"{'case':<40} {'backend':<24} {'ms':>9} {'GFLOP/s':>8} {'%mm':>5} {'x sdpa':>7}  notes"
     lines += [hdr, "-" * len(hdr)]
     for c in res["cases"]:
@@ -341,14 +374,23 @@ def format_table(res: dict) -> str:
                 lines.append(f"{c['name']:<40} {x['backend']:<24} {'-':>9} {'':>8} {'':>5} {'':>7}  {x['error']}")
                 continue
             ratio = f"{x['vs_torch_sdpa']:.2f}" if x.get("vs_torch_sdpa") else "-"
-            lines.append(f"{c['name']:<40} {x['backend']:<24} {x['seconds'] * 1e3:>9.1f} {x['gflops']:>8.1f} "
-                         f"{x['pct_of_matmul']:>5.0f} {ratio:>7}  {'; '.join(notes)}")
+            lines.append(
+                f"{c['name']:<40} {x['backend']:<24} {x['seconds'] * 1e3:>9.1f} {x['gflops']:>8.1f} "
+                f"{x['pct_of_matmul']:>5.0f} {ratio:>7}  {'; '.join(notes)}"
+            )
         lines.append("")
     return "\n".join(lines)
 
 
-def main(argv=None, quick: bool = False, json_path: str | None = None, reps: int = 3, flex: bool = True,
-         only: str | None = None, memory: bool = True) -> dict:
+def main(
+    argv=None,
+    quick: bool = False,
+    json_path: str | None = None,
+    reps: int = 3,
+    flex: bool = True,
+    only: str | None = None,
+    memory: bool = True,
+) -> dict:
     cases = default_cases()
     if quick:
         cases = [c for c in cases if c.quick]

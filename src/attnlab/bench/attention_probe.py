@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from attnlab.bench.attention import MiB, Case, Runner
+from attnlab.bench.attention import Case, MiB, Runner
 from attnlab.bench.measure import peak_extra_bytes
 
 

@@ -22,6 +22,7 @@ contender keeps (cache, patterns, captured calls), counted from their storages.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -35,6 +36,7 @@ SIZES = {"quick": (4, 256, 8, 2, 512), "full": (6, 512, 8, 4, 1024)}  # layers, 
 
 def _setup(quick: bool, shape=None):
     from attnlab.nn import Decoder, DecoderConfig
+
     torch.manual_seed(0)
     L, d, H, B, N = shape or SIZES["quick" if quick else "full"]
     cfg = DecoderConfig(vocab_size=4096, d_model=d, n_layers=L, n_heads=H, max_positions=max(N, 8))
@@ -49,6 +51,7 @@ def _no_patterns(name: str) -> bool:
 
 def _call(mode, model, ids):
     from attnlab.interp import capture, run_with_cache
+
     with torch.no_grad():
         if mode == "plain":
             return model(ids).logits
@@ -93,32 +96,48 @@ def kept_bytes(mode: str, result) -> int:
 
 def _child(mode: str, quick: bool, shape=None) -> None:
     from attnlab.bench.measure import peak_extra_bytes
+
     model, ids, _ = _setup(quick, shape)
-    print(json.dumps({"mib": peak_extra_bytes(lambda: _call(mode, model, ids)) / 2 ** 20}))
+    print(json.dumps({"mib": peak_extra_bytes(lambda: _call(mode, model, ids)) / 2**20}))
 
 
 def run(quick: bool = False, reps: int = 5, memory: bool = True, shape=None) -> dict:
     """``shape = (layers, d_model, heads, batch, tokens)`` overrides the sizes (tests use tiny ones)."""
     from tqdm.auto import tqdm
+
     from attnlab.bench.measure import memory_supported, time_call
+
     model, ids, cfg = _setup(quick, shape)
-    times = {m: [] for m in MODES}
+    times: dict[str, list[float]] = {m: [] for m in MODES}
     for _ in tqdm(range(reps), desc="capture bench", unit="round"):
         for m in MODES:  # interleaved: every contender sees the same machine state
-            times[m].append(time_call(lambda: _call(m, model, ids), reps=1, warmup=1 if not times[m] else 0))
+            times[m].append(time_call(functools.partial(_call, m, model, ids), reps=1, warmup=1 if not times[m] else 0))
     med = {m: sorted(v)[len(v) // 2] for m, v in times.items()}
-    res = {"shape": {"layers": cfg.n_layers, "d_model": cfg.d_model, "heads": cfg.n_heads, "batch": ids.shape[0],
-                     "tokens": ids.shape[1]},
-           "seconds": med, "ratio_to_plain": {m: med[m] / med["plain"] for m in MODES},
-           "kept_mib": {m: kept_bytes(m, _call(m, model, ids)) / 2 ** 20 for m in MODES}}
+    res = {
+        "shape": {
+            "layers": cfg.n_layers,
+            "d_model": cfg.d_model,
+            "heads": cfg.n_heads,
+            "batch": ids.shape[0],
+            "tokens": ids.shape[1],
+        },
+        "seconds": med,
+        "ratio_to_plain": {m: med[m] / med["plain"] for m in MODES},
+        "kept_mib": {m: kept_bytes(m, _call(m, model, ids)) / 2**20 for m in MODES},
+    }
     if memory and memory_supported():
         from attnlab.bench.memprobe import ENV
+
         mem = {}
         extra = ["--shape", ",".join(map(str, shape))] if shape else []
         for m in tqdm(MODES, desc="memory", unit="mode"):
-            out = subprocess.run([sys.executable, "-m", "attnlab.bench.capture", "--child", m]
-                                 + (["--quick"] if quick else []) + extra, env={**os.environ, **ENV},
-                                 capture_output=True, text=True, timeout=900)
+            out = subprocess.run(
+                [sys.executable, "-m", "attnlab.bench.capture", "--child", m] + (["--quick"] if quick else []) + extra,
+                env={**os.environ, **ENV},
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
             if out.returncode != 0:
                 raise RuntimeError(f"memory child {m!r} failed: {out.stderr.strip()[-500:]}")
             mem[m] = json.loads(out.stdout.strip().splitlines()[-1])["mib"]
@@ -129,9 +148,11 @@ def run(quick: bool = False, reps: int = 5, memory: bool = True, shape=None) -> 
 def summary(res: dict) -> str:
     s = res["shape"]
     mem = "peak_extra_mib" in res
-    rows = [f"capture overhead: {s['layers']} layers, d_model {s['d_model']}, {s['heads']} heads, "
-            f"batch {s['batch']} x {s['tokens']} tokens",
-            f"{'contender':<24} {'ms':>9} {'x plain':>8} {'kept MiB':>9}" + (f" {'peak MiB':>9}" if mem else "")]
+    rows = [
+        f"capture overhead: {s['layers']} layers, d_model {s['d_model']}, {s['heads']} heads, "
+        f"batch {s['batch']} x {s['tokens']} tokens",
+        f"{'contender':<24} {'ms':>9} {'x plain':>8} {'kept MiB':>9}" + (f" {'peak MiB':>9}" if mem else ""),
+    ]
     for m in MODES:
         row = f"{m:<24} {res['seconds'][m] * 1e3:9.1f} {res['ratio_to_plain'][m]:8.2f} {res['kept_mib'][m]:9.1f}"
         if mem:
@@ -140,8 +161,7 @@ def summary(res: dict) -> str:
     return "\n".join(rows)
 
 
-def main(*, quick: bool = False, reps: int = 5, memory: bool = True, json_path: str | None = None,
-         shape=None) -> int:
+def main(*, quick: bool = False, reps: int = 5, memory: bool = True, json_path: str | None = None, shape=None) -> int:
     """``attnlab bench capture``: run, print the summary, write JSON to ``json_path``."""
     res = run(quick=quick, reps=reps, memory=memory, shape=shape)
     print(summary(res))

@@ -33,8 +33,7 @@ SHAPES = {  # (layers, d_model, heads, vocab, batch, seq, window)
 def run(quick: bool = False, reps: int = 5, backend: str = "inductor", progress: bool = True) -> dict:
     L, d, H, V, B, N, w = SHAPES["quick" if quick else "full"]
     torch.manual_seed(0)
-    model = Decoder(DecoderConfig(vocab_size=V, d_model=d, n_layers=L, n_heads=H, max_positions=N,
-                                  backend="flash"))
+    model = Decoder(DecoderConfig(vocab_size=V, d_model=d, n_layers=L, n_heads=H, max_positions=N, backend="flash"))
     ids = torch.randint(0, V, (B, N))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -55,27 +54,38 @@ def run(quick: bool = False, reps: int = 5, backend: str = "inductor", progress:
     step(compiled)  # compiles
     compile_s = time.perf_counter() - t0
     step(loss_fn)
-    times = {"eager": [], "compiled": []}
+    times: dict[str, list[float]] = {"eager": [], "compiled": []}
     for r in range(reps):
         times["eager"].append(step(loss_fn))
         times["compiled"].append(step(compiled))
         if progress:
-            print(f"  rep {r + 1}/{reps}: eager {times['eager'][-1]:.3f}s compiled {times['compiled'][-1]:.3f}s",
-                  file=sys.stderr)
+            print(
+                f"  rep {r + 1}/{reps}: eager {times['eager'][-1]:.3f}s compiled {times['compiled'][-1]:.3f}s",
+                file=sys.stderr,
+            )
     med = {k: statistics.median(v) for k, v in times.items()}
     tokens = B * N
-    return {"shape": dict(layers=L, d_model=d, heads=H, vocab=V, batch=B, seq=N, window=w), "backend": backend,
-            "compile_s": compile_s, "eager_step_s": med["eager"], "compiled_step_s": med["compiled"],
-            "eager_tok_s": tokens / med["eager"], "compiled_tok_s": tokens / med["compiled"],
-            "ratio_compiled_over_eager": med["eager"] / med["compiled"], "reps": reps}
+    return {
+        "shape": dict(layers=L, d_model=d, heads=H, vocab=V, batch=B, seq=N, window=w),
+        "backend": backend,
+        "compile_s": compile_s,
+        "eager_step_s": med["eager"],
+        "compiled_step_s": med["compiled"],
+        "eager_tok_s": tokens / med["eager"],
+        "compiled_tok_s": tokens / med["compiled"],
+        "ratio_compiled_over_eager": med["eager"] / med["compiled"],
+        "reps": reps,
+    }
 
 
 def main(*, quick: bool = False, reps: int = 5, backend: str = "inductor", json_path: str | None = None) -> int:
     """``attnlab bench compile``: run, print the figures, write JSON to ``json_path``."""
     res = run(quick=quick, reps=reps, backend=backend)
     s = res["shape"]
-    print(f"Decoder L={s['layers']} d={s['d_model']} H={s['heads']} B={s['batch']} N={s['seq']} "
-          f"sliding_window({s['window']}), torch.compile backend={res['backend']}")
+    print(
+        f"Decoder L={s['layers']} d={s['d_model']} H={s['heads']} B={s['batch']} N={s['seq']} "
+        f"sliding_window({s['window']}), torch.compile backend={res['backend']}"
+    )
     print(f"  compile (first step): {res['compile_s']:.1f}s")
     print(f"  eager    step {res['eager_step_s']:.4f}s  {res['eager_tok_s']:.0f} tok/s")
     print(f"  compiled step {res['compiled_step_s']:.4f}s  {res['compiled_tok_s']:.0f} tok/s")

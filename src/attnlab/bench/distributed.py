@@ -50,6 +50,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -105,8 +106,7 @@ def _rank_main(rank, world, spec):
 
     import attnlab.distributed as D
     from attnlab import masks
-    from attnlab.distributed import ring as ring_mod
-    from attnlab.distributed import ulysses as uly_mod
+    from attnlab.distributed import ring as ring_mod, ulysses as uly_mod
 
     _malloc_setup()
     N, B, H, Hkv, Dh = spec["N"], spec["B"], spec["H"], spec["Hkv"], spec["D"]
@@ -126,7 +126,7 @@ def _rank_main(rank, world, spec):
     def once(method, layout):
         for t in (q, k, v):
             t.grad = None
-        res = {}
+        res: dict[str, float] = {}
 
         def run():
             dist.barrier()
@@ -136,8 +136,15 @@ def _rank_main(rank, world, spec):
                 t1 = time.perf_counter()
                 out.backward(dout)
                 t2, c2 = time.perf_counter(), time.process_time()
-            res.update(fwd=t1 - t0, fwdbwd=t2 - t0, cpu=c2 - c0, compute=prof.summary()["compute_s"],
-                       wait=prof.summary()["wait_s"], bytes=prof.summary()["bytes_sent"], steps=prof.as_dicts())
+            res.update(
+                fwd=t1 - t0,
+                fwdbwd=t2 - t0,
+                cpu=c2 - c0,
+                compute=prof.summary()["compute_s"],
+                wait=prof.summary()["wait_s"],
+                bytes=prof.summary()["bytes_sent"],
+                steps=prof.as_dicts(),
+            )
             return out, q.grad, k.grad, v.grad
 
         if spec["memory"]:
@@ -154,7 +161,7 @@ def _rank_main(rank, world, spec):
         fn = D.ring_attention if method == "ring" else D.ulysses_attention
         fn(qq, kk, vv, mask=mask, layout=layout, timeout=spec["timeout"]).sum().backward()
     del small
-    recs = {f"{m} {l}": [] for m, l in spec["variants"]}
+    recs: dict[str, list[dict]] = {f"{m} {l}": [] for m, l in spec["variants"]}
     for _ in range(spec["reps"]):
         for method, layout in spec["variants"]:
             recs[f"{method} {layout}"].append(once(method, layout))
@@ -164,16 +171,18 @@ def _rank_main(rank, world, spec):
     comm_only = {}
     saved = (ring_mod.tile_forward, ring_mod.tile_backward, uly_mod.attention)
 
-    def fwd_stub(q_, k_, v_, **kw):
-        B_, H_, n_, _ = q_.shape
-        return (torch.zeros(B_, H_, n_, v_.shape[-1], dtype=q_.dtype),
-                torch.full((B_, H_, n_), float("-inf"), dtype=torch.float32))
+    def fwd_stub(q, k, v, **kw):  # the names of ring_mod.tile_forward's arguments
+        B_, H_, n_, _ = q.shape
+        return (
+            torch.zeros(B_, H_, n_, v.shape[-1], dtype=q.dtype),
+            torch.full((B_, H_, n_), float("-inf"), dtype=torch.float32),
+        )
 
-    def bwd_stub(q_, k_, v_, *a, params=(), **kw):
-        return torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_), []
+    def bwd_stub(q, k, v, *a, params=(), **kw):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), []
 
-    def att_stub(q_, k_, v_, **kw):
-        return q_[..., :v_.shape[-1]] * 0
+    def att_stub(q, k, v, **kw):
+        return q[..., : v.shape[-1]] * 0
 
     ring_mod.tile_forward, ring_mod.tile_backward, uly_mod.attention = fwd_stub, bwd_stub, att_stub
     try:
@@ -210,15 +219,15 @@ def _single_main(rank, world, spec):
         torch.set_num_threads(threads)
         x = [t.detach()[:, :, :256].clone().requires_grad_() for t in (q, k, v)]
         attnlab.attention(*x, mask=mask, backend=be).sum().backward()
-    recs = {be: [] for be, _ in ANCHORS}
+    recs: dict[str, list[dict]] = {be: [] for be, _ in ANCHORS}
     for _ in range(spec["reps"]):
         for be, threads in ANCHORS:
             torch.set_num_threads(threads)
             for t in (q, k, v):
                 t.grad = None
-            res = {}
+            res: dict[str, float] = {}
 
-            def run():
+            def run(be=be, res=res):
                 c0, t0 = time.process_time(), time.perf_counter()
                 out = attnlab.attention(q, k, v, mask=mask, backend=be)
                 t1 = time.perf_counter()
@@ -243,7 +252,7 @@ def _launch(fn, world, spec, threads, bar, timeout):
     fd, path = tempfile.mkstemp(prefix="attnlab-bench-progress-")
     os.close(fd)
     spec = {**spec, "progress": path}
-    box = {}
+    box: dict[str, Any] = {}
 
     def target():
         try:
@@ -270,12 +279,14 @@ def _launch(fn, world, spec, threads, bar, timeout):
 def _summarize(cfg: Config, dist_res: list, single: dict) -> dict:
     from attnlab.distributed import balance, work_per_rank
 
-    out = {"config": asdict(cfg), "single": {}, "variants": []}
+    out: dict[str, Any] = {"config": asdict(cfg), "single": {}, "variants": []}
     s_in = single["inputs_mib"]
     for be, rs in single["recs"].items():
-        out["single"][be] = {"fwd": statistics.median(r["fwd"] for r in rs),
-                             "fwdbwd": statistics.median(r["fwdbwd"] for r in rs),
-                             "peak_mib": s_in + max(r.get("peak_extra_mib", 0.0) for r in rs)}
+        out["single"][be] = {
+            "fwd": statistics.median(r["fwd"] for r in rs),
+            "fwdbwd": statistics.median(r["fwdbwd"] for r in rs),
+            "peak_mib": s_in + max(r.get("peak_extra_mib", 0.0) for r in rs),
+        }
     for be, rs in single["recs"].items():
         out["single"][be]["cpu_share"] = statistics.median(r["cpu"] / r["fwdbwd"] for r in rs)
     base_auto, base_flash = out["single"]["auto"], out["single"]["flash"]
@@ -289,29 +300,43 @@ def _summarize(cfg: Config, dist_res: list, single: dict) -> dict:
         wait = [statistics.median(r["wait"] for r in pr) for pr in per_rank]
         compute = [statistics.median(r["compute"] for r in pr) for pr in per_rank]
         comm = [d["comm_only"][key] for d in dist_res]
-        exposed = [statistics.median(e) for e in zip(*(_exposed_comm([pr[i]["steps"] for pr in per_rank])
-                                                        for i in range(reps)))]
+        exposed = [
+            statistics.median(e)
+            for e in zip(*(_exposed_comm([pr[i]["steps"] for pr in per_rank]) for i in range(reps)), strict=True)
+        ]
         if method == "ulysses":  # nothing to overlap an all-to-all with
             exposed, hidden = wait, [0.0] * len(wait)
         else:
-            hidden = [min(1.0, max(0.0, 1.0 - e / c)) if c > 0 else 1.0 for e, c in zip(exposed, comm)]
+            hidden = [min(1.0, max(0.0, 1.0 - e / c)) if c > 0 else 1.0 for e, c in zip(exposed, comm, strict=False)]
         cpu_share = statistics.mean(statistics.median(r["cpu"] / r["fwdbwd"] for r in pr) for pr in per_rank)
         work = work_per_rank(cfg.N, cfg.P, layout, "causal")
         sent = [statistics.median(r["bytes"] for r in pr) for pr in per_rank]
-        out["variants"].append({
-            "variant": key, "fwd": fwd, "fwdbwd": fwdbwd,
-            "speed_vs_auto": base_auto["fwdbwd"] / fwdbwd, "speed_vs_flash": base_flash["fwdbwd"] / fwdbwd,
-            "fwd_speed_vs_flash": base_flash["fwd"] / fwd,
-            "peak_mib_per_rank": peak, "peak_ratio_vs_auto": peak / base_auto["peak_mib"],
-            "peak_ratio_vs_flash": peak / base_flash["peak_mib"],
-            "exposed_wait_s": wait, "exposed_comm_s": exposed, "comm_only_s": comm, "hidden": hidden,
-            "cpu_share": cpu_share,
-            "compute_s": compute, "work_pairs": work,
-            "work_balance": balance(work) if method == "ring" else 1.0,
-            "compute_balance": max(compute) / min(compute) if min(compute) > 0 else float("inf"),
-            "bytes_sent_per_rank": sent,
-            "comm_gbps": (sum(sent) / len(sent)) / statistics.median(comm) / 1e9 if statistics.median(comm) else None,
-        })
+        out["variants"].append(
+            {
+                "variant": key,
+                "fwd": fwd,
+                "fwdbwd": fwdbwd,
+                "speed_vs_auto": base_auto["fwdbwd"] / fwdbwd,
+                "speed_vs_flash": base_flash["fwdbwd"] / fwdbwd,
+                "fwd_speed_vs_flash": base_flash["fwd"] / fwd,
+                "peak_mib_per_rank": peak,
+                "peak_ratio_vs_auto": peak / base_auto["peak_mib"],
+                "peak_ratio_vs_flash": peak / base_flash["peak_mib"],
+                "exposed_wait_s": wait,
+                "exposed_comm_s": exposed,
+                "comm_only_s": comm,
+                "hidden": hidden,
+                "cpu_share": cpu_share,
+                "compute_s": compute,
+                "work_pairs": work,
+                "work_balance": balance(work) if method == "ring" else 1.0,
+                "compute_balance": max(compute) / min(compute) if min(compute) > 0 else float("inf"),
+                "bytes_sent_per_rank": sent,
+                "comm_gbps": (sum(sent) / len(sent)) / statistics.median(comm) / 1e9
+                if statistics.median(comm)
+                else None,
+            }
+        )
     return out
 
 
@@ -321,15 +346,16 @@ def _exposed_comm(steps_per_rank: list[list[dict]]) -> list[float]:
     messages)`` to the end of its wait.  Waiting for a peer that is still computing its
     previous step (imbalance, or a busy machine) is not counted; a transfer that the
     computation did not cover is."""
-    posted = {}
+    posted: dict = {}
     for steps in steps_per_rank:
         for st in steps:
             key = (st["op"], st["step"])
             posted[key] = max(posted.get(key, 0.0), st["t_start"])
     out = []
     for steps in steps_per_rank:
-        out.append(sum(max(0.0, st["t_end"] - max(st["t_compute_end"], posted[(st["op"], st["step"])]))
-                       for st in steps))
+        out.append(
+            sum(max(0.0, st["t_end"] - max(st["t_compute_end"], posted[(st["op"], st["step"])])) for st in steps)
+        )
     return out
 
 
@@ -340,19 +366,29 @@ def run(configs: list[Config], *, memory: bool = True, progress: bool = True, ti
         memory = False
     for c in configs:
         if c.N % (2 * c.P):
-            raise ValueError(f"N={c.N}: the benchmark needs N divisible by 2P={2 * c.P} (equal shards in every "
-                             "layout)")
+            raise ValueError(f"N={c.N}: the benchmark needs N divisible by 2P={2 * c.P} (equal shards in every layout)")
     n_single = {(c.N, c.B, c.H, c.Hkv, c.D, c.reps) for c in configs}
     total = sum(k[-1] * len(ANCHORS) for k in n_single) + sum(
-        c.reps * sum(1 for v in VARIANTS if v[0] == "ring" or c.H % c.P == 0) for c in configs)
-    bar = tqdm(total=total, desc="bench distributed", unit="run", disable=not progress, file=sys.stderr,
-               dynamic_ncols=True)
-    res = {"machine": machine_info(), "cases": []}
-    singles = {}
+        c.reps * sum(1 for v in VARIANTS if v[0] == "ring" or c.H % c.P == 0) for c in configs
+    )
+    bar = tqdm(
+        total=total, desc="bench distributed", unit="run", disable=not progress, file=sys.stderr, dynamic_ncols=True
+    )
+    res: dict[str, Any] = {"machine": machine_info(), "cases": []}
+    singles: dict[tuple, dict] = {}
     try:
         for cfg in configs:
-            spec = {"N": cfg.N, "B": cfg.B, "H": cfg.H, "Hkv": cfg.Hkv, "D": cfg.D, "reps": cfg.reps,
-                    "memory": memory, "timeout": timeout, "variants": list(VARIANTS)}
+            spec = {
+                "N": cfg.N,
+                "B": cfg.B,
+                "H": cfg.H,
+                "Hkv": cfg.Hkv,
+                "D": cfg.D,
+                "reps": cfg.reps,
+                "memory": memory,
+                "timeout": timeout,
+                "variants": list(VARIANTS),
+            }
             key = (cfg.N, cfg.B, cfg.H, cfg.Hkv, cfg.D, cfg.reps)
             if key not in singles:
                 bar.set_postfix_str(f"N={cfg.N} single process")
@@ -368,30 +404,45 @@ def run(configs: list[Config], *, memory: bool = True, progress: bool = True, ti
 
 
 def machine_info() -> dict:
-    return {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-            "cpu": torch.backends.cpu.get_cpu_capability(), "platform": platform.platform(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": os.getloadavg()}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "platform": platform.platform(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_before": os.getloadavg(),
+    }
 
 
 def format_table(res: dict) -> str:
     m = res["machine"]
-    lines = [f"torch {m['torch']}, {m['cpus']} CPUs ({m['cpu']}), {m['date']}; gloo, 1 thread per rank; "
-             f"load average before/after: "
-             f"{m['load_before'][0]:.1f}/{m.get('load_after', (float('nan'),))[0]:.1f}", ""]
+    lines = [
+        f"torch {m['torch']}, {m['cpus']} CPUs ({m['cpu']}), {m['date']}; gloo, 1 thread per rank; "
+        f"load average before/after: "
+        f"{m['load_before'][0]:.1f}/{m.get('load_after', (float('nan'),))[0]:.1f}",
+        "",
+    ]
     for c in res["cases"]:
         cfg = c["config"]
         s = c["single"]
-        lines.append(f"N={cfg['N']} P={cfg['P']} (B={cfg['B']}, H={cfg['H']}, Hkv={cfg['Hkv']}, D={cfg['D']}, "
-                     f"float32, causal; medians of {cfg['reps']})"
-                     + ("   [4 ranks on 2 cores: oversubscribed]" if cfg["P"] > (os.cpu_count() or 1) else ""))
-        lines.append(f"  single process: auto->sdpa (2 threads) fwd {s['auto']['fwd']:.2f}s fwd+bwd "
-                     f"{s['auto']['fwdbwd']:.2f}s cpu {100 * s['auto']['cpu_share']:.0f}% peak "
-                     f"{s['auto']['peak_mib']:.0f} MiB | flash (1 thread) fwd {s['flash']['fwd']:.2f}s fwd+bwd "
-                     f"{s['flash']['fwdbwd']:.2f}s cpu {100 * s['flash']['cpu_share']:.0f}% peak "
-                     f"{s['flash']['peak_mib']:.0f} MiB")
-        hdr = (f"  {'variant':<19} {'fwd s':>7} {'f+b s':>7} {'x flash':>7} {'x sdpa':>7} {'cpu%':>5} "
-               f"{'MiB/rank':>8} {'/flash':>6} {'wait s':>7} {'wire s':>7} {'comm s':>7} {'hidden':>6} "
-               f"{'pairs max/min':>13} {'compute max/min':>15}")
+        lines.append(
+            f"N={cfg['N']} P={cfg['P']} (B={cfg['B']}, H={cfg['H']}, Hkv={cfg['Hkv']}, D={cfg['D']}, "
+            f"float32, causal; medians of {cfg['reps']})"
+            + ("   [4 ranks on 2 cores: oversubscribed]" if cfg["P"] > (os.cpu_count() or 1) else "")
+        )
+        lines.append(
+            f"  single process: auto->sdpa (2 threads) fwd {s['auto']['fwd']:.2f}s fwd+bwd "
+            f"{s['auto']['fwdbwd']:.2f}s cpu {100 * s['auto']['cpu_share']:.0f}% peak "
+            f"{s['auto']['peak_mib']:.0f} MiB | flash (1 thread) fwd {s['flash']['fwd']:.2f}s fwd+bwd "
+            f"{s['flash']['fwdbwd']:.2f}s cpu {100 * s['flash']['cpu_share']:.0f}% peak "
+            f"{s['flash']['peak_mib']:.0f} MiB"
+        )
+        hdr = (
+            f"  {'variant':<19} {'fwd s':>7} {'f+b s':>7} {'x flash':>7} {'x sdpa':>7} {'cpu%':>5} "
+            f"{'MiB/rank':>8} {'/flash':>6} {'wait s':>7} {'wire s':>7} {'comm s':>7} {'hidden':>6} "
+            f"{'pairs max/min':>13} {'compute max/min':>15}"
+        )
         lines += [hdr, "  " + "-" * (len(hdr) - 2)]
         for x in c["variants"]:
             lines.append(
@@ -399,7 +450,8 @@ def format_table(res: dict) -> str:
                 f"{x['speed_vs_auto']:>7.2f} {100 * x['cpu_share']:>5.0f} {x['peak_mib_per_rank']:>8.0f} "
                 f"{x['peak_ratio_vs_flash']:>6.2f} {statistics.mean(x['exposed_wait_s']):>7.2f} "
                 f"{statistics.mean(x['exposed_comm_s']):>7.2f} {statistics.mean(x['comm_only_s']):>7.2f} "
-                f"{statistics.mean(x['hidden']):>6.2f} {x['work_balance']:>13.2f} {x['compute_balance']:>15.2f}")
+                f"{statistics.mean(x['hidden']):>6.2f} {x['work_balance']:>13.2f} {x['compute_balance']:>15.2f}"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -414,8 +466,18 @@ def parse_ints(text: str, name: str) -> list[int]:
     return out
 
 
-def main(*, seqs=(16384, 32768), ranks=(2, 4), reps: int = 2, heads: int = 4, kv_heads: int = 2, dim: int = 64,
-         quick: bool = False, memory: bool = True, json_path: str | None = None) -> dict:
+def main(
+    *,
+    seqs=(16384, 32768),
+    ranks=(2, 4),
+    reps: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    dim: int = 64,
+    quick: bool = False,
+    memory: bool = True,
+    json_path: str | None = None,
+) -> dict:
     if quick:
         seqs, reps = (2048, 4096), 1
     configs = [Config(N, P, H=heads, Hkv=kv_heads, D=dim, reps=reps) for N in seqs for P in ranks]

@@ -26,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 from attnlab.bench.measure import memory_supported, peak_extra_bytes, time_call
 from attnlab.bench.memprobe import ENV as MEMPROBE_ENV
@@ -62,8 +63,13 @@ def _child(spec: dict) -> dict:
 
 def _in_child(spec: dict, memory: bool, timeout_s: float) -> dict:
     env = {**os.environ, **MEMPROBE_ENV} if memory else dict(os.environ)
-    out = subprocess.run([sys.executable, "-m", "attnlab.bench.interp_stats", "--child", json.dumps(spec)],
-                         env=env, capture_output=True, text=True, timeout=timeout_s)
+    out = subprocess.run(
+        [sys.executable, "-m", "attnlab.bench.interp_stats", "--child", json.dumps(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     if out.returncode != 0:
         lines = out.stderr.strip().splitlines()
         why = lines[-1] if lines else f"exit status {out.returncode} (killed for memory?)"
@@ -71,8 +77,9 @@ def _in_child(spec: dict, memory: bool, timeout_s: float) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run(n: int = 32768, d_head: int = 64, heads: int = 1, quick: bool = False, reps: int = 1,
-        timeout_s: float = 1800.0) -> dict:
+def run(
+    n: int = 32768, d_head: int = 64, heads: int = 1, quick: bool = False, reps: int = 1, timeout_s: float = 1800.0
+) -> dict:
     """Measure both methods at ``N = n`` (``quick``: N = 4096).  Returns a dict with one
     entry per method (``peak_extra_mib``, ``seconds`` or ``error``) and the ratios
     dense / tiled."""
@@ -81,8 +88,15 @@ def run(n: int = 32768, d_head: int = 64, heads: int = 1, quick: bool = False, r
             raise ValueError(f"{name}: expected a positive int, got {x!r}")
     if quick:
         n = QUICK_N
-    res = {"n": n, "d_head": d_head, "heads": heads, "dtype": "float32", "mask": "causal()",
-           "pattern_mib": heads * n * n * 4 / MiB, "memory_supported": memory_supported()}
+    res: dict[str, Any] = {
+        "n": n,
+        "d_head": d_head,
+        "heads": heads,
+        "dtype": "float32",
+        "mask": "causal()",
+        "pattern_mib": heads * n * n * 4 / MiB,
+        "memory_supported": memory_supported(),
+    }
     for method in METHODS:
         spec = {"method": method, "n": n, "d_head": d_head, "heads": heads, "reps": reps}
         rec = {}
@@ -104,24 +118,34 @@ def format_table(res: dict) -> str:
             return "error"
         return fmt.format(rec[key]) if rec.get(key) is not None else "n/a"
 
-    lines = [f"attnlab bench interp: causal(), q/k (1, {res['heads']}, {res['n']}, {res['d_head']}) float32; "
-             f"the pattern is {res['pattern_mib']:.0f} MiB",
-             f"{'method':<28} {'peak extra MiB':>15} {'seconds':>9}"]
-    for label, method in (("head_stats (tiled, 1 pass)", "head_stats"),
-                          ("attention_probs (pattern)", "attention_probs")):
+    lines = [
+        f"attnlab bench interp: causal(), q/k (1, {res['heads']}, {res['n']}, {res['d_head']}) float32; "
+        f"the pattern is {res['pattern_mib']:.0f} MiB",
+        f"{'method':<28} {'peak extra MiB':>15} {'seconds':>9}",
+    ]
+    for label, method in (
+        ("head_stats (tiled, 1 pass)", "head_stats"),
+        ("attention_probs (pattern)", "attention_probs"),
+    ):
         rec = res[method]
         lines.append(f"{label:<28} {cell(rec, 'peak_extra_mib', '{:.1f}'):>15} {cell(rec, 'seconds', '{:.2f}'):>9}")
     mr, tr = res.get("memory_ratio"), res.get("time_ratio")
-    lines.append(f"{'pattern / head_stats':<28} {(f'{mr:.0f}x' if mr else '-'):>15} "
-                 f"{(f'{tr:.2f}x' if tr else '-'):>9}")
+    lines.append(f"{'pattern / head_stats':<28} {(f'{mr:.0f}x' if mr else '-'):>15} {(f'{tr:.2f}x' if tr else '-'):>9}")
     for method in METHODS:
         if "error" in res[method]:
             lines.append(f"{method}: {res[method]['error']}")
     return "\n".join(lines)
 
 
-def main(*, n: int = 32768, d_head: int = 64, heads: int = 1, quick: bool = False, reps: int = 1,
-         json_path: str | None = None) -> int:
+def main(
+    *,
+    n: int = 32768,
+    d_head: int = 64,
+    heads: int = 1,
+    quick: bool = False,
+    reps: int = 1,
+    json_path: str | None = None,
+) -> int:
     """``attnlab bench interp``: run, print the table, write JSON to ``json_path``; bad sizes raise ValueError."""
     res = run(n=n, d_head=d_head, heads=heads, quick=quick, reps=reps)
     print(format_table(res))

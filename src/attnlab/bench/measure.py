@@ -13,8 +13,9 @@ import ctypes
 import gc
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
+_LIBC: ctypes.CDLL | None
 try:
     _LIBC = ctypes.CDLL("libc.so.6")
 except OSError:  # not glibc: measurements still work, less tightly

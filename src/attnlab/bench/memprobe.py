@@ -27,8 +27,15 @@ def measure(case_fields: dict, backend: str, mode: str, timeout_s: float = 600.0
         return None
     spec = json.dumps({"case": {**case_fields, "mode": mode}, "backend": backend})
     env = {**os.environ, **ENV}
-    out = subprocess.run([sys.executable, "-m", "attnlab.bench.attention_probe", spec], env=env, capture_output=True,
-                         text=True, timeout=timeout_s)
+    out = subprocess.run(
+        [sys.executable, "-m", "attnlab.bench.attention_probe", spec],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     if out.returncode != 0:
-        raise RuntimeError(f"memprobe failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
+        raise RuntimeError(
+            f"memprobe failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}"
+        )
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_extra_mib"]

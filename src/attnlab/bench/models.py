@@ -40,21 +40,35 @@ class GPTShape:
 
 
 SENTENCES = [
-    "Attention is all you need.", "The cat sat on the mat.", "Rotary embeddings rotate query and key pairs.",
+    "Attention is all you need.",
+    "The cat sat on the mat.",
+    "Rotary embeddings rotate query and key pairs.",
     "A KV cache stores the keys and values of earlier tokens so that decoding does not recompute them.",
     "Induction heads look back for the previous occurrence of the current token and copy what followed.",
-    "short", "FlashAttention tiles the softmax so that the score matrix never exists in memory at once, "
-    "which lets long sequences fit.", "¿Dónde está la biblioteca?", "Numbers like 3.14159 and 2.71828.",
+    "short",
+    "FlashAttention tiles the softmax so that the score matrix never exists in memory at once, "
+    "which lets long sequences fit.",
+    "¿Dónde está la biblioteca?",
+    "Numbers like 3.14159 and 2.71828.",
     "Grouped-query attention shares each key/value head among several query heads.",
 ]
 
 
 def _gpt2_pair(shape: GPTShape, dtype):
     import transformers
+
     from attnlab.models import load
-    cfg = transformers.GPT2Config(n_layer=shape.n_layer, n_embd=shape.n_embd, n_head=shape.n_head,
-                                  vocab_size=shape.vocab, n_positions=max(1024, shape.seq),
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+    cfg = transformers.GPT2Config(
+        n_layer=shape.n_layer,
+        n_embd=shape.n_embd,
+        n_head=shape.n_head,
+        vocab_size=shape.vocab,
+        n_positions=max(1024, shape.seq),
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(cfg)
     with tempfile.TemporaryDirectory() as d:
@@ -68,7 +82,7 @@ def _timed(fns: dict, reps: int, bar, label: str) -> dict:
         bar.set_postfix_str(f"{label} | {n} | warm-up")
         f()
         bar.update(1)
-    times = {n: [] for n in fns}
+    times: dict[str, list[float]] = {n: [] for n in fns}
     for i in range(reps):
         for n, f in fns.items():
             bar.set_postfix_str(f"{label} | {n} | rep {i + 1}/{reps}")
@@ -82,8 +96,9 @@ def _timed(fns: dict, reps: int, bar, label: str) -> dict:
 def _train_step(model, ids, opt, hf: bool):
     opt.zero_grad(set_to_none=True)
     logits = model(ids).logits
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                                             ids[:, 1:].reshape(-1))
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1)
+    )
     loss.backward()
     opt.step()
 
@@ -96,15 +111,22 @@ def cases(quick: bool):
 
 
 def run(reps: int = 5, quick: bool = False, progress: bool = True) -> dict:
-    from tqdm import tqdm
     import transformers
+    from tqdm import tqdm
+
     from attnlab.models import load, minilm_path
     from attnlab.nn import mean_pool
 
     shape = cases(quick)
     plan = [("gpt2 forward f32", 2), ("gpt2 forward bf16", 2), ("gpt2 train step f32", 2), ("minilm encode f32", 2)]
-    bar = tqdm(total=sum(n * (reps + 1) for _, n in plan), desc="bench models", unit="run",
-               disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(
+        total=sum(n * (reps + 1) for _, n in plan),
+        desc="bench models",
+        unit="run",
+        disable=not progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
     out = {"machine": machine_info(), "gpt2_shape": shape.__dict__, "cases": []}
     ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=torch.Generator().manual_seed(0))
     tokens = ids.numel()
@@ -114,15 +136,24 @@ def run(reps: int = 5, quick: bool = False, progress: bool = True) -> dict:
         hf.eval(), ours.eval()
         with torch.no_grad():
             diff = (hf(ids).logits.float() - ours(ids).logits.float()).abs().max().item()
-            t = _timed({"attnlab": lambda: ours(ids), "transformers": lambda: hf(ids)}, reps, bar, name)
+            t = _timed({"attnlab": lambda ours=ours: ours(ids), "transformers": lambda hf=hf: hf(ids)}, reps, bar, name)
         out["cases"].append(_case(name, "tokens/s", tokens, t, {"max_abs_logit_diff": diff}))
 
     hf, ours = _gpt2_pair(shape, torch.float32)
     hf.train(), ours.train()
-    opts = {"attnlab": torch.optim.AdamW(ours.parameters(), lr=1e-4), "transformers": torch.optim.AdamW(hf.parameters(), lr=1e-4)}
-    t = _timed({"attnlab": lambda: _train_step(ours, ids, opts["attnlab"], False),
-                "transformers": lambda: _train_step(hf, ids, opts["transformers"], True)}, reps, bar,
-               "gpt2 train step f32")
+    opts = {
+        "attnlab": torch.optim.AdamW(ours.parameters(), lr=1e-4),
+        "transformers": torch.optim.AdamW(hf.parameters(), lr=1e-4),
+    }
+    t = _timed(
+        {
+            "attnlab": lambda: _train_step(ours, ids, opts["attnlab"], False),
+            "transformers": lambda: _train_step(hf, ids, opts["transformers"], True),
+        },
+        reps,
+        bar,
+        "gpt2 train step f32",
+    )
     out["cases"].append(_case("gpt2 train step f32", "tokens/s", tokens, t, {}))
 
     ours, tok = load("minilm")
@@ -140,20 +171,34 @@ def run(reps: int = 5, quick: bool = False, progress: bool = True) -> dict:
     with torch.no_grad():
         diff = (enc_ours() - enc_hf()).abs().max().item()
         t = _timed({"attnlab": enc_ours, "transformers": enc_hf}, reps, bar, "minilm encode f32")
-    out["cases"].append(_case("minilm encode f32", "sentences/s", len(sents), t,
-                              {"max_abs_diff": diff, "batch_tokens": list(batch["input_ids"].shape)}))
+    out["cases"].append(
+        _case(
+            "minilm encode f32",
+            "sentences/s",
+            len(sents),
+            t,
+            {"max_abs_diff": diff, "batch_tokens": list(batch["input_ids"].shape)},
+        )
+    )
     bar.close()
     return out
 
 
 def _case(name, unit, work, t, extra):
-    return {"case": name, "unit": unit, "attnlab": work / t["attnlab"], "transformers": work / t["transformers"],
-            "ratio": t["transformers"] / t["attnlab"], **extra}
+    return {
+        "case": name,
+        "unit": unit,
+        "attnlab": work / t["attnlab"],
+        "transformers": work / t["transformers"],
+        "ratio": t["transformers"] / t["attnlab"],
+        **extra,
+    }
 
 
 def profile(quick: bool = False, rows: int = 12) -> str:
     """Where attnlab's GPT-2 training step spends its time, by operator (torch profiler)."""
     from torch.profiler import ProfilerActivity, profile as tprofile
+
     shape = cases(quick)
     _, ours = _gpt2_pair(shape, torch.float32)
     ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=torch.Generator().manual_seed(0))
@@ -167,16 +212,24 @@ def profile(quick: bool = False, rows: int = 12) -> str:
 def format_table(res: dict) -> str:
     m = res["machine"]
     s = res["gpt2_shape"]
-    lines = [f"torch {m['torch']}, {m['threads']} threads, {m['cpu']}, {m['date']}",
-             f"GPT-2 shape: {s['n_layer']} layers, d_model {s['n_embd']}, {s['n_head']} heads, vocab {s['vocab']}, "
-             f"batch {s['batch']} x {s['seq']} tokens", ""]
+    lines = [
+        f"torch {m['torch']}, {m['threads']} threads, {m['cpu']}, {m['date']}",
+        f"GPT-2 shape: {s['n_layer']} layers, d_model {s['n_embd']}, {s['n_head']} heads, vocab {s['vocab']}, "
+        f"batch {s['batch']} x {s['seq']} tokens",
+        "",
+    ]
     hdr = f"{'case':<22} {'unit':<12} {'attnlab':>10} {'transformers':>13} {'ratio':>7}  notes"
     lines += [hdr, "-" * len(hdr)]
     for c in res["cases"]:
-        notes = ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in c.items()
-                          if k not in ("case", "unit", "attnlab", "transformers", "ratio"))
-        lines.append(f"{c['case']:<22} {c['unit']:<12} {c['attnlab']:>10.1f} {c['transformers']:>13.1f} "
-                     f"{c['ratio']:>6.2f}x  {notes}")
+        notes = ", ".join(
+            f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in c.items()
+            if k not in ("case", "unit", "attnlab", "transformers", "ratio")
+        )
+        lines.append(
+            f"{c['case']:<22} {c['unit']:<12} {c['attnlab']:>10.1f} {c['transformers']:>13.1f} "
+            f"{c['ratio']:>6.2f}x  {notes}"
+        )
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ the ratios between candidates are what count.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -24,8 +25,9 @@ TARGETS = (1 << 19, 1 << 20, 1 << 21)
 def run(N: int = 4096, H: int = 8, reps: int = 3, progress: bool = True) -> list[dict]:
     from tqdm import tqdm
 
-    jobs = [(dt, D, bk, t) for dt in (torch.float32, torch.bfloat16) for D in (64, 128)
-            for bk in BLOCK_K for t in TARGETS]
+    jobs = [
+        (dt, D, bk, t) for dt in (torch.float32, torch.bfloat16) for D in (64, 128) for bk in BLOCK_K for t in TARGETS
+    ]
     rows = []
     inputs = {}
     for dt, D, bk, target in tqdm(jobs, desc="bench tiles", unit="cfg", disable=not progress, file=sys.stderr):
@@ -36,9 +38,19 @@ def run(N: int = 4096, H: int = 8, reps: int = 3, progress: bool = True) -> list
         bq = max(32, min(1024, target // (H * bk)))
         bq = 1 << (bq.bit_length() - 1)
         with torch.no_grad():
-            t = time_call(lambda: flash_attention(q, k, v, scale=D ** -0.5, q_offset=0, block=(bq, bk)), reps=reps)
-        rows.append({"dtype": str(dt).replace("torch.", ""), "D": D, "block_k": bk, "target": target,
-                     "block_q": bq, "seconds": t})
+            t = time_call(
+                functools.partial(flash_attention, q, k, v, scale=D**-0.5, q_offset=0, block=(bq, bk)), reps=reps
+            )
+        rows.append(
+            {
+                "dtype": str(dt).replace("torch.", ""),
+                "D": D,
+                "block_k": bk,
+                "target": target,
+                "block_q": bq,
+                "seconds": t,
+            }
+        )
     return rows
 
 
@@ -47,11 +59,20 @@ def main(json_path: str | None = None) -> list[dict]:
     print(f"{'dtype':<9} {'D':>4} {'block_k':>7} {'target':>8} {'block_q':>7} {'ms':>8}  vs current")
     for r in rows:
         cur = TABLE.get((getattr(torch, r["dtype"]), r["D"]))
-        same = [x for x in rows if x["dtype"] == r["dtype"] and x["D"] == r["D"]
-                and cur and x["block_k"] == cur[0] and x["target"] == cur[1]]
+        same = [
+            x
+            for x in rows
+            if x["dtype"] == r["dtype"]
+            and x["D"] == r["D"]
+            and cur
+            and x["block_k"] == cur[0]
+            and x["target"] == cur[1]
+        ]
         ratio = f"{same[0]['seconds'] / r['seconds']:.2f}x" if same else "-"
-        print(f"{r['dtype']:<9} {r['D']:>4} {r['block_k']:>7} {r['target']:>8} {r['block_q']:>7} "
-              f"{r['seconds'] * 1e3:>8.1f}  {ratio}")
+        print(
+            f"{r['dtype']:<9} {r['D']:>4} {r['block_k']:>7} {r['target']:>8} {r['block_q']:>7} "
+            f"{r['seconds'] * 1e3:>8.1f}  {ratio}"
+        )
     print("\nfastest per (dtype, D) -> TABLE entry (block_k, target):")
     for dt in sorted({r["dtype"] for r in rows}):
         for D in sorted({r["D"] for r in rows}):

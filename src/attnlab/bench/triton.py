@@ -39,6 +39,7 @@ def _need_gpu() -> str | None:
     if not torch.cuda.is_available():
         return "this benchmark needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured"
     from attnlab.ops.triton import available
+
     if not available():
         return "the triton package is not installed (pip install 'attnlab[triton]')"
     return None
@@ -54,6 +55,7 @@ def _err(x, ref):
 
 def _run(q, k, v, backend, mask, mod_factory, param, w, c, device):
     import attnlab
+
     q, k, v = (t.detach().to(device).requires_grad_(True) for t in (q, k, v))
     p = None if param is None else param.detach().clone().requires_grad_(True)
     mod = None if mod_factory is None else mod_factory(p)
@@ -69,6 +71,7 @@ def _run(q, k, v, backend, mask, mod_factory, param, w, c, device):
 
 def correctness_cases():
     from attnlab import masks, scores
+
     ids = torch.tensor([0] * 300 + [1] * 500 + [2] * 224)
     return [  # (name, (B, H, Hkv, Nq, Nk, D, Dv), dtype, mask, (mod_factory, param))
         ("dense d64", (2, 8, 8, 1024, 1024, 64, 64), torch.bfloat16, None, None),
@@ -78,13 +81,28 @@ def correctness_cases():
         ("dense d256 nq>nk", (1, 2, 2, 777, 300, 256, 256), torch.bfloat16, None, None),
         ("window d64", (1, 4, 2, 1024, 1024, 64, 64), torch.bfloat16, masks.sliding_window(100), None),
         ("document&causal", (1, 4, 4, 1024, 1024, 64, 64), torch.bfloat16, masks.document(ids) & masks.causal(), None),
-        ("custom (table)", (1, 4, 4, 512, 700, 64, 64), torch.bfloat16,
-         masks.custom(lambda b, h, q, kv: ((q - kv) % 7 != 3) & (kv <= q + h)), None),
+        (
+            "custom (table)",
+            (1, 4, 4, 512, 700, 64, 64),
+            torch.bfloat16,
+            masks.custom(lambda b, h, q, kv: ((q - kv) % 7 != 3) & (kv <= q + h)),
+            None,
+        ),
         ("padding, empty rows", (2, 4, 4, 256, 512, 64, 64), torch.bfloat16, masks.padding([300, 0]), None),
-        ("alibi learnable", (1, 8, 8, 512, 512, 64, 64), torch.bfloat16, masks.causal(),
-         (lambda p: scores.alibi(p), torch.linspace(0.01, 0.3, 8))),
-        ("softcap+relbias", (1, 4, 4, 512, 512, 64, 64), torch.float32, None,
-         (lambda p: scores.compose(scores.relative_bias(p), scores.softcap(20.0)), torch.randn(4, 33) * 0.5)),
+        (
+            "alibi learnable",
+            (1, 8, 8, 512, 512, 64, 64),
+            torch.bfloat16,
+            masks.causal(),
+            (lambda p: scores.alibi(p), torch.linspace(0.01, 0.3, 8)),
+        ),
+        (
+            "softcap+relbias",
+            (1, 4, 4, 512, 512, 64, 64),
+            torch.float32,
+            None,
+            (lambda p: scores.compose(scores.relative_bias(p), scores.softcap(20.0)), torch.randn(4, 33) * 0.5),
+        ),
     ]
 
 
@@ -92,7 +110,7 @@ def check_correctness(cases=None, device="cuda"):
     """The references run on the CPU (where the masks' tensors live), the kernels on ``device``
     (the tests run a small grid through the interpreter with ``device="cpu"``)."""
     rows, ok_all = [], True
-    for name, (B, H, Hkv, Nq, Nk, D, Dv), dtype, mask, mod in (cases or correctness_cases()):
+    for name, (B, H, Hkv, Nq, Nk, D, Dv), dtype, mask, mod in cases or correctness_cases():
         g = torch.Generator().manual_seed(0)
         q = torch.randn(B, H, Nq, D, generator=g, dtype=torch.float64)
         k = torch.randn(B, Hkv, Nk, D, generator=g, dtype=torch.float64)
@@ -138,7 +156,7 @@ def _time(fn, reps=10, warmup=3):
 def matmul_rate(n=8192):
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    return 2 * n ** 3 / _time(lambda: a @ b) / 1e12
+    return 2 * n**3 / _time(lambda: a @ b) / 1e12
 
 
 def _contenders(kind, N, flex, window):
@@ -148,20 +166,28 @@ def _contenders(kind, N, flex, window):
 
     import attnlab
     from attnlab import masks
+
     mask = {"full": None, "causal": masks.causal(), "window": masks.sliding_window(window)}[kind]
     out = {"attnlab-triton": lambda q, k, v: attnlab.attention(q, k, v, mask=mask, backend="triton")}
     if kind != "window":
         for name, be in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+
             def run(q, k, v, be=be):
                 with sdpa_kernel(be):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=kind == "causal")
+
             out[name] = run
     if flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
         compiled = torch.compile(flex_attention)
-        mods = {"full": None, "causal": lambda b, h, q, kv: q >= kv,
-                "window": lambda b, h, q, kv: (q >= kv) & (q - kv < window)}
-        bm = None if mods[kind] is None else create_block_mask(mods[kind], None, None, N, N, device="cuda")
+        mods = {
+            "full": None,
+            "causal": lambda b, h, q, kv: q >= kv,
+            "window": lambda b, h, q, kv: (q >= kv) & (q - kv < window),
+        }
+        mod = mods[kind]
+        bm = None if mod is None else create_block_mask(mod, None, None, N, N, device="cuda")
         out["flex-compiled"] = lambda q, k, v: compiled(q, k, v, block_mask=bm)
     return out
 
@@ -185,20 +211,24 @@ def time_table(quick=False, flex=True, window=1024, tokens=32768, width=2048):
             for kind in ("causal", "full", "window"):
                 flops = 4 * B * H * N * N * D * _density(kind, N, window)
                 for name, fn in _contenders(kind, N, flex, window).items():
-                    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                               for _ in range(3))
+                    q, k, v = (
+                        torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                        for _ in range(3)
+                    )
                     do = torch.randn_like(q)
                     try:
                         with torch.no_grad():
-                            t_f = _time(lambda: fn(q, k, v))
-                        t_fb = _time(lambda: fn(q, k, v).backward(do))
+                            t_f = _time(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
+                        t_fb = _time(lambda fn=fn, q=q, k=k, v=v, do=do: fn(q, k, v).backward(do))
                         rec = (D, N, kind, name, flops / t_f / 1e12, 3.5 * flops / t_fb / 1e12)
-                    except Exception as e:  # a backend that refuses a shape is reported, not fatal
+                    except Exception as e:  # noqa: BLE001 - a backend that refuses a shape is reported, not fatal
                         rec = (D, N, kind, name, float("nan"), float("nan"))
                         print(f"  {name} D={D} N={N} {kind}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     rows.append(rec)
-                    print(f"  D={D:3d} N={N:5d} {kind:6s} {name:15s} fwd {rec[4]:7.1f}  fwd+bwd {rec[5]:7.1f} TFLOP/s",
-                          flush=True)
+                    print(
+                        f"  D={D:3d} N={N:5d} {kind:6s} {name:15s} fwd {rec[4]:7.1f}  fwd+bwd {rec[5]:7.1f} TFLOP/s",
+                        flush=True,
+                    )
                     del q, k, v, do
                     torch.cuda.empty_cache()
     return rows
@@ -214,32 +244,58 @@ def verdict(rows, mm):
     out = []
     if sdpa:
         best_f, best_fb = max(r[4] for r in sdpa), max(r[5] for r in sdpa)
-        out.append(f"forward {t[4] / best_f:.2f}x SDPA's best (target >= 0.9): {'met' if t[4] >= 0.9 * best_f else 'MISSED'}")
-        out.append(f"fwd+bwd {t[5] / best_fb:.2f}x SDPA's best (target >= 0.8): "
-                   f"{'met' if t[5] >= 0.8 * best_fb else 'MISSED'}")
-    out.append(f"forward {t[4] / mm:.0%} of the bf16 matmul rate {mm:.0f} TFLOP/s (target >= 50%): "
-               f"{'met' if t[4] >= 0.5 * mm else 'MISSED'}")
+        out.append(
+            f"forward {t[4] / best_f:.2f}x SDPA's best (target >= 0.9): {'met' if t[4] >= 0.9 * best_f else 'MISSED'}"
+        )
+        out.append(
+            f"fwd+bwd {t[5] / best_fb:.2f}x SDPA's best (target >= 0.8): {'met' if t[5] >= 0.8 * best_fb else 'MISSED'}"
+        )
+    out.append(
+        f"forward {t[4] / mm:.0%} of the bf16 matmul rate {mm:.0f} TFLOP/s (target >= 50%): "
+        f"{'met' if t[4] >= 0.5 * mm else 'MISSED'}"
+    )
     return out
 
 
 def markdown(corr, rows, mm, lines, argv, device_name):
     from attnlab.ops.triton import config
-    md = [f"### Triton kernels on {device_name} ({datetime.date.today().isoformat()})", "",
-          f"Command: `attnlab bench triton {' '.join(argv)}`; torch {torch.__version__}, "
-          f"triton {__import__('triton').__version__}. bf16 matmul ceiling: {mm:.0f} TFLOP/s.", "",
-          "Correctness on the GPU (error / DESIGN.md bound, worst over out, LSE and gradients; <= 1 passes):", "",
-          "| case | dtype | error/bound | |", "|---|---|---|---|"]
+
+    md = [
+        f"### Triton kernels on {device_name} ({datetime.date.today().isoformat()})",
+        "",
+        f"Command: `attnlab bench triton {' '.join(argv)}`; torch {torch.__version__}, "
+        f"triton {__import__('triton').__version__}. bf16 matmul ceiling: {mm:.0f} TFLOP/s.",
+        "",
+        "Correctness on the GPU (error / DESIGN.md bound, worst over out, LSE and gradients; <= 1 passes):",
+        "",
+        "| case | dtype | error/bound | |",
+        "|---|---|---|---|",
+    ]
     md += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in corr]
-    md += ["", "TFLOP/s (bf16, B·N = 32k tokens, H·D = 2048; fwd+bwd counts 3.5× the forward FLOPs):", "",
-           "| D | N | mask | backend | fwd | fwd+bwd |", "|---|---|---|---|---|---|"]
+    md += [
+        "",
+        "TFLOP/s (bf16, B·N = 32k tokens, H·D = 2048; fwd+bwd counts 3.5× the forward FLOPs):",
+        "",
+        "| D | N | mask | backend | fwd | fwd+bwd |",
+        "|---|---|---|---|---|---|",
+    ]
     md += [f"| {D} | {N} | {kind} | {name} | {f:.1f} | {fb:.1f} |" for D, N, kind, name, f, fb in rows]
     md += ["", f"Targets ({TARGETS}):", ""] + [f"- {x}" for x in lines]
-    md += ["", "Autotuner picks: " + "; ".join(f"{k[0]} {k[1]}: {v}" for k, v in sorted(config.CHOSEN.items(), key=str))]
+    md += [
+        "",
+        "Autotuner picks: " + "; ".join(f"{k[0]} {k[1]}: {v}" for k, v in sorted(config.CHOSEN.items(), key=str)),
+    ]
     return "\n".join(md) + "\n"
 
 
-def main(*, quick: bool = False, flex: bool = True, json_path: str | None = None, markdown_path: str | None = None,
-         argv: list[str] | None = None) -> int:
+def main(
+    *,
+    quick: bool = False,
+    flex: bool = True,
+    json_path: str | None = None,
+    markdown_path: str | None = None,
+    argv: list[str] | None = None,
+) -> int:
     """``attnlab bench triton``: 2 (said on stderr) without a CUDA GPU, 1 when a correctness
     check fails, else 0.  ``argv`` is the command line the markdown records."""
     why = _need_gpu()
@@ -254,16 +310,26 @@ def main(*, quick: bool = False, flex: bool = True, json_path: str | None = None
     lines = verdict(rows, mm)
     print("\n".join(lines))
     from attnlab.ops.triton import config
+
     for k, v in sorted(config.CHOSEN.items(), key=str):
         print(f"  autotune {k}: {v}")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "matmul_tflops": mm, "correctness": corr,
-                       "rows": rows, "targets": lines, "chosen": {str(k): v for k, v in config.CHOSEN.items()}},
-                      f, indent=1)
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "matmul_tflops": mm,
+                    "correctness": corr,
+                    "rows": rows,
+                    "targets": lines,
+                    "chosen": {str(k): v for k, v in config.CHOSEN.items()},
+                },
+                f,
+                indent=1,
+            )
     if markdown_path:
         with open(markdown_path, "w") as f:
-            f.write(markdown(corr, rows, mm, lines, sys.argv[1:] if argv is None else argv,
-                             torch.cuda.get_device_name()))
+            f.write(
+                markdown(corr, rows, mm, lines, sys.argv[1:] if argv is None else argv, torch.cuda.get_device_name())
+            )
     return 0 if ok else 1
-

@@ -38,9 +38,9 @@ def _padded(q, k, v, lens):
     kp, vp = k.new_zeros(B, k.shape[1], N, D), v.new_zeros(B, v.shape[1], N, v.shape[2])
     s = 0
     for b, n in enumerate(lens):
-        qp[b, :, :n] = q[s:s + n].transpose(0, 1)
-        kp[b, :, :n] = k[s:s + n].transpose(0, 1)
-        vp[b, :, :n] = v[s:s + n].transpose(0, 1)
+        qp[b, :, :n] = q[s : s + n].transpose(0, 1)
+        kp[b, :, :n] = k[s : s + n].transpose(0, 1)
+        vp[b, :, :n] = v[s : s + n].transpose(0, 1)
         s += n
     idx = torch.arange(N)
     keep = idx.view(1, N) < torch.tensor(lens).view(B, 1)
@@ -55,8 +55,8 @@ def run(seqs=16, lo=64, hi=2048, heads=8, dim=64, reps=3, backward=False, dtype=
     q = torch.randn(total, heads, dim, generator=g, dtype=dtype)
     k = torch.randn(total, heads, dim, generator=g, dtype=dtype)
     v = torch.randn(total, heads, dim, generator=g, dtype=dtype)
-    cu = torch.tensor([0] + lens).cumsum(0)
-    qp, kp, vp, mask = _padded(q, k, v, lens)
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    _qp, _kp, _vp, _mask = _padded(q, k, v, lens)
 
     def ours():
         if not backward:
@@ -77,8 +77,16 @@ def run(seqs=16, lo=64, hi=2048, heads=8, dim=64, reps=3, backward=False, dtype=
         torch.nn.functional.scaled_dot_product_attention(a, b, c, attn_mask=m).sum().backward()
         return a.grad
 
-    row = {"seqs": seqs, "lengths": lens, "total_tokens": total, "padded_tokens": seqs * max(lens), "heads": heads,
-           "dim": dim, "dtype": str(dtype).replace("torch.", ""), "backward": backward}
+    row = {
+        "seqs": seqs,
+        "lengths": lens,
+        "total_tokens": total,
+        "padded_tokens": seqs * max(lens),
+        "heads": heads,
+        "dim": dim,
+        "dtype": str(dtype).replace("torch.", ""),
+        "backward": backward,
+    }
     row["varlen_s"] = time_call(ours, reps=reps)
     row["sdpa_padded_s"] = time_call(sdpa, reps=reps)
     row["speedup"] = row["sdpa_padded_s"] / row["varlen_s"]
@@ -89,19 +97,32 @@ def run(seqs=16, lo=64, hi=2048, heads=8, dim=64, reps=3, backward=False, dtype=
     return row
 
 
-def main(*, seqs: int = 16, lo: int = 64, hi: int = 2048, heads: int = 8, dim: int = 64, reps: int = 3,
-         backward: bool = False, json_path: str | None = None) -> int:
+def main(
+    *,
+    seqs: int = 16,
+    lo: int = 64,
+    hi: int = 2048,
+    heads: int = 8,
+    dim: int = 64,
+    reps: int = 3,
+    backward: bool = False,
+    json_path: str | None = None,
+) -> int:
     """``attnlab bench varlen``: run, print the comparison, write JSON to ``json_path``."""
     row = run(seqs, lo, hi, heads, dim, reps, backward)
-    print(f"ragged batch: {row['seqs']} sequences, {row['total_tokens']} tokens packed "
-          f"({row['padded_tokens']} padded), H={row['heads']} D={row['dim']} {row['dtype']}, causal, "
-          f"{'fwd+bwd' if row['backward'] else 'forward'}")
+    print(
+        f"ragged batch: {row['seqs']} sequences, {row['total_tokens']} tokens packed "
+        f"({row['padded_tokens']} padded), H={row['heads']} D={row['dim']} {row['dtype']}, causal, "
+        f"{'fwd+bwd' if row['backward'] else 'forward'}"
+    )
     print(f"  attnlab varlen (packed)   {row['varlen_s'] * 1e3:9.2f} ms")
     print(f"  torch SDPA (padded)       {row['sdpa_padded_s'] * 1e3:9.2f} ms   -> varlen is {row['speedup']:.2f}x")
     if "varlen_peak_extra_bytes" in row:
-        print(f"  peak extra memory: varlen {row['varlen_peak_extra_bytes'] / 2**20:.1f} MiB, padded SDPA "
-              f"{row['sdpa_padded_peak_extra_bytes'] / 2**20:.1f} MiB (packed q/k/v: "
-              f"{row['packed_qkv_bytes'] / 2**20:.1f} MiB)")
+        print(
+            f"  peak extra memory: varlen {row['varlen_peak_extra_bytes'] / 2**20:.1f} MiB, padded SDPA "
+            f"{row['sdpa_padded_peak_extra_bytes'] / 2**20:.1f} MiB (packed q/k/v: "
+            f"{row['packed_qkv_bytes'] / 2**20:.1f} MiB)"
+        )
     if json_path:
         with open(json_path, "w") as f:
             json.dump(row, f, indent=1)

@@ -47,9 +47,11 @@ def check_write(where: str, layer: int, k: torch.Tensor, v: torch.Tensor, dtype:
     one it holds (what :class:`PagedCache` always did) instead of casting; the caller
     casts, or builds the cache with the model's dtype."""
     if k.dtype != dtype or v.dtype != dtype:
-        raise TypeError(f"{where}: layer {layer}: k/v dtypes {k.dtype}/{v.dtype} differ from the cache's {dtype}; a "
-                        "cast on write could lose precision or range (1e6 in float16 is inf), so none is made: "
-                        f"cast k and v to {dtype}, or build the cache with dtype={k.dtype}")
+        raise TypeError(
+            f"{where}: layer {layer}: k/v dtypes {k.dtype}/{v.dtype} differ from the cache's {dtype}; a "
+            "cast on write could lose precision or range (1e6 in float16 is inf), so none is made: "
+            f"cast k and v to {dtype}, or build the cache with dtype={k.dtype}"
+        )
     if device is not None and (k.device != torch.device(device) or v.device != torch.device(device)):
         raise ValueError(f"{where}: layer {layer}: k/v on {k.device}/{v.device}, the cache on {device}")
 
@@ -57,8 +59,8 @@ def check_write(where: str, layer: int, k: torch.Tensor, v: torch.Tensor, dtype:
 class KV:
     """One layer's keys and values as the attention reads them after an update."""
 
-    q_offset: int | None = None   # absolute position of the first new query (None: the op's default)
-    q_positions = None            # RoPE positions for the queries, when the cache rotates keys itself
+    q_offset: int | None = None  # absolute position of the first new query (None: the op's default)
+    q_positions = None  # RoPE positions for the queries, when the cache rotates keys itself
 
     def attend(self, q, *, mask=None, score_mod=None, scale=None, backend="auto", return_lse=False):
         raise NotImplementedError
@@ -75,12 +77,23 @@ class DenseKV(KV):
         self.k, self.v, self.kv_offset, self.q_offset, self.q_positions = k, v, kv_offset, q_offset, q_positions
 
     def attend(self, q, *, mask=None, score_mod=None, scale=None, backend="auto", return_lse=False):
-        return attention(q, self.k, self.v, mask=mask, score_mod=score_mod, scale=scale, q_offset=self.q_offset,
-                         kv_offset=self.kv_offset, return_lse=return_lse, backend=backend)
+        return attention(
+            q,
+            self.k,
+            self.v,
+            mask=mask,
+            score_mod=score_mod,
+            scale=scale,
+            q_offset=self.q_offset,
+            kv_offset=self.kv_offset,
+            return_lse=return_lse,
+            backend=backend,
+        )
 
     def probs(self, q, *, mask=None, score_mod=None, scale=None):
-        return attention_probs(q, self.k, mask=mask, score_mod=score_mod, scale=scale, q_offset=self.q_offset,
-                               kv_offset=self.kv_offset)
+        return attention_probs(
+            q, self.k, mask=mask, score_mod=score_mod, scale=scale, q_offset=self.q_offset, kv_offset=self.kv_offset
+        )
 
     def dense(self):
         return self
@@ -131,10 +144,17 @@ class Cache:
     def _check_layer(self, layer, k, v):
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.n_layers:
             raise ValueError(f"layer: expected an int in [0, {self.n_layers}), got {layer!r}")
-        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4 or v.dim() != 4 \
-                or k.shape[:3] != v.shape[:3]:
-            raise ValueError(f"update: expected k (B, Hkv, n, D) and v (B, Hkv, n, Dv), got "
-                             f"{tuple(getattr(k, 'shape', ()))}, {tuple(getattr(v, 'shape', ()))}")
+        if (
+            not isinstance(k, torch.Tensor)
+            or not isinstance(v, torch.Tensor)
+            or k.dim() != 4
+            or v.dim() != 4
+            or k.shape[:3] != v.shape[:3]
+        ):
+            raise ValueError(
+                f"update: expected k (B, Hkv, n, D) and v (B, Hkv, n, Dv), got "
+                f"{tuple(getattr(k, 'shape', ()))}, {tuple(getattr(v, 'shape', ()))}"
+            )
 
     def _check_continues(self, layer, k, v, K):
         """Caches that concatenate: a later write keeps the first write's dtype and device

@@ -61,16 +61,19 @@ def token_list(tokens, name: str) -> list:
     """``tokens`` (a sequence of ints or a 1-D integer tensor) as a list of ints >= 0."""
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-            raise TypeError(f"{name}: expected a 1-D integer tensor or a list of ints, got {tokens.dtype} "
-                            f"{tuple(tokens.shape)}")
+            raise TypeError(
+                f"{name}: expected a 1-D integer tensor or a list of ints, got {tokens.dtype} {tuple(tokens.shape)}"
+            )
         tokens = tokens.tolist()
     try:
         out = [operator.index(t) for t in tokens]
     except TypeError:
         raise TypeError(f"{name}: expected a sequence of int token ids, got {tokens!r:.80}") from None
     if any(t < 0 or t > MAX_INT for t in out):
-        raise ValueError(f"{name}: token ids must be ints in [0, 2**62] (they are hashed as int64), got "
-                         f"{next(t for t in out if t < 0 or t > MAX_INT)}")
+        raise ValueError(
+            f"{name}: token ids must be ints in [0, 2**62] (they are hashed as int64), got "
+            f"{next(t for t in out if t < 0 or t > MAX_INT)}"
+        )
     return out
 
 
@@ -80,13 +83,13 @@ class SeqState:
     __slots__ = ("generation", "hashes", "lens", "n_reg", "start", "table", "tokens")
 
     def __init__(self, n_layers: int):
-        self.table: list = []          # block ids, oldest first
-        self.lens = [0] * n_layers     # tokens held (written) per layer
-        self.start = 0                 # absolute position of held token 0 (whole blocks evicted before)
-        self.tokens: list = []         # known token ids from position 0 (prompt, extend_tokens)
-        self.hashes: list = []         # chain hashes of the full blocks of `tokens`
-        self.n_reg = 0                 # absolute blocks < n_reg were offered to the prefix cache
-        self.generation = 0            # bumped whenever blocks are released (free, evict, truncate):
+        self.table: list = []  # block ids, oldest first
+        self.lens = [0] * n_layers  # tokens held (written) per layer
+        self.start = 0  # absolute position of held token 0 (whole blocks evicted before)
+        self.tokens: list = []  # known token ids from position 0 (prompt, extend_tokens)
+        self.hashes: list = []  # chain hashes of the full blocks of `tokens`
+        self.n_reg = 0  # absolute blocks < n_reg were offered to the prefix cache
+        self.generation = 0  # bumped whenever blocks are released (free, evict, truncate):
         #                                views taken before then may read blocks reused by others
 
     def clone(self) -> SeqState:
@@ -101,7 +104,7 @@ class SeqState:
         bs = block_size
         while len(self.hashes) <= j and (len(self.hashes) + 1) * bs <= len(self.tokens):
             i = len(self.hashes)
-            self.hashes.append(chain_hash(self.hashes[-1] if self.hashes else None, self.tokens[i * bs:(i + 1) * bs]))
+            self.hashes.append(chain_hash(self.hashes[-1] if self.hashes else None, self.tokens[i * bs : (i + 1) * bs]))
         return self.hashes[j] if j < len(self.hashes) else None
 
 
@@ -119,10 +122,10 @@ class BlockAllocator:
         n = self.n_blocks
         self.refcount = [0] * n
         self._free = set(range(n))
-        self._heap = list(range(n))          # a min-heap of ids; entries not in _free are stale
+        self._heap = list(range(n))  # a min-heap of ids; entries not in _free are stale
         self._lru: OrderedDict = OrderedDict()  # cached blocks, least recently released first
-        self._block_of: dict = {}            # hash -> block
-        self._hash_of: dict = {}             # block -> hash
+        self._block_of: dict = {}  # hash -> block
+        self._hash_of: dict = {}  # block -> hash
 
     # -- counts ------------------------------------------------------------------------
     @property
@@ -233,5 +236,6 @@ class BlockAllocator:
         return k
 
     def __repr__(self):
-        return (f"BlockAllocator(n_blocks={self.n_blocks}, used={self.n_used}, free={self.n_free}, "
-                f"cached={self.n_cached})")
+        return (
+            f"BlockAllocator(n_blocks={self.n_blocks}, used={self.n_used}, free={self.n_free}, cached={self.n_cached})"
+        )

@@ -43,8 +43,10 @@ class DynamicCache(Cache):
             K, V = k, v
         else:
             if k.shape[:2] != K.shape[:2] or k.shape[3] != K.shape[3] or v.shape[3] != V.shape[3]:
-                raise ValueError(f"update: new k {tuple(k.shape)} / v {tuple(v.shape)} do not continue the cached "
-                                 f"k {tuple(K.shape)} / v {tuple(V.shape)}")
+                raise ValueError(
+                    f"update: new k {tuple(k.shape)} / v {tuple(v.shape)} do not continue the cached "
+                    f"k {tuple(K.shape)} / v {tuple(V.shape)}"
+                )
             K, V = torch.cat([K, k], 2), torch.cat([V, v], 2)
         self.k[layer], self.v[layer] = K, V
         return DenseKV(K, V, kv_offset=0, q_offset=K.shape[2] - k.shape[2])

@@ -45,12 +45,24 @@ class _H2OKV(DenseKV):
     def attend(self, q, *, mask=None, score_mod=None, scale=None, backend="auto", return_lse=False):
         if not self.contiguous:
             if q.shape[2] != 1 or not (mask is None or is_causal_mask(mask)) or score_mod is not None:
-                raise ValueError("H2OCache: after an eviction the kept positions are not contiguous; only "
-                                 "single-token decode steps with no mask (or causal()) and no score_mod can attend")
+                raise ValueError(
+                    "H2OCache: after an eviction the kept positions are not contiguous; only "
+                    "single-token decode steps with no mask (or causal()) and no score_mod can attend"
+                )
             mask = None  # every kept key is in the past of the new token
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        out, lse = attention(q, self.k, self.v, mask=mask, score_mod=score_mod, scale=scale,
-                             q_offset=self.q_offset, kv_offset=0, return_lse=True, backend=backend)
+        out, lse = attention(
+            q,
+            self.k,
+            self.v,
+            mask=mask,
+            score_mod=score_mod,
+            scale=scale,
+            q_offset=self.q_offset,
+            kv_offset=0,
+            return_lse=True,
+            backend=backend,
+        )
         self.cache._accumulate(self.layer, q, self.k, lse, scale, mask, score_mod, self.q_offset)
         return (out, lse) if return_lse else out
 
@@ -85,8 +97,9 @@ class H2OCache(Cache):
         self._check_layer(layer, k, v)
         self._check_continues(layer, k, v, self.k[layer])
         if self.k[layer] is not None and k.shape[:2] != self.k[layer].shape[:2]:
-            raise ValueError(f"H2OCache.update: new k {tuple(k.shape)} does not continue the cached "
-                             f"k {tuple(self.k[layer].shape)}")
+            raise ValueError(
+                f"H2OCache.update: new k {tuple(k.shape)} does not continue the cached k {tuple(self.k[layer].shape)}"
+            )
         B, Hkv, n, _ = k.shape
         start = self.total[layer]
         pos = torch.arange(start, start + n, device=k.device).expand(B, Hkv, n)
@@ -115,8 +128,9 @@ class H2OCache(Cache):
             s = torch.matmul(qg[:, :, rows].float(), K.float().transpose(-1, -2)) * scale
             if mask is not None or score_mod is not None:
                 qi = torch.arange(rows.start, rows.stop, device=q.device) % Nq + q_offset  # query positions
-                h = (torch.arange(Hkv, device=q.device).view(1, Hkv, 1, 1) * G
-                     + (torch.arange(rows.start, rows.stop, device=q.device) // Nq).view(1, 1, -1, 1))
+                h = torch.arange(Hkv, device=q.device).view(1, Hkv, 1, 1) * G + (
+                    torch.arange(rows.start, rows.stop, device=q.device) // Nq
+                ).view(1, 1, -1, 1)
                 b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
                 kp = torch.arange(L, device=q.device).view(1, 1, 1, L)
                 if score_mod is not None:
@@ -144,8 +158,12 @@ class H2OCache(Cache):
 
     def fork(self):
         c = H2OCache(self.n_layers, self.budget, self.recent)
-        c.k, c.v, c.pos, c.score = list(self.k), list(self.v), list(self.pos), [s.clone() if s is not None else None
-                                                                                for s in self.score]
+        c.k, c.v, c.pos, c.score = (
+            list(self.k),
+            list(self.v),
+            list(self.pos),
+            [s.clone() if s is not None else None for s in self.score],
+        )
         c.total, c.evicted = list(self.total), list(self.evicted)
         return c
 

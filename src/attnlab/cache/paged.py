@@ -105,11 +105,25 @@ class PagedCache(Cache):
         dtype, device: of the pools.
     """
 
-    def __init__(self, n_layers: int, n_blocks: int, n_kv_heads: int, d_head: int, *, block_size: int = 16,
-                 d_v: int | None = None, dtype: torch.dtype = torch.float32, device=None):
+    def __init__(
+        self,
+        n_layers: int,
+        n_blocks: int,
+        n_kv_heads: int,
+        d_head: int,
+        *,
+        block_size: int = 16,
+        d_v: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
         super().__init__(n_layers)
-        for name, x in (("n_blocks", n_blocks), ("n_kv_heads", n_kv_heads), ("d_head", d_head),
-                        ("block_size", block_size)):
+        for name, x in (
+            ("n_blocks", n_blocks),
+            ("n_kv_heads", n_kv_heads),
+            ("d_head", d_head),
+            ("block_size", block_size),
+        ):
             _pos_int(x, name)
         d_v = d_head if d_v is None else _pos_int(d_v, "d_v")
         float_dtype(dtype, "PagedCache")
@@ -124,8 +138,9 @@ class PagedCache(Cache):
         self._wrapped: dict = {}
 
     @classmethod
-    def for_model(cls, model, n_blocks: int | None = None, *, block_size: int = 16, max_tokens: int | None = None,
-                  dtype=None) -> "PagedCache":
+    def for_model(
+        cls, model, n_blocks: int | None = None, *, block_size: int = 16, max_tokens: int | None = None, dtype=None
+    ) -> PagedCache:
         """A cache shaped for an :class:`attnlab.nn.Decoder`: ``n_blocks`` blocks, or enough
         for ``max_tokens`` tokens, or (neither given) for 4 sequences of ``cfg.max_positions``."""
         c = model.cfg
@@ -133,8 +148,9 @@ class PagedCache(Cache):
         if n_blocks is None:
             tokens = 4 * c.max_positions if max_tokens is None else _pos_int(max_tokens, "max_tokens")
             n_blocks = -(-tokens // _pos_int(block_size, "block_size"))
-        return cls(c.n_layers, n_blocks, c.n_kv_heads, c.d_head, block_size=block_size, dtype=dtype or p.dtype,
-                   device=p.device)
+        return cls(
+            c.n_layers, n_blocks, c.n_kv_heads, c.d_head, block_size=block_size, dtype=dtype or p.dtype, device=p.device
+        )
 
     # -- sequences -----------------------------------------------------------------------
     def _get(self, seq, what="sequence"):
@@ -150,8 +166,10 @@ class PagedCache(Cache):
 
     def _synced(self, seq, s, what):
         if min(s.lens) != max(s.lens):
-            raise ValueError(f"PagedCache.{what}: sequence {seq} is half way through a forward (tokens held per "
-                             f"layer: {s.lens}); finish it, or call truncate({seq}, {s.start + min(s.lens)})")
+            raise ValueError(
+                f"PagedCache.{what}: sequence {seq} is half way through a forward (tokens held per "
+                f"layer: {s.lens}); finish it, or call truncate({seq}, {s.start + min(s.lens)})"
+            )
 
     @property
     def sequences(self) -> list:
@@ -166,7 +184,8 @@ class PagedCache(Cache):
         if tokens is not None:
             s.tokens = token_list(tokens, "add_sequence(tokens)")
             for j in range(max(0, (len(s.tokens) - 1) // self.block_size)):
-                b = self.allocator.lookup(s.hash_at(j, self.block_size))
+                h = s.hash_at(j, self.block_size)
+                b = None if h is None else self.allocator.lookup(h)
                 if b is None:
                     break
                 s.table.append(b)
@@ -181,7 +200,7 @@ class PagedCache(Cache):
         s.tokens.extend(token_list(tokens, "extend_tokens(tokens)"))
         self._register(s)
 
-    def fork(self, seq: int | None = None) -> int:
+    def fork(self, seq: int | None = None) -> int:  # type: ignore[override]  # one sequence by id, not the cache
         """A new sequence holding the same tokens as ``seq``, sharing its blocks (copy-on-write)."""
         if seq is None:
             raise TypeError("PagedCache.fork(seq): fork one sequence by id (parallel sampling, beam search)")
@@ -212,8 +231,10 @@ class PagedCache(Cache):
         self._synced(seq, s, "evict")
         full = s.lens[0] // self.block_size
         if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or not 0 <= n_blocks <= full:
-            raise ValueError(f"PagedCache.evict: n_blocks must be an int in [0, {full}] (the full blocks sequence "
-                             f"{seq} holds), got {n_blocks!r}")
+            raise ValueError(
+                f"PagedCache.evict: n_blocks must be an int in [0, {full}] (the full blocks sequence "
+                f"{seq} holds), got {n_blocks!r}"
+            )
         s.generation += 1
         for b in s.table[:n_blocks]:
             self.allocator.decref(b)
@@ -226,8 +247,9 @@ class PagedCache(Cache):
         s = self._get(seq, "truncate")
         hi = s.start + max(s.lens)
         if isinstance(length, bool) or not isinstance(length, int) or not s.start <= length <= hi:
-            raise ValueError(f"PagedCache.truncate: length must be an int in [{s.start}, {hi}] for sequence "
-                             f"{seq}, got {length!r}")
+            raise ValueError(
+                f"PagedCache.truncate: length must be an int in [{s.start}, {hi}] for sequence {seq}, got {length!r}"
+            )
         bs = self.block_size
         s.generation += 1
         s.lens = [min(L, length - s.start) for L in s.lens]
@@ -236,7 +258,7 @@ class PagedCache(Cache):
             self.allocator.decref(b)
         del s.table[keep:]
         del s.tokens[length:]
-        del s.hashes[len(s.tokens) // bs:]
+        del s.hashes[len(s.tokens) // bs :]
         s.n_reg = min(s.n_reg, (s.start + min(s.lens)) // bs)
 
     def reset(self) -> None:
@@ -251,7 +273,7 @@ class PagedCache(Cache):
         return self.allocator.evict_cached(n)
 
     # -- the batch ------------------------------------------------------------------------
-    def select(self, seqs) -> "PagedCache":
+    def select(self, seqs) -> PagedCache:
         """Make ``seqs`` the rows of the next forwards (row ``i`` is ``seqs[i]``); returns the cache."""
         ids = list(seqs)
         for q in ids:
@@ -275,8 +297,9 @@ class PagedCache(Cache):
     def seen_at(self, layer):
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.n_layers:
             raise ValueError(f"layer: expected an int in [0, {self.n_layers}), got {layer!r}")
-        return torch.tensor([s.start + s.lens[layer] for s in self._rows()], dtype=torch.long,
-                            device=self.k_pool[0].device)
+        return torch.tensor(
+            [s.start + s.lens[layer] for s in self._rows()], dtype=torch.long, device=self.k_pool[0].device
+        )
 
     @property
     def length(self):
@@ -297,7 +320,7 @@ class PagedCache(Cache):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"PagedCache.reserve: n must be an int >= 0, got {n!r}")
         rows = self._rows()
-        for q, s in zip(self._sel, rows):
+        for q, s in zip(self._sel, rows, strict=True):
             self._synced(q, s, "reserve")
         if n:
             self._make_room(rows, n)
@@ -309,26 +332,32 @@ class PagedCache(Cache):
         K, V = self.k_pool[layer], self.v_pool[layer]
         B, Hkv, n, D = k.shape
         if B != len(rows) or Hkv != K.shape[0] or D != K.shape[3] or v.shape[3] != V.shape[3]:
-            raise ValueError(f"PagedCache.update: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit {len(rows)} "
-                             f"selected sequences and pools (Hkv, n_blocks, block_size, D) = {tuple(K.shape)} / "
-                             f"{tuple(V.shape)}")
+            raise ValueError(
+                f"PagedCache.update: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit {len(rows)} "
+                f"selected sequences and pools (Hkv, n_blocks, block_size, D) = {tuple(K.shape)} / "
+                f"{tuple(V.shape)}"
+            )
         check_write("PagedCache.update", layer, k, v, K.dtype, K.device)
         if layer == 0:
-            for q, s in zip(self._sel, rows):
+            for q, s in zip(self._sel, rows, strict=True):
                 self._synced(q, s, "update")
             self._wrapped = {}
             if n:
                 self._make_room(rows, n)
         else:
-            for q, s in zip(self._sel, rows):
+            for q, s in zip(self._sel, rows, strict=True):
                 if s.lens[layer] + n > s.lens[0]:
-                    raise ValueError(f"PagedCache.update: layer {layer} of sequence {q} would hold "
-                                     f"{s.lens[layer] + n} tokens but layer 0 holds {s.lens[0]}: update layer 0 "
-                                     "first (it allocates the blocks of all layers)")
+                    raise ValueError(
+                        f"PagedCache.update: layer {layer} of sequence {q} would hold "
+                        f"{s.lens[layer] + n} tokens but layer 0 holds {s.lens[0]}: update layer 0 "
+                        "first (it allocates the blocks of all layers)"
+                    )
         before = [s.lens[layer] for s in rows]
         if n:
             bs, ar = self.block_size, torch.arange(n)
-            bids = torch.cat([torch.tensor(s.table, dtype=torch.long)[(ar + L) // bs] for s, L in zip(rows, before)])
+            bids = torch.cat(
+                [torch.tensor(s.table, dtype=torch.long)[(ar + L) // bs] for s, L in zip(rows, before, strict=True)]
+            )
             offs = torch.cat([(ar + L) % bs for L in before])
             bids, offs = bids.to(K.device), offs.to(K.device)
             K[:, bids, offs] = k.transpose(0, 1).reshape(Hkv, B * n, D)
@@ -338,14 +367,20 @@ class PagedCache(Cache):
             if layer == self.n_layers - 1:
                 for s in rows:
                     self._register(s)
-        return PagedKV(self, layer, [(tuple(s.table), s.start, b, s.lens[layer]) for s, b in zip(rows, before)],
-                       rows, self._sel)
+        return PagedKV(
+            self,
+            layer,
+            [(tuple(s.table), s.start, b, s.lens[layer]) for s, b in zip(rows, before, strict=True)],
+            rows,
+            self._sel,
+        )
 
     def _make_room(self, rows, n):
         """Blocks for ``n`` more tokens of each row, copying shared blocks about to be written.
         Counts first; raises before changing anything."""
         A, bs = self.allocator, self.block_size
-        grow, writers = 0, {}
+        grow = 0
+        writers: dict[int, int] = {}
         for s in rows:
             L = s.lens[0]
             end = -(-(L + n) // bs)
@@ -361,7 +396,8 @@ class PagedCache(Cache):
                 f"PagedCache: appending {n} token(s) to {len(rows)} sequence(s) needs {grow + copies} block(s) "
                 f"({grow} new, {copies} copy-on-write) but {A.n_available} of {A.n_blocks} are available "
                 f"({A.n_free} free, {A.n_cached} cached prefix blocks); free or evict sequences, or build the cache "
-                "with more blocks.  Nothing was written.")
+                "with more blocks.  Nothing was written."
+            )
         for s in rows:
             L = s.lens[0]
             end = -(-(L + n) // bs)
@@ -369,7 +405,7 @@ class PagedCache(Cache):
                 b = s.table[i]
                 if A.refcount[b] > 1 or A.is_registered(b):  # copy-on-write
                     nb = A.allocate(prefer=s.table[i - 1] + 1 if i else None)
-                    for K, V in zip(self.k_pool, self.v_pool):
+                    for K, V in zip(self.k_pool, self.v_pool, strict=True):
                         K[:, nb] = K[:, b]
                         V[:, nb] = V[:, b]
                     s.table[i] = nb
@@ -421,7 +457,7 @@ class PagedCache(Cache):
         if seq is not None:
             s = self._get(seq, "waste")
             return len(s.table) * bs - s.lens[0]
-        fill = {}
+        fill: dict[int, int] = {}
         for s in self._seqs.values():
             for i, b in enumerate(s.table):
                 fill[b] = max(fill.get(b, 0), min(bs, max(0, s.lens[0] - i * bs)))
@@ -435,11 +471,18 @@ class PagedCache(Cache):
         used_blocks = A.n_used
         waste = self.waste()
         return {
-            "n_blocks": A.n_blocks, "block_size": bs, "used_blocks": used_blocks, "free_blocks": A.n_free,
-            "cached_blocks": A.n_cached, "shared_blocks": sum(1 for r in A.refcount if r > 1),
-            "allocated_slots": used_blocks * bs, "used_slots": used_blocks * bs - waste, "waste": waste,
+            "n_blocks": A.n_blocks,
+            "block_size": bs,
+            "used_blocks": used_blocks,
+            "free_blocks": A.n_free,
+            "cached_blocks": A.n_cached,
+            "shared_blocks": sum(1 for r in A.refcount if r > 1),
+            "allocated_slots": used_blocks * bs,
+            "used_slots": used_blocks * bs - waste,
+            "waste": waste,
             "waste_per_sequence": {q: self.waste(q) for q in self._seqs},
-            "tokens_held": held, "saved_by_sharing": held - (used_blocks * bs - waste),
+            "tokens_held": held,
+            "saved_by_sharing": held - (used_blocks * bs - waste),
             "bytes_per_block": self.nbytes() // A.n_blocks,
         }
 
@@ -473,5 +516,7 @@ class PagedCache(Cache):
 
     def __repr__(self):
         A = self.allocator
-        return (f"PagedCache(layers={self.n_layers}, blocks={A.n_blocks}x{self.block_size}, sequences="
-                f"{len(self._seqs)}, used={A.n_used}, free={A.n_free}, cached={A.n_cached})")
+        return (
+            f"PagedCache(layers={self.n_layers}, blocks={A.n_blocks}x{self.block_size}, sequences="
+            f"{len(self._seqs)}, used={A.n_used}, free={A.n_free}, cached={A.n_cached})"
+        )

@@ -21,6 +21,7 @@ from attnlab.scores import ScoreMod
 
 __all__ = ["PagedKV", "StaleViewError"]
 
+
 class StaleViewError(ValueError):
     """A :class:`PagedKV` was used after its sequence released blocks (``free``, ``evict``,
     ``truncate``, ``reset``): those blocks may now hold another sequence's keys."""
@@ -31,8 +32,14 @@ def _tile_state(mask, H, Nq, Nk, q_offset, kv_offset):
     if mask is None:
         return FULL
     mask.validate(1, H, Nq, Nk, q_offset, kv_offset)
-    s = mask.classify(1, H, torch.tensor([[q_offset]]), torch.tensor([[q_offset + Nq - 1]]),
-                      torch.tensor([[kv_offset]]), torch.tensor([[kv_offset + Nk - 1]]))
+    s = mask.classify(
+        1,
+        H,
+        torch.tensor([[q_offset]]),
+        torch.tensor([[q_offset + Nq - 1]]),
+        torch.tensor([[kv_offset]]),
+        torch.tensor([[kv_offset + Nk - 1]]),
+    )
     if s is None:
         return PARTIAL
     s = torch.as_tensor(s)
@@ -42,7 +49,7 @@ def _tile_state(mask, H, Nq, Nk, q_offset, kv_offset):
 def _pick(t, row, B):
     """Row ``row`` of a ``(B, ...)`` result of a batch-dependent mask or score mod."""
     if isinstance(t, torch.Tensor) and t.dim() == 4 and B > 1 and t.shape[0] == B:
-        return t[row:row + 1]
+        return t[row : row + 1]
     return t
 
 
@@ -89,7 +96,7 @@ class PagedKV(KV):
     def __init__(self, cache, layer, rows, states=(), seqs=()):
         self.cache, self.layer, self.rows = cache, layer, rows  # rows: [(table, start, before, after)]
         # the sequences' states and generations now: a release of blocks after this makes the view stale
-        self._stamp = [(q, s, s.generation) for q, s in zip(seqs, states)]
+        self._stamp = [(q, s, s.generation) for q, s in zip(seqs, states, strict=True)]
         starts = {start + before for _, start, before, _ in rows}
         self.q_offset = starts.pop() if len(starts) == 1 else None  # None: ragged (see q_offsets)
         self.q_offsets = [start + before for _, start, before, _ in rows]
@@ -110,8 +117,8 @@ class PagedKV(KV):
             while j < nb and table[j] == table[j - 1] + 1:
                 j += 1
             b0, m, cnt = table[i], j - i, min(L, j * bs) - i * bs
-            k = K[:, b0:b0 + m].view(Hkv, m * bs, D)[:, :cnt].unsqueeze(0)
-            v = V[:, b0:b0 + m].view(Hkv, m * bs, Dv)[:, :cnt].unsqueeze(0)
+            k = K[:, b0 : b0 + m].view(Hkv, m * bs, D)[:, :cnt].unsqueeze(0)
+            v = V[:, b0 : b0 + m].view(Hkv, m * bs, Dv)[:, :cnt].unsqueeze(0)
             out.append((k, v, start + i * bs))
             i = j
         return out
@@ -124,32 +131,37 @@ class PagedKV(KV):
                 raise StaleViewError(
                     f"PagedKV: this view of layer {self.layer} was made before sequence {q} released blocks "
                     "(free, evict, truncate or reset); they may now hold another sequence's keys.  Take a new "
-                    "view (cache.select(...).update(...)) after changing the cache")
+                    "view (cache.select(...).update(...)) after changing the cache"
+                )
 
     def attend(self, q, *, mask=None, score_mod=None, scale=None, backend="auto", return_lse=False):
         self.check_fresh()
         B = len(self.rows)
         if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != B:
-            raise ValueError(f"PagedKV.attend: expected q (B={B}, H, Nq, D) for the {B} selected sequences, got "
-                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+            raise ValueError(
+                f"PagedKV.attend: expected q (B={B}, H, Nq, D) for the {B} selected sequences, got "
+                f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}"
+            )
         if isinstance(mask, BlockMask):
             mask = mask.mask  # a BlockMask was built for a dense shape: its predicate is what counts
         H, Nq, Dv = q.shape[1], q.shape[2], self.cache.v_pool[self.layer].shape[3]
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         outs, lses = [], []
         for r in range(B):
-            qr, q_off = q[r:r + 1], self.q_offsets[r]
+            qr, q_off = q[r : r + 1], self.q_offsets[r]
             m = mask if mask is None or B == 1 else self.cache._wrap(_RowMask, mask, r, B)
             mod = score_mod if score_mod is None or B == 1 else self.cache._wrap(_RowScoreMod, score_mod, r, B)
             # pieces the mask shows whole are attended without it, hidden ones are skipped
-            full, partial = [], []
+            full: list[tuple] = []
+            partial: list[tuple] = []
             for piece in self.pieces(r) if Nq else ():
                 state = _tile_state(m, H, Nq, piece[0].shape[2], q_off, piece[2])
                 if state != EMPTY:
                     (full if state == FULL else partial).append(piece)
             kw = dict(score_mod=mod, scale=scale, q_offset=q_off, backend=backend, return_lse=True)
-            parts = ([split_kv_attention(qr, full, mask=None, **kw)] if full else []) + \
-                    ([split_kv_attention(qr, partial, mask=m, **kw)] if partial else [])
+            parts = ([split_kv_attention(qr, full, mask=None, **kw)] if full else []) + (
+                [split_kv_attention(qr, partial, mask=m, **kw)] if partial else []
+            )
             if not parts:  # nothing visible: the op's answer for fully masked rows
                 o = q.new_zeros(1, H, Nq, Dv)
                 l = torch.full((1, H, Nq), float("-inf"), dtype=lse_dtype, device=q.device)
@@ -175,8 +187,9 @@ class PagedKV(KV):
             raise ValueError(
                 "PagedKV.dense(): the selected sequences are ragged (held positions "
                 f"{[(s, s + a) for _, s, _, a in self.rows]}): a dense view needs one q_offset and kv_offset; "
-                "select sequences of equal length, or one at a time, for need_weights / output_attentions")
-        start, before, after = shapes.pop()
+                "select sequences of equal length, or one at a time, for need_weights / output_attentions"
+            )
+        start, before, _after = shapes.pop()
         K, V = self.cache.k_pool[self.layer], self.cache.v_pool[self.layer]
         ks, vs = [], []
         for table, _, _, L in self.rows:

@@ -100,8 +100,10 @@ def quantize(x: torch.Tensor, dim: int, bits: int, scale_dtype: torch.dtype):
     zero = _round_directed(mn, scale_dtype, up=False)
     scale = _round_directed((mx - zero.to(cdt)) / Q, scale_dtype, up=True)
     if not (bool(torch.isfinite(zero).all()) and bool(torch.isfinite(scale).all())):
-        raise ValueError(f"QuantizedCache: a group's min/max ({float(mn.min())}, {float(mx.max())}) does not fit "
-                         f"scale_dtype={scale_dtype} (or the input is not finite); use scale_dtype=torch.float32")
+        raise ValueError(
+            f"QuantizedCache: a group's min/max ({float(mn.min())}, {float(mx.max())}) does not fit "
+            f"scale_dtype={scale_dtype} (or the input is not finite); use scale_dtype=torch.float32"
+        )
     s = scale.to(cdt)
     s = torch.where(s == 0, torch.ones_like(s), s)
     codes = torch.round((xc - zero.to(cdt)) / s).clamp_(0, Q).to(torch.uint8)

@@ -110,7 +110,7 @@ class QuantizedKV(KV):
     """One layer's keys/values: quantized groups ``[0, n_groups·G)`` read a run at a time,
     then a float tail ``k_tail, v_tail`` whose first key sits at ``n_groups·G``."""
 
-    def __init__(self, cache: "QuantizedCache", st: _Layer, n_groups: int, k_tail, v_tail, q_offset=None):
+    def __init__(self, cache: QuantizedCache, st: _Layer, n_groups: int, k_tail, v_tail, q_offset=None):
         self.bits, self.G, self.piece_groups = cache.bits, cache.group_size, cache.piece_groups
         self.st = {name: getattr(st, name) for name in _STORE}  # buffers are only ever appended to
         self.B, self.Hkv, self.D, self.Dv, self.gv, self.dtype = st.B, st.Hkv, st.D, st.Dv, st.gv, st.dtype
@@ -150,17 +150,36 @@ class QuantizedKV(KV):
             raise ValueError(f"attend: expected q (B, H, Nq, D), got {tuple(getattr(q, 'shape', ()))}")
         q_offset = self.length - q.shape[2] if self.q_offset is None else self.q_offset
         if self.length == 0:  # nothing to split: the op's empty-key semantics (0, -inf)
-            return attention(q, self.k_tail, self.v_tail, mask=mask, score_mod=score_mod, scale=scale,
-                             q_offset=q_offset, kv_offset=0, return_lse=return_lse, backend=backend)
-        return split_kv_attention(q, self.pieces(), mask=mask, score_mod=score_mod, scale=scale,
-                                  q_offset=q_offset, backend=backend, return_lse=return_lse)
+            return attention(
+                q,
+                self.k_tail,
+                self.v_tail,
+                mask=mask,
+                score_mod=score_mod,
+                scale=scale,
+                q_offset=q_offset,
+                kv_offset=0,
+                return_lse=return_lse,
+                backend=backend,
+            )
+        return split_kv_attention(
+            q,
+            self.pieces(),
+            mask=mask,
+            score_mod=score_mod,
+            scale=scale,
+            q_offset=q_offset,
+            backend=backend,
+            return_lse=return_lse,
+        )
 
     def dense(self) -> DenseKV:
         """All keys/values dequantized into dense tensors (for inspection: this is the
         cache-sized copy that :meth:`attend` avoids)."""
         k, v = self.dequantize(0, self.n_groups)
-        return DenseKV(torch.cat([k, self.k_tail], 2), torch.cat([v, self.v_tail], 2), kv_offset=0,
-                       q_offset=self.q_offset)
+        return DenseKV(
+            torch.cat([k, self.k_tail], 2), torch.cat([v, self.v_tail], 2), kv_offset=0, q_offset=self.q_offset
+        )
 
 
 class QuantizedCache(Cache):
@@ -179,8 +198,17 @@ class QuantizedCache(Cache):
             groups, at least one): the bound on its temporary memory.
     """
 
-    def __init__(self, n_layers: int, *, bits: int = 4, group_size: int = 32, residual: int | None = None,
-                 value_group: int | None = None, scale_dtype: torch.dtype = torch.float16, piece_tokens: int = 512):
+    def __init__(
+        self,
+        n_layers: int,
+        *,
+        bits: int = 4,
+        group_size: int = 32,
+        residual: int | None = None,
+        value_group: int | None = None,
+        scale_dtype: torch.dtype = torch.float16,
+        piece_tokens: int = 512,
+    ):
         super().__init__(n_layers)
         if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
             raise ValueError(f"QuantizedCache: bits must be one of {BITS}, got {bits!r}")
@@ -195,7 +223,7 @@ class QuantizedCache(Cache):
         self.layers: list[_Layer | None] = [None] * n_layers
 
     @classmethod
-    def for_model(cls, model, **kwargs) -> "QuantizedCache":
+    def for_model(cls, model, **kwargs) -> QuantizedCache:
         """A cache with one slot per layer of an :class:`attnlab.nn.Decoder`."""
         return cls(model.cfg.n_layers, **kwargs)
 
@@ -221,8 +249,10 @@ class QuantizedCache(Cache):
     def _check(self, layer, k, v):
         self._check_layer(layer, k, v)
         if k.dtype not in _FLOATS or v.dtype != k.dtype or v.device != k.device:
-            raise ValueError(f"QuantizedCache.update: k and v must share one floating dtype and device, got "
-                             f"{k.dtype}/{v.dtype} on {k.device}/{v.device}")
+            raise ValueError(
+                f"QuantizedCache.update: k and v must share one floating dtype and device, got "
+                f"{k.dtype}/{v.dtype} on {k.device}/{v.device}"
+            )
         st = self.layers[layer]
         if st is None:
             Dv = v.shape[3]
@@ -230,13 +260,20 @@ class QuantizedCache(Cache):
             if gv is None:
                 gv = self.group_size if Dv % self.group_size == 0 else Dv
             elif Dv % gv:
-                raise ValueError(f"QuantizedCache: value_group={gv} does not divide the value head dim Dv={Dv}; "
-                                 "pass a divisor of Dv or None (G when it divides Dv, else Dv)")
+                raise ValueError(
+                    f"QuantizedCache: value_group={gv} does not divide the value head dim Dv={Dv}; "
+                    "pass a divisor of Dv or None (G when it divides Dv, else Dv)"
+                )
             return _Layer(k, v, self.group_size, gv)
-        if (k.shape[0], k.shape[1], k.shape[3], v.shape[3]) != (st.B, st.Hkv, st.D, st.Dv) \
-                or k.dtype != st.dtype or k.device != st.device:
-            raise ValueError(f"update: new k {tuple(k.shape)} / v {tuple(v.shape)} ({k.dtype}) do not continue the "
-                             f"cached (B, Hkv, ·, D) = ({st.B}, {st.Hkv}, ·, {st.D}), Dv = {st.Dv} ({st.dtype})")
+        if (
+            (k.shape[0], k.shape[1], k.shape[3], v.shape[3]) != (st.B, st.Hkv, st.D, st.Dv)
+            or k.dtype != st.dtype
+            or k.device != st.device
+        ):
+            raise ValueError(
+                f"update: new k {tuple(k.shape)} / v {tuple(v.shape)} ({k.dtype}) do not continue the "
+                f"cached (B, Hkv, ·, D) = ({st.B}, {st.Hkv}, ·, {st.D}), Dv = {st.Dv} ({st.dtype})"
+            )
         return st
 
     def update(self, layer, k, v) -> QuantizedKV:
@@ -248,15 +285,20 @@ class QuantizedCache(Cache):
         if n:  # quantize the oldest n whole groups of the window (all arithmetic before any state changes)
             B, H, D, Dv, T = st.B, st.Hkv, st.D, st.Dv, n * G
             kc, ks, kz = quantize(wk[:, :, :T].reshape(B, H, n, G, D), 3, self.bits, self.scale_dtype)
-            vc, vs, vz = quantize(wv[:, :, :T].reshape(B, H, T, Dv // st.gv, st.gv), 4, self.bits,
-                                  self.scale_dtype)
-            new = {"kc": pack(kc.view(B, H, T, D), self.bits), "ks": ks.squeeze(3), "kz": kz.squeeze(3),
-                   "vc": pack(vc.view(B, H, T, Dv), self.bits), "vs": vs.squeeze(4), "vz": vz.squeeze(4)}
+            vc, vs, vz = quantize(wv[:, :, :T].reshape(B, H, T, Dv // st.gv, st.gv), 4, self.bits, self.scale_dtype)
+            new = {
+                "kc": pack(kc.view(B, H, T, D), self.bits),
+                "ks": ks.squeeze(3),
+                "kz": kz.squeeze(3),
+                "vc": pack(vc.view(B, H, T, Dv), self.bits),
+                "vs": vs.squeeze(4),
+                "vz": vz.squeeze(4),
+            }
             for name, t in new.items():
                 used = st.n_groups if name in ("ks", "kz") else st.n_groups * G
                 setattr(st, name, _append(getattr(st, name), t, used))
             st.n_groups += n
-        st.wk, st.wv = wk[:, :, n * G:].clone(), wv[:, :, n * G:].clone()  # own, compact copies
+        st.wk, st.wv = wk[:, :, n * G :].clone(), wv[:, :, n * G :].clone()  # own, compact copies
         self.layers[layer] = st
         return view
 
@@ -271,7 +313,7 @@ class QuantizedCache(Cache):
     def reset(self):
         self.layers = [None] * self.n_layers
 
-    def fork(self) -> "QuantizedCache":
+    def fork(self) -> QuantizedCache:
         c = QuantizedCache.__new__(QuantizedCache)
         c.__dict__.update(self.__dict__)
         c.layers = [None if st is None else st.clone() for st in self.layers]
@@ -294,17 +336,25 @@ class QuantizedCache(Cache):
     def dense_nbytes(self, dtype: torch.dtype = torch.float32) -> int:
         """Bytes the same tokens take in a dense cache of ``dtype``."""
         es = torch.empty(0, dtype=dtype).element_size()
-        return sum(self.seen_at(i) * st.B * st.Hkv * (st.D + st.Dv) * es
-                   for i, st in enumerate(self.layers) if st is not None)
+        return sum(
+            self.seen_at(i) * st.B * st.Hkv * (st.D + st.Dv) * es for i, st in enumerate(self.layers) if st is not None
+        )
 
     def memory_report(self) -> dict:
         """``{"bytes", "float32", "bfloat16", "ratio_float32", "ratio_bfloat16"}``."""
         b, f32, bf16 = self.nbytes(), self.dense_nbytes(torch.float32), self.dense_nbytes(torch.bfloat16)
-        return {"bytes": b, "float32": f32, "bfloat16": bf16,
-                "ratio_float32": b / f32 if f32 else float("nan"), "ratio_bfloat16": b / bf16 if bf16 else float("nan")}
+        return {
+            "bytes": b,
+            "float32": f32,
+            "bfloat16": bf16,
+            "ratio_float32": b / f32 if f32 else float("nan"),
+            "ratio_bfloat16": b / bf16 if bf16 else float("nan"),
+        }
 
     def __repr__(self):
         r = self.memory_report()
-        return (f"QuantizedCache(layers={self.n_layers}, bits={self.bits}, group_size={self.group_size}, "
-                f"residual={self.residual}, seen={self.seen}, {r['bytes']} bytes = "
-                f"{r['ratio_float32']:.3f}× float32, {r['ratio_bfloat16']:.3f}× bfloat16)")
+        return (
+            f"QuantizedCache(layers={self.n_layers}, bits={self.bits}, group_size={self.group_size}, "
+            f"residual={self.residual}, seen={self.seen}, {r['bytes']} bytes = "
+            f"{r['ratio_float32']:.3f}× float32, {r['ratio_bfloat16']:.3f}× bfloat16)"
+        )

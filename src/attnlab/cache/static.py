@@ -27,11 +27,26 @@ EVICT = (None, "window")
 
 
 class StaticCache(Cache):
-    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, d_head: int, capacity: int, *,
-                 d_v: int | None = None, dtype: torch.dtype = torch.float32, device=None, evict: str | None = None):
+    def __init__(
+        self,
+        n_layers: int,
+        batch_size: int,
+        n_kv_heads: int,
+        d_head: int,
+        capacity: int,
+        *,
+        d_v: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        evict: str | None = None,
+    ):
         super().__init__(n_layers)
-        for name, x in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads), ("d_head", d_head),
-                        ("capacity", capacity)):
+        for name, x in (
+            ("batch_size", batch_size),
+            ("n_kv_heads", n_kv_heads),
+            ("d_head", d_head),
+            ("capacity", capacity),
+        ):
             integer(x, f"StaticCache: {name}", lo=1)
         if evict not in EVICT:
             raise ValueError(f"StaticCache: evict must be one of {EVICT}, got {evict!r}")
@@ -49,8 +64,16 @@ class StaticCache(Cache):
         """A cache shaped for an :class:`attnlab.nn.Decoder`."""
         c = model.cfg
         p = next(model.parameters())
-        return cls(c.n_layers, batch_size, c.n_kv_heads, c.d_head, capacity, dtype=dtype or p.dtype,
-                   device=p.device, evict=evict)
+        return cls(
+            c.n_layers,
+            batch_size,
+            c.n_kv_heads,
+            c.d_head,
+            capacity,
+            dtype=dtype or p.dtype,
+            device=p.device,
+            evict=evict,
+        )
 
     def seen_at(self, layer):
         return self.offsets[layer] + self.lengths[layer]
@@ -67,25 +90,28 @@ class StaticCache(Cache):
         self._check_layer(layer, k, v)
         K, V = self.k[layer], self.v[layer]
         if k.shape[0] != K.shape[0] or k.shape[1] != K.shape[1] or k.shape[3] != K.shape[3] or v.shape[3] != V.shape[3]:
-            raise ValueError(f"StaticCache.update: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit buffers of "
-                             f"(B, Hkv, capacity, D) = {tuple(K.shape)} / {tuple(V.shape)}")
+            raise ValueError(
+                f"StaticCache.update: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit buffers of "
+                f"(B, Hkv, capacity, D) = {tuple(K.shape)} / {tuple(V.shape)}"
+            )
         check_write("StaticCache.update", layer, k, v, K.dtype, K.device)
         L, n = self.lengths[layer], k.shape[2]
         start = self.seen_at(layer)
         if L + n > self.capacity:
             if self.evict is None or n > self.capacity:
-                raise ValueError(f"StaticCache: layer {layer} holds {L} of {self.capacity} slots and {n} more were "
-                                 "written; build it with a larger capacity"
-                                 + (" or evict='window'" if self.evict is None else ""))
+                raise ValueError(
+                    f"StaticCache: layer {layer} holds {L} of {self.capacity} slots and {n} more were "
+                    "written; build it with a larger capacity" + (" or evict='window'" if self.evict is None else "")
+                )
             drop = L + n - self.capacity
-            K[:, :, :L - drop] = K[:, :, drop:L].clone()
-            V[:, :, :L - drop] = V[:, :, drop:L].clone()
+            K[:, :, : L - drop] = K[:, :, drop:L].clone()
+            V[:, :, : L - drop] = V[:, :, drop:L].clone()
             self.offsets[layer] += drop
             L -= drop
-        K[:, :, L:L + n] = k
-        V[:, :, L:L + n] = v
+        K[:, :, L : L + n] = k
+        V[:, :, L : L + n] = v
         self.lengths[layer] = L + n
-        return DenseKV(K[:, :, :L + n], V[:, :, :L + n], kv_offset=self.offsets[layer], q_offset=start)
+        return DenseKV(K[:, :, : L + n], V[:, :, : L + n], kv_offset=self.offsets[layer], q_offset=start)
 
     def reset(self):
         self.lengths = [0] * self.n_layers

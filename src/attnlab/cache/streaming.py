@@ -71,8 +71,10 @@ class StreamingCache(Cache):
     def for_model(cls, model, sinks: int = 4, window: int = 256) -> StreamingCache:
         cfg = model.cfg
         if cfg.positions in ("learned", "sinusoidal"):
-            raise ValueError(f"StreamingCache: a model with absolute {cfg.positions!r} positions cannot stream past "
-                             "its table; StreamingLLM needs relative positions (rope, alibi or none)")
+            raise ValueError(
+                f"StreamingCache: a model with absolute {cfg.positions!r} positions cannot stream past "
+                "its table; StreamingLLM needs relative positions (rope, alibi or none)"
+            )
         rope = model.blocks[0].attn.positions if cfg.positions == "rope" else None
         return cls(cfg.n_layers, sinks, window, rope=rope)
 
@@ -94,15 +96,19 @@ class StreamingCache(Cache):
         self._check_layer(layer, k, v)
         K, V = self.k[layer], self.v[layer]
         if K is not None and (k.shape[:2] != K.shape[:2] or k.shape[3] != K.shape[3] or v.shape[3] != V.shape[3]):
-            raise ValueError(f"update: new k {tuple(k.shape)} / v {tuple(v.shape)} do not continue the cached "
-                             f"k {tuple(K.shape)} / v {tuple(V.shape)}")
+            raise ValueError(
+                f"update: new k {tuple(k.shape)} / v {tuple(v.shape)} do not continue the cached "
+                f"k {tuple(K.shape)} / v {tuple(V.shape)}"
+            )
         self._check_continues(layer, k, v, K)
         L = 0 if K is None else K.shape[2]
         n = k.shape[2]
         if n > 1 and L + n > self.capacity + 1:
-            raise ValueError(f"StreamingCache: {n} new tokens after {L} cached exceed sinks + window + 1 = "
-                             f"{self.capacity + 1} (a chunk must fit, or token i of it would need other "
-                             f"positions); feed at most {max(1, self.capacity + 1 - L)} now and the rest one at a time")
+            raise ValueError(
+                f"StreamingCache: {n} new tokens after {L} cached exceed sinks + window + 1 = "
+                f"{self.capacity + 1} (a chunk must fit, or token i of it would need other "
+                f"positions); feed at most {max(1, self.capacity + 1 - L)} now and the rest one at a time"
+            )
         Kc = k if K is None else torch.cat([K, k], 2)
         Vc = v if V is None else torch.cat([V, v], 2)
         n_all = Kc.shape[2]

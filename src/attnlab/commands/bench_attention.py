@@ -1,8 +1,10 @@
 """``attnlab bench attention``: attnlab's backends against torch SDPA and FlexAttention."""
 
 HELP = "attnlab backends vs torch SDPA and FlexAttention"
-SHARED = {"quick": "a subset of the cases (about a third of the time)",
-          "reps": (3, "timed repetitions per backend (median reported)")}
+SHARED = {
+    "quick": "a subset of the cases (about a third of the time)",
+    "reps": (3, "timed repetitions per backend (median reported)"),
+}
 
 
 def add_arguments(p):
@@ -13,6 +15,13 @@ def add_arguments(p):
 
 def run(args) -> int:
     from attnlab.bench import attention
-    attention.main(quick=args.quick, json_path=args.json, reps=args.reps, flex=not args.no_flex, only=args.only,
-                   memory=not args.no_memory)
+
+    attention.main(
+        quick=args.quick,
+        json_path=args.json,
+        reps=args.reps,
+        flex=not args.no_flex,
+        only=args.only,
+        memory=not args.no_memory,
+    )
     return 0

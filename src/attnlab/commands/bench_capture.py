@@ -10,5 +10,6 @@ def add_arguments(p):
 
 def run(args) -> int:
     from attnlab.bench import capture
+
     capture.main(quick=args.quick, reps=args.reps, memory=not args.no_memory, json_path=args.json)
     return 0

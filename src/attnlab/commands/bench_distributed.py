@@ -3,7 +3,10 @@
 import sys
 
 HELP = "ring and Ulysses attention on local gloo ranks vs one process"
-SHARED = {"quick": "N=2048,4096 and one round (a smoke run)", "reps": (2, "interleaved rounds per variant (median reported)")}
+SHARED = {
+    "quick": "N=2048,4096 and one round (a smoke run)",
+    "reps": (2, "interleaved rounds per variant (median reported)"),
+}
 
 
 def add_arguments(p):
@@ -14,11 +17,13 @@ def add_arguments(p):
 
 def run(args) -> int:
     from attnlab.bench import distributed
+
     try:
         seqs, ranks = distributed.parse_ints(args.seq, "--seq"), distributed.parse_ints(args.ranks, "--ranks")
     except ValueError as e:
         print(f"attnlab bench distributed: {e}", file=sys.stderr)
         return 2
-    distributed.main(seqs=seqs, ranks=ranks, reps=args.reps, quick=args.quick, memory=not args.no_memory,
-                     json_path=args.json)
+    distributed.main(
+        seqs=seqs, ranks=ranks, reps=args.reps, quick=args.quick, memory=not args.no_memory, json_path=args.json
+    )
     return 0

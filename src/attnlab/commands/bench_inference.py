@@ -1,7 +1,10 @@
 """``attnlab bench inference``: decoding, caches, quantization, streaming, speculation."""
 
 HELP = "decoding vs transformers, caches, quantization, streaming, speculation"
-SHARED = {"quick": "smaller sizes (about a fifth of the time)", "reps": (3, "timed repetitions of the decode comparison")}
+SHARED = {
+    "quick": "smaller sizes (about a fifth of the time)",
+    "reps": (3, "timed repetitions of the decode comparison"),
+}
 
 
 def add_arguments(p):
@@ -10,5 +13,6 @@ def add_arguments(p):
 
 def run(args) -> int:
     from attnlab.bench import inference
+
     inference.main(quick=args.quick, json_path=args.json, reps=args.reps)
     return 0

@@ -10,5 +10,6 @@ def add_arguments(p):
 
 def run(args) -> int:
     from attnlab.bench import models
+
     models.main(quick=args.quick, json_path=args.json, reps=args.reps, show_profile=args.profile)
     return 0

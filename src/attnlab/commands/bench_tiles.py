@@ -1,7 +1,7 @@
 """``attnlab bench tiles``: the flash backend's tile sizes per dtype and head dim."""
 
 HELP = "measure the flash backend's tile sizes per dtype and head dim"
-SHARED = {}
+SHARED: dict[str, object] = {}
 
 
 def add_arguments(p):
@@ -10,5 +10,6 @@ def add_arguments(p):
 
 def run(args) -> int:
     from attnlab.bench import tiles
+
     tiles.main(json_path=args.json)
     return 0

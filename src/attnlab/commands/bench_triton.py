@@ -11,5 +11,11 @@ def add_arguments(p):
 
 def run(args) -> int:
     from attnlab.bench import triton
-    return triton.main(quick=args.quick, flex=not args.no_flex, json_path=args.json, markdown_path=args.markdown,
-                       argv=getattr(args, "_argv", ["bench", "triton"])[2:])
+
+    return triton.main(
+        quick=args.quick,
+        flex=not args.no_flex,
+        json_path=args.json,
+        markdown_path=args.markdown,
+        argv=getattr(args, "_argv", ["bench", "triton"])[2:],
+    )

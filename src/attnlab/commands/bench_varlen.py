@@ -8,6 +8,7 @@ SHARED = {"quick": "4 sequences of 16..128 tokens (a smoke run)", "reps": (3, "t
 
 def add_arguments(p):
     from attnlab.commands.options import positive_int
+
     p.add_argument("--seqs", type=positive_int, default=16, help="sequences in the batch (default 16)")
     p.add_argument("--min", type=positive_int, default=64, help="shortest sequence length (default 64)")
     p.add_argument("--max", type=positive_int, default=2048, help="longest sequence length (default 2048)")
@@ -18,11 +19,20 @@ def add_arguments(p):
 
 def run(args) -> int:
     from attnlab.bench import varlen
+
     if args.min > args.max:
         print(f"attnlab bench varlen: need --min <= --max, got --min {args.min} --max {args.max}", file=sys.stderr)
         return 2
     if args.quick:
         args.seqs, args.min, args.max, args.heads, args.dim, args.reps = 4, 16, 128, 2, 16, 1
-    varlen.main(seqs=args.seqs, lo=args.min, hi=args.max, heads=args.heads, dim=args.dim, reps=args.reps,
-                backward=args.backward, json_path=args.json)
+    varlen.main(
+        seqs=args.seqs,
+        lo=args.min,
+        hi=args.max,
+        heads=args.heads,
+        dim=args.dim,
+        reps=args.reps,
+        backward=args.backward,
+        json_path=args.json,
+    )
     return 0

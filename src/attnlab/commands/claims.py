@@ -9,12 +9,13 @@ Exit status: 0 when every selected experiment ran (verdicts are findings, not fa
 import sys
 
 HELP = "the seeds' claims as experiments with verdicts; one claim id shows it whole"
-SHARED = {}
+SHARED: dict[str, object] = {}
 
 
 def add_arguments(p):
-    p.add_argument("ids", nargs="*", metavar="ID",
-                   help="claim ids, substrings of ids, or a seed's name such as 000 (default: all)")
+    p.add_argument(
+        "ids", nargs="*", metavar="ID", help="claim ids, substrings of ids, or a seed's name such as 000 (default: all)"
+    )
     p.add_argument("--list", action="store_true", help="list the claims (id, seed, title) and exit, running nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -22,6 +23,7 @@ def add_arguments(p):
 def run(args) -> int:
     from attnlab.commands.options import write_json
     from attnlab.lab.claims import registry as R
+
     try:
         claims = R.select(args.ids or None)
     except ValueError as e:

@@ -1,8 +1,10 @@
 """``attnlab demo``: the main job — induction heads, MiniLM sinks, KV-cache decoding, recall,
 Hopfield capacity, the seeds' claims; prints a summary and writes the HTML report."""
 
-HELP = ("the main job: induction heads, MiniLM sinks, KV-cache decoding, the seeds' claims; "
-        "prints a summary and writes the HTML report")
+HELP = (
+    "the main job: induction heads, MiniLM sinks, KV-cache decoding, the seeds' claims; "
+    "prints a summary and writes the HTML report"
+)
 SHARED = {"quick": "fewer training steps for the induction models", "json": False}
 
 
@@ -14,5 +16,6 @@ def add_arguments(p):
 
 def run(args) -> int:
     from attnlab.lab.demo import demo
+
     demo(args.out, quick=args.quick, force=args.force, claims=not args.no_claims)
     return 0

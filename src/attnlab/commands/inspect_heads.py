@@ -14,6 +14,7 @@ def add_arguments(p):
 
 def run(args) -> int:
     from attnlab.lab.demo import inspect
+
     try:
         inspect(args.text, model_name=args.model, out=args.out)
     except ValueError as e:

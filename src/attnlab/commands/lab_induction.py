@@ -12,6 +12,7 @@ def add_arguments(p):
 def run(args) -> int:
     from attnlab.commands.options import write_json
     from attnlab.lab import induction
+
     res = induction.run(quick=args.quick, force=args.force)
     print(induction.summary(res))
     write_json(args.json, res)

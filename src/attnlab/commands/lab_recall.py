@@ -7,6 +7,7 @@ SHARED = {"quick": "a small, fast run"}
 
 def add_arguments(p):
     from attnlab.commands.options import positive_int
+
     p.add_argument("--force", action="store_true", help="retrain even if a cached result exists")
     p.add_argument("--workers", type=positive_int, default=2, help="training processes (default 2)")
 
@@ -14,6 +15,7 @@ def add_arguments(p):
 def run(args) -> int:
     from attnlab.commands.options import write_json
     from attnlab.lab import recall
+
     result = recall.run(quick=args.quick, force=args.force, workers=args.workers)
     print(recall.summary(result))
     write_json(args.json, result)

@@ -18,8 +18,9 @@ def positive_int(text: str) -> int:
     return n
 
 
-def shared(*, quick: str | None = None, reps: tuple[int | None, str] | None = None,
-           json: bool = True) -> argparse.ArgumentParser:
+def shared(
+    *, quick: str | None = None, reps: tuple[int | None, str] | None = None, json: bool = True
+) -> argparse.ArgumentParser:
     """The parent parser of one command: ``--quick`` (when ``quick`` gives its help),
     ``--reps N`` (a positive int; ``reps = (default, help)``) and ``--json PATH`` (unless
     ``json=False``)."""
@@ -28,8 +29,13 @@ def shared(*, quick: str | None = None, reps: tuple[int | None, str] | None = No
         p.add_argument("--quick", action="store_true", help=quick)
     if reps is not None:
         default, what = reps
-        p.add_argument("--reps", type=positive_int, default=default, metavar="N",
-                       help=what if default is None else f"{what} (default {default})")
+        p.add_argument(
+            "--reps",
+            type=positive_int,
+            default=default,
+            metavar="N",
+            help=what if default is None else f"{what} (default {default})",
+        )
     if json:
         p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     return p

@@ -29,9 +29,11 @@ class Comm:
 
     def __init__(self, group, timeout, op: str):
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(f"{op}: torch.distributed is not initialized; call "
-                               "torch.distributed.init_process_group('gloo' or 'nccl', ...) on every rank first "
-                               "(attnlab.distributed.run_local does it for a local test group)")
+            raise RuntimeError(
+                f"{op}: torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group('gloo' or 'nccl', ...) on every rank first "
+                "(attnlab.distributed.run_local does it for a local test group)"
+            )
         self.group = group
         self.op = op
         self.rank = dist.get_rank(group)
@@ -72,8 +74,11 @@ class Comm:
                 what, step = what if isinstance(what, tuple) else (what, None)
                 step = f" ({step})" if step else ""
                 waits = f"rank {peer} to take {what}{step}" if kind is dist.isend else f"{what} from rank {peer}{step}"
-                posting = f"the send of {what} to rank {peer}{step}" if kind is dist.isend else \
-                    f"the receive of {what} from rank {peer}{step}"
+                posting = (
+                    f"the send of {what} to rank {peer}{step}"
+                    if kind is dist.isend
+                    else f"the receive of {what} from rank {peer}{step}"
+                )
                 meta.append((key, peer, waits, t, posting))
                 if kind is dist.isend:
                     self.bytes_sent += t.numel() * t.element_size()
@@ -84,15 +89,19 @@ class Comm:
         postings = [m[4] for m in meta]
         if self.coalesce:
             peers = sorted({m[1] for m in meta})
-            works = self.post(lambda: dist.batch_isend_irecv(ops), peer=peers[0] if len(peers) == 1 else None,
-                              what="; ".join(postings))
+            works = self.post(
+                lambda: dist.batch_isend_irecv(ops),
+                peer=peers[0] if len(peers) == 1 else None,
+                what="; ".join(postings),
+            )
             return Pending(self, works, meta)
         works = []
         for p2p, m, what in zip(ops, meta, postings, strict=True):
             # (if one fails, the works already posted are dropped with the exception: gloo
             # cancels them, and the group is unusable anyway)
-            works.append(self.post(lambda p2p=p2p: p2p.op(p2p.tensor, p2p.peer, p2p.group, p2p.tag), peer=m[1],
-                                   what=what))
+            works.append(
+                self.post(lambda p2p=p2p: p2p.op(p2p.tensor, p2p.peer, p2p.group, p2p.tag), peer=m[1], what=what)
+            )
         return Pending(self, works, meta)
 
     def _peer(self, peer):
@@ -101,16 +110,16 @@ class Comm:
 
     def post(self, fn, *, peer, what):
         """``fn()`` (it starts a communication), its backend errors translated."""
-        return guarded_post(fn, timeout_s=self.timeout_s, op=self.op, rank=self.rank, peer=self._peer(peer),
-                            what=what)
+        return guarded_post(fn, timeout_s=self.timeout_s, op=self.op, rank=self.rank, peer=self._peer(peer), what=what)
 
     def wait(self, work, *, peer, what):
         guarded_wait(work, timeout_s=self.timeout_s, op=self.op, rank=self.rank, peer=self._peer(peer), what=what)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> torch.Tensor:
         """Equal-split ``all_to_all_single`` along dim 0 (``out`` is filled and returned)."""
-        work = self.post(lambda: dist.all_to_all_single(out, inp, group=self.group, async_op=True), peer=None,
-                         what=what)
+        work = self.post(
+            lambda: dist.all_to_all_single(out, inp, group=self.group, async_op=True), peer=None, what=what
+        )
         self.bytes_sent += inp.numel() * inp.element_size() * (self.world - 1) // max(1, self.world)
         self.wait(work, peer=None, what=what)
         return out

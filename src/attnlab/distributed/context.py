@@ -32,8 +32,16 @@ class ContextParallel:
     ``"ulysses"``, the sequence ``layout`` of the shards, the whole ``seq_len`` (default:
     shard length × group size) and the ``timeout``/``backend`` of the calls."""
 
-    def __init__(self, *, group=None, method: str = "ring", layout: str = "zigzag", seq_len: int | None = None,
-                 timeout=None, backend: str = "auto"):
+    def __init__(
+        self,
+        *,
+        group=None,
+        method: str = "ring",
+        layout: str = "zigzag",
+        seq_len: int | None = None,
+        timeout=None,
+        backend: str = "auto",
+    ):
         if method not in METHODS:
             raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
         self.group, self.method, self.layout = group, method, check_layout(layout)
@@ -53,16 +61,25 @@ class ContextParallel:
         P, r = self._world_rank()
         pos = shard_positions(self._seq_len(n_local), P, r, self.layout, device=device)
         if pos.numel() != n_local:
-            raise ValueError(f"context_parallel: a shard of {n_local} tokens does not match seq_len="
-                             f"{self._seq_len(n_local)} over {P} ranks ({self.layout}: {pos.numel()} per rank)")
+            raise ValueError(
+                f"context_parallel: a shard of {n_local} tokens does not match seq_len="
+                f"{self._seq_len(n_local)} over {P} ranks ({self.layout}: {pos.numel()} per rank)"
+            )
         return pos
 
     def attend(self, q, k, v, *, mask=None, score_mod=None, scale=None):
         from attnlab.distributed.ring import ring_attention
         from attnlab.distributed.ulysses import ulysses_attention
 
-        kw = dict(group=self.group, mask=mask, score_mod=score_mod, scale=scale, layout=self.layout,
-                  seq_len=self._seq_len(q.shape[2]), timeout=self.timeout)
+        kw = dict(
+            group=self.group,
+            mask=mask,
+            score_mod=score_mod,
+            scale=scale,
+            layout=self.layout,
+            seq_len=self._seq_len(q.shape[2]),
+            timeout=self.timeout,
+        )
         if self.method == "ring":
             return ring_attention(q, k, v, **kw)
         return ulysses_attention(q, k, v, backend=self.backend, **kw)
@@ -79,6 +96,8 @@ def enable_context_parallel(model: torch.nn.Module, cp: ContextParallel | None) 
             mod.context_parallel = cp  # type: ignore[assignment]  # torch's stubs type Module attributes as Tensor | Module
             n += 1
     if n == 0:
-        raise ValueError("enable_context_parallel: the model has no module with a context_parallel option "
-                         "(attnlab.nn.MultiHeadAttention)")
+        raise ValueError(
+            "enable_context_parallel: the model has no module with a context_parallel option "
+            "(attnlab.nn.MultiHeadAttention)"
+        )
     return model

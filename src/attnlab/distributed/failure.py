@@ -30,8 +30,16 @@ import math
 import numbers
 import os
 
-__all__ = ["DistributedAttentionError", "PeerTimeoutError", "PeerFailureError", "set_timeout", "get_timeout",
-           "resolve_timeout", "guarded_wait", "guarded_post"]
+__all__ = [
+    "DistributedAttentionError",
+    "PeerTimeoutError",
+    "PeerFailureError",
+    "set_timeout",
+    "get_timeout",
+    "resolve_timeout",
+    "guarded_wait",
+    "guarded_post",
+]
 
 
 class DistributedAttentionError(RuntimeError):
@@ -85,37 +93,52 @@ def resolve_timeout(timeout) -> float:
     return _timeout_s if timeout is None else _positive_seconds(timeout, "timeout")
 
 
-_CLOSED = ("connection closed", "connection reset", "closed by peer", "broken pipe", "socket closed",
-           "connection refused", "remote worker crashing", "ncclremoteerror")
+_CLOSED = (
+    "connection closed",
+    "connection reset",
+    "closed by peer",
+    "broken pipe",
+    "socket closed",
+    "connection refused",
+    "remote worker crashing",
+    "ncclremoteerror",
+)
 _TIMED_OUT = ("timed out", "timeout", "deadline")
 
 
-def translate(exc: BaseException, *, op: str, rank: int, peer: int | None, what: str,
-              timeout_s: float, posting: bool = False) -> DistributedAttentionError:
+def translate(
+    exc: BaseException, *, op: str, rank: int, peer: int | None, what: str, timeout_s: float, posting: bool = False
+) -> DistributedAttentionError:
     """The error to raise for ``exc``, caught while ``rank`` waited on ``what`` (or, with
     ``posting``, while it posted the operation: started a send, a receive or a collective)."""
     while_ = f"posting {what}" if posting else f"waiting for {what}"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     low = text.lower()
     who = f"rank {peer}" if peer is not None else "a rank of the group"
-    hint = (f"Change the timeout with {op}(..., timeout=seconds) or attnlab.distributed.set_timeout(seconds); "
-            "destroy the process group before retrying.")
+    hint = (
+        f"Change the timeout with {op}(..., timeout=seconds) or attnlab.distributed.set_timeout(seconds); "
+        "destroy the process group before retrying."
+    )
     if "pair closure" in low:  # gloo closes a connection after a timeout on it
         return PeerTimeoutError(
             f"{op}: rank {rank} cannot reach {who} while {while_}: an earlier timeout closed the "
             f"connection, so this process group is unusable; destroy the process group and start a new one. "
-            f"(backend: {text})")
+            f"(backend: {text})"
+        )
     if any(s in low for s in _TIMED_OUT):
         if posting:
             return PeerTimeoutError(
-                f"{op}: rank {rank} timed out while {while_}: {who} did not answer. {hint} (backend: {text})")
+                f"{op}: rank {rank} timed out while {while_}: {who} did not answer. {hint} (backend: {text})"
+            )
         return PeerTimeoutError(
             f"{op}: rank {rank} waited {timeout_s:g} s for {what} and {who} never answered: it hung, is busy "
-            f"elsewhere, or did not call {op} with the same arguments. {hint} (backend: {text})")
+            f"elsewhere, or did not call {op} with the same arguments. {hint} (backend: {text})"
+        )
     if any(s in low for s in _CLOSED):
         return PeerFailureError(
             f"{op}: rank {rank} lost the connection to {who} while {while_}: that process exited or "
-            f"crashed. {hint} (backend: {text})")
+            f"crashed. {hint} (backend: {text})"
+        )
     return DistributedAttentionError(f"{op}: rank {rank} failed while {while_}: {text}. {hint}")
 
 

@@ -47,8 +47,24 @@ from attnlab.scores import ScoreMod
 
 __all__ = ["FIELDS", "call_fields", "leaves", "digests", "diff_message"]
 
-FIELDS = ("function", "q.shape", "k.shape", "v.shape", "q.dtype", "k.dtype", "v.dtype", "seq_len", "layout",
-          "mask", "score_mod", "scale", "return_lse", "backend", "gradients", "error")
+FIELDS = (
+    "function",
+    "q.shape",
+    "k.shape",
+    "v.shape",
+    "q.dtype",
+    "k.dtype",
+    "v.dtype",
+    "seq_len",
+    "layout",
+    "mask",
+    "score_mod",
+    "scale",
+    "return_lse",
+    "backend",
+    "gradients",
+    "error",
+)
 
 _MAX_VALUES = 16  # tensors with at most this many elements are shown by value
 _MAX_TEXT = 240  # characters of one leaf's text
@@ -57,8 +73,13 @@ _MAX_LEAVES = 256  # leaves shown one by one; the rest are compared by one diges
 
 # the built-in score mods' classes (attnlab.scores) by the public name that builds them;
 # masks name themselves (Mask.kind, the name their structural key uses)
-_NAMES = {"_Alibi": "alibi", "_Softcap": "softcap", "_RelativeBias": "relative_bias", "_Compose": "compose",
-          "_Custom": "custom"}
+_NAMES = {
+    "_Alibi": "alibi",
+    "_Softcap": "softcap",
+    "_RelativeBias": "relative_bias",
+    "_Compose": "compose",
+    "_Custom": "custom",
+}
 _OPS = {"and": "&", "or": "|"}
 _SKIP = {"cheap_classify"}  # derived from other attributes
 
@@ -68,7 +89,7 @@ def _clip(s: str) -> str:
     if len(s) <= _MAX_TEXT:
         return s
     digest = hashlib.blake2b(s.encode("utf-8", "backslashreplace"), digest_size=8).hexdigest()
-    return s[:_MAX_TEXT - 24] + "… #" + digest
+    return s[: _MAX_TEXT - 24] + "… #" + digest
 
 
 def _tensor_text(t: torch.Tensor) -> str:
@@ -95,8 +116,11 @@ def _is_mask_like(obj) -> bool:
     same protocol), whose public attributes are their parameters."""
     if isinstance(obj, (Mask, ScoreMod)):
         return True
-    return not isinstance(obj, torch.nn.Module) and hasattr(obj, "__dict__") and \
-        (callable(getattr(obj, "predicate", None)) or callable(getattr(obj, "apply", None)))
+    return (
+        not isinstance(obj, torch.nn.Module)
+        and hasattr(obj, "__dict__")
+        and (callable(getattr(obj, "predicate", None)) or callable(getattr(obj, "apply", None)))
+    )
 
 
 def _kind(obj) -> str | None:
@@ -178,7 +202,7 @@ def _walk(obj, path: str, out: dict, depth: int, seen: set) -> None:
     if isinstance(obj, types.FunctionType):
         out[path] = _fn_text(obj)
         code = obj.__code__
-        for name, cell in zip(code.co_freevars, obj.__closure__ or ()):
+        for name, cell in zip(code.co_freevars, obj.__closure__ or (), strict=False):
             try:
                 val = cell.cell_contents
             except ValueError:  # an empty cell
@@ -216,21 +240,38 @@ def leaves(obj, root: str) -> dict:
         items = list(out.items())
         rest = "\n".join(f"{p}={t}" for p, t in items[_MAX_LEAVES:])
         out = dict(items[:_MAX_LEAVES])
-        out[f"{root}[…]"] = _clip(f"{len(items) - _MAX_LEAVES} more leaves #" + hashlib.blake2b(
-            rest.encode("utf-8", "backslashreplace"), digest_size=8).hexdigest())
+        out[f"{root}[…]"] = _clip(
+            f"{len(items) - _MAX_LEAVES} more leaves #"
+            + hashlib.blake2b(rest.encode("utf-8", "backslashreplace"), digest_size=8).hexdigest()
+        )
     return out
 
 
 def _safe(fn, field):
     try:
         return fn()
-    except Exception as e:  # a field of an invalid call: described, never raised here
+    except Exception as e:  # noqa: BLE001 - a field of an invalid call: described, never raised here
         return {field: f"<unavailable: {type(e).__name__}>"}
 
 
-def call_fields(op: str, q, k, v, *, seq_len, layout, mask, score_mod, scale, return_lse, backend="-",
-                params=(), error: BaseException | None = None) -> dict:
+def call_fields(
+    op: str,
+    q,
+    k,
+    v,
+    *,
+    seq_len,
+    layout,
+    mask,
+    score_mod,
+    scale,
+    return_lse,
+    backend="-",
+    params=(),
+    error: BaseException | None = None,
+) -> dict:
     """``{field: {path: text}}`` for every field of :data:`FIELDS`, in that order."""
+
     def shape(name, t):
         return {name: repr(tuple(t.shape)) if isinstance(t, torch.Tensor) else f"<{type(t).__name__}>"}
 
@@ -243,8 +284,12 @@ def call_fields(op: str, q, k, v, *, seq_len, layout, mask, score_mod, scale, re
 
     f = {
         "function": {"function": op},
-        "q.shape": shape("q.shape", q), "k.shape": shape("k.shape", k), "v.shape": shape("v.shape", v),
-        "q.dtype": dtype("q.dtype", q), "k.dtype": dtype("k.dtype", k), "v.dtype": dtype("v.dtype", v),
+        "q.shape": shape("q.shape", q),
+        "k.shape": shape("k.shape", k),
+        "v.shape": shape("v.shape", v),
+        "q.dtype": dtype("q.dtype", q),
+        "k.dtype": dtype("k.dtype", k),
+        "v.dtype": dtype("v.dtype", v),
         "seq_len": _safe(lambda: leaves(seq_len, "seq_len"), "seq_len"),
         "layout": _safe(lambda: leaves(layout, "layout"), "layout"),
         "mask": _safe(lambda: leaves(mask, "mask"), "mask"),
@@ -259,8 +304,9 @@ def call_fields(op: str, q, k, v, *, seq_len, layout, mask, score_mod, scale, re
 
 
 def _h64(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "backslashreplace"), digest_size=8).digest(),
-                          "little", signed=True)
+    return int.from_bytes(
+        hashlib.blake2b(text.encode("utf-8", "backslashreplace"), digest_size=8).digest(), "little", signed=True
+    )
 
 
 def _field_text(d: dict) -> str:
@@ -280,7 +326,7 @@ def encode(fields: dict, names: list[str]) -> bytes:
 def decode(raw: bytes, names: list[str]) -> dict:
     parts = raw.decode("utf-8", "replace").split("\x1e")
     out = {}
-    for n, part in zip(names, parts):
+    for n, part in zip(names, parts, strict=False):
         d = {}
         for line in part.split("\n") if part else []:
             p, _, t = line.partition("\x1f")
@@ -321,15 +367,17 @@ def diff_message(op: str, per_rank: list[dict], names: list[str]) -> str:
         groups.setdefault(key, []).append(r)
     lines = []
     for key, ranks in groups.items():
-        lines.append(f"{_ranks_text(ranks)}: " + ", ".join(f"{p}={t}" for p, t in zip(paths, key)))
+        lines.append(f"{_ranks_text(ranks)}: " + ", ".join(f"{p}={t}" for p, t in zip(paths, key, strict=True)))
     if len(lines) > _MAX_LINES:
-        lines = lines[:_MAX_LINES] + [f"... and {len(groups) - _MAX_LINES} more groups of ranks"]
+        lines = [*lines[:_MAX_LINES], f"... and {len(groups) - _MAX_LINES} more groups of ranks"]
     differs = (", ".join(paths) if paths else ", ".join(names)) + (f" and {more} more" if more > 0 else "")
     if "function" in names:  # ranks that called different functions: name them all, in rank order
         op = "/".join(dict.fromkeys(d["function"].get("function", "?") for d in per_rank))
-    return (f"{op}: the ranks called with different arguments (differs: {differs}); every rank must pass shards "
-            "of one problem — the same function, shapes, dtypes, seq_len, layout, mask and score mod with their "
-            "parameters, scale, return_lse, backend and whether gradients are needed:\n  " + "\n  ".join(lines))
+    return (
+        f"{op}: the ranks called with different arguments (differs: {differs}); every rank must pass shards "
+        "of one problem — the same function, shapes, dtypes, seq_len, layout, mask and score mod with their "
+        "parameters, scale, return_lse, backend and whether gradients are needed:\n  " + "\n  ".join(lines)
+    )
 
 
 def _lookup(d: dict, path: str) -> str:

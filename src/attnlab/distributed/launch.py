@@ -45,8 +45,9 @@ def _entry(rank, world, fn, args, folder, backend, threads, pg_timeout_s, env):
         import torch.distributed as dist
 
         store = dist.FileStore(os.path.join(folder, "store"), world)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s)
+        )
         result = {"ok": True, "value": fn(rank, world, *args)}
     except BaseException:  # noqa: BLE001 - reported to the parent
         result = {"ok": False, "error": traceback.format_exc()}
@@ -77,9 +78,18 @@ def _context(start_method, env):
     return ctx
 
 
-def run_local(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo", threads: int = 1,
-              env: dict | None = None, return_errors: bool = False, pg_timeout: float = 60.0,
-              start_method: str | None = None) -> list:
+def run_local(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    threads: int = 1,
+    env: dict | None = None,
+    return_errors: bool = False,
+    pg_timeout: float = 60.0,
+    start_method: str | None = None,
+) -> list:
     """``[fn(0, P, *args), ..., fn(P-1, P, *args)]`` computed by ``P`` fresh processes.
 
     ``threads``: torch threads per process (1: on a small machine, ``P`` processes of
@@ -100,8 +110,9 @@ def run_local(fn, world_size: int, *args, timeout: float = 120.0, backend: str =
     try:
         os.environ.update(env)  # malloc settings etc. must be there when the child's runtime starts
         for r in range(world_size):
-            p = ctx.Process(target=_entry, args=(r, world_size, fn, args, folder, backend, threads, pg_timeout, env),
-                            daemon=True)
+            p = ctx.Process(
+                target=_entry, args=(r, world_size, fn, args, folder, backend, threads, pg_timeout, env), daemon=True
+            )
             p.start()
             procs.append(p)
         for k, v in saved.items():
@@ -115,8 +126,9 @@ def run_local(fn, world_size: int, *args, timeout: float = 120.0, backend: str =
             p.join(max(0.0, deadline - time.monotonic()))
         late = [r for r, p in enumerate(procs) if p.is_alive()]
         if late:
-            raise TimeoutError(f"run_local: rank(s) {late} of {world_size} did not finish within {timeout:g} s; "
-                               "they were killed")
+            raise TimeoutError(
+                f"run_local: rank(s) {late} of {world_size} did not finish within {timeout:g} s; they were killed"
+            )
         out, errors = [], []
         for r in range(world_size):
             path = os.path.join(folder, f"rank{r}.pt")

@@ -34,11 +34,20 @@ from collections.abc import Sequence
 
 import torch
 
-from attnlab.validate import integer
 from attnlab.ops.sdpa import is_causal_mask
+from attnlab.validate import integer
 
-__all__ = ["LAYOUTS", "padded_len", "shard_len", "shard_positions", "shard_sequence", "unshard_sequence",
-           "gather_sequence", "work_per_rank", "balance"]
+__all__ = [
+    "LAYOUTS",
+    "padded_len",
+    "shard_len",
+    "shard_positions",
+    "shard_sequence",
+    "unshard_sequence",
+    "gather_sequence",
+    "work_per_rank",
+    "balance",
+]
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 
@@ -95,8 +104,15 @@ def _dim(x: torch.Tensor, dim) -> int:
     return int(dim) % x.dim()
 
 
-def shard_sequence(x: torch.Tensor, *, dim: int, layout: str = "contiguous", rank: int | None = None,
-                   world_size: int | None = None, group=None) -> torch.Tensor:
+def shard_sequence(
+    x: torch.Tensor,
+    *,
+    dim: int,
+    layout: str = "contiguous",
+    rank: int | None = None,
+    world_size: int | None = None,
+    group=None,
+) -> torch.Tensor:
     """This rank's shard of the whole sequence ``x`` along ``dim`` (zero-padded).
 
     ``rank``/``world_size`` default to the group's (``torch.distributed`` must then be
@@ -110,8 +126,11 @@ def shard_sequence(x: torch.Tensor, *, dim: int, layout: str = "contiguous", ran
     N = x.shape[d]
     pos = shard_positions(N, world_size, rank, check_layout(layout), device=x.device)
     valid = pos < N
-    out = x.index_select(d, pos.clamp(max=max(N - 1, 0))) if N else x.new_zeros(
-        (*x.shape[:d], pos.numel(), *x.shape[d + 1:]))
+    out = (
+        x.index_select(d, pos.clamp(max=max(N - 1, 0)))
+        if N
+        else x.new_zeros((*x.shape[:d], pos.numel(), *x.shape[d + 1 :]))
+    )
     if not bool(valid.all()):
         shape = [1] * x.dim()
         shape[d] = pos.numel()
@@ -129,9 +148,11 @@ def unshard_sequence(shards: Sequence[torch.Tensor], *, dim: int, seq_len: int, 
     d = _dim(shards[0], dim)
     C = shard_len(seq_len, P, check_layout(layout))
     for r, s in enumerate(shards):
-        if s.shape[d] != C or s.shape[:d] != shards[0].shape[:d] or s.shape[d + 1:] != shards[0].shape[d + 1:]:
-            raise ValueError(f"shards: shard {r} has shape {tuple(s.shape)}; expected length {C} along dim {dim} "
-                             f"(seq_len={seq_len}, {P} ranks, layout={layout!r}) and the shape of shard 0")
+        if s.shape[d] != C or s.shape[:d] != shards[0].shape[:d] or s.shape[d + 1 :] != shards[0].shape[d + 1 :]:
+            raise ValueError(
+                f"shards: shard {r} has shape {tuple(s.shape)}; expected length {C} along dim {dim} "
+                f"(seq_len={seq_len}, {P} ranks, layout={layout!r}) and the shape of shard 0"
+            )
     cat = torch.cat(shards, dim=d)
     pos = torch.cat([shard_positions(seq_len, P, r, layout, device=cat.device) for r in range(P)])
     order = torch.argsort(pos)[:seq_len]
@@ -149,12 +170,18 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, g):
         comm = ctx.comm
         g = comm.all_reduce(g.contiguous().clone(), "the gradients of gather_sequence")
-        return shard_sequence(g, dim=ctx.d, layout=ctx.layout, rank=comm.rank, world_size=comm.world), \
-            None, None, None, None
+        return (
+            shard_sequence(g, dim=ctx.d, layout=ctx.layout, rank=comm.rank, world_size=comm.world),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def gather_sequence(x: torch.Tensor, *, dim: int, seq_len: int, layout: str = "contiguous", group=None,
-                    timeout=None) -> torch.Tensor:
+def gather_sequence(
+    x: torch.Tensor, *, dim: int, seq_len: int, layout: str = "contiguous", group=None, timeout=None
+) -> torch.Tensor:
     """Every rank gets the whole sequence from the shards (an all-gather); differentiable
     (the backward sums the gradients of all ranks, as ``all_gather``'s adjoint does)."""
     from attnlab.distributed.comm import Comm
@@ -165,8 +192,10 @@ def gather_sequence(x: torch.Tensor, *, dim: int, seq_len: int, layout: str = "c
     d = _dim(x, dim)
     C = shard_len(seq_len, comm.world, check_layout(layout))
     if x.shape[d] != C:
-        raise ValueError(f"x: shard length {x.shape[d]} along dim {dim}, expected {C} for seq_len={seq_len} over "
-                         f"{comm.world} ranks ({layout})")
+        raise ValueError(
+            f"x: shard length {x.shape[d]} along dim {dim}, expected {C} for seq_len={seq_len} over "
+            f"{comm.world} ranks ({layout})"
+        )
     return _Gather.apply(x, comm, d, seq_len, layout)
 
 
@@ -189,7 +218,9 @@ def work_per_rank(seq_len: int, world_size: int, layout: str, mask=None) -> list
             kv = torch.arange(seq_len).view(1, 1, 1, -1)
             total = 0
             for chunk in pos.split(256):
-                m = mask(torch.tensor(0).view(1, 1, 1, 1), torch.tensor(0).view(1, 1, 1, 1), chunk.view(1, 1, -1, 1), kv)
+                m = mask(
+                    torch.tensor(0).view(1, 1, 1, 1), torch.tensor(0).view(1, 1, 1, 1), chunk.view(1, 1, -1, 1), kv
+                )
                 total += int(torch.broadcast_to(m, (1, 1, chunk.numel(), seq_len)).sum())
             out.append(total)
     return out

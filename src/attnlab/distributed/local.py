@@ -37,7 +37,7 @@ def mod_params(score_mod, *, dtype=torch.float32, device=None) -> list[torch.Ten
     captures (:func:`attnlab.ops.modparams.score_mod_params`, probed on a 1×1 score of
     ``dtype`` on ``device``).  Raises ``ValueError`` for a mod that reads a tensor
     requiring grad that cannot be routed (pass it with ``scores.custom(fn, params=[...])``)."""
-    out = []
+    out: list[torch.Tensor] = []
     if score_mod is None:
         return out
     if hasattr(score_mod, "parameters"):
@@ -53,8 +53,18 @@ def mod_params(score_mod, *, dtype=torch.float32, device=None) -> list[torch.Ten
 def tile_forward(q, k, v, *, mask, score_mod, scale):
     """``(out, lse)`` of local queries over one K/V shard (no autograd graph)."""
     with torch.no_grad():
-        return attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=0, kv_offset=0,
-                         return_lse=True, backend="auto")  # flash on CPU (it returns the LSE)
+        return attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=score_mod,
+            scale=scale,
+            q_offset=0,
+            kv_offset=0,
+            return_lse=True,
+            backend="auto",
+        )  # flash on CPU (it returns the LSE)
 
 
 def tile_backward(q, k, v, out, lse, dout, dlse, *, mask, score_mod, scale, params):

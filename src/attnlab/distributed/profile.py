@@ -41,9 +41,13 @@ class Profile:
 
     def summary(self, op: str | None = None) -> dict:
         st = [s for s in self.steps if op is None or s.op == op]
-        return {"steps": len(st), "computed": sum(s.computed for s in st),
-                "compute_s": sum(s.compute_s for s in st), "wait_s": sum(s.wait_s for s in st),
-                "bytes_sent": sum(s.bytes_sent for s in st)}
+        return {
+            "steps": len(st),
+            "computed": sum(s.computed for s in st),
+            "compute_s": sum(s.compute_s for s in st),
+            "wait_s": sum(s.wait_s for s in st),
+            "bytes_sent": sum(s.bytes_sent for s in st),
+        }
 
     def as_dicts(self) -> list[dict]:
         return [asdict(s) for s in self.steps]

@@ -140,8 +140,9 @@ def ring_forward(plan: RingPlan, comm: Comm, q, k, v, score_mod, scale):
             continue
         timer = Timer("ring fwd", t, plan.computes(t))
         b0 = comm.bytes_sent
-        sends, recvs, k_next, v_next = _kv_messages(plan, t, k_cur, v_cur, k.shape, v.shape, k.dtype, q.device,
-                                                    "forward step")
+        sends, recvs, k_next, v_next = _kv_messages(
+            plan, t, k_cur, v_cur, k.shape, v.shape, k.dtype, q.device, "forward step"
+        )
         pend = comm.start(sends, recvs)  # the next shard is in flight ...
         if plan.computes(t):  # ... while this one is used
             with timer.compute():
@@ -159,8 +160,10 @@ def ring_forward(plan: RingPlan, comm: Comm, q, k, v, score_mod, scale):
         k_cur, v_cur = k_next, v_next
     if o_acc is None:  # nothing visible to any of these queries (or all of them are padding)
         B, H, C, _ = q.shape
-        return (torch.zeros(B, H, C, v.shape[-1], dtype=q.dtype, device=q.device),
-                torch.full((B, H, C), float("-inf"), dtype=acc, device=q.device))
+        return (
+            torch.zeros(B, H, C, v.shape[-1], dtype=q.dtype, device=q.device),
+            torch.full((B, H, C), float("-inf"), dtype=acc, device=q.device),
+        )
     return o_acc.to(q.dtype), l_acc
 
 
@@ -180,16 +183,24 @@ def ring_backward(plan: RingPlan, comm: Comm, q, k, v, out, lse, dout, dlse, sco
             continue
         timer = Timer("ring bwd", t, plan.computes(t))
         b0 = comm.bytes_sent
-        sends, recvs, k_next, v_next = _kv_messages(plan, t, k_cur, v_cur, k.shape, v.shape, k.dtype, q.device,
-                                                    "backward step")
+        sends, recvs, k_next, v_next = _kv_messages(
+            plan, t, k_cur, v_cur, k.shape, v.shape, k.dtype, q.device, "backward step"
+        )
         if pending is not None:
             sends.append(pending)
         pending = None
         acc_in = fin = None
         if recv_acc:
             acc_in = torch.empty(n, dtype=acc, device=q.device)
-            recvs.append(("dkv_in", acc_in, (r - 1) % P, TAG_DKV,
-                          (f"the dK/dV accumulator of rank {plan.origin(t)}'s shard", f"backward step {t}")))
+            recvs.append(
+                (
+                    "dkv_in",
+                    acc_in,
+                    (r - 1) % P,
+                    TAG_DKV,
+                    (f"the dK/dV accumulator of rank {plan.origin(t)}'s shard", f"backward step {t}"),
+                )
+            )
         if src is not None:
             fin = torch.empty(n, dtype=acc, device=q.device)
             recvs.append(("final", fin, src, TAG_FINAL, (f"rank {r}'s finished dK/dV", f"backward step {t}")))
@@ -199,8 +210,9 @@ def ring_backward(plan: RingPlan, comm: Comm, q, k, v, out, lse, dout, dlse, sco
             if plan.computes(t):
                 with timer.compute():
                     m, mod = plan.views(plan.origin(t), score_mod)
-                    dq_s, dk_s, dv_s, dp = tile_backward(q, k_cur, v_cur, out, lse, dout, dlse, mask=m,
-                                                         score_mod=mod, scale=scale, params=params)
+                    dq_s, dk_s, dv_s, dp = tile_backward(
+                        q, k_cur, v_cur, out, lse, dout, dlse, mask=m, score_mod=mod, scale=scale, params=params
+                    )
                     dq += dq_s
                     del dq_s
                     for a_, g in zip(dparams, dp, strict=True):
@@ -221,8 +233,12 @@ def ring_backward(plan: RingPlan, comm: Comm, q, k, v, out, lse, dout, dlse, sco
                 own = a
             else:
                 peer, tag = dest
-                what = (f"the dK/dV accumulator of rank {plan.origin(t)}'s shard" if tag == TAG_DKV
-                        else f"rank {peer}'s finished dK/dV", f"backward step {t + 1}")
+                what = (
+                    f"the dK/dV accumulator of rank {plan.origin(t)}'s shard"
+                    if tag == TAG_DKV
+                    else f"rank {peer}'s finished dK/dV",
+                    f"backward step {t + 1}",
+                )
                 pending = ("dkv" if tag == TAG_DKV else "final", a, peer, tag, what)
         with timer.wait():
             pend.wait_all()
@@ -247,13 +263,26 @@ class _RingFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *params = ctx.saved_tensors
-        dq, dk, dv, dparams = ring_backward(ctx.plan, ctx.comm, q, k, v, out, lse, dout, dlse, ctx.score_mod,
-                                            ctx.scale, params)
+        dq, dk, dv, dparams = ring_backward(
+            ctx.plan, ctx.comm, q, k, v, out, lse, dout, dlse, ctx.score_mod, ctx.scale, params
+        )
         return (None, None, None, None, dq, dk, dv, *dparams)
 
 
-def ring_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=None, layout: str = "contiguous",
-                   seq_len: int | None = None, return_lse: bool = False, timeout=None):
+def ring_attention(
+    q,
+    k,
+    v,
+    *,
+    group=None,
+    mask=None,
+    score_mod=None,
+    scale=None,
+    layout: str = "contiguous",
+    seq_len: int | None = None,
+    return_lse: bool = False,
+    timeout=None,
+):
     """Attention of a sequence sharded over the ranks of ``group``; forward and backward.
 
     Each rank passes its shard (:func:`attnlab.distributed.shard_sequence` with the
@@ -289,13 +318,37 @@ def ring_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=None
     comm = Comm(group, timeout, "ring_attention")
     error, params = None, []
     try:
-        scale, seq_len = check_call("ring_attention", q, k, v, mask=mask, score_mod=score_mod, scale=scale,
-                                    layout=layout, seq_len=seq_len, return_lse=return_lse, world=comm.world)
+        scale, seq_len = check_call(
+            "ring_attention",
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=score_mod,
+            scale=scale,
+            layout=layout,
+            seq_len=seq_len,
+            return_lse=return_lse,
+            world=comm.world,
+        )
         params = mod_params(score_mod, dtype=acc_dtype(q.dtype), device=q.device)  # declared or captured
     except (ValueError, TypeError) as e:  # every rank learns of it in the handshake, not by a timeout
         error = e
-    handshake(comm, "ring_attention", q, k, v, seq_len=seq_len, layout=layout, mask=mask, score_mod=score_mod,
-              scale=scale, return_lse=return_lse, params=params, error=error)
+    handshake(
+        comm,
+        "ring_attention",
+        q,
+        k,
+        v,
+        seq_len=seq_len,
+        layout=layout,
+        mask=mask,
+        score_mod=score_mod,
+        scale=scale,
+        return_lse=return_lse,
+        params=params,
+        error=error,
+    )
     # the handshake raised on every rank unless check_call resolved seq_len
     plan = RingPlan(comm.world, comm.rank, cast(int, seq_len), layout, mask, q.shape[0], q.shape[1], device=q.device)
     out, lse = _RingFn.apply(plan, comm, score_mod, scale, q, k, v, *params)

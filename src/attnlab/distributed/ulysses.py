@@ -20,6 +20,7 @@ query head, the K/V head it reads (correct, more traffic).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -41,8 +42,10 @@ def kv_heads_for(H: int, Hkv: int, P: int, rank: int) -> tuple[list[int], int]:
     """The K/V heads rank ``rank`` receives (global indices, local order) and the number of
     local query heads that share each of them (the local GQA group)."""
     if H % P:
-        raise ValueError(f"ulysses_attention: H={H} query heads cannot be split over {P} ranks (H % P = {H % P}); "
-                         "use a group whose size divides H, or ring_attention (it does not split heads)")
+        raise ValueError(
+            f"ulysses_attention: H={H} query heads cannot be split over {P} ranks (H % P = {H % P}); "
+            "use a group whose size divides H, or ring_attention (it does not split heads)"
+        )
     Hl, G = H // P, H // Hkv
     lo = rank * Hl
     if G % Hl == 0:  # every local query head reads the same K/V head (replicated when Hkv < P)
@@ -75,8 +78,21 @@ def _head_free(mask) -> bool:
     return all(_head_free(getattr(mask, c)) for c in ("a", "b") if hasattr(mask, c))
 
 
-def ulysses_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=None, layout: str = "contiguous",
-                      seq_len: int | None = None, return_lse: bool = False, backend: str = "auto", timeout=None):
+def ulysses_attention(
+    q,
+    k,
+    v,
+    *,
+    group=None,
+    mask=None,
+    score_mod=None,
+    scale=None,
+    layout: str = "contiguous",
+    seq_len: int | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+    timeout=None,
+):
     """Attention of a sequence sharded over ``group`` by head-parallel all-to-alls.
 
     Same inputs, outputs and conventions as :func:`attnlab.distributed.ring_attention`
@@ -87,17 +103,44 @@ def ulysses_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=N
     P, r = comm.world, comm.rank
     error, N = None, seq_len
     try:
-        scale, N = check_call("ulysses_attention", q, k, v, mask=mask, score_mod=score_mod, scale=scale,
-                              layout=layout, seq_len=seq_len, return_lse=return_lse, world=P)
+        scale, N = check_call(
+            "ulysses_attention",
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=score_mod,
+            scale=scale,
+            layout=layout,
+            seq_len=seq_len,
+            return_lse=return_lse,
+            world=P,
+        )
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         kv_idx, _ = kv_heads_for(q.shape[1], k.shape[1], P, r)  # raises for H % P != 0
-        params = mod_params(score_mod, dtype=acc_dtype(q.dtype), device=q.device)  # declared or captured
+        params: Sequence[torch.Tensor] = mod_params(
+            score_mod, dtype=acc_dtype(q.dtype), device=q.device
+        )  # declared or captured
     except (ValueError, TypeError) as e:  # every rank learns of it in the handshake, not by a timeout
         error = e
         params = ()
-    handshake(comm, "ulysses_attention", q, k, v, seq_len=N, layout=layout, mask=mask, score_mod=score_mod,
-              scale=scale, return_lse=return_lse, backend=backend, params=params, error=error)
+    handshake(
+        comm,
+        "ulysses_attention",
+        q,
+        k,
+        v,
+        seq_len=N,
+        layout=layout,
+        mask=mask,
+        score_mod=score_mod,
+        scale=scale,
+        return_lse=return_lse,
+        backend=backend,
+        params=params,
+        error=error,
+    )
     N = cast(int, N)  # the handshake raised on every rank unless check_call resolved it
     B, H, C, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
@@ -110,14 +153,17 @@ def ulysses_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=N
         parts = []
         for dst in range(P):
             idx = torch.tensor(kv_heads_for(H, Hkv, P, dst)[0], device=q.device)
-            parts += [q[:, dst * Hl:(dst + 1) * Hl].reshape(-1), k.index_select(1, idx).reshape(-1),
-                      v.index_select(1, idx).reshape(-1)]
+            parts += [
+                q[:, dst * Hl : (dst + 1) * Hl].reshape(-1),
+                k.index_select(1, idx).reshape(-1),
+                v.index_select(1, idx).reshape(-1),
+            ]
         got = _AllToAll.apply(torch.cat(parts), comm, "the q/k/v all-to-all (sequence to heads, forward)")
         nq, nk, nv = B * Hl * C * D, B * nkv * C * D, B * nkv * C * Dv
         got = got.view(P, nq + nk + nv)
         qs = got[:, :nq].reshape(P, B, Hl, C, D)
-        ks = got[:, nq:nq + nk].reshape(P, B, nkv, C, D)
-        vs = got[:, nq + nk:].reshape(P, B, nkv, C, Dv)
+        ks = got[:, nq : nq + nk].reshape(P, B, nkv, C, D)
+        vs = got[:, nq + nk :].reshape(P, B, nkv, C, Dv)
     pos = torch.cat([shard_positions(N, P, s, layout, device=q.device) for s in range(P)])
     order = torch.argsort(pos)[:N]  # concatenated shard order -> global order, padding dropped
 
@@ -130,8 +176,18 @@ def ulysses_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=N
     m = mask if _head_free(mask) else HeadView(mask, r * Hl, Hl, H)
     mod = None if score_mod is None else HeadScoreMod(score_mod, r * Hl, H, device=q.device)
     with timer.compute():
-        res = attention(qg, kg, vg, mask=m, score_mod=mod, scale=scale, q_offset=0, kv_offset=0,
-                        return_lse=return_lse, backend=backend)
+        res = attention(
+            qg,
+            kg,
+            vg,
+            mask=m,
+            score_mod=mod,
+            scale=scale,
+            q_offset=0,
+            kv_offset=0,
+            return_lse=return_lse,
+            backend=backend,
+        )
     out, lse = res if return_lse else (res, None)
 
     # -- head shards -> sequence shards ----------------------------------------------------
@@ -147,8 +203,9 @@ def ulysses_attention(q, k, v, *, group=None, mask=None, score_mod=None, scale=N
         back = _AllToAll.apply(to_shards(out, 0), comm, "the output all-to-all (heads to sequence, forward)")
         o = back.view(P, B, Hl, C, Dv).permute(1, 0, 2, 3, 4).reshape(B, H, C, Dv)
         if return_lse and lse is not None:
-            lb = _AllToAll.apply(to_shards(lse.unsqueeze(-1), float("-inf")), comm,
-                                 "the LSE all-to-all (heads to sequence, forward)")
+            lb = _AllToAll.apply(
+                to_shards(lse.unsqueeze(-1), float("-inf")), comm, "the LSE all-to-all (heads to sequence, forward)"
+            )
             lse = lb.view(P, B, Hl, C).permute(1, 0, 2, 3).reshape(B, H, C)
     timer.done(comm.bytes_sent - b0)
     return (o, lse) if return_lse else o

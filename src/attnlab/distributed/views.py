@@ -32,8 +32,7 @@ from __future__ import annotations
 import torch
 
 from attnlab.distributed.local import mod_params
-from attnlab.masks import Mask
-from attnlab.masks import EMPTY, FULL, PARTIAL
+from attnlab.masks import EMPTY, FULL, PARTIAL, Mask
 from attnlab.scores import ScoreMod
 
 __all__ = ["ShardMask", "ShardScoreMod", "HeadView", "HeadScoreMod", "need_matrix", "runs"]
@@ -67,8 +66,9 @@ class ShardMask(Mask):
         valid = tile_states((gqh < N) & (gkh < N), (gql >= N) | (gkl >= N))
         if self.inner is None:
             return valid
-        s = self.inner.classify(B, H, gql.clamp(max=N - 1), gqh.clamp(max=N - 1), gkl.clamp(max=N - 1),
-                                gkh.clamp(max=N - 1))
+        s = self.inner.classify(
+            B, H, gql.clamp(max=N - 1), gqh.clamp(max=N - 1), gkl.clamp(max=N - 1), gkh.clamp(max=N - 1)
+        )
         return None if s is None else torch.minimum(s.to(torch.int8), valid)
 
     def validate(self, *shape):
@@ -114,7 +114,7 @@ class HeadView(Mask):
             return None
         while s.dim() < 4:
             s = s.unsqueeze(0)
-        return s[:, self.h0:self.h0 + self.n] if s.shape[1] == self.H and self.H > 1 else s
+        return s[:, self.h0 : self.h0 + self.n] if s.shape[1] == self.H and self.H > 1 else s
 
     def validate(self, B, H, Nq, Nk, q_offset, kv_offset):
         self.inner.validate(B, self.H, Nq, Nk, q_offset, kv_offset)
@@ -181,6 +181,7 @@ def need_matrix(mask, positions: list[torch.Tensor], seq_len: int, B: int, H: in
     states = torch.broadcast_to(states, (*states.shape[:2], len(flat), len(flat)))
     nonempty = (states != EMPTY).flatten(0, 1).any(0).long()  # (runs, runs)
     hit = torch.zeros(P, P, dtype=torch.long)
-    hit.index_put_((owner.view(-1, 1).expand_as(nonempty), owner.view(1, -1).expand_as(nonempty)), nonempty,
-                   accumulate=True)
+    hit.index_put_(
+        (owner.view(-1, 1).expand_as(nonempty), owner.view(1, -1).expand_as(nonempty)), nonempty, accumulate=True
+    )
     return [[need[r][s] and bool(hit[r, s] > 0) for s in range(P)] for r in range(P)]

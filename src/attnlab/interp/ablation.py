@@ -45,7 +45,7 @@ def _heads_by_layer(model, heads):
             raise ValueError(f"heads: expected (layer, head) pairs, got {item!r}")
         l, h = int(item[0]), int(item[1])
         if -len(mods) <= l < 0:
-            l = sorted(mods)[l]                                  # Python's negative indices
+            l = sorted(mods)[l]  # Python's negative indices
         if l not in mods:
             raise ValueError(f"heads: layer {l} not in the model's layers {sorted(mods)}")
         m = mods[l][0]
@@ -91,10 +91,13 @@ def ablate(model, heads, *, kind: str = "zero", reference=None, forward=None):
                 else:
                     r = saved[l][:, h]
                     if r.shape[1] != z.shape[2]:
-                        raise ValueError(f"reference: sequence length {r.shape[1]} differs from the input's "
-                                         f"{z.shape[2]} (resample ablation needs equal lengths)")
+                        raise ValueError(
+                            f"reference: sequence length {r.shape[1]} differs from the input's "
+                            f"{z.shape[2]} (resample ablation needs equal lengths)"
+                        )
                     z[:, h] = r[torch.arange(z.shape[0]) % r.shape[0]].to(z.dtype)
             return z
+
         return hook
 
     installed = []
@@ -107,6 +110,7 @@ def ablate(model, heads, *, kind: str = "zero", reference=None, forward=None):
             installed.append((lst, hk))
         if any(mods[l][1] == "hf" for l in by):
             from attnlab.interp.capture import use_bridge
+
             restore = use_bridge(model)
         else:
             restore = None
@@ -136,8 +140,10 @@ def lm_loss(model, ids) -> torch.Tensor:
     for a model without LM logits (an encoder: see :func:`hidden_change`)."""
     logits, _ = _output(model, ids)
     if logits is None:
-        raise ValueError(f"loss_fn: lm_loss needs next-token logits and {type(model).__name__} returns none "
-                         "(an encoder); use hidden_change(model, ids) or pass your own loss_fn(model, ids)")
+        raise ValueError(
+            f"loss_fn: lm_loss needs next-token logits and {type(model).__name__} returns none "
+            "(an encoder); use hidden_change(model, ids) or pass your own loss_fn(model, ids)"
+        )
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
@@ -159,6 +165,7 @@ def hidden_change(model, ids):
         if h.shape != h0.shape:
             raise ValueError(f"ids: hidden_change was set up for inputs {tuple(ids.shape)}, got {tuple(x.shape)}")
         return ((h.float() - h0).norm(dim=-1) / n0).mean()
+
     return fn
 
 
@@ -169,8 +176,9 @@ def default_loss(model, ids):
     return lm_loss if logits is not None else hidden_change(model, ids)
 
 
-def ablation_effects(model, ids, *, kind: str = "zero", reference=None, loss_fn=None, layers=None,
-                     progress: bool = True) -> HeadScores:
+def ablation_effects(
+    model, ids, *, kind: str = "zero", reference=None, loss_fn=None, layers=None, progress: bool = True
+) -> HeadScores:
     """``[layer, head]``: loss with that one head ablated minus the clean loss (positive =
     the head helps).  One forward pass per head, with a progress bar.
 

@@ -47,8 +47,16 @@ __all__ = ["ActivationCache", "run_with_cache", "get_act_name"]
 
 _ATTN = ("k", "v", "q", "z", "rot_k", "rot_q", "result", "pattern", "attn_scores")
 _MLP = ("pre", "post", "mid", "pre_linear")
-_ALIAS = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
-          "mlp_pre": "pre", "mlp_mid": "mid", "mlp_post": "post"}
+_ALIAS = {
+    "attn": "pattern",
+    "attn_logits": "attn_scores",
+    "key": "k",
+    "query": "q",
+    "value": "v",
+    "mlp_pre": "pre",
+    "mlp_mid": "mid",
+    "mlp_post": "post",
+}
 _LAZY = ("hook_attn_scores", "hook_pattern", "hook_result")
 
 
@@ -98,17 +106,16 @@ def _positions_apply(t: torch.Tensor, pos_slice, dim: int) -> torch.Tensor:
         return t[tuple(idx)]
     if isinstance(pos_slice, (list, tuple, torch.Tensor)):
         return t.index_select(dim, torch.as_tensor(pos_slice, dtype=torch.long, device=t.device).reshape(-1))
-    raise TypeError(f"pos_slice: expected None, an int, a slice or a list of positions, got "
-                    f"{type(pos_slice).__name__}")
+    raise TypeError(f"pos_slice: expected None, an int, a slice or a list of positions, got {type(pos_slice).__name__}")
 
 
 class ActivationCache:
     """Activations of one forward pass by name; see the module docstring.  Build with :func:`run_with_cache`."""
 
     def __init__(self, store: dict, lazy: dict, spec, calls: dict | None = None, order=None):
-        self._store = store          # name -> tensor
-        self._lazy = lazy            # name -> () -> tensor, computed once when read
-        self._calls = calls or {}    # layer -> AttentionCall (q, k kept) for lazy patterns
+        self._store = store  # name -> tensor
+        self._lazy = lazy  # name -> () -> tensor, computed once when read
+        self._calls = calls or {}  # layer -> AttentionCall (q, k kept) for lazy patterns
         self.spec = spec
         self._order = list(order) if order is not None else list(store) + [n for n in lazy if n not in store]
 
@@ -134,8 +141,10 @@ class ActivationCache:
             t = self._lazy[name]()
             self._store[name] = t
             return t
-        raise KeyError(f"{name!r} is not in the cache (it holds {len(self)} names; was it excluded by "
-                       f"names_filter, or does the model have no such point? see hook_names(model))")
+        raise KeyError(
+            f"{name!r} is not in the cache (it holds {len(self)} names; was it excluded by "
+            f"names_filter, or does the model have no such point? see hook_names(model))"
+        )
 
     def __contains__(self, key) -> bool:
         try:
@@ -180,8 +189,10 @@ class ActivationCache:
                 raise ValueError(f"heads: expected query-head indices in [-{H}, {H}), got {idx.tolist()}")
             return p[:, idx % H]
         if layer not in self._calls:
-            raise KeyError(f"layer {layer}: its pattern was not cached (names_filter excluded "
-                           f"blocks.{layer}.attn.hook_pattern, or the layer has no softmax attention)")
+            raise KeyError(
+                f"layer {layer}: its pattern was not cached (names_filter excluded "
+                f"blocks.{layer}.attn.hook_pattern, or the layer has no softmax attention)"
+            )
         return self._calls[layer].pattern(heads)
 
     def nbytes(self) -> int:
@@ -204,17 +215,28 @@ class ActivationCache:
         if layer is None:
             return L
         if isinstance(layer, bool) or not isinstance(layer, int) or not -(L + 1) <= layer <= L:
-            raise ValueError(f"layer: expected None or an int in [-{L + 1}, {L}] (a position among the "
-                             f"n_layers + 1 = {L + 1} residual streams; -1 / None: the final one), got {layer!r}")
+            raise ValueError(
+                f"layer: expected None or an int in [-{L + 1}, {L}] (a position among the "
+                f"n_layers + 1 = {L + 1} residual streams; -1 / None: the final one), got {layer!r}"
+            )
         return layer % (L + 1)
 
     def _additive(self, what: str):
         if not self.spec.additive_resid:
-            raise ValueError(f"{what}: the residual stream of this model is not a sum of its components "
-                             "(post-norm blocks or an embedding norm, as BERT); use a pre-norm decoder")
+            raise ValueError(
+                f"{what}: the residual stream of this model is not a sum of its components "
+                "(post-norm blocks or an embedding norm, as BERT); use a pre-norm decoder"
+            )
 
-    def accumulated_resid(self, layer=None, incl_mid: bool = False, apply_ln: bool = False, pos_slice=None,
-                          mlp_input: bool = False, return_labels: bool = False):
+    def accumulated_resid(
+        self,
+        layer=None,
+        incl_mid: bool = False,
+        apply_ln: bool = False,
+        pos_slice=None,
+        mlp_input: bool = False,
+        return_labels: bool = False,
+    ):
         """The residual stream at each layer up to ``layer``: ``[components, B, N, d_model]`` — resid_pre of
         0..layer (and resid_mid of each before ``layer`` with ``incl_mid``; of ``layer`` itself with
         ``mlp_input``), then ``final_post`` when ``layer`` is the final stream.  The logit lens is
@@ -237,8 +259,16 @@ class ActivationCache:
             out = self.apply_ln_to_stack(out, layer, mlp_input=mlp_input, pos_slice=pos_slice)
         return (out, labels) if return_labels else out
 
-    def decompose_resid(self, layer=None, mlp_input: bool = False, mode: str = "all", apply_ln: bool = False,
-                        pos_slice=None, incl_embeds: bool = True, return_labels: bool = False):
+    def decompose_resid(
+        self,
+        layer=None,
+        mlp_input: bool = False,
+        mode: str = "all",
+        apply_ln: bool = False,
+        pos_slice=None,
+        incl_embeds: bool = True,
+        return_labels: bool = False,
+    ):
         """The residual stream entering ``layer`` as the sum of what wrote it: ``embed``, ``pos_embed``, each
         earlier layer's ``attn_out`` and ``mlp_out`` (``mode``: "all", "attn" or "mlp"), and with
         ``mlp_input`` the attention output of ``layer`` itself.  ``[components, B, N, d_model]``; the
@@ -277,8 +307,14 @@ class ActivationCache:
             out = self.apply_ln_to_stack(out, layer, mlp_input=mlp_input, pos_slice=pos_slice)
         return (out, labels) if return_labels else out
 
-    def stack_head_results(self, layer=-1, return_labels: bool = False, incl_remainder: bool = False,
-                           pos_slice=None, apply_ln: bool = False):
+    def stack_head_results(
+        self,
+        layer=-1,
+        return_labels: bool = False,
+        incl_remainder: bool = False,
+        pos_slice=None,
+        apply_ln: bool = False,
+    ):
         """Each head's output through W_O for the layers before ``layer`` (-1 / None: all):
         ``[layers·H, B, N, d_model]``, labels ``L{l}H{h}``; ``incl_remainder`` adds ``resid_post`` of
         ``layer - 1`` minus their sum (embeddings, biases, MLPs)."""
@@ -299,8 +335,9 @@ class ActivationCache:
             out = self.apply_ln_to_stack(out, layer, pos_slice=pos_slice)
         return (out, labels) if return_labels else out
 
-    def get_full_resid_decomposition(self, layer=None, mlp_input: bool = False, apply_ln: bool = False,
-                                     pos_slice=None, return_labels: bool = False):
+    def get_full_resid_decomposition(
+        self, layer=None, mlp_input: bool = False, apply_ln: bool = False, pos_slice=None, return_labels: bool = False
+    ):
         """The stream entering ``layer`` as every head's result (``L{l}H{h}``), each MLP's output, ``embed``,
         ``pos_embed`` and ``bias`` (the attention output biases): ``[components, B, N, d_model]``, summing to
         resid_pre of ``layer`` (resid_mid with ``mlp_input``, whose heads of ``layer`` are then included).
@@ -315,8 +352,9 @@ class ActivationCache:
             heads, labels = self.stack_head_results(upto, pos_slice=pos_slice, return_labels=True)
             comps.append(heads)
         if self.spec.has_mlp and layer:
-            mlp, mlp_labels = self.decompose_resid(layer, mode="mlp", incl_embeds=False, pos_slice=pos_slice,
-                                                   return_labels=True)
+            mlp, mlp_labels = self.decompose_resid(
+                layer, mode="mlp", incl_embeds=False, pos_slice=pos_slice, return_labels=True
+            )
             comps.append(mlp)
             labels += mlp_labels
         emb = [("embed", "hook_embed")] + ([("pos_embed", "hook_pos_embed")] if self.spec.has_pos_embed else [])
@@ -341,8 +379,15 @@ class ActivationCache:
         layer = self._resid_position(layer)
         return torch.stack([self[name, l, sublayer_type] if sublayer_type else self[name, l] for l in range(layer)])
 
-    def apply_ln_to_stack(self, residual_stack: torch.Tensor, layer=None, mlp_input: bool = False, pos_slice=None,
-                          batch_slice=None, has_batch_dim: bool = True) -> torch.Tensor:
+    def apply_ln_to_stack(
+        self,
+        residual_stack: torch.Tensor,
+        layer=None,
+        mlp_input: bool = False,
+        pos_slice=None,
+        batch_slice=None,
+        has_batch_dim: bool = True,
+    ) -> torch.Tensor:
         """``residual_stack [..., B, N, d_model]`` through the norm that reads the stream at ``layer``
         (ln1 of ``layer``, ln2 with ``mlp_input``, ln_final for the final stream) *as a linear map*: centred
         (LayerNorm) and divided by the cached scale of the actual forward; weight and bias not applied."""
@@ -363,8 +408,15 @@ class ActivationCache:
             scale = scale[0]
         return residual_stack / scale
 
-    def logit_attrs(self, residual_stack: torch.Tensor, tokens, incorrect_tokens=None, pos_slice=None,
-                    batch_slice=None, has_batch_dim: bool = True) -> torch.Tensor:
+    def logit_attrs(
+        self,
+        residual_stack: torch.Tensor,
+        tokens,
+        incorrect_tokens=None,
+        pos_slice=None,
+        batch_slice=None,
+        has_batch_dim: bool = True,
+    ) -> torch.Tensor:
         """Direct logit attribution: each component's contribution to the logit of ``tokens`` (minus that of
         ``incorrect_tokens``): ``apply_ln_to_stack(stack, -1) · (w_ln ⊙ W_U[:, token])``, shape
         ``[..., B, N]`` (``tokens`` an int, or a LongTensor broadcastable to ``(B, N)``)."""
@@ -374,8 +426,9 @@ class ActivationCache:
         dirs = self._directions(tokens, "tokens")
         if incorrect_tokens is not None:
             dirs = dirs - self._directions(incorrect_tokens, "incorrect_tokens")
-        scaled = self.apply_ln_to_stack(residual_stack, None, pos_slice=pos_slice, batch_slice=batch_slice,
-                                        has_batch_dim=has_batch_dim)
+        scaled = self.apply_ln_to_stack(
+            residual_stack, None, pos_slice=pos_slice, batch_slice=batch_slice, has_batch_dim=has_batch_dim
+        )
         return (scaled * dirs.to(scaled.dtype)).sum(-1)
 
     def _directions(self, tokens, arg) -> torch.Tensor:
@@ -406,8 +459,10 @@ def _names(points: dict, names_filter) -> list[str]:
         return [n for n in points if n in set(names_filter)]
     if callable(names_filter):
         return [n for n in points if names_filter(n)]
-    raise TypeError(f"names_filter: expected None, a name, a list of names or a callable(name) -> bool, got "
-                    f"{type(names_filter).__name__}")
+    raise TypeError(
+        f"names_filter: expected None, a name, a list of names or a callable(name) -> bool, got "
+        f"{type(names_filter).__name__}"
+    )
 
 
 def run_with_cache(model, tokens, *, names_filter=None, fwd_hooks=(), device=None, **forward_kwargs):
@@ -423,6 +478,7 @@ def run_with_cache(model, tokens, *, names_filter=None, fwd_hooks=(), device=Non
 
     ``logits`` as :func:`run_with_hooks` (an encoder without LM head: its final hidden states)."""
     from attnlab.interp.capture import capture
+
     points = hook_points(model)
     names = _names(points, names_filter)
     spec = model_spec(model)
@@ -433,6 +489,7 @@ def run_with_cache(model, tokens, *, names_filter=None, fwd_hooks=(), device=Non
     def keep(name):
         def fn(x, hook):
             store[name] = x.detach() if device is None else x.detach().to(device)
+
         return fn
 
     touched = set()  # points the caller's hooks run on: a lazy one is then formed in the pass, kept as edited
@@ -449,6 +506,7 @@ def run_with_cache(model, tokens, *, names_filter=None, fwd_hooks=(), device=Non
 
         def keep_z(x, hook, l=l):
             z_kept[l] = x.detach() if device is None else x.detach().to(device)
+
         extra.append((zn, keep_z))
     with ExitStack() as stack:
         stack.enter_context(hooks(model, list(fwd_hooks) + [(n, keep(n)) for n in eager] + extra))
@@ -464,11 +522,11 @@ def run_with_cache(model, tokens, *, names_filter=None, fwd_hooks=(), device=Non
     for n in lazy_names:
         l = int(n.split(".")[1])
         if n.endswith("hook_pattern"):
-            lazy[n] = (lambda c=calls[l]: c.pattern())
+            lazy[n] = lambda c=calls[l]: c.pattern()
         elif n.endswith("hook_attn_scores"):
-            lazy[n] = (lambda c=calls[l]: c.scores())
+            lazy[n] = lambda c=calls[l]: c.scores()
         else:
             W_O = spec.W_O(l)
-            lazy[n] = (lambda z=z_kept[l], W=W_O: torch.einsum("bnhd,hdm->bnhm", z, W.detach().to(z.device, z.dtype)))
+            lazy[n] = lambda z=z_kept[l], W=W_O: torch.einsum("bnhd,hdm->bnhm", z, W.detach().to(z.device, z.dtype))
     ordered = {n: store[n] for n in names if n in store}
     return model_outputs(model, out), ActivationCache(ordered, lazy, spec, calls, order=names)

@@ -78,10 +78,22 @@ class Capture:
         self._calls: dict[int, list[AttentionCall]] = {l: [] for l in layers}
 
     def _record(self, layer: int, call: AttentionCall) -> None:
-        kept = {n: (getattr(call, n).detach() if n in self.keep or n in ("q", "k") else None) for n in KEEP}
-        self._calls[layer].append(AttentionCall(None, **kept, mask=call.mask, score_mod=call.score_mod,
-                                                scale=call.scale, q_offset=call.q_offset,
-                                                kv_offset=call.kv_offset, layer=layer))
+        v, z = call.v, call.z
+        self._calls[layer].append(
+            AttentionCall(
+                None,
+                call.q.detach(),
+                call.k.detach(),
+                v.detach() if "v" in self.keep and v is not None else None,
+                z.detach() if "z" in self.keep and z is not None else None,
+                mask=call.mask,
+                score_mod=call.score_mod,
+                scale=call.scale,
+                q_offset=call.q_offset,
+                kv_offset=call.kv_offset,
+                layer=layer,
+            )
+        )
 
     def calls(self, layer: int) -> list[AttentionCall]:
         return self._calls[self._check_layer(layer)]
@@ -115,9 +127,18 @@ class Capture:
         """:func:`attnlab.interp.stats.head_stats` of ``layer``'s latest call (O(N) memory);
         keyword arguments (``sink_tokens``, ``key_positions``...) are passed on."""
         from attnlab.interp.stats import head_stats
+
         c = self[layer]
-        return head_stats(c.q, c.k, mask=c.mask, score_mod=c.score_mod, scale=c.scale, q_offset=c.q_offset,
-                          kv_offset=c.kv_offset, **kw)
+        return head_stats(
+            c.q,
+            c.k,
+            mask=c.mask,
+            score_mod=c.score_mod,
+            scale=c.scale,
+            q_offset=c.q_offset,
+            kv_offset=c.kv_offset,
+            **kw,
+        )
 
 
 @contextmanager
@@ -140,8 +161,10 @@ def capture(model: nn.Module, layers=None, heads=None, *, keep=KEEP):
         raise ValueError(f"keep: unknown entries {bad}; expected a subset of {KEEP}")
     mods = attention_modules(model)
     if not mods:
-        raise ValueError(f"model: no attention modules found in {type(model).__name__} (expected attnlab "
-                         "MultiHeadAttention modules or a transformers model)")
+        raise ValueError(
+            f"model: no attention modules found in {type(model).__name__} (expected attnlab "
+            "MultiHeadAttention modules or a transformers model)"
+        )
     have = [l for l, _, _ in mods]
     if layers is None:
         layers = have
@@ -155,6 +178,7 @@ def capture(model: nn.Module, layers=None, heads=None, *, keep=KEEP):
         for l, m, kind in mods:
             if l not in layers:
                 continue
+
             def hook(call, l=l):
                 return cap._record(l, call)
 
@@ -179,13 +203,15 @@ def normalize_layers(layers, have: list[int], arg: str = "layers") -> list[int]:
         raise TypeError(f"{arg}: expected an int or a sequence of ints, got {type(layers).__name__}") from None
     L, out = len(have), []
     for l in items:
-        if isinstance(l, bool) or not isinstance(l, (int, torch.Tensor)) or (
-                isinstance(l, torch.Tensor) and (l.numel() != 1 or l.is_floating_point())):
+        if (
+            isinstance(l, bool)
+            or not isinstance(l, (int, torch.Tensor))
+            or (isinstance(l, torch.Tensor) and (l.numel() != 1 or l.is_floating_point()))
+        ):
             raise TypeError(f"{arg}: expected ints, got {l!r}")
         l = int(l)
         if not -L <= l < L:
-            raise ValueError(f"{arg}: {l} not in the model's layers (expected an int in [-{L}, {L}), "
-                             f"n_layers={L})")
+            raise ValueError(f"{arg}: {l} not in the model's layers (expected an int in [-{L}, {L}), n_layers={L})")
         out.append(have[l])
     return out
 
@@ -193,14 +219,17 @@ def normalize_layers(layers, have: list[int], arg: str = "layers") -> list[int]:
 def use_bridge(model) -> Callable[[], None]:
     """Switch a transformers model to attnlab attention; return a function that switches back."""
     from attnlab.models import bridge
+
     name = bridge.register()
     cfg = getattr(model, "config", None)
     before = getattr(cfg, "_attn_implementation", None)
     if before == name:
         return lambda: None
     if not hasattr(model, "set_attn_implementation"):
-        raise TypeError(f"model: {type(model).__name__} has transformers attention modules but no "
-                        "set_attn_implementation(); pass the top-level transformers model")
+        raise TypeError(
+            f"model: {type(model).__name__} has transformers attention modules but no "
+            "set_attn_implementation(); pass the top-level transformers model"
+        )
     model.set_attn_implementation(name)
     return lambda: model.set_attn_implementation(before)
 

@@ -55,10 +55,24 @@ from attnlab.interp.factored import FactoredMatrix, qr_r
 from attnlab.interp.weights import LayerWeights, ModelWeights, model_weights
 from attnlab.nn.attention import MultiHeadAttention
 
-__all__ = ["FactoredMatrix", "kv_head_index", "qk_circuit", "ov_circuit", "RankReport", "rank_report",
-           "full_qk_circuit", "full_ov_circuit", "copying_score", "eigenvalue_copying_score",
-           "composition_score", "head_composition_scores", "composition_scores", "composition_baseline",
-           "Baseline", "COMPOSITION_KINDS"]
+__all__ = [
+    "FactoredMatrix",
+    "kv_head_index",
+    "qk_circuit",
+    "ov_circuit",
+    "RankReport",
+    "rank_report",
+    "full_qk_circuit",
+    "full_ov_circuit",
+    "copying_score",
+    "eigenvalue_copying_score",
+    "composition_score",
+    "head_composition_scores",
+    "composition_scores",
+    "composition_baseline",
+    "Baseline",
+    "COMPOSITION_KINDS",
+]
 
 COMPOSITION_KINDS = ("Q", "K", "V")
 
@@ -132,11 +146,14 @@ def _qk(lw: LayerWeights, query_pos=None, key_pos=None) -> FactoredMatrix:
     WK = _fold(norm, lw.W_K)[lw.kv_index]
     if query_pos is not None or key_pos is not None:
         if not hasattr(lw.positions, "cos_sin"):
-            raise ValueError("query_pos/key_pos: only RoPE makes W_QK depend on positions; this attention has "
-                             f"positions={type(lw.positions).__name__}; leave them None")
+            raise ValueError(
+                "query_pos/key_pos: only RoPE makes W_QK depend on positions; this attention has "
+                f"positions={type(lw.positions).__name__}; leave them None"
+            )
         if query_pos is None or key_pos is None:
-            raise ValueError(f"query_pos/key_pos: give both or neither, got query_pos={query_pos!r}, "
-                             f"key_pos={key_pos!r}")
+            raise ValueError(
+                f"query_pos/key_pos: give both or neither, got query_pos={query_pos!r}, key_pos={key_pos!r}"
+            )
         Ri, Rj = _rope_rotations(lw.positions, query_pos, key_pos, WQ.dtype, WQ.device, lw.d_head)
         WQ, WK = WQ @ Ri, WK @ Rj
     return FactoredMatrix(WQ.clone() if norm is None else WQ, WK.mT)
@@ -157,16 +174,19 @@ def _circuit(fn, obj, layer, fold_ln, **kw):
     except TypeError as e:
         if not str(e).startswith("model: expected"):
             raise
-        raise TypeError(f"attn: expected an attnlab.nn.MultiHeadAttention, or a model (attnlab Decoder / Encoder, "
-                        f"transformers GPT-2 / Llama / Mistral / BERT) with layer, got {type(obj).__name__}") from None
+        raise TypeError(
+            f"attn: expected an attnlab.nn.MultiHeadAttention, or a model (attnlab Decoder / Encoder, "
+            f"transformers GPT-2 / Llama / Mistral / BERT) with layer, got {type(obj).__name__}"
+        ) from None
     if layer is None:
         per = [fn(lw, **kw) for lw in w.layers]
         return FactoredMatrix(torch.stack([c.A for c in per]), torch.stack([c.B for c in per]))
     return fn(w.layer(layer), **kw)
 
 
-def qk_circuit(attn, layer: int | None = None, *, fold_ln: bool = True, query_pos: int | None = None,
-               key_pos: int | None = None) -> FactoredMatrix:
+def qk_circuit(
+    attn, layer: int | None = None, *, fold_ln: bool = True, query_pos: int | None = None, key_pos: int | None = None
+) -> FactoredMatrix:
     """``W_QK[h] = W_Q[h] W_K[g(h)]ᵀ`` as a :class:`FactoredMatrix` ``[H, d_model, d_model]``.
 
     ``scores[h, i, j] = scale · x_i W_QK[h] x_jᵀ`` (plus bias terms, score mods) — the
@@ -200,6 +220,7 @@ class RankReport:
     """Numerical ranks of the QK and OV circuits (``[H]`` or ``[n_layers, H]``) against the
     bound ``d_head`` (``rank ≤ min(d_head, d_model)`` always holds mathematically;
     ``full`` says whether every circuit reaches it)."""
+
     qk: torch.Tensor
     ov: torch.Tensor
     d_head: int
@@ -222,19 +243,24 @@ class RankReport:
     def __str__(self) -> str:
         def low(r):
             return [tuple(i.tolist()) if i.dim() else () for i in (r < self.bound).nonzero()]
-        return (f"RankReport(bound d_head={self.d_head}, ok={self.ok}, qk max={int(self.qk.max())}, "
-                f"ov max={int(self.ov.max())}, rank-deficient qk heads={low(self.qk)}, ov heads={low(self.ov)})")
+
+        return (
+            f"RankReport(bound d_head={self.d_head}, ok={self.ok}, qk max={int(self.qk.max())}, "
+            f"ov max={int(self.ov.max())}, rank-deficient qk heads={low(self.qk)}, ov heads={low(self.ov)})"
+        )
 
 
-def rank_report(attn, layer: int | None = None, *, fold_ln: bool = True, atol: float | None = None,
-                rtol: float | None = None) -> RankReport:
+def rank_report(
+    attn, layer: int | None = None, *, fold_ln: bool = True, atol: float | None = None, rtol: float | None = None
+) -> RankReport:
     """Check the rank bottleneck: numerical ranks of ``W_QK`` and ``W_OV`` per head (tolerance as
     :meth:`FactoredMatrix.matrix_rank`).  Arguments as in :func:`qk_circuit`."""
     qk, ov = qk_circuit(attn, layer, fold_ln=fold_ln), ov_circuit(attn, layer, fold_ln=fold_ln)
     a = attn if isinstance(attn, (MultiHeadAttention, LayerWeights)) else _weights(attn, fold_ln).layers[0]
     with torch.no_grad():
-        return RankReport(qk.matrix_rank(atol=atol, rtol=rtol), ov.matrix_rank(atol=atol, rtol=rtol),
-                          a.d_head, a.d_model)
+        return RankReport(
+            qk.matrix_rank(atol=atol, rtol=rtol), ov.matrix_rank(atol=atol, rtol=rtol), a.d_head, a.d_model
+        )
 
 
 # -- full circuits through the embeddings ----------------------------------------------
@@ -282,8 +308,10 @@ def composition_score(left: FactoredMatrix, right: FactoredMatrix) -> torch.Tens
         if not isinstance(f, FactoredMatrix):
             raise TypeError(f"{name}: expected a FactoredMatrix, got {type(f).__name__}")
     if left.rdim != right.ldim:
-        raise ValueError(f"composition_score: left {tuple(left.shape)} and right {tuple(right.shape)} do not "
-                         f"chain (need left n == right m)")
+        raise ValueError(
+            f"composition_score: left {tuple(left.shape)} and right {tuple(right.shape)} do not "
+            f"chain (need left n == right m)"
+        )
     RA, RB = qr_r(left.A), qr_r(right.B.mT)
     nl = torch.linalg.matrix_norm(RA @ qr_r(left.B.mT).mT)
     nr = torch.linalg.matrix_norm(qr_r(right.A) @ RB.mT)
@@ -310,7 +338,9 @@ def head_composition_scores(earlier: MultiHeadAttention, later: MultiHeadAttenti
     Compare with :func:`composition_baseline`.
     """
     k = _check_kind(kind)
-    e, l = (x if isinstance(x, LayerWeights) else _check_attn(x, n) for x, n in ((earlier, "earlier"), (later, "later")))
+    e, l = (
+        x if isinstance(x, LayerWeights) else _check_attn(x, n) for x, n in ((earlier, "earlier"), (later, "later"))
+    )
     if e.d_model != l.d_model:
         raise ValueError(f"earlier/later: d_model differs ({e.d_model} vs {l.d_model})")
     left = ov_circuit(e)[:, None]
@@ -339,8 +369,9 @@ class Baseline(NamedTuple):
     n: int
 
 
-def composition_baseline(d_model, d_head: int | None = None, *, n: int = 200, seed: int = 0,
-                         dtype: torch.dtype = torch.float64) -> Baseline:
+def composition_baseline(
+    d_model, d_head: int | None = None, *, n: int = 200, seed: int = 0, dtype: torch.dtype = torch.float64
+) -> Baseline:
     """Mean and std of the composition score for random heads of the same shapes: ``W_Q``,
     ``W_K``, ``W_V`` ``[d_model, d_head]`` and ``W_O`` ``[d_head, d_model]`` with i.i.d.
     Gaussian entries (any scale: the score is scale-free).  Since Gaussian matrices are
@@ -355,7 +386,11 @@ def composition_baseline(d_model, d_head: int | None = None, *, n: int = 200, se
     if not isinstance(d_model, int) and d_head is None:
         lw = _weights(d_model).layers[0]
         d_model, d_head = lw.d_model, lw.d_head
-    d_model, d_head, n = _int_at_least(d_model, "d_model", 1), _int_at_least(d_head, "d_head", 1), _int_at_least(n, "n", 2)
+    d_model, d_head, n = (
+        _int_at_least(d_model, "d_model", 1),
+        _int_at_least(d_head, "d_head", 1),
+        _int_at_least(n, "n", 2),
+    )
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
     if not dtype.is_floating_point:

@@ -45,6 +45,7 @@ DETECTORS = ("previous_token", "duplicate_token", "induction", "sink", "position
 @dataclass
 class HeadScores:
     """A ``[layer, head]`` score table: ``scores (L, H)`` with the layer indices it covers."""
+
     name: str
     scores: torch.Tensor
     layers: list
@@ -75,8 +76,10 @@ class HeadScores:
 
 def _check_p(p, name="pattern"):
     if not isinstance(p, torch.Tensor) or p.dim() != 4 or not p.is_floating_point():
-        raise ValueError(f"{name}: expected a float pattern (B, H, Nq, Nk), got "
-                         f"{tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}")
+        raise ValueError(
+            f"{name}: expected a float pattern (B, H, Nq, Nk), got "
+            f"{tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}"
+        )
     if p.shape[2] > p.shape[3]:
         raise ValueError(f"{name}: Nq={p.shape[2]} > Nk={p.shape[3]}; queries are the last Nq of the Nk keys")
     return p
@@ -87,8 +90,9 @@ def _check_tokens(tokens, p):
     if t.dim() == 1:
         t = t.unsqueeze(0)
     if t.dim() != 2 or t.dtype.is_floating_point or t.shape[1] != p.shape[3] or t.shape[0] not in (1, p.shape[0]):
-        raise ValueError(f"tokens: expected integer ids (B={p.shape[0]}, Nk={p.shape[3]}) or (Nk,), got "
-                         f"{tuple(t.shape)} {t.dtype}")
+        raise ValueError(
+            f"tokens: expected integer ids (B={p.shape[0]}, Nk={p.shape[3]}) or (Nk,), got {tuple(t.shape)} {t.dtype}"
+        )
     return t.to(p.device)
 
 
@@ -138,7 +142,7 @@ def duplicate_token(p, tokens) -> torch.Tensor:
     t = _check_tokens(tokens, p)
     qp = _qpos(p)
     kp = torch.arange(p.shape[3], device=p.device)
-    same = t[:, qp].unsqueeze(-1) == t.unsqueeze(1)                  # (B, Nq, Nk)
+    same = t[:, qp].unsqueeze(-1) == t.unsqueeze(1)  # (B, Nq, Nk)
     keys = same & (kp.view(1, 1, -1) < qp.view(1, -1, 1))
     return keys_mass(p, keys, keys.any(-1))
 
@@ -152,8 +156,11 @@ def induction(p, tokens) -> torch.Tensor:
     kp = torch.arange(p.shape[3], device=p.device)
     prev = torch.cat([torch.full_like(t[:, :1], -1), t[:, :-1]], dim=1)  # token before key j
     # earlier copy at j - 1 < i, so the attended key j <= i; a key j = i would need tokens[i-1] == tokens[i]
-    keys = (t[:, qp].unsqueeze(-1) == prev.unsqueeze(1)) & (kp.view(1, 1, -1) <= qp.view(1, -1, 1)) \
+    keys = (
+        (t[:, qp].unsqueeze(-1) == prev.unsqueeze(1))
+        & (kp.view(1, 1, -1) <= qp.view(1, -1, 1))
         & (kp.view(1, 1, -1) >= 1)
+    )
     keys &= ~(kp.view(1, 1, -1) == qp.view(1, -1, 1))  # the current position is not a copy of itself
     return keys_mass(p, keys, keys.any(-1))
 
@@ -197,18 +204,35 @@ def value_weighted(p, v) -> torch.Tensor:
     """``p_ij ‖v_j‖ / Σ_j p_ij ‖v_j‖`` for ``p (B, H, Nq, Nk)`` and ``v (B, Hkv, Nk, d)``
     (query head ``h`` reads kv head ``h // (H // Hkv)``); rows with no mass stay 0."""
     p = _check_p(p)
-    if not isinstance(v, torch.Tensor) or v.dim() != 4 or v.shape[0] != p.shape[0] or v.shape[2] != p.shape[3] \
-            or p.shape[1] % v.shape[1]:
-        raise ValueError(f"v: expected (B={p.shape[0]}, Hkv dividing H={p.shape[1]}, Nk={p.shape[3]}, d), got "
-                         f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
+    if (
+        not isinstance(v, torch.Tensor)
+        or v.dim() != 4
+        or v.shape[0] != p.shape[0]
+        or v.shape[2] != p.shape[3]
+        or p.shape[1] % v.shape[1]
+    ):
+        raise ValueError(
+            f"v: expected (B={p.shape[0]}, Hkv dividing H={p.shape[1]}, Nk={p.shape[3]}, d), got "
+            f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}"
+        )
     n = v.float().norm(dim=-1).repeat_interleave(p.shape[1] // v.shape[1], dim=1)  # (B, H, Nk)
     w = p * n.unsqueeze(2).to(p.dtype)
     s = w.sum(-1, keepdim=True)
     return torch.where(s > 0, w / s.clamp(min=torch.finfo(w.dtype).tiny), torch.zeros_like(w))
 
 
-def detect(model, input_ids, *, detectors=DETECTORS, layers=None, value_weighted_too: bool = False,
-           sink_tokens: int = 1, thresholds: dict | None = None, forward=None, **forward_kw) -> dict:
+def detect(
+    model,
+    input_ids,
+    *,
+    detectors=DETECTORS,
+    layers=None,
+    value_weighted_too: bool = False,
+    sink_tokens: int = 1,
+    thresholds: dict | None = None,
+    forward=None,
+    **forward_kw,
+) -> dict:
     """Run ``model`` once on ``input_ids (B, N)`` and score every head.
 
     Returns ``{name: HeadScores}`` for each detector in ``detectors`` (and ``"<name>_vw"``
@@ -218,6 +242,7 @@ def detect(model, input_ids, *, detectors=DETECTORS, layers=None, value_weighted
     :meth:`attnlab.interp.Capture.stats`.  Default thresholds: 0.4 for every detector.
     """
     from attnlab.interp.capture import capture
+
     unknown = [d for d in detectors if d not in DETECTORS]
     if unknown:
         raise ValueError(f"detectors: unknown {unknown}; expected some of {DETECTORS}")
@@ -242,5 +267,7 @@ def detect(model, input_ids, *, detectors=DETECTORS, layers=None, value_weighted
                 else:
                     s = positional(pp)[0]
                 out.setdefault(d + suffix, []).append(s.float().cpu())
-    return {name: HeadScores(name, torch.stack(v), list(cap.layers), thr[name.removesuffix("_vw")])
-            for name, v in out.items()}
+    return {
+        name: HeadScores(name, torch.stack(v), list(cap.layers), thr[name.removesuffix("_vw")])
+        for name, v in out.items()
+    }

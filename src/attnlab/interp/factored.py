@@ -70,15 +70,18 @@ class FactoredMatrix:
 
     def __init__(self, A: torch.Tensor, B: torch.Tensor):
         if not isinstance(A, torch.Tensor) or not isinstance(B, torch.Tensor):
-            raise TypeError(f"FactoredMatrix: A and B must be tensors, got A={type(A).__name__}, "
-                            f"B={type(B).__name__}")
+            raise TypeError(f"FactoredMatrix: A and B must be tensors, got A={type(A).__name__}, B={type(B).__name__}")
         if A.dim() < 2 or B.dim() < 2:
-            raise ValueError(f"FactoredMatrix: A must be (..., m, r) and B (..., r, n) with at least 2 dims, "
-                             f"got A {tuple(A.shape)}, B {tuple(B.shape)}")
+            raise ValueError(
+                f"FactoredMatrix: A must be (..., m, r) and B (..., r, n) with at least 2 dims, "
+                f"got A {tuple(A.shape)}, B {tuple(B.shape)}"
+            )
         if A.shape[-1] != B.shape[-2]:
-            raise ValueError(f"FactoredMatrix: inner dimensions differ: A {tuple(A.shape)} is "
-                             f"(..., m, r={A.shape[-1]}) but B {tuple(B.shape)} is (..., r={B.shape[-2]}, n); "
-                             f"need A.shape[-1] == B.shape[-2]")
+            raise ValueError(
+                f"FactoredMatrix: inner dimensions differ: A {tuple(A.shape)} is "
+                f"(..., m, r={A.shape[-1]}) but B {tuple(B.shape)} is (..., r={B.shape[-2]}, n); "
+                f"need A.shape[-1] == B.shape[-2]"
+            )
         if A.dtype != B.dtype:
             raise TypeError(f"FactoredMatrix: A and B must share a dtype, got A {A.dtype}, B {B.dtype}")
         if not (A.dtype.is_floating_point or A.dtype.is_complex):
@@ -88,8 +91,9 @@ class FactoredMatrix:
         try:
             lead = torch.broadcast_shapes(A.shape[:-2], B.shape[:-2])
         except RuntimeError:
-            raise ValueError(f"FactoredMatrix: leading dims of A {tuple(A.shape)} and B {tuple(B.shape)} "
-                             f"do not broadcast") from None
+            raise ValueError(
+                f"FactoredMatrix: leading dims of A {tuple(A.shape)} and B {tuple(B.shape)} do not broadcast"
+            ) from None
         self.A, self.B, self._lead = A, B, torch.Size(lead)
 
     # -- shape ----------------------------------------------------------------------
@@ -139,8 +143,10 @@ class FactoredMatrix:
     def BA(self) -> torch.Tensor:
         """``B @ A`` ``(..., r, r)``; needs a square matrix (``m == n``)."""
         if self.ldim != self.rdim:
-            raise ValueError(f"FactoredMatrix.BA: B {tuple(self.B.shape)} @ A {tuple(self.A.shape)} needs a square "
-                             f"matrix (m == n), got shape {tuple(self.shape)}")
+            raise ValueError(
+                f"FactoredMatrix.BA: B {tuple(self.B.shape)} @ A {tuple(self.A.shape)} needs a square "
+                f"matrix (m == n), got shape {tuple(self.shape)}"
+            )
         return self.B @ self.A
 
     @property
@@ -162,43 +168,51 @@ class FactoredMatrix:
         try:
             torch.broadcast_shapes(self._lead, lo)
         except RuntimeError:
-            raise ValueError(f"FactoredMatrix {side}: leading dims of {tuple(self.shape)} and {tuple(other.shape)} "
-                             f"do not broadcast") from None
+            raise ValueError(
+                f"FactoredMatrix {side}: leading dims of {tuple(self.shape)} and {tuple(other.shape)} do not broadcast"
+            ) from None
 
     def __matmul__(self, other):
         if isinstance(other, FactoredMatrix):
             if other.ldim != self.rdim:
-                raise ValueError(f"FactoredMatrix @ FactoredMatrix: inner dimensions differ: {tuple(self.shape)} "
-                                 f"@ {tuple(other.shape)} (need {self.rdim} == {other.ldim})")
+                raise ValueError(
+                    f"FactoredMatrix @ FactoredMatrix: inner dimensions differ: {tuple(self.shape)} "
+                    f"@ {tuple(other.shape)} (need {self.rdim} == {other.ldim})"
+                )
             if other.dtype != self.dtype:
                 raise TypeError(f"FactoredMatrix @: dtypes differ ({self.dtype} and {other.dtype}); cast first")
             try:
                 torch.broadcast_shapes(self._lead, other._lead)
             except RuntimeError:
-                raise ValueError(f"FactoredMatrix @: leading dims of {tuple(self.shape)} and {tuple(other.shape)} "
-                                 f"do not broadcast") from None
-            core = self.B @ other.A                               # (..., r1, r2): the only shared work
+                raise ValueError(
+                    f"FactoredMatrix @: leading dims of {tuple(self.shape)} and {tuple(other.shape)} do not broadcast"
+                ) from None
+            core = self.B @ other.A  # (..., r1, r2): the only shared work
             if self.mdim <= other.mdim:
                 return FactoredMatrix(self.A, core @ other.B)
             return FactoredMatrix(self.A @ core, other.B)
         other = self._other(other, "@")
         k = other.shape[0] if other.dim() == 1 else other.shape[-2]
         if k != self.rdim:
-            raise ValueError(f"FactoredMatrix @ tensor: inner dimensions differ: {tuple(self.shape)} @ "
-                             f"{tuple(other.shape)} (need {self.rdim} == {k})")
-        if other.dim() == 1:                                      # a vector: dense (..., m)
+            raise ValueError(
+                f"FactoredMatrix @ tensor: inner dimensions differ: {tuple(self.shape)} @ "
+                f"{tuple(other.shape)} (need {self.rdim} == {k})"
+            )
+        if other.dim() == 1:  # a vector: dense (..., m)
             return (self.A @ (self.B @ other.unsqueeze(-1))).squeeze(-1)
         self._lead_check(other, "@")
         if self.mdim <= self.rdim:
             return FactoredMatrix(self.A, self.B @ other)
-        return FactoredMatrix(self.AB, other)                     # n < r: the product's rank is ≤ n
+        return FactoredMatrix(self.AB, other)  # n < r: the product's rank is ≤ n
 
     def __rmatmul__(self, other):
         other = self._other(other, "@ (left)")
         if other.shape[-1] != self.ldim:
-            raise ValueError(f"tensor @ FactoredMatrix: inner dimensions differ: {tuple(other.shape)} @ "
-                             f"{tuple(self.shape)} (need {other.shape[-1]} == {self.ldim})")
-        if other.dim() == 1:                                      # a vector: dense (..., n)
+            raise ValueError(
+                f"tensor @ FactoredMatrix: inner dimensions differ: {tuple(other.shape)} @ "
+                f"{tuple(self.shape)} (need {other.shape[-1]} == {self.ldim})"
+            )
+        if other.dim() == 1:  # a vector: dense (..., n)
             return ((other.unsqueeze(-2) @ self.A) @ self.B).squeeze(-2)
         self._lead_check(other, "@ (left)")
         if self.mdim <= self.ldim:
@@ -236,11 +250,13 @@ class FactoredMatrix:
             raise IndexError("FactoredMatrix: an index can only have a single ellipsis")
         used = sum(width(i) for i in idx if i is not Ellipsis)
         if used > L:
-            raise IndexError(f"FactoredMatrix: index {idx!r} uses {used} dims but shape {tuple(self.shape)} has "
-                             f"{L} leading dims (the last two, (m, n), cannot be indexed; use .AB)")
+            raise IndexError(
+                f"FactoredMatrix: index {idx!r} uses {used} dims but shape {tuple(self.shape)} has "
+                f"{L} leading dims (the last two, (m, n), cannot be indexed; use .AB)"
+            )
         if Ellipsis in idx:
             at = next(k for k, i in enumerate(idx) if i is Ellipsis)
-            idx = idx[:at] + (slice(None),) * (L - used) + idx[at + 1:]
+            idx = idx[:at] + (slice(None),) * (L - used) + idx[at + 1 :]
         A = self.A.expand(*self._lead, *self.A.shape[-2:])
         B = self.B.expand(*self._lead, *self.B.shape[-2:])
         return FactoredMatrix(A[idx], B[idx])
@@ -296,8 +312,9 @@ class FactoredMatrix:
         ``r ≤ m`` (every nonzero eigenvalue of ``A B``, the rest being its zeros), else of
         ``A B`` itself ``(..., m)``; ``min(m, r)`` values either way."""
         if self.ldim != self.rdim:
-            raise ValueError(f"FactoredMatrix.eigenvalues: needs a square matrix (m == n), got shape "
-                             f"{tuple(self.shape)}")
+            raise ValueError(
+                f"FactoredMatrix.eigenvalues: needs a square matrix (m == n), got shape {tuple(self.shape)}"
+            )
         return torch.linalg.eigvals(self.BA if self.mdim <= self.ldim else self.AB)
 
     # -- conversions ----------------------------------------------------------------

@@ -58,6 +58,7 @@ _LAYER = re.compile(r"^blocks\.(\d+)\.")
 
 class HookInfo:
     """What a hook function receives as ``hook``: ``name`` and ``layer()`` (TransformerLens' HookPoint)."""
+
     __slots__ = ("name",)
 
     def __init__(self, name: str):
@@ -73,6 +74,7 @@ class HookInfo:
 
 class NnPoint:
     """One attnlab :class:`~attnlab.nn.hooks.HookPoint` under its name."""
+
     __slots__ = ("lazy", "point")
 
     def __init__(self, point, lazy: bool = False):
@@ -100,8 +102,9 @@ def _attnlab_points(model) -> dict:
             names += ["hook_rot_q", "hook_rot_k"]
         names += ["hook_attn_scores", "hook_pattern", "hook_z", "hook_result"]
         for n in names:
-            p[f"blocks.{l}.attn.{n}"] = NnPoint(getattr(a, n), lazy=n in ("hook_attn_scores", "hook_pattern",
-                                                                         "hook_result"))
+            p[f"blocks.{l}.attn.{n}"] = NnPoint(
+                getattr(a, n), lazy=n in ("hook_attn_scores", "hook_pattern", "hook_result")
+            )
 
     def ln(p, l, which, norm_points):
         p[f"blocks.{l}.{which}.hook_scale"] = NnPoint(norm_points.hook_scale)
@@ -147,6 +150,7 @@ def _attnlab_points(model) -> dict:
 
 def is_attnlab_model(model) -> bool:
     from attnlab.nn import Decoder, Encoder
+
     return isinstance(model, (Decoder, Encoder))
 
 
@@ -157,9 +161,12 @@ def hook_points(model: nn.Module) -> dict:
         return _attnlab_points(model)
     if isinstance(model, nn.Module) and hasattr(model, "config") and hasattr(model, "set_attn_implementation"):
         from attnlab.models.hf_points import hf_points
+
         return hf_points(model)
-    raise TypeError(f"model: expected an attnlab Decoder or Encoder or a transformers GPT-2 / Llama / Mistral / "
-                    f"BERT model, got {type(model).__name__}")
+    raise TypeError(
+        f"model: expected an attnlab Decoder or Encoder or a transformers GPT-2 / Llama / Mistral / "
+        f"BERT model, got {type(model).__name__}"
+    )
 
 
 def hook_names(model: nn.Module) -> list[str]:
@@ -171,13 +178,16 @@ def select_points(points: dict, name_or_filter, arg: str) -> list[str]:
     if isinstance(name_or_filter, str):
         if name_or_filter not in points:
             near = [n for n in points if n.split(".")[-1] == name_or_filter.split(".")[-1]][:4]
-            raise ValueError(f"{arg}: no hook point named {name_or_filter!r} in this model"
-                             + (f"; similar names: {near}" if near else "; hook_names(model) lists them"))
+            raise ValueError(
+                f"{arg}: no hook point named {name_or_filter!r} in this model"
+                + (f"; similar names: {near}" if near else "; hook_names(model) lists them")
+            )
         return [name_or_filter]
     if callable(name_or_filter):
         return [n for n in points if name_or_filter(n)]
-    raise TypeError(f"{arg}: expected a hook name (str) or a filter callable(name) -> bool, got "
-                    f"{type(name_or_filter).__name__}")
+    raise TypeError(
+        f"{arg}: expected a hook name (str) or a filter callable(name) -> bool, got {type(name_or_filter).__name__}"
+    )
 
 
 def uses_bridge(model) -> bool:
@@ -199,6 +209,7 @@ def hooks(model: nn.Module, fwd_hooks=()):
     try:
         if uses_bridge(model):
             from attnlab.interp.capture import use_bridge
+
             restore = use_bridge(model)
         for n, fn in pairs:
             info = HookInfo(n)

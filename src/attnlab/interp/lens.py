@@ -34,6 +34,7 @@ __all__ = ["LensResult", "logit_lens"]
 class LensResult:
     """``values`` with named ``axes``; ``index["layer"]`` names the streams (``"pre 0"`` ...
     ``"final"``)."""
+
     values: torch.Tensor
     axes: tuple
     index: dict
@@ -41,13 +42,15 @@ class LensResult:
 
 def _final_norm_and_unembed(model):
     from attnlab.nn import Decoder
+
     if isinstance(model, Decoder):
         return model.norm, model.lm_head
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     if head is None:
-        raise ValueError(f"model: {type(model).__name__} has no unembedding (an encoder without LM head); the "
-                         "logit lens needs one")
+        raise ValueError(
+            f"model: {type(model).__name__} has no unembedding (an encoder without LM head); the logit lens needs one"
+        )
     base = getattr(model, "base_model", model)
     norm = getattr(base, "ln_f", None) or getattr(base, "norm", None)
     return norm, head
@@ -64,30 +67,34 @@ def logit_lens(model, tokens, *, target=None, **forward_kwargs) -> LensResult:
     """
     norm, head = _final_norm_and_unembed(model)
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype.is_floating_point:
-        raise ValueError(f"tokens: expected integer ids (B, N), got "
-                         f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
+        raise ValueError(
+            f"tokens: expected integer ids (B, N), got "
+            f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}"
+        )
     with torch.no_grad():
-        _, cache = run_with_cache(model, tokens, names_filter=lambda n: n.endswith(("hook_resid_pre",
-                                                                                     "hook_resid_post")),
-                                  **forward_kwargs)
+        _, cache = run_with_cache(
+            model, tokens, names_filter=lambda n: n.endswith(("hook_resid_pre", "hook_resid_post")), **forward_kwargs
+        )
         L = cache.spec.n_layers
         streams = [cache["resid_pre", l] for l in range(L)] + [cache["resid_post", L - 1]]
         x = torch.stack(streams)
         if norm is not None:
             x = norm(x)
-        logp = head(x).float().log_softmax(-1)                 # [L+1, B, N, vocab]
+        logp = head(x).float().log_softmax(-1)  # [L+1, B, N, vocab]
     labels = [f"pre {l}" for l in range(L)] + ["final"]
     if target is None:
-        return LensResult(logp, ("layer", "batch", "pos", "vocab"),
-                          {"layer": labels, "pos": list(range(tokens.shape[1]))})
+        return LensResult(
+            logp, ("layer", "batch", "pos", "vocab"), {"layer": labels, "pos": list(range(tokens.shape[1]))}
+        )
     if isinstance(target, str):
         if target != "next":
             raise ValueError(f"target: expected None, 'next' or token ids (B, N), got {target!r}")
         target, logp = tokens[:, 1:], logp[:, :, :-1]
     target = torch.as_tensor(target, device=logp.device)
     if target.shape != logp.shape[1:3] or target.dtype.is_floating_point:
-        raise ValueError(f"target: expected integer ids {tuple(logp.shape[1:3])}, got {tuple(target.shape)} "
-                         f"{target.dtype}")
+        raise ValueError(
+            f"target: expected integer ids {tuple(logp.shape[1:3])}, got {tuple(target.shape)} {target.dtype}"
+        )
     idx = target[None, ..., None].expand(logp.shape[0], -1, -1, 1)
     vals = logp.gather(-1, idx)[..., 0].mean(1)
     return LensResult(vals, ("layer", "pos"), {"layer": labels, "pos": list(range(vals.shape[1]))})

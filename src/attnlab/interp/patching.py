@@ -50,8 +50,16 @@ from attnlab.interp.activation_cache import get_act_name, run_with_cache
 from attnlab.interp.hooks import run_with_hooks
 from attnlab.interp.spec import model_spec
 
-__all__ = ["PatchResult", "logit_diff", "activation_patching", "path_patching", "attribution_patching",
-           "agreement", "SITES", "HEAD_SITES"]
+__all__ = [
+    "PatchResult",
+    "logit_diff",
+    "activation_patching",
+    "path_patching",
+    "attribution_patching",
+    "agreement",
+    "SITES",
+    "HEAD_SITES",
+]
 
 #: sites without a head axis: ``(B, N, d_model)``
 SITES = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
@@ -63,6 +71,7 @@ HEAD_SITES = ("z", "result", "q", "k", "v", "pattern")
 class PatchResult:
     """Effects with named axes: ``values[i, j]`` along ``axes = ("layer", "head")`` etc.;
     ``index[axis]`` lists the layer / head / position each row or column stands for."""
+
     values: torch.Tensor
     axes: tuple
     index: dict
@@ -79,18 +88,26 @@ class PatchResult:
         out = []
         for i in flat.argsort(descending=True)[:k].tolist():
             idx = torch.unravel_index(torch.tensor(i), self.values.shape)
-            out.append((tuple(self.index[a][int(j)] for a, j in zip(self.axes, idx, strict=True)), float(self.values.flatten()[i])))
+            out.append(
+                (
+                    tuple(self.index[a][int(j)] for a, j in zip(self.axes, idx, strict=True)),
+                    float(self.values.flatten()[i]),
+                )
+            )
         return out
 
     def __repr__(self) -> str:
-        return (f"PatchResult({self.method}, site={self.site!r}, axes={self.axes}, shape={tuple(self.values.shape)}, "
-                f"metric clean {self.metric_clean:.4g} / corrupted {self.metric_corrupted:.4g}, top={self.top(3)})")
+        return (
+            f"PatchResult({self.method}, site={self.site!r}, axes={self.axes}, shape={tuple(self.values.shape)}, "
+            f"metric clean {self.metric_clean:.4g} / corrupted {self.metric_corrupted:.4g}, top={self.top(3)})"
+        )
 
 
 # -- metrics ------------------------------------------------------------------------------
 def logit_diff(answer, wrong, pos: int = -1):
     """``metric(logits) = mean_b (logits[b, pos, answer_b] − logits[b, pos, wrong_b])``;
     ``answer``/``wrong``: an int or ``(B,)`` token ids."""
+
     def metric(logits):
         if logits.dim() != 3:
             raise ValueError(f"metric: logit_diff expects logits (B, N, vocab), got {tuple(logits.shape)}")
@@ -100,24 +117,31 @@ def logit_diff(answer, wrong, pos: int = -1):
         row = logits[:, pos]
         row = row if row.dtype == torch.float64 else row.float()
         return (row.gather(1, a[:, None]) - row.gather(1, w[:, None])).mean()
+
     return metric
 
 
 def _check_inputs(model, clean, corrupted):
     for name, t in (("clean", clean), ("corrupted", corrupted)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype.is_floating_point:
-            raise ValueError(f"{name}: expected integer token ids (B, N), got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            raise ValueError(
+                f"{name}: expected integer token ids (B, N), got "
+                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+            )
     if clean.shape != corrupted.shape:
-        raise ValueError(f"clean/corrupted: shapes differ ({tuple(clean.shape)} vs {tuple(corrupted.shape)}); "
-                         "patching needs aligned positions")
+        raise ValueError(
+            f"clean/corrupted: shapes differ ({tuple(clean.shape)} vs {tuple(corrupted.shape)}); "
+            "patching needs aligned positions"
+        )
 
 
 def _default_metric(model, clean, corrupted, answer, wrong, pos, fwd):
     spec = model_spec(model)
     if spec.unembed is None and not _has_lm_head(model):
-        raise ValueError(f"metric: {type(model).__name__} has no LM head, so there is no logit difference; pass "
-                         "metric=fn(final_hidden_states) -> scalar (e.g. a similarity to the clean output)")
+        raise ValueError(
+            f"metric: {type(model).__name__} has no LM head, so there is no logit difference; pass "
+            "metric=fn(final_hidden_states) -> scalar (e.g. a similarity to the clean output)"
+        )
     if answer is None or wrong is None:
         with torch.no_grad():
             lc = run_with_hooks(model, clean, **fwd)[:, pos].argmax(-1)
@@ -127,8 +151,10 @@ def _default_metric(model, clean, corrupted, answer, wrong, pos, fwd):
         a = torch.as_tensor(answer).reshape(-1).expand(clean.shape[0])
         w = torch.as_tensor(wrong).reshape(-1).expand(clean.shape[0])
         if (a.cpu() == w.cpu()).any():
-            raise ValueError("answer/wrong: the clean and corrupted runs predict the same token at pos "
-                             f"{pos} in some rows; pass answer= and wrong= token ids")
+            raise ValueError(
+                "answer/wrong: the clean and corrupted runs predict the same token at pos "
+                f"{pos} in some rows; pass answer= and wrong= token ids"
+            )
     return logit_diff(answer, wrong, pos)
 
 
@@ -141,8 +167,10 @@ def _run_metric(model, tokens, metric, hooks_, fwd, grad=False):
     with torch.set_grad_enabled(grad):
         m = metric(run_with_hooks(model, tokens, fwd_hooks=hooks_, **fwd))
     if not isinstance(m, torch.Tensor) or m.numel() != 1:
-        raise ValueError(f"metric: expected a scalar (a 1-element tensor), got "
-                         f"{tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__}")
+        raise ValueError(
+            f"metric: expected a scalar (a 1-element tensor), got "
+            f"{tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__}"
+        )
     return m.reshape(())
 
 
@@ -203,6 +231,7 @@ def _replace(clean_act, site, sel, H):
         y = x.clone()
         y[sl] = clean_act[sl].to(device=x.device, dtype=x.dtype)
         return y
+
     return fn
 
 
@@ -224,17 +253,34 @@ def _result(values, axes, layers, positions, heads, site, method, mc, mx, normal
     denom = mc - mx
     if normalize:
         if abs(denom) < 1e-12:
-            raise ValueError(f"metric: clean ({mc:.6g}) and corrupted ({mx:.6g}) give the same value; nothing to "
-                             "restore (pass normalize=False for raw metric values)")
+            raise ValueError(
+                f"metric: clean ({mc:.6g}) and corrupted ({mx:.6g}) give the same value; nothing to "
+                "restore (pass normalize=False for raw metric values)"
+            )
         values = (values - mx) / denom if method != "attribution" else values / denom
     index = {"layer": layers, "pos": positions, "head": heads}
     return PatchResult(values, axes, {a: index[a] for a in axes}, site, method, mc, mx, normalize, extra)
 
 
 # -- activation patching ----------------------------------------------------------------------
-def activation_patching(model, clean, corrupted, *, site: str = "resid_pre", by: str | None = None, metric=None,
-                        answer=None, wrong=None, pos: int = -1, layers=None, positions=None, heads=None,
-                        normalize: bool = True, progress: bool = True, **forward_kwargs) -> PatchResult:
+def activation_patching(
+    model,
+    clean,
+    corrupted,
+    *,
+    site: str = "resid_pre",
+    by: str | None = None,
+    metric=None,
+    answer=None,
+    wrong=None,
+    pos: int = -1,
+    layers=None,
+    positions=None,
+    heads=None,
+    normalize: bool = True,
+    progress: bool = True,
+    **forward_kwargs,
+) -> PatchResult:
     """Patch one clean activation at a time into the corrupted run (see the module docstring).
 
     ``by="position"``: ``values [layer, pos]`` (per-head sites: all heads at that position);
@@ -243,15 +289,17 @@ def activation_patching(model, clean, corrupted, *, site: str = "resid_pre", by:
     metric values.  ``forward_kwargs`` (e.g. ``attention_mask``) go to every forward pass.
     """
     by, _spec, H, layers, positions, heads, metric, names = _setup(
-        model, clean, corrupted, site, by, metric, answer, wrong, pos, layers, positions, heads, forward_kwargs)
+        model, clean, corrupted, site, by, metric, answer, wrong, pos, layers, positions, heads, forward_kwargs
+    )
     with torch.no_grad():
         _, cache = run_with_cache(model, clean, names_filter=lambda n: n in names.values(), **forward_kwargs)
         mc = float(_run_metric(model, clean, metric, [], forward_kwargs))
         mx = float(_run_metric(model, corrupted, metric, [], forward_kwargs))
     axes, todo = _patches(by, layers, positions, heads)
     out = torch.empty(len(todo), dtype=torch.float64)
-    for i, sel in enumerate(tqdm(todo, desc=f"patching {site} by {by}", unit="patch", disable=not progress,
-                                 leave=False)):
+    for i, sel in enumerate(
+        tqdm(todo, desc=f"patching {site} by {by}", unit="patch", disable=not progress, leave=False)
+    ):
         name = names[sel["layer"]]
         out[i] = _run_metric(model, corrupted, metric, [(name, _replace(cache[name], site, sel, H))], forward_kwargs)
     shape = [len({"layer": layers, "pos": positions, "head": heads}[a]) for a in axes]
@@ -259,22 +307,37 @@ def activation_patching(model, clean, corrupted, *, site: str = "resid_pre", by:
 
 
 # -- attribution patching -----------------------------------------------------------------------
-def attribution_patching(model, clean, corrupted, *, site: str = "resid_pre", by: str | None = None, metric=None,
-                         answer=None, wrong=None, pos: int = -1, layers=None, positions=None, heads=None,
-                         normalize: bool = True, **forward_kwargs) -> PatchResult:
+def attribution_patching(
+    model,
+    clean,
+    corrupted,
+    *,
+    site: str = "resid_pre",
+    by: str | None = None,
+    metric=None,
+    answer=None,
+    wrong=None,
+    pos: int = -1,
+    layers=None,
+    positions=None,
+    heads=None,
+    normalize: bool = True,
+    **forward_kwargs,
+) -> PatchResult:
     """The linear approximation of :func:`activation_patching` (same arguments, same axes):
     ``Σ (a_clean − a_corrupt) · ∂metric/∂a`` at the corrupted run, summed over everything
     the patch covers (batch included), divided by ``m_clean − m_corrupt`` when ``normalize``.
     One clean forward and one corrupted forward + backward, whatever the number of patches."""
     by, _spec, H, layers, positions, heads, metric, names = _setup(
-        model, clean, corrupted, site, by, metric, answer, wrong, pos, layers, positions, heads, forward_kwargs)
+        model, clean, corrupted, site, by, metric, answer, wrong, pos, layers, positions, heads, forward_kwargs
+    )
     with torch.no_grad():
         _, cache = run_with_cache(model, clean, names_filter=lambda n: n in names.values(), **forward_kwargs)
         mc = float(_run_metric(model, clean, metric, [], forward_kwargs))
     acts, deltas = {}, {}
 
     def probe(x, hook):
-        d = torch.zeros_like(x, requires_grad=True)   # ∂metric/∂d = ∂metric/∂a; the graph through x stays
+        d = torch.zeros_like(x, requires_grad=True)  # ∂metric/∂d = ∂metric/∂a; the graph through x stays
         acts[hook.name], deltas[hook.name] = x.detach(), d
         return x + d
 
@@ -308,9 +371,22 @@ def agreement(a, b) -> float:
 
 
 # -- path patching -------------------------------------------------------------------------------
-def path_patching(model, clean, corrupted, *, receivers, receiver_input: str = "k", senders=None, metric=None,
-                  answer=None, wrong=None, pos: int = -1, normalize: bool = True, progress: bool = True,
-                  **forward_kwargs) -> PatchResult:
+def path_patching(
+    model,
+    clean,
+    corrupted,
+    *,
+    receivers,
+    receiver_input: str = "k",
+    senders=None,
+    metric=None,
+    answer=None,
+    wrong=None,
+    pos: int = -1,
+    normalize: bool = True,
+    progress: bool = True,
+    **forward_kwargs,
+) -> PatchResult:
     """The effect of each sender head on the metric through the ``receiver_input`` (``"q"``,
     ``"k"`` or ``"v"``) of the ``receivers`` ``[(layer, head)]`` only; see the module docstring.
 
@@ -326,8 +402,7 @@ def path_patching(model, clean, corrupted, *, receivers, receiver_input: str = "
     if not recv:
         raise ValueError("receivers: expected at least one (layer, head)")
     first = min(l for l, _ in recv)
-    send = _pairs(senders, L, H, "senders") if senders is not None else \
-        [(l, h) for l in range(first) for h in range(H)]
+    send = _pairs(senders, L, H, "senders") if senders is not None else [(l, h) for l in range(first) for h in range(H)]
     late = [(l, h) for l, h in send if l >= first]
     if late:
         raise ValueError(f"senders: {late} are not in a layer before the first receiver layer {first}")
@@ -342,17 +417,21 @@ def path_patching(model, clean, corrupted, *, receivers, receiver_input: str = "
         mx = float(_run_metric(model, corrupted, metric, [], forward_kwargs))
     layers = sorted({l for l, _ in send})
     out = torch.full((len(layers), H), float("nan"), dtype=torch.float64)
-    for sl, sh in tqdm(send, desc=f"path patching → {receiver_input}", unit="sender", disable=not progress,
-                       leave=False):
+    for sl, sh in tqdm(
+        send, desc=f"path patching → {receiver_input}", unit="sender", disable=not progress, leave=False
+    ):
+
         def sender(x, hook, sl=sl, sh=sh):
-            y = cx[z(hook.layer())].to(x.dtype).clone()   # freeze every head of the layer to corrupted ...
+            y = cx[z(hook.layer())].to(x.dtype).clone()  # freeze every head of the layer to corrupted ...
             if hook.layer() == sl:
-                y[:, :, sh] = cc[z(sl)][:, :, sh].to(x.dtype)   # ... except the sender, from clean
+                y[:, :, sh] = cc[z(sl)][:, :, sh].to(x.dtype)  # ... except the sender, from clean
             return y
+
         rec: dict[str, torch.Tensor] = {}
 
         def record(x, hook, rec=rec):
             rec[hook.name] = x.detach().clone()
+
         hooks_a = [(z(l), sender) for l in range(sl, first)] + [(n, record) for n in inp.values()]
         with torch.no_grad():
             run_with_hooks(model, corrupted, fwd_hooks=hooks_a, **forward_kwargs)
@@ -366,6 +445,7 @@ def path_patching(model, clean, corrupted, *, receivers, receiver_input: str = "
                     s = _head_slot(receiver_input, h, x.shape[2], H)
                     y[:, :, s] = rec[hook.name][:, :, s].to(x.dtype)
                 return y
+
             hooks_b.append((n, put))
         out[layers.index(sl), sh] = _run_metric(model, corrupted, metric, hooks_b, forward_kwargs)
     res = _result(out, ("layer", "head"), layers, [], list(range(H)), receiver_input, "path", mc, mx, normalize)
@@ -376,12 +456,14 @@ def path_patching(model, clean, corrupted, *, receivers, receiver_input: str = "
 def _pairs(items, L, H, name):
     out = []
     for it in items:
-        if not (isinstance(it, (tuple, list)) and len(it) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
-                                                                       for v in it)):
+        if not (
+            isinstance(it, (tuple, list))
+            and len(it) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in it)
+        ):
             raise ValueError(f"{name}: expected (layer, head) int pairs, got {it!r}")
         l, h = it
         if not (-L <= l < L and -H <= h < H):
             raise ValueError(f"{name}: ({l}, {h}) is outside {L} layers × {H} heads")
         out.append((l % L, h % H))
     return out
-

@@ -20,6 +20,7 @@ class ModelSpec:
     sum of the embeddings and the sublayer outputs (pre-norm, no embedding norm); ``unembed``: ``(vocab,
     d_model)`` or None; ``ln_final_weight``: ``(d_model,)`` or None; ``W_O(l)``: ``[H, d_head, d_model]``;
     ``b_O(l)``: ``(d_model,)`` or None."""
+
     n_layers: int
     n_heads: int
     norm: str | None
@@ -35,18 +36,25 @@ class ModelSpec:
 
 def model_spec(model) -> ModelSpec:
     from attnlab.interp.hooks import is_attnlab_model
+
     if not is_attnlab_model(model):
         from attnlab.models.hf_points import hf_spec
+
         return ModelSpec(**hf_spec(model))
     cfg = model.cfg
     decoder = hasattr(model, "lm_head")
     final = model.norm if decoder else model.final_norm
     attn_only = bool(getattr(cfg, "attn_only", False))
     return ModelSpec(
-        n_layers=len(model.blocks), n_heads=cfg.n_heads,
+        n_layers=len(model.blocks),
+        n_heads=cfg.n_heads,
         norm=None if attn_only and final is None else cfg.norm,
         additive_resid=decoder and cfg.norm_position == "pre",
-        has_mlp=not attn_only, has_pos_embed=model.pos_embed is not None, has_ln_final=final is not None,
+        has_mlp=not attn_only,
+        has_pos_embed=model.pos_embed is not None,
+        has_ln_final=final is not None,
         unembed=model.lm_head.weight if decoder else None,
         ln_final_weight=None if final is None else getattr(final, "weight", None),
-        W_O=lambda l: model.blocks[l].attn.W_O, b_O=lambda l: getattr(model.blocks[l].attn, "out_bias", None))
+        W_O=lambda l: model.blocks[l].attn.W_O,
+        b_O=lambda l: getattr(model.blocks[l].attn, "out_bias", None),
+    )

@@ -68,8 +68,17 @@ from attnlab.masks import BlockMask
 from attnlab.ops.args import normalize, offsets
 from attnlab.ops.reference import acc_dtype
 from attnlab.ops.tiles import choose_tiles
-from attnlab.ops.tiling import (LOG2E, NEG_INF, TileProblem, fast_tile, mm_dtype, pick_block_mask, rescale, rows,
-                                score_tile)
+from attnlab.ops.tiling import (
+    LOG2E,
+    NEG_INF,
+    TileProblem,
+    fast_tile,
+    mm_dtype,
+    pick_block_mask,
+    rescale,
+    rows,
+    score_tile,
+)
 from attnlab.validate import integer
 
 __all__ = ["HeadStats", "head_stats", "stats_from_probs"]
@@ -113,7 +122,7 @@ class HeadStats:
         """
         skip_first = integer(skip_first, "skip_first", lo=0)
         sel = self.valid.clone()
-        sel[..., :int(skip_first)] = False
+        sel[..., : int(skip_first)] = False
         rows = sel.sum(dim=(0, 2))
         denom = rows.clamp_min(1)
         out = {}
@@ -126,7 +135,7 @@ class HeadStats:
         out["rows"] = rows
         return out
 
-    def to(self, arg) -> "HeadStats":
+    def to(self, arg) -> HeadStats:
         """A copy with every float field moved by ``tensor.to(arg)`` (a dtype or a device);
         ``valid`` stays bool (it follows a device move)."""
         if not isinstance(arg, (torch.dtype, torch.device, str)):
@@ -157,19 +166,25 @@ def _key_weights(key_positions, B, Nk, kv_offset, dtype, device):
         if kp.dim() == 1 and kp.shape[0] == Nk:
             kp = kp.unsqueeze(0)
         elif not (kp.dim() == 2 and kp.shape == (B, Nk)):
-            raise ValueError(f"key_positions: a bool tensor must have shape (Nk,)=({Nk},) or (B, Nk)=({B}, {Nk}), "
-                             f"got {tuple(kp.shape)}")
+            raise ValueError(
+                f"key_positions: a bool tensor must have shape (Nk,)=({Nk},) or (B, Nk)=({B}, {Nk}), "
+                f"got {tuple(kp.shape)}"
+            )
         return kp.to(device=device, dtype=dtype)
     if kp.dtype.is_floating_point or kp.is_complex():
-        raise TypeError(f"key_positions: expected a bool tensor over the keys or an integer tensor of absolute "
-                        f"positions, got dtype {kp.dtype}")
+        raise TypeError(
+            f"key_positions: expected a bool tensor over the keys or an integer tensor of absolute "
+            f"positions, got dtype {kp.dtype}"
+        )
     if kp.dim() != 1:
         raise ValueError(f"key_positions: integer positions must be 1-D (P,), got shape {tuple(kp.shape)}")
     kp = kp.to(torch.long)
     bad = (kp < kv_offset) | (kp >= kv_offset + Nk)
     if bad.any():
-        raise ValueError(f"key_positions: position {int(kp[bad][0])} is outside the keys, which sit at absolute "
-                         f"positions {kv_offset}..{kv_offset + Nk - 1}")
+        raise ValueError(
+            f"key_positions: position {int(kp[bad][0])} is outside the keys, which sit at absolute "
+            f"positions {kv_offset}..{kv_offset + Nk - 1}"
+        )
     w = torch.zeros(1, Nk, dtype=dtype, device=device)
     w[0, (kp - kv_offset).to(device)] = 1
     return w
@@ -180,8 +195,20 @@ def _block_arg(x, name):
 
 
 # ----------------------------------------------------------------------------- fast path
-def head_stats(q, k, *, mask=None, score_mod=None, scale=None, q_offset=None, kv_offset=0, sink_tokens=1,
-               key_positions=None, block_q=None, block_k=None) -> HeadStats:
+def head_stats(
+    q,
+    k,
+    *,
+    mask=None,
+    score_mod=None,
+    scale=None,
+    q_offset=None,
+    kv_offset=0,
+    sink_tokens=1,
+    key_positions=None,
+    block_q=None,
+    block_k=None,
+) -> HeadStats:
     """Per-row attention statistics of ``softmax(mask(score_mod(scale·q kᵀ)))`` in one
     tiled pass, never materializing the ``(Nq, Nk)`` pattern.
 
@@ -200,8 +227,9 @@ def head_stats(q, k, *, mask=None, score_mod=None, scale=None, q_offset=None, kv
     Returns a :class:`HeadStats` of ``(B, H, Nq)`` tensors in float32 (float64 for
     float64 inputs).  Runs without autograd.
     """
-    pr = normalize(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset,
-                   shared_kv_batch=True)
+    pr = normalize(
+        q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset, shared_kv_batch=True
+    )
     B, H, Hkv, Nq, Nk, D = pr.B, pr.H, pr.Hkv, pr.Nq, pr.Nk, pr.D
     scale, q_offset, kv_offset = pr.scale, pr.q_offset, pr.kv_offset
     sink_tokens = integer(sink_tokens, "sink_tokens", lo=0)
@@ -211,8 +239,10 @@ def head_stats(q, k, *, mask=None, score_mod=None, scale=None, q_offset=None, kv
 
     if isinstance(mask, BlockMask):  # a BlockMask: its tiling is the plan
         if (bq or mask.block_q, bk or mask.block_k) != (mask.block_q, mask.block_k):
-            raise ValueError(f"block_q, block_k: ({bq}, {bk}) differ from the BlockMask's tiles "
-                             f"({mask.block_q}, {mask.block_k}); pass the Mask itself to choose tiles")
+            raise ValueError(
+                f"block_q, block_k: ({bq}, {bk}) differ from the BlockMask's tiles "
+                f"({mask.block_q}, {mask.block_k}); pass the Mask itself to choose tiles"
+            )
         block_mask = mask
     elif mask is not None and Nq > 0 and Nk > 0:
         block = None if bq is None and bk is None else _fill_block(bq, bk, q.dtype, D, B * H, q.device)
@@ -226,8 +256,10 @@ def head_stats(q, k, *, mask=None, score_mod=None, scale=None, q_offset=None, kv
 
     pb = TileProblem(block_mask, score_mod, scale, q_offset, kv_offset, Nq, Nk, bq, bk)
     BH, G = B * Hkv, H // Hkv
-    out = {name: torch.zeros(BH, G, Nq, dtype=acc, device=q.device) for name in ("entropy", "sink_mass", "prev_mass",
-                                                                                   "max_weight", "lse")}
+    out = {
+        name: torch.zeros(BH, G, Nq, dtype=acc, device=q.device)
+        for name in ("entropy", "sink_mass", "prev_mass", "max_weight", "lse")
+    }
     out["lse"].fill_(NEG_INF)
     if w is not None:
         out["key_mass"] = torch.zeros(BH, G, Nq, dtype=acc, device=q.device)
@@ -238,13 +270,19 @@ def head_stats(q, k, *, mask=None, score_mod=None, scale=None, q_offset=None, kv
             qf = q.reshape(1, BH, G, Nq, D)  # the flash loop's (B, Hkv, G, N, D) row layout, B*Hkv folded; a view
             kT = k.reshape(BH, Nk, D).to(mmd).transpose(1, 2).contiguous()  # (BH, D, Nk): plain GEMMs
             b, h = pb.grids(B, H, q.device)
-            w_any = None if w is None else [bool(w[:, s:s + bk].any()) for s in range(0, Nk, bk)]
+            w_any = None if w is None else [bool(w[:, s : s + bk].any()) for s in range(0, Nk, bk)]
             for i in range(len(pb.plan)):
                 _stats_row(pb, i, qf, kT, out, valid, b, h, Nq, Nk, acc, mmd, B, H, sink_tokens, w, w_any)
     shaped = {name: x.view(B, H, Nq) for name, x in out.items()}
-    return HeadStats(entropy=shaped["entropy"], sink_mass=shaped["sink_mass"], prev_mass=shaped["prev_mass"],
-                     max_weight=shaped["max_weight"], key_mass=shaped.get("key_mass"), lse=shaped["lse"],
-                     valid=valid.view(B, H, Nq))
+    return HeadStats(
+        entropy=shaped["entropy"],
+        sink_mass=shaped["sink_mass"],
+        prev_mass=shaped["prev_mass"],
+        max_weight=shaped["max_weight"],
+        key_mass=shaped.get("key_mass"),
+        lse=shaped["lse"],
+        valid=valid.view(B, H, Nq),
+    )
 
 
 def _fill_block(bq, bk, dtype, D, BH, device):
@@ -366,8 +404,11 @@ def stats_from_probs(probs, *, q_offset=None, kv_offset=0, sink_tokens=1, key_po
     key = None if w is None else (p * w.view(w.shape[0], 1, 1, Nk)).sum(-1)
     if lse is not None:
         if not isinstance(lse, torch.Tensor) or lse.shape != (B, H, Nq):
-            raise ValueError(f"lse: expected a tensor of shape (B, H, Nq)={(B, H, Nq)}, got "
-                             f"{tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__}")
+            raise ValueError(
+                f"lse: expected a tensor of shape (B, H, Nq)={(B, H, Nq)}, got "
+                f"{tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__}"
+            )
         lse = torch.where(valid, lse.to(p.dtype), torch.full_like(entropy, NEG_INF))
-    return HeadStats(entropy=entropy, sink_mass=sink, prev_mass=prev, max_weight=max_w, key_mass=key, lse=lse,
-                     valid=valid)
+    return HeadStats(
+        entropy=entropy, sink_mass=sink, prev_mass=prev, max_weight=max_w, key_mass=key, lse=lse, valid=valid
+    )

@@ -54,6 +54,7 @@ HF_ALIASES = {"mistral": "llama"}
 class NormWeights:
     """The linear part of a norm: ``kind`` ``"layernorm"`` (centring, then ``weight``) or
     ``"rmsnorm"`` (``weight`` only); ``bias`` (LayerNorm's shift) is kept but never folded."""
+
     kind: str
     weight: torch.Tensor | None
     bias: torch.Tensor | None = None
@@ -72,13 +73,14 @@ class NormWeights:
         """``N W`` with ``N`` this norm's linear part (row vectors), ``W [..., d_model, n]``."""
         G = W if self.weight is None else self.weight.to(W.dtype).unsqueeze(-1) * W
         if self.kind == "layernorm":
-            return G - G.mean(dim=-2, keepdim=True)            # (I - 11ᵀ/d) diag(γ) W
+            return G - G.mean(dim=-2, keepdim=True)  # (I - 11ᵀ/d) diag(γ) W
         return G
 
 
 @dataclass
 class LayerWeights:
     """One attention layer's per-head weights (shapes in the module docstring)."""
+
     W_Q: torch.Tensor
     W_K: torch.Tensor
     W_V: torch.Tensor
@@ -89,7 +91,7 @@ class LayerWeights:
     b_O: torch.Tensor | None = None
     read_norm: NormWeights | None = None
     scale: float | None = None
-    positions: object = None          # a positions.RoPE (for query_pos / key_pos), ALiBi, or None
+    positions: object = None  # a positions.RoPE (for query_pos / key_pos), ALiBi, or None
 
     @property
     def n_heads(self) -> int:
@@ -114,13 +116,25 @@ class LayerWeights:
 
     @classmethod
     def of(cls, attn: MultiHeadAttention, read_norm=None) -> LayerWeights:
-        return cls(attn.W_Q, attn.W_K, attn.W_V, attn.W_O, attn.b_Q, attn.b_K, attn.b_V, attn.b_O,
-                   NormWeights.of(read_norm), attn.scale, attn.positions)
+        return cls(
+            attn.W_Q,
+            attn.W_K,
+            attn.W_V,
+            attn.W_O,
+            attn.b_Q,
+            attn.b_K,
+            attn.b_V,
+            attn.b_O,
+            NormWeights.of(read_norm),
+            attn.scale,
+            attn.positions,
+        )
 
 
 @dataclass
 class ModelWeights:
     """Every layer's :class:`LayerWeights` plus the embedding and unembedding."""
+
     layers: list
     W_E: torch.Tensor | None
     W_U: torch.Tensor | None
@@ -143,8 +157,10 @@ class ModelWeights:
 # -- attnlab models ----------------------------------------------------------------------
 def _attn_of(block, l, what):
     if not isinstance(block.attn, MultiHeadAttention):
-        raise TypeError(f"model: layer {l} of this {what} mixes with {type(block.attn).__name__}, not softmax "
-                        "attention; QK/OV circuits exist only for MultiHeadAttention layers")
+        raise TypeError(
+            f"model: layer {l} of this {what} mixes with {type(block.attn).__name__}, not softmax "
+            "attention; QK/OV circuits exist only for MultiHeadAttention layers"
+        )
     return block.attn
 
 
@@ -157,10 +173,13 @@ def _from_attnlab(model, fold_ln: bool) -> ModelWeights:
         layers.append(LayerWeights.of(_attn_of(b, l, type(model).__name__), norm))
     if isinstance(model, Decoder):
         final = model.norm if fold_ln and pre else None
-        return ModelWeights(layers, model.embed.weight, model.lm_head.weight.T, NormWeights.of(final), "attnlab Decoder")
+        return ModelWeights(
+            layers, model.embed.weight, model.lm_head.weight.T, NormWeights.of(final), "attnlab Decoder"
+        )
     final = model.final_norm if fold_ln and pre else None
-    return ModelWeights(layers, model.embed.weight, model.embed.weight.T, NormWeights.of(final), "attnlab Encoder",
-                        unembed="tied W_E")
+    return ModelWeights(
+        layers, model.embed.weight, model.embed.weight.T, NormWeights.of(final), "attnlab Encoder", unembed="tied W_E"
+    )
 
 
 # -- transformers models -----------------------------------------------------------------
@@ -174,9 +193,9 @@ def _fused_heads(t: dict, o: str, H: int, Hkv: int, dh: int, d: int):
     views (the layout of :class:`MultiHeadAttention`'s ``W_Q`` ... properties)."""
     w, ow = t[o + "attn.qkv_weight"], t[o + "attn.out_weight"]
     rows = {"Q": (0, H), "K": (H * dh, Hkv), "V": ((H + Hkv) * dh, Hkv)}
-    W = {k: w[lo:lo + n * dh].view(n, dh, d).transpose(1, 2) for k, (lo, n) in rows.items()}
+    W = {k: w[lo : lo + n * dh].view(n, dh, d).transpose(1, 2) for k, (lo, n) in rows.items()}
     bias = t.get(o + "attn.qkv_bias")
-    b = {k: None if bias is None else bias[lo:lo + n * dh].view(n, dh) for k, (lo, n) in rows.items()}
+    b = {k: None if bias is None else bias[lo : lo + n * dh].view(n, dh) for k, (lo, n) in rows.items()}
     W_O = ow.view(d, H, dh).permute(1, 2, 0)
     return W, b, W_O, t.get(o + "attn.out_bias")
 
@@ -189,12 +208,15 @@ def _hf_norm(t, name, kind):
 def _from_hf(model, fold_ln: bool) -> ModelWeights:
     from attnlab.models import ARCHITECTURES
     from attnlab.models.checkpoint import strip_prefix
+
     mt = model.config.model_type
     arch_name = HF_ALIASES.get(mt, mt)
     arch = ARCHITECTURES.get(arch_name)
     if arch is None:
-        raise TypeError(f"model: transformers model_type {mt!r} has no weight adapter; supported: "
-                        f"{sorted(ARCHITECTURES) + sorted(HF_ALIASES)}")
+        raise TypeError(
+            f"model: transformers model_type {mt!r} has no weight adapter; supported: "
+            f"{sorted(ARCHITECTURES) + sorted(HF_ALIASES)}"
+        )
     raw = strip_prefix({k: v.detach() for k, v in model.state_dict().items()}, arch.PREFIXES)
     d = model.config.to_dict()
     cfg = arch.config_from_hf(d, raw) if arch_name == "bert" else arch.config_from_hf(d)
@@ -215,8 +237,7 @@ def _from_hf(model, fold_ln: bool) -> ModelWeights:
         o = f"blocks.{l}."
         W, b, W_O, b_O = _fused_heads(t, o, H, Hkv, dh, dm)
         norm = _hf_norm(t, o + "norm1", kind) if fold_ln and pre else None
-        layers.append(LayerWeights(W["Q"], W["K"], W["V"], W_O, b["Q"], b["K"], b["V"], b_O, norm,
-                                   dh ** -0.5, rope))
+        layers.append(LayerWeights(W["Q"], W["K"], W["V"], W_O, b["Q"], b["K"], b["V"], b_O, norm, dh**-0.5, rope))
     W_E = t["embed.weight"]
     if arch_name == "bert":
         return ModelWeights(layers, W_E, W_E.T, None, f"transformers {type(model).__name__}", unembed="tied W_E")
@@ -237,5 +258,7 @@ def model_weights(model, *, fold_ln: bool = True) -> ModelWeights:
         return _from_attnlab(model, fold_ln)
     if _is_hf(model):
         return _from_hf(model, fold_ln)
-    raise TypeError(f"model: expected an attnlab Decoder or Encoder, or a transformers GPT-2 / Llama / Mistral / "
-                    f"BERT model, got {type(model).__name__}")
+    raise TypeError(
+        f"model: expected an attnlab Decoder or Encoder, or a transformers GPT-2 / Llama / Mistral / "
+        f"BERT model, got {type(model).__name__}"
+    )

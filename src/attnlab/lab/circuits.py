@@ -20,6 +20,8 @@ metric: the cosine similarity of the mean-pooled sentence embedding to the clean
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from attnlab.interp import activation_patching, agreement, attribution_patching, detect, path_patching
@@ -43,6 +45,7 @@ def induction_pair(cfg, T: int, B: int, seed: int = 0):
 def induction_patching(model=None, cfg=None, *, T: int = 12, B: int = 8, seed: int = 5, progress=False) -> dict:
     """Residual × position, head, attribution and path patching on the trained induction model."""
     from attnlab.lab import induction as I
+
     cfg = cfg or I.InductionConfig()
     if model is None:
         model, _ = I.load_or_train(cfg, 2, progress=progress)
@@ -57,15 +60,27 @@ def induction_patching(model=None, cfg=None, *, T: int = 12, B: int = 8, seed: i
     receivers = [lh for lh in scores["induction"].heads() if lh[0] == last]
     path_k = path_patching(model, clean, corrupted, receivers=receivers, receiver_input="k", progress=progress, **kw)
     path_q = path_patching(model, clean, corrupted, receivers=receivers, receiver_input="q", progress=progress, **kw)
-    return {"T": T, "clean": clean, "corrupted": corrupted, "scores": scores, "resid": resid, "heads": heads,
-            "resid_attribution": a_resid, "heads_attribution": a_heads, "path_k": path_k, "path_q": path_q,
-            "receivers": receivers, "agreement_heads": agreement(heads, a_heads),
-            "agreement_resid": agreement(resid, a_resid)}
+    return {
+        "T": T,
+        "clean": clean,
+        "corrupted": corrupted,
+        "scores": scores,
+        "resid": resid,
+        "heads": heads,
+        "resid_attribution": a_resid,
+        "heads_attribution": a_heads,
+        "path_k": path_k,
+        "path_q": path_q,
+        "receivers": receivers,
+        "agreement_heads": agreement(heads, a_heads),
+        "agreement_resid": agreement(resid, a_resid),
+    }
 
 
 def minilm_patching(*, progress=False) -> dict:
     """Head and residual patching on MiniLM for one clean/corrupted sentence pair."""
     from attnlab.models import load
+
     model, tok = load("minilm")
     a, b = "the cat sat on the mat because it was tired", "the dog sat on the mat because it was tired"
     clean, corrupted = tok([a])["input_ids"], tok([b])["input_ids"]
@@ -77,17 +92,22 @@ def minilm_patching(*, progress=False) -> dict:
     def similarity(h):
         return torch.nn.functional.cosine_similarity(h.mean(1), e0).mean()
 
-    kw = dict(metric=similarity)
-    resid = activation_patching(model, clean, corrupted, site="resid_pre", progress=progress, **kw)
-    heads = activation_patching(model, clean, corrupted, site="z", by="head", progress=progress, **kw)
-    a_heads = attribution_patching(model, clean, corrupted, site="z", by="head", **kw)
+    resid = activation_patching(model, clean, corrupted, site="resid_pre", progress=progress, metric=similarity)
+    heads = activation_patching(model, clean, corrupted, site="z", by="head", progress=progress, metric=similarity)
+    a_heads = attribution_patching(model, clean, corrupted, site="z", by="head", metric=similarity)
     changed = int((clean != corrupted).nonzero()[0, 1])
-    return {"tokens": tok.to_str_tokens(clean[0]), "changed_position": changed, "resid": resid, "heads": heads,
-            "heads_attribution": a_heads, "agreement_heads": agreement(heads, a_heads)}
+    return {
+        "tokens": tok.to_str_tokens(clean[0]),
+        "changed_position": changed,
+        "resid": resid,
+        "heads": heads,
+        "heads_attribution": a_heads,
+        "agreement_heads": agreement(heads, a_heads),
+    }
 
 
 def run(progress=False, minilm: bool = True) -> dict:
-    out = {"induction": induction_patching(progress=progress)}
+    out: dict[str, Any] = {"induction": induction_patching(progress=progress)}
     if minilm:
         try:
             out["minilm"] = minilm_patching(progress=progress)
@@ -101,22 +121,29 @@ def add_to_report(r, res: dict):
     ind = res["induction"]
     T = ind["T"]
     hs = ind["heads"]
-    r.section("Patching the induction circuit",
-              intro=f"Clean rows repeat {T} random tokens; the corrupted rows change the earlier copy of the last "
-                    f"token (position {T - 2}). Values: the fraction of the logit difference restored "
-                    "(0 = corrupted, 1 = clean) when one activation is patched from the clean run.")
+    r.section(
+        "Patching the induction circuit",
+        intro=f"Clean rows repeat {T} random tokens; the corrupted rows change the earlier copy of the last "
+        f"token (position {T - 2}). Values: the fraction of the logit difference restored "
+        "(0 = corrupted, 1 = clean) when one activation is patched from the clean run.",
+    )
     r.head_grid(ind["resid"], title="Residual stream (resid_pre) by layer × position", col_label="pos")
     r.head_grid(hs, title="Per-head output (z) by layer × head")
     r.head_grid(ind["heads_attribution"], title="Attribution patching (gradient estimate), layer × head")
     r.head_grid(ind["path_k"], title="Path patching: sender head → induction heads' keys")
     top = ", ".join(f"L{l}H{h} {v:.2f}" for (l, h), v in hs.top(5))
-    r.text(f"Top heads by patching effect: {top}. Attribution agrees with patching: Pearson r = "
-           f"{ind['agreement_heads']:.3f} over heads, {ind['agreement_resid']:.3f} over layer × position.")
+    r.text(
+        f"Top heads by patching effect: {top}. Attribution agrees with patching: Pearson r = "
+        f"{ind['agreement_heads']:.3f} over heads, {ind['agreement_resid']:.3f} over layer × position."
+    )
     m = res.get("minilm")
     if m:
-        r.section("Patching MiniLM", intro="\"the cat sat on the mat …\" against \"the dog …\"; metric: cosine "
-                                           "similarity of the mean-pooled embedding to the clean one, restored "
-                                           "fraction.")
+        r.section(
+            "Patching MiniLM",
+            intro='"the cat sat on the mat …" against "the dog …"; metric: cosine '
+            "similarity of the mean-pooled embedding to the clean one, restored "
+            "fraction.",
+        )
         r.head_grid(m["resid"], title="MiniLM resid_pre by layer × position", col_label="pos")
         r.head_grid(m["heads"], title="MiniLM per-head output (z) by layer × head")
         top = ", ".join(f"L{l}H{h} {v:.2f}" for (l, h), v in m["heads"].top(3))

@@ -41,6 +41,7 @@ import math
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,13 +57,28 @@ LINEAR = ("elu", "favor")
 SOFTMAX = ("flash", "sdpa")
 METHODS = LINEAR + SOFTMAX
 MODES = ("fwd", "fwdbwd")
-FULL_NS = tuple(256 * 2 ** i for i in range(7))     # 256 … 16384
+FULL_NS = tuple(256 * 2**i for i in range(7))  # 256 … 16384
 QUICK_NS = (256, 512, 1024, 2048)
 
 
-def run(quick=False, *, ns=None, d_head=64, heads=4, batch=1, reps=None, favor_features=None,
-        error_scales=(1.0, 0.5), error_features=(16, 64, 256, 1024), error_n=None, error_seeds=3,
-        chunk_size=64, max_call_s=60.0, seed=0, progress=True) -> dict:
+def run(
+    quick=False,
+    *,
+    ns=None,
+    d_head=64,
+    heads=4,
+    batch=1,
+    reps=None,
+    favor_features=None,
+    error_scales=(1.0, 0.5),
+    error_features=(16, 64, 256, 1024),
+    error_n=None,
+    error_seeds=3,
+    chunk_size=64,
+    max_call_s=60.0,
+    seed=0,
+    progress=True,
+) -> dict:
     """Time the four methods over ``ns`` and measure the approximation errors; JSON-able dict.
 
     ``quick`` picks ``ns = 256 … 2048`` and 3 repetitions (else ``256 … 16384`` and 5);
@@ -82,8 +98,15 @@ def run(quick=False, *, ns=None, d_head=64, heads=4, batch=1, reps=None, favor_f
     ns = tuple(ns) if ns is not None else (QUICK_NS if quick else FULL_NS)
     reps = reps if reps is not None else (3 if quick else 5)
     m_feat = d_head if favor_features is None else favor_features
-    for name, x in (("reps", reps), ("d_head", d_head), ("heads", heads), ("batch", batch),
-                    ("favor_features", m_feat), ("error_seeds", error_seeds), ("chunk_size", chunk_size)):
+    for name, x in (
+        ("reps", reps),
+        ("d_head", d_head),
+        ("heads", heads),
+        ("batch", batch),
+        ("favor_features", m_feat),
+        ("error_seeds", error_seeds),
+        ("chunk_size", chunk_size),
+    ):
         _pos_int(x, name)
     if not ns:
         raise ValueError("ns: expected at least one sequence length")
@@ -101,13 +124,15 @@ def run(quick=False, *, ns=None, d_head=64, heads=4, batch=1, reps=None, favor_f
 
     t_start = time.perf_counter()
     favor = FavorFeatures(d_head, m_feat, seed=seed)
-    times = {mode: {m: [] for m in METHODS} for mode in MODES}
-    samples = {mode: {m: [] for m in METHODS} for mode in MODES}
-    errors = {"favor": {str(x): [] for x in error_scales}, "elu": {str(x): [] for x in error_scales},
-              "flash_vs_sdpa": []}
-    too_slow = {mode: set() for mode in MODES}
-    bar = tqdm(total=len(ns) * len(MODES) * reps, disable=not progress, file=sys.stderr,
-               desc="crossover", unit="rep")
+    times: dict[str, dict[str, list[float | None]]] = {mode: {m: [] for m in METHODS} for mode in MODES}
+    samples: dict[str, dict[str, list[list[float]]]] = {mode: {m: [] for m in METHODS} for mode in MODES}
+    errors: dict[str, Any] = {
+        "favor": {str(x): [] for x in error_scales},
+        "elu": {str(x): [] for x in error_scales},
+        "flash_vs_sdpa": [],
+    }
+    too_slow: dict[str, set[str]] = {mode: set() for mode in MODES}
+    bar = tqdm(total=len(ns) * len(MODES) * reps, disable=not progress, file=sys.stderr, desc="crossover", unit="rep")
     for n in ns:
         g = torch.Generator().manual_seed(seed * 7919 + n)
         shape = (batch, heads, n, d_head)
@@ -126,14 +151,14 @@ def run(quick=False, *, ns=None, d_head=64, heads=4, batch=1, reps=None, favor_f
             bar.set_postfix_str(f"N={n} {mode}")
             active = [m for m in METHODS if m not in too_slow[mode]]
             calls = {m: _timed_call(fns[m], q, k, v, dout, backward=(mode == "fwdbwd")) for m in active}
-            for m in active:                                   # warm-up (allocations, tile plans)
+            for m in active:  # warm-up (allocations, tile plans)
                 w = calls[m]()
                 if w > max_call_s:
                     too_slow[mode].add(m)
             active = [m for m in active if m not in too_slow[mode]]
-            per = {m: [] for m in METHODS}
+            per: dict[str, list[float]] = {m: [] for m in METHODS}
             for r in range(reps):
-                order = active[r % len(active):] + active[:r % len(active)] if active else []
+                order = active[r % len(active) :] + active[: r % len(active)] if active else []
                 for m in order:
                     per[m].append(calls[m]())
                 bar.update(1)
@@ -142,32 +167,54 @@ def run(quick=False, *, ns=None, d_head=64, heads=4, batch=1, reps=None, favor_f
                 samples[mode][m].append(per[m])
     bar.close()
 
-    ratios, cross = {}, {}
+    ratios: dict[str, dict[str, list[float | None]]] = {}
+    cross: dict[str, dict[str, Any]] = {}
     for mode in MODES:
         ratios[mode], cross[mode] = {}, {}
         for lin in LINEAR:
             for soft in SOFTMAX:
                 key = f"{lin}/{soft}"
-                r = [None if a is None or b is None else a / b
-                     for a, b in zip(times[mode][lin], times[mode][soft])]
-                ratios[mode][key] = r
-                cross[mode][key] = _crossover(ns, r)
+                rs = [
+                    None if a is None or b is None else a / b
+                    for a, b in zip(times[mode][lin], times[mode][soft], strict=True)
+                ]
+                ratios[mode][key] = rs
+                cross[mode][key] = _crossover(ns, rs)
 
-    fvf = _favor_vs_features(error_n, d_head, heads, batch, error_features, error_seeds, chunk_size, seed,
-                             error_scales)
+    fvf = _favor_vs_features(error_n, d_head, heads, batch, error_features, error_seeds, chunk_size, seed, error_scales)
     return {
-        "config": {"quick": bool(quick), "ns": list(ns), "d_head": d_head, "heads": heads, "batch": batch,
-                   "reps": reps, "favor_features": m_feat, "chunk_size": chunk_size, "dtype": "float32",
-                   "causal": True, "error_scales": list(error_scales), "error_features": list(error_features),
-                   "error_n": error_n,
-                   "error_seeds": error_seeds, "max_call_s": max_call_s, "seed": seed},
+        "config": {
+            "quick": bool(quick),
+            "ns": list(ns),
+            "d_head": d_head,
+            "heads": heads,
+            "batch": batch,
+            "reps": reps,
+            "favor_features": m_feat,
+            "chunk_size": chunk_size,
+            "dtype": "float32",
+            "causal": True,
+            "error_scales": list(error_scales),
+            "error_features": list(error_features),
+            "error_n": error_n,
+            "error_seeds": error_seeds,
+            "max_call_s": max_call_s,
+            "seed": seed,
+        },
         "env": {"torch": torch.__version__, "threads": torch.get_num_threads()},
-        "ns": list(ns), "times": times, "samples": samples, "ratios": ratios, "crossover": cross,
-        "errors": errors, "favor_vs_features": fvf,
-        "notes": ["ratios within one run are the measurement; absolute times on a shared machine are noisy",
-                  "elu+1 is a different model, not an approximation of softmax: its 'error' is the distance "
-                  "between two models' outputs",
-                  "FAVOR+ error is an estimator's error: it falls as the number of random features grows"],
+        "ns": list(ns),
+        "times": times,
+        "samples": samples,
+        "ratios": ratios,
+        "crossover": cross,
+        "errors": errors,
+        "favor_vs_features": fvf,
+        "notes": [
+            "ratios within one run are the measurement; absolute times on a shared machine are noisy",
+            "elu+1 is a different model, not an approximation of softmax: its 'error' is the distance "
+            "between two models' outputs",
+            "FAVOR+ error is an estimator's error: it falls as the number of random features grows",
+        ],
         "seconds": time.perf_counter() - t_start,
     }
 
@@ -176,10 +223,13 @@ def summary(result: dict) -> str:
     """Text tables: median times (ms) and ratios per mode, crossovers, errors."""
     c = result["config"]
     ns = result["ns"]
-    lines = [f"Linear-attention crossover: causal, B={c['batch']} H={c['heads']} d_head={c['d_head']} "
-             f"{c['dtype']}, FAVOR+ m={c['favor_features']}, chunk={c['chunk_size']}, "
-             f"{c['reps']} interleaved reps (median), torch {result['env']['torch']}, "
-             f"{result['env']['threads']} threads", ""]
+    lines = [
+        f"Linear-attention crossover: causal, B={c['batch']} H={c['heads']} d_head={c['d_head']} "
+        f"{c['dtype']}, FAVOR+ m={c['favor_features']}, chunk={c['chunk_size']}, "
+        f"{c['reps']} interleaved reps (median), torch {result['env']['torch']}, "
+        f"{result['env']['threads']} threads",
+        "",
+    ]
     keys = [f"{a}/{b}" for a in LINEAR for b in SOFTMAX]
     for mode in MODES:
         title = "forward (no_grad)" if mode == "fwd" else "forward + backward"
@@ -201,24 +251,42 @@ def summary(result: dict) -> str:
         lines.append("")
     e = result["errors"]
     scales = list(e["favor"])
-    lines.append(f"relative error vs exact causal softmax  ‖out − softmax‖ / ‖softmax‖  "
-                 f"(q, k entries N(0, σ²); FAVOR+ m={c['favor_features']})")
-    lines.append(f"{'N':>6} " + "".join(f"{'FAVOR+ σ=' + s:>14}" for s in scales)
-                 + "".join(f"{'elu+1(*) σ=' + s:>16}" for s in scales) + f"{'flash-sdpa':>12}")
+    lines.append(
+        f"relative error vs exact causal softmax  ‖out − softmax‖ / ‖softmax‖  "
+        f"(q, k entries N(0, σ²); FAVOR+ m={c['favor_features']})"
+    )
+    lines.append(
+        f"{'N':>6} "
+        + "".join(f"{'FAVOR+ σ=' + s:>14}" for s in scales)
+        + "".join(f"{'elu+1(*) σ=' + s:>16}" for s in scales)
+        + f"{'flash-sdpa':>12}"
+    )
     for i, n in enumerate(ns):
-        lines.append(f"{n:>6} " + "".join(f"{e['favor'][s][i]:>14.4f}" for s in scales)
-                     + "".join(f"{e['elu'][s][i]:>16.4f}" for s in scales) + f"{e['flash_vs_sdpa'][i]:>12.2e}")
+        lines.append(
+            f"{n:>6} "
+            + "".join(f"{e['favor'][s][i]:>14.4f}" for s in scales)
+            + "".join(f"{e['elu'][s][i]:>16.4f}" for s in scales)
+            + f"{e['flash_vs_sdpa'][i]:>12.2e}"
+        )
     f = result["favor_vs_features"]
     lines.append(f"FAVOR+ error vs features at N={f['n']} (mean of {result['config']['error_seeds']} draws):")
     for s, errs in f["rel_error"].items():
-        lines.append(f"  σ={s}: " + ", ".join(f"m={m}: {x:.4f}" for m, x in zip(f["features"], errs)))
-    lines.append("(*) elu+1 is a different model, not an approximation: its number is the distance between "
-                 "the two models' outputs")
+        lines.append(f"  σ={s}: " + ", ".join(f"m={m}: {x:.4f}" for m, x in zip(f["features"], errs, strict=True)))
+    lines.append(
+        "(*) elu+1 is a different model, not an approximation: its number is the distance between "
+        "the two models' outputs"
+    )
     return "\n".join(lines)
 
 
-def main(*, quick: bool = False, reps: int | None = None, threads: int | None = None, progress: bool = True,
-         json_path: str | None = None) -> int:
+def main(
+    *,
+    quick: bool = False,
+    reps: int | None = None,
+    threads: int | None = None,
+    progress: bool = True,
+    json_path: str | None = None,
+) -> int:
     """``attnlab lab crossover``: run (on ``threads`` torch threads when given), keep the result in
     the lab cache, write it to ``json_path``, print the summary."""
     if threads is not None:
@@ -239,6 +307,7 @@ def main(*, quick: bool = False, reps: int | None = None, threads: int | None = 
 
 # --------------------------------------------------------------------------------------
 
+
 def _methods(favor, causal, chunk_size):
     return {
         "elu": lambda q, k, v: linear_attention(q, k, v, feature_map="elu", causal=True, chunk_size=chunk_size),
@@ -251,21 +320,24 @@ def _methods(favor, causal, chunk_size):
 def _timed_call(fn, q, k, v, dout, backward):
     """A closure that runs one forward (and backward) and returns its wall time in seconds."""
     if not backward:
+
         def call():
             with torch.no_grad():
                 t0 = time.perf_counter()
                 fn(q, k, v)
                 return time.perf_counter() - t0
+
         return call
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
 
-    def call():
+    def call_bwd():
         for t in leaves:
             t.grad = None
         t0 = time.perf_counter()
         fn(*leaves).backward(dout)
         return time.perf_counter() - t0
-    return call
+
+    return call_bwd
 
 
 def _rel(x, ref):
@@ -275,7 +347,7 @@ def _rel(x, ref):
 
 def _crossover(ns, ratios):
     """Smallest N from which every measured ratio is < 1; log-log interpolated against the previous point."""
-    pts = [(n, r) for n, r in zip(ns, ratios) if r is not None]
+    pts = [(n, r) for n, r in zip(ns, ratios, strict=True) if r is not None]
     if not pts or pts[-1][1] >= 1:
         return {"n": None, "interpolated": None, "below_grid": False}
     i = len(pts) - 1
@@ -287,7 +359,7 @@ def _crossover(ns, ratios):
     if r0 == r1:
         interp = float(n1)
     else:
-        f = math.log(r0) / (math.log(r0) - math.log(r1))        # where log ratio crosses 0
+        f = math.log(r0) / (math.log(r0) - math.log(r1))  # where log ratio crosses 0
         interp = math.exp(math.log(n0) + f * (math.log(n1) - math.log(n0)))
     return {"n": n1, "interpolated": interp, "below_grid": False}
 
@@ -303,8 +375,20 @@ def _favor_vs_features(n, d_head, heads, batch, features, n_seeds, chunk_size, s
             ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             errs = []
             for m in features:
-                e = [_rel(linear_attention(q, k, v, feature_map=FavorFeatures(d_head, m, seed=seed + 1000 * s),
-                                           causal=True, chunk_size=chunk_size), ref) for s in range(n_seeds)]
+                e = [
+                    _rel(
+                        linear_attention(
+                            q,
+                            k,
+                            v,
+                            feature_map=FavorFeatures(d_head, m, seed=seed + 1000 * s),
+                            causal=True,
+                            chunk_size=chunk_size,
+                        ),
+                        ref,
+                    )
+                    for s in range(n_seeds)
+                ]
                 errs.append(sum(e) / len(e))
             out[str(x)] = errs
     return {"n": n, "features": list(features), "rel_error": out}

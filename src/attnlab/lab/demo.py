@@ -24,9 +24,10 @@ def _say(msg: str) -> None:
 def continuations(model, cfg, n: int = 4, seed: int = 0) -> list[dict]:
     """Greedy continuations of repeated segments, with the static KV cache and without."""
     from attnlab.generate import generate
+
     g = torch.Generator().manual_seed(seed)
     rows = []
-    for i in range(n):
+    for _i in range(n):
         P = int(torch.randint(cfg.p_min, min(cfg.p_max, 14) + 1, (1,), generator=g))
         seg = torch.randperm(cfg.vocab, generator=g)[:P]  # distinct: the continuation is unambiguous
         prompt_len = P + P // 2
@@ -37,10 +38,15 @@ def continuations(model, cfg, n: int = 4, seed: int = 0) -> list[dict]:
         plain = torch.as_tensor(generate(model, prompt, max_new_tokens=new, cache=None).new_tokens[0])
         want = full[prompt_len:]
         got = cached
-        rows.append({"prompt": " ".join(map(str, prompt[0].tolist())), "continuation": " ".join(map(str, got.tolist())),
-                     "expected": " ".join(map(str, want.tolist())),
-                     "accuracy": float((got == want).float().mean()),
-                     "equal": torch.equal(cached, plain)})
+        rows.append(
+            {
+                "prompt": " ".join(map(str, prompt[0].tolist())),
+                "continuation": " ".join(map(str, got.tolist())),
+                "expected": " ".join(map(str, want.tolist())),
+                "accuracy": float((got == want).float().mean()),
+                "equal": torch.equal(cached, plain),
+            }
+        )
     return rows
 
 
@@ -48,6 +54,7 @@ def demo(out: str = "out/report.html", *, quick: bool = False, force: bool = Fal
     """Run the lab's main experiments and write the report; returns its path."""
     from attnlab.lab import induction, sinks
     from attnlab.report import Report
+
     t0 = time.perf_counter()
     torch.manual_seed(0)
     _say("[1/5] induction heads: training a 2-layer and a 1-layer attention-only model (cached after the first run)")
@@ -56,6 +63,7 @@ def demo(out: str = "out/report.html", *, quick: bool = False, force: bool = Fal
     model2, _ = induction.load_or_train(cfg, 2)
     _say("[2/5] attention sinks in the pretrained MiniLM")
     from attnlab.models import load
+
     mini, tok = load("minilm")
     mini.eval()
     snk = sinks.analyse(mini, tok)
@@ -63,15 +71,20 @@ def demo(out: str = "out/report.html", *, quick: bool = False, force: bool = Fal
     gens = continuations(model2, cfg)
     _say("[4/5] associative recall: softmax vs linear attention vs a state-space model (cached after the first run)")
     from attnlab.lab import hopfield, recall
+
     rec = recall.run(quick=quick, force=force)
     hop = hopfield.run()
     results = []
     if claims:
         _say("[5/5] the seeds' claims")
         from attnlab.lab.claims import run_claims
+
         results = run_claims()
-    r = Report("attnlab demo", subtitle="Induction heads forming, attention sinks in a real model, KV-cache "
-               "decoding and the seed texts' claims — everything measured on this machine.")
+    r = Report(
+        "attnlab demo",
+        subtitle="Induction heads forming, attention sinks in a real model, KV-cache "
+        "decoding and the seed texts' claims — everything measured on this machine.",
+    )
     pages.induction_section(r, ind, model2, cfg)
     pages.sinks_section(r, snk, mini, tok)
     pages.generation_section(r, gens)
@@ -92,26 +105,42 @@ def demo(out: str = "out/report.html", *, quick: bool = False, force: bool = Fal
 def _cached(name: str):
     """A lab experiment's cached result (``attnlab lab <name>`` writes it), or None."""
     import json
+
     from attnlab.lab import cache_dir
+
     p = cache_dir(name) / f"{name}.json"
     return json.loads(p.read_text()) if p.exists() else None
 
 
 def _summary(ind, snk, gens, rec, results, seconds) -> str:
     from attnlab.lab.induction import summary
-    lines = ["", "== induction heads ==", summary(ind), "", "== attention sinks (MiniLM) ==",
-             __import__("attnlab.lab.sinks", fromlist=["summary"]).summary(snk), "",
-             "== KV-cache decoding ==",
-             f"{len(gens)} continuations: mean accuracy {sum(g['accuracy'] for g in gens) / len(gens):.2f}, "
-             f"cache = recompute in {sum(g['equal'] for g in gens)}/{len(gens)}",
-             "", "== associative recall (MQAR) ==",
-             __import__("attnlab.lab.recall", fromlist=["summary"]).summary(rec)]
+
+    lines = [
+        "",
+        "== induction heads ==",
+        summary(ind),
+        "",
+        "== attention sinks (MiniLM) ==",
+        __import__("attnlab.lab.sinks", fromlist=["summary"]).summary(snk),
+        "",
+        "== KV-cache decoding ==",
+        f"{len(gens)} continuations: mean accuracy {sum(g['accuracy'] for g in gens) / len(gens):.2f}, "
+        f"cache = recompute in {sum(g['equal'] for g in gens)}/{len(gens)}",
+        "",
+        "== associative recall (MQAR) ==",
+        __import__("attnlab.lab.recall", fromlist=["summary"]).summary(rec),
+    ]
     if results:
         from collections import Counter
+
         c = Counter(x.verdict.value if x.verdict is not None else "error" for x in results)
-        lines += ["", "== the seeds' claims ==", f"{len(results)} claims: " + ", ".join(f"{n} {v}" for v, n in
-                                                                                     c.items())
-                  + "  (attnlab claims for the table)"]
+        lines += [
+            "",
+            "== the seeds' claims ==",
+            f"{len(results)} claims: "
+            + ", ".join(f"{n} {v}" for v, n in c.items())
+            + "  (attnlab claims for the table)",
+        ]
     lines.append(f"\ndone in {seconds:.0f} s")
     return "\n".join(lines)
 
@@ -136,28 +165,41 @@ def inspect_legend(names) -> list[str]:
         if d in names:
             out.append(f"  {d:<16} {what}")
     if any(n.endswith("_vw") for n in names):
-        out.append("  *_vw             the same, value-weighted: each key's attention times the norm of the value it "
-                   "passes on, renormalized (a head that parks mass on a key with a ~0 value writes little)")
+        out.append(
+            "  *_vw             the same, value-weighted: each key's attention times the norm of the value it "
+            "passes on, renormalized (a head that parks mass on a key with a ~0 value writes little)"
+        )
     return out
 
 
-def format_inspect(toks: list[str], scores: dict, *, n_layers: int, n_heads: int, cut_to: int | None = None) -> list[str]:
+def format_inspect(
+    toks: list[str], scores: dict, *, n_layers: int, n_heads: int, cut_to: int | None = None
+) -> list[str]:
     """The lines ``attnlab inspect`` prints: the tokens (saying when only the first
     :data:`SHOW_TOKENS` are shown, and when the tokenizer cut the text to ``cut_to``), the
     top heads per detector (``scores``: name -> :class:`attnlab.interp.detectors.HeadScores`;
     heads that round to 0.00 are not listed), and what the columns mean."""
     lines = [f"tokens: {' '.join(repr(t) for t in toks[:SHOW_TOKENS])}"]
     if len(toks) > SHOW_TOKENS:
-        lines.append(f"  (the first {SHOW_TOKENS} of {len(toks)} tokens shown here; every token is scored and in "
-                     "the report)")
+        lines.append(
+            f"  (the first {SHOW_TOKENS} of {len(toks)} tokens shown here; every token is scored and in the report)"
+        )
     if cut_to is not None:
         lines.append(f"  (the text is longer than the model's limit: only its first {cut_to} tokens are read)")
-    lines += [f"{len(toks)} tokens, {n_layers} layers × {n_heads} heads",
-              f"{'detector':<22} top heads (mean attention mass, 0..1; heads that round to 0.00 omitted)"]
+    lines += [
+        f"{len(toks)} tokens, {n_layers} layers × {n_heads} heads",
+        f"{'detector':<22} top heads (mean attention mass, 0..1; heads that round to 0.00 omitted)",
+    ]
     for name, hs in scores.items():
         top = [(l, h, s) for l, h, s in hs.top(4) if f"{s:.2f}" != "0.00"]
-        lines.append(f"{name:<22} " + (", ".join(f"L{l}H{h} {s:.2f}" for l, h, s in top) if top else
-                                       "none (every head rounds to 0: nothing of this kind in this text)"))
+        lines.append(
+            f"{name:<22} "
+            + (
+                ", ".join(f"L{l}H{h} {s:.2f}" for l, h, s in top)
+                if top
+                else "none (every head rounds to 0: nothing of this kind in this text)"
+            )
+        )
     lines += ["", *inspect_legend(sorted(scores))]
     return lines
 
@@ -176,6 +218,7 @@ def inspect(text: str, *, model_name: str = "minilm", out: str = "out/inspect.ht
     from attnlab.interp.capture import capture
     from attnlab.models import load
     from attnlab.report import Report
+
     if not isinstance(text, str) or not text.strip():
         raise ValueError("text: expected a non-empty string")
     model, tok = load(model_name)
@@ -188,23 +231,33 @@ def inspect(text: str, *, model_name: str = "minilm", out: str = "out/inspect.ht
     kw = {"attention_mask": b["attention_mask"]}
     if encoder:
         kw["token_type_ids"] = b["token_type_ids"]
-    fwd = (lambda m, x: m(x, **kw))
+
+    def fwd(m, x):
+        return m(x, **kw)
+
     scores = D.detect(model, ids, forward=fwd, value_weighted_too=True)
     with torch.no_grad(), capture(model) as cap:
         fwd(model, ids)
     pats = torch.stack([cap.pattern(l)[0] for l in cap.layers])
     ent = torch.stack([cap.stats(l).per_head()["entropy"] for l in cap.layers])
-    toks = tok.to_str_tokens(ids[0])                  # special tokens ([CLS], [SEP]) visible
-    lines = format_inspect(toks, scores, n_layers=pats.shape[0], n_heads=pats.shape[1],
-                           cut_to=tok.max_length if _cut_by_tokenizer(tok, text) else None)
+    toks = tok.to_str_tokens(ids[0])  # special tokens ([CLS], [SEP]) visible
+    lines = format_inspect(
+        toks,
+        scores,
+        n_layers=pats.shape[0],
+        n_heads=pats.shape[1],
+        cut_to=tok.max_length if _cut_by_tokenizer(tok, text) else None,
+    )
     from attnlab.report.token_view import MAX_TOKENS
+
     if len(text) > SUBTITLE_CHARS:
         print(f"(the report's subtitle shows the first {SUBTITLE_CHARS} of the text's {len(text)} characters)")
     if len(toks) > MAX_TOKENS:
         print(f"(no token-to-token head view in the report: {len(toks)} tokens, it draws at most {MAX_TOKENS})")
     print("\n".join(lines))
-    subtitle = text[:SUBTITLE_CHARS] + (f" … (first {SUBTITLE_CHARS} of {len(text)} characters)"
-                                         if len(text) > SUBTITLE_CHARS else "")
+    subtitle = text[:SUBTITLE_CHARS] + (
+        f" … (first {SUBTITLE_CHARS} of {len(text)} characters)" if len(text) > SUBTITLE_CHARS else ""
+    )
     r = Report(f"attnlab inspect: {model_name}", subtitle=f"{len(toks)} tokens: {subtitle}")
     r.section("Patterns")
     r.heatmaps(pats, toks, title="Attention patterns (all layers and heads)")

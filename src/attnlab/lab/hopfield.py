@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
+from typing import Any, cast
 
 import torch
 
@@ -52,12 +53,25 @@ from attnlab.ops.hopfield import hopfield_retrieve
 
 __all__ = ["run", "summary", "DEFAULT_NS"]
 
-DEFAULT_NS = tuple(2 ** i for i in range(1, 13))  # 2 … 4096
+DEFAULT_NS = tuple(2**i for i in range(1, 13))  # 2 … 4096
 COS_THRESHOLD = 0.99
 
 
-def run(dims=(16, 32, 64), ns=DEFAULT_NS, beta=1.0, *, kind="binary", corruption="flip", frac=0.25,
-        steps=1, n_probes=128, threshold=0.9, classical=True, classical_sweeps=20, seed=0) -> dict:
+def run(
+    dims=(16, 32, 64),
+    ns=DEFAULT_NS,
+    beta=1.0,
+    *,
+    kind="binary",
+    corruption="flip",
+    frac=0.25,
+    steps=1,
+    n_probes=128,
+    threshold=0.9,
+    classical=True,
+    classical_sweeps=20,
+    seed=0,
+) -> dict:
     """Measure retrieval accuracy over ``dims × ns``; returns a JSON-able dict.
 
     Keys: ``config`` (the arguments), ``dims``, ``ns``, ``criterion`` (text),
@@ -70,26 +84,26 @@ def run(dims=(16, 32, 64), ns=DEFAULT_NS, beta=1.0, *, kind="binary", corruption
     """
     dims = _int_tuple(dims, "dims")
     ns = _int_tuple(ns, "ns")
-    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not (0 < beta < math.inf):
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not (0 < cast(float, beta) < math.inf):
         raise ValueError(f"beta: expected a positive finite number, got {beta!r}")
     if kind not in ("binary", "gaussian"):
         raise ValueError(f"kind: expected 'binary' or 'gaussian', got {kind!r}")
     if corruption not in ("flip", "mask"):
         raise ValueError(f"corruption: expected 'flip' or 'mask', got {corruption!r}")
-    if isinstance(frac, bool) or not isinstance(frac, numbers.Real) or not (0 <= frac < 1):
+    if isinstance(frac, bool) or not isinstance(frac, numbers.Real) or not (0 <= cast(float, frac) < 1):
         raise ValueError(f"frac: expected a fraction in [0, 1), got {frac!r}")
     steps = _int_tuple((steps,), "steps")[0]
     n_probes = _int_tuple((n_probes,), "n_probes")[0]
     classical_sweeps = _int_tuple((classical_sweeps,), "classical_sweeps")[0]
-    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not (0 < threshold <= 1):
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not (0 < cast(float, threshold) <= 1):
         raise ValueError(f"threshold: expected a number in (0, 1], got {threshold!r}")
     if not isinstance(classical, bool):
         raise TypeError(f"classical: expected a bool, got {type(classical).__name__}")
     do_classical = classical and kind == "binary"
 
     t0 = time.perf_counter()
-    modern = {"accuracy": {}, "capacity": {}, "censored": {}, "mean_steps": {}}
-    clas = {"accuracy": {}, "capacity": {}, "censored": {}} if do_classical else None
+    modern: dict[str, dict[str, Any]] = {"accuracy": {}, "capacity": {}, "censored": {}, "mean_steps": {}}
+    clas: dict[str, dict[str, Any]] | None = {"accuracy": {}, "capacity": {}, "censored": {}} if do_classical else None
     for d in dims:
         accs, msteps, caccs = [], [], []
         for N in ns:
@@ -103,23 +117,43 @@ def run(dims=(16, 32, 64), ns=DEFAULT_NS, beta=1.0, *, kind="binary", corruption
         modern["accuracy"][str(d)] = accs
         modern["mean_steps"][str(d)] = msteps
         modern["capacity"][str(d)], modern["censored"][str(d)] = _capacity(ns, accs, threshold)
-        if do_classical:
+        if clas is not None:
             clas["accuracy"][str(d)] = caccs
             clas["capacity"][str(d)], clas["censored"][str(d)] = _capacity(ns, caccs, threshold)
 
-    ref = {"classical_0.138d": {str(d): 0.138 * d for d in dims},
-           "modern_separation_heuristic": {str(d): _heuristic(d, corruption, frac) for d in dims}}
-    growth = {"modern_log2_capacity_per_dim": _log2_slope(dims, modern),
-              "classical_capacity_per_dim": _linear_ratio(dims, clas) if clas else None}
+    ref = {
+        "classical_0.138d": {str(d): 0.138 * d for d in dims},
+        "modern_separation_heuristic": {str(d): _heuristic(d, corruption, frac) for d in dims},
+    }
+    growth = {
+        "modern_log2_capacity_per_dim": _log2_slope(dims, modern),
+        "classical_capacity_per_dim": _linear_ratio(dims, clas) if clas else None,
+    }
     return {
-        "config": {"dims": list(dims), "ns": list(ns), "beta": float(beta), "kind": kind,
-                   "corruption": corruption, "frac": float(frac), "steps": steps, "n_probes": n_probes,
-                   "threshold": float(threshold), "classical": classical, "classical_sweeps": classical_sweeps,
-                   "seed": int(seed)},
-        "dims": list(dims), "ns": list(ns),
-        "criterion": (f"retrieved = cos(final state, stored pattern) > {COS_THRESHOLD}; accuracy = fraction of "
-                      f"probes retrieved; capacity = largest N before accuracy first drops below {threshold}"),
-        "modern": modern, "classical": clas, "reference": ref, "growth": growth,
+        "config": {
+            "dims": list(dims),
+            "ns": list(ns),
+            "beta": float(beta),
+            "kind": kind,
+            "corruption": corruption,
+            "frac": float(frac),
+            "steps": steps,
+            "n_probes": n_probes,
+            "threshold": float(threshold),
+            "classical": classical,
+            "classical_sweeps": classical_sweeps,
+            "seed": int(seed),
+        },
+        "dims": list(dims),
+        "ns": list(ns),
+        "criterion": (
+            f"retrieved = cos(final state, stored pattern) > {COS_THRESHOLD}; accuracy = fraction of "
+            f"probes retrieved; capacity = largest N before accuracy first drops below {threshold}"
+        ),
+        "modern": modern,
+        "classical": clas,
+        "reference": ref,
+        "growth": growth,
         "seconds": time.perf_counter() - t0,
     }
 
@@ -128,9 +162,12 @@ def summary(result: dict) -> str:
     """A text table: accuracy per (d, N) for both networks, capacities and references."""
     c = result["config"]
     ns = result["ns"]
-    lines = [f"Hopfield capacity: {c['kind']} patterns, {c['corruption']} {c['frac']:.0%} of entries, "
-             f"beta={c['beta']:g}, modern steps<={c['steps']}, >= {c['n_probes']} probes per cell",
-             result["criterion"], ""]
+    lines = [
+        f"Hopfield capacity: {c['kind']} patterns, {c['corruption']} {c['frac']:.0%} of entries, "
+        f"beta={c['beta']:g}, modern steps<={c['steps']}, >= {c['n_probes']} probes per cell",
+        result["criterion"],
+        "",
+    ]
     w = max(5, len(str(max(ns))) + 1)
     head = "      N: " + "".join(f"{n:>{w}}" for n in ns)
     for name in ("modern", "classical"):
@@ -150,13 +187,18 @@ def summary(result: dict) -> str:
         cl = result.get("classical")
         cc = "-" if not cl else f"{cl['capacity'][str(d)]}{'+' if cl['censored'][str(d)] else ''}"
         ref = result["reference"]
-        lines.append(f"{d:>5} {mc:>11} {cc:>14} {ref['classical_0.138d'][str(d)]:>8.1f} "
-                     f"{ref['modern_separation_heuristic'][str(d)]:>15.3g}")
+        lines.append(
+            f"{d:>5} {mc:>11} {cc:>14} {ref['classical_0.138d'][str(d)]:>8.1f} "
+            f"{ref['modern_separation_heuristic'][str(d)]:>15.3g}"
+        )
     gr = result["growth"]
     if gr["modern_log2_capacity_per_dim"] is not None:
         s = gr["modern_log2_capacity_per_dim"]
-        lines.append(f"modern: log2(capacity) grows {s:.3f} per dimension (x2 every {1 / s:.1f} dims)"
-                     if s > 0 else f"modern: log2(capacity) slope {s:.3f} per dimension")
+        lines.append(
+            f"modern: log2(capacity) grows {s:.3f} per dimension (x2 every {1 / s:.1f} dims)"
+            if s > 0
+            else f"modern: log2(capacity) slope {s:.3f} per dimension"
+        )
     if gr.get("classical_capacity_per_dim") is not None:
         lines.append(f"classical: capacity / d = {gr['classical_capacity_per_dim']:.3f} (mean over dims)")
     lines.append("('+' = censored: every N on the grid passed, the capacity is at least that)")
@@ -165,8 +207,9 @@ def summary(result: dict) -> str:
 
 # --------------------------------------------------------------------------------------
 
+
 def _cell_seed(seed, d, N):
-    return (int(seed) * 1_000_003 + d * 10_007 + N) % (2 ** 63)
+    return (int(seed) * 1_000_003 + d * 10_007 + N) % (2**63)
 
 
 def _draw(d, N, n_probes, kind, corruption, frac, g):
@@ -178,7 +221,7 @@ def _draw(d, N, n_probes, kind, corruption, frac, g):
     else:
         X = torch.randn(T, N, d, generator=g)
         X = X / X.norm(dim=-1, keepdim=True).clamp_min(1e-12) * math.sqrt(d)
-    idx = torch.rand(T, N, generator=g).argsort(-1)[:, :P]             # P distinct patterns per set
+    idx = torch.rand(T, N, generator=g).argsort(-1)[:, :P]  # P distinct patterns per set
     target = X.gather(1, idx[..., None].expand(T, P, d))
     nf = round(frac * d)
     where = torch.rand(T, P, d, generator=g).argsort(-1)[..., :nf]
@@ -196,7 +239,7 @@ def _retrieved(state, target):
 
 def _classical(X, probe, sweeps, g):
     """Asynchronous sign dynamics with Hebbian weights ``W = XᵀX / d`` (zero diagonal)."""
-    T, N, d = X.shape
+    _T, _N, d = X.shape
     W = X.transpose(1, 2) @ X / d
     W.diagonal(dim1=1, dim2=2).zero_()
     s = probe.clone()
@@ -204,11 +247,11 @@ def _classical(X, probe, sweeps, g):
     for _ in range(sweeps):
         changed = False
         for i in torch.randperm(d, generator=g).tolist():
-            h = s @ W[:, :, i:i + 1]                                  # (T, P, 1) local field
-            new = torch.where(h > 0, 1.0, torch.where(h < 0, -1.0, s[..., i:i + 1]))
-            if not changed and bool((new != s[..., i:i + 1]).any()):
+            h = s @ W[:, :, i : i + 1]  # (T, P, 1) local field
+            new = torch.where(h > 0, 1.0, torch.where(h < 0, -1.0, s[..., i : i + 1]))
+            if not changed and bool((new != s[..., i : i + 1]).any()):
                 changed = True
-            s[..., i:i + 1] = new
+            s[..., i : i + 1] = new
         if not changed:
             break
     return s
@@ -216,7 +259,7 @@ def _classical(X, probe, sweeps, g):
 
 def _capacity(ns, accs, threshold):
     cap = 0
-    for n, a in zip(ns, accs):
+    for n, a in zip(ns, accs, strict=True):
         if a < threshold:
             return cap, False
         cap = n
@@ -229,8 +272,11 @@ def _heuristic(d, corruption, frac):
 
 
 def _log2_slope(dims, part):
-    pts = [(d, math.log2(part["capacity"][str(d)])) for d in dims
-           if part["capacity"][str(d)] > 0 and not part["censored"][str(d)]]
+    pts = [
+        (d, math.log2(part["capacity"][str(d)]))
+        for d in dims
+        if part["capacity"][str(d)] > 0 and not part["censored"][str(d)]
+    ]
     if len(pts) < 2:
         return None
     mx = sum(p[0] for p in pts) / len(pts)

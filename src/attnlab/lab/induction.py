@@ -32,9 +32,9 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from attnlab.interp import detectors as D
 from attnlab.interp.capture import capture
@@ -49,6 +49,7 @@ VERSION = 1
 class InductionConfig:
     """Sizes chosen by measurement on 2 CPU cores (docs/lab.md): both models train in
     about a minute together."""
+
     vocab: int = 32
     seq_len: int = 48
     p_min: int = 6
@@ -90,9 +91,19 @@ def repeated_tokens(cfg: InductionConfig, T: int, B: int, seed: int) -> torch.Te
 
 def build(cfg: InductionConfig, n_layers: int) -> Decoder:
     torch.manual_seed(cfg.seed)
-    return Decoder(DecoderConfig(vocab_size=cfg.vocab, d_model=cfg.d_model, n_layers=n_layers, n_heads=cfg.n_heads,
-                                 attn_only=True, positions=cfg.positions, max_positions=cfg.seq_len, bias=False,
-                                 tie_embeddings=False))
+    return Decoder(
+        DecoderConfig(
+            vocab_size=cfg.vocab,
+            d_model=cfg.d_model,
+            n_layers=n_layers,
+            n_heads=cfg.n_heads,
+            attn_only=True,
+            positions=cfg.positions,
+            max_positions=cfg.seq_len,
+            bias=False,
+            tie_embeddings=False,
+        )
+    )
 
 
 def per_position_loss(model, x, y) -> torch.Tensor:
@@ -112,8 +123,9 @@ def measure(model, cfg: InductionConfig, ev) -> dict:
     logits = model(x).logits.float()
     loss = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE))
     T = rep.shape[1] // 2
-    lrep = torch.nn.functional.cross_entropy(model(rep[:, :-1]).logits.float().transpose(1, 2), rep[:, 1:],
-                                             reduction="none").mean(0)
+    lrep = torch.nn.functional.cross_entropy(
+        model(rep[:, :-1]).logits.float().transpose(1, 2), rep[:, 1:], reduction="none"
+    ).mean(0)
     icl = float(lrep[T:].mean() - lrep[: T - 1].mean())
     L = len(model.blocks)
     with capture(model, keep=("q", "k")) as cap:
@@ -121,8 +133,14 @@ def measure(model, cfg: InductionConfig, ev) -> dict:
     ind = D.induction(cap.pattern(L - 1), rep)
     prev = D.previous_token(cap.pattern(0))
     model.train(was)
-    return {"loss": loss, "icl": icl, "induction": ind.tolist(), "prev_token": prev.tolist(),
-            "induction_max": float(ind.max()), "prev_token_max": float(prev.max())}
+    return {
+        "loss": loss,
+        "icl": icl,
+        "induction": ind.tolist(),
+        "prev_token": prev.tolist(),
+        "induction_max": float(ind.max()),
+        "prev_token_max": float(prev.max()),
+    }
 
 
 def eval_data(cfg: InductionConfig):
@@ -134,9 +152,10 @@ def eval_data(cfg: InductionConfig):
 def train_one(cfg: InductionConfig, n_layers: int, *, progress=True) -> tuple[Decoder, dict]:
     """Train one model; returns it and its log ``{"step": [...], "loss": [...], ...}``."""
     from attnlab.train import TrainConfig, train
+
     model = build(cfg, n_layers)
     ev = eval_data(cfg)
-    log = {"step": [], "train_loss": []}
+    log: dict[str, Any] = {"step": [], "train_loss": []}
 
     def record(step):
         log["step"].append(step)
@@ -151,8 +170,16 @@ def train_one(cfg: InductionConfig, n_layers: int, *, progress=True) -> tuple[De
             record(info.step + 1)
 
     t0 = time.perf_counter()
-    tc = TrainConfig(steps=cfg.steps, batch_size=cfg.batch, seq_len=cfg.seq_len, lr=cfg.lr, warmup_steps=min(20, cfg.steps // 10),
-                     weight_decay=0.0, seed=cfg.seed, log_every=20)
+    tc = TrainConfig(
+        steps=cfg.steps,
+        batch_size=cfg.batch,
+        seq_len=cfg.seq_len,
+        lr=cfg.lr,
+        warmup_steps=min(20, cfg.steps // 10),
+        weight_decay=0.0,
+        seed=cfg.seed,
+        log_every=20,
+    )
     bar = progress if progress is not True else True
     train(model, batches(cfg, seed=cfg.seed), tc, callback=cb, progress=bar)
     log["train_seconds"] = time.perf_counter() - t0
@@ -169,6 +196,7 @@ def _paths(cfg, n_layers):
 def load_or_train(cfg: InductionConfig, n_layers: int, *, force=False, progress=True) -> tuple[Decoder, dict]:
     """The trained model and its log, from the lab cache when present."""
     from safetensors.torch import load_file, save_file
+
     wpath, lpath = _paths(cfg, n_layers)
     if not force and wpath.exists() and lpath.exists():
         model = build(cfg, n_layers)
@@ -190,12 +218,13 @@ def phase_change_step(log: dict, key: str = "induction_max") -> int | None:
     if len(v) < 2 or v[-1] - v[0] < 0.2:
         return None
     half = v[0] + 0.5 * (v[-1] - v[0])
-    return next(s for s, x in zip(log["step"], v) if x >= half)
+    return next(s for s, x in zip(log["step"], v, strict=True) if x >= half)
 
 
 def analyse(model, cfg: InductionConfig) -> dict:
     """Final detector scores, K-composition of the last layer with layer 0, ablation."""
     from attnlab.interp.ablation import ablation_effects
+
     rep = repeated_tokens(cfg, T=min(cfg.seq_len // 2, cfg.vocab), B=16, seed=30_000 + cfg.seed)
     scores = D.detect(model, rep, detectors=("previous_token", "induction", "duplicate_token", "sink"))
     out = {k: v.scores.tolist() for k, v in scores.items()}
@@ -204,7 +233,7 @@ def analyse(model, cfg: InductionConfig) -> dict:
 
     def second_half_loss(m, ids):
         lg = m(ids[:, :-1]).logits.float()
-        return torch.nn.functional.cross_entropy(lg[:, T:].flatten(0, 1), ids[:, T + 1:].flatten())
+        return torch.nn.functional.cross_entropy(lg[:, T:].flatten(0, 1), ids[:, T + 1 :].flatten())
 
     eff = ablation_effects(model, rep, loss_fn=second_half_loss, progress=False)
     out["ablation"] = eff.scores.tolist()
@@ -212,6 +241,7 @@ def analyse(model, cfg: InductionConfig) -> dict:
         out["second_half_loss"] = float(second_half_loss(model, rep))
     if L >= 2:
         from attnlab.interp import circuits as C
+
         comp = C.composition_scores(model, "K").detach()  # [l_earlier, h_earlier, l_later, h_later]
         base = C.composition_baseline(cfg.d_model, cfg.d_model // cfg.n_heads, seed=cfg.seed)
         ind_h = int(torch.tensor(out["induction"][L - 1]).argmax())
@@ -230,25 +260,37 @@ def run(quick: bool = False, force: bool = False, progress=True) -> dict:
     res = {"config": dataclasses.asdict(cfg), "models": {}}
     for n_layers in (2, 1):
         model, log = load_or_train(cfg, n_layers, force=force, progress=progress)
-        res["models"][f"{n_layers}L"] = {"log": log, "final": analyse(model, cfg),
-                                         "phase_change_step": phase_change_step(log)}
+        res["models"][f"{n_layers}L"] = {
+            "log": log,
+            "final": analyse(model, cfg),
+            "phase_change_step": phase_change_step(log),
+        }
     return res
 
 
 def summary(res: dict) -> str:
-    rows = [f"{'model':<6} {'loss¹':>6} {'2nd-copy loss³':>14} {'ICL²':>7} {'induction²':>10} {'prev-tok²':>9} "
-            f"{'phase change':>12} {'K-comp (base)':>14}"]
+    rows = [
+        f"{'model':<6} {'loss¹':>6} {'2nd-copy loss³':>14} {'ICL²':>7} {'induction²':>10} {'prev-tok²':>9} "
+        f"{'phase change':>12} {'K-comp (base)':>14}"
+    ]
     for name, m in res["models"].items():
         log, fin = m["log"], m["final"]
-        kc = (f"{fin['k_comp_induction_prev']:.2f} ({fin['k_comp_baseline']['mean']:.2f})"
-              if "k_comp_induction_prev" in fin else "-")
+        kc = (
+            f"{fin['k_comp_induction_prev']:.2f} ({fin['k_comp_baseline']['mean']:.2f})"
+            if "k_comp_induction_prev" in fin
+            else "-"
+        )
         pc = m["phase_change_step"]
-        rows.append(f"{name:<6} {log['loss'][-1]:6.3f} {fin['second_half_loss']:14.3f} {log['icl'][-1]:7.3f} "
-                    f"{log['induction_max'][-1]:10.2f} {log['prev_token_max'][-1]:9.2f} "
-                    f"{('step ' + str(pc)) if pc is not None else 'none':>12} {kc:>14}")
-    rows += ["The columns are measured on different data, so the losses do not compare across columns:",
-             "  ¹ held-out loss on fresh training-task sequences (the last training-log point)",
-             "  ² on a fixed batch of repeated random segments [x₁..x_T, x₁..x_T] (the last training-log point; "
-             "ICL = loss on the 2nd copy minus the 1st)",
-             "  ³ loss on the 2nd copy of another batch of repeated segments, after training (the analysis batch)"]
+        rows.append(
+            f"{name:<6} {log['loss'][-1]:6.3f} {fin['second_half_loss']:14.3f} {log['icl'][-1]:7.3f} "
+            f"{log['induction_max'][-1]:10.2f} {log['prev_token_max'][-1]:9.2f} "
+            f"{('step ' + str(pc)) if pc is not None else 'none':>12} {kc:>14}"
+        )
+    rows += [
+        "The columns are measured on different data, so the losses do not compare across columns:",
+        "  ¹ held-out loss on fresh training-task sequences (the last training-log point)",
+        "  ² on a fixed batch of repeated random segments [x₁..x_T, x₁..x_T] (the last training-log point; "
+        "ICL = loss on the 2nd copy minus the 1st)",
+        "  ³ loss on the 2nd copy of another batch of repeated segments, after training (the analysis batch)",
+    ]
     return "\n".join(rows)

@@ -60,14 +60,15 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from tqdm import tqdm
@@ -78,8 +79,18 @@ from attnlab.nn.decoder import init_weights
 from attnlab.train.data import IGNORE_INDEX
 from attnlab.train.loop import TrainConfig, train
 
-__all__ = ["RecallConfig", "QUICK", "FULL", "mqar_batch", "mqar_batches", "build_model", "recall_accuracy",
-           "no_binding_accuracy", "run", "summary"]
+__all__ = [
+    "RecallConfig",
+    "QUICK",
+    "FULL",
+    "mqar_batch",
+    "mqar_batches",
+    "build_model",
+    "recall_accuracy",
+    "no_binding_accuracy",
+    "run",
+    "summary",
+]
 
 #: Bump when the task, the model or the metric changes: old cached results stop matching.
 VERSION = 1
@@ -104,6 +115,7 @@ class RecallConfig:
         threads: torch threads while training (restored afterwards); on two shared cores one
             thread avoids OpenMP threads stalling each other when a core is busy.
     """
+
     vocab_size: int = 64
     seq_len: int = 32
     n_pairs: tuple = (2, 4, 8)
@@ -127,8 +139,18 @@ class RecallConfig:
         object.__setattr__(self, "n_pairs", tuple(int(n) for n in self.n_pairs))
         object.__setattr__(self, "mixers", tuple(self.mixers))
         object.__setattr__(self, "lrs", tuple(self.lrs))
-        for f in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_state", "steps", "batch_size",
-                  "eval_sequences", "threads"):
+        for f in (
+            "vocab_size",
+            "seq_len",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "d_state",
+            "steps",
+            "batch_size",
+            "eval_sequences",
+            "threads",
+        ):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"RecallConfig.{f}: expected an int >= 1, got {v!r}")
@@ -136,19 +158,24 @@ class RecallConfig:
             raise ValueError(f"RecallConfig.n_pairs: expected positive ints, got {self.n_pairs!r}")
         _check_task(self.vocab_size, self.seq_len, max(self.n_pairs), "RecallConfig")
         if self.batch_size % len(self.n_pairs):
-            raise ValueError(f"RecallConfig.batch_size: {self.batch_size} must split evenly over the "
-                             f"{len(self.n_pairs)} n_pairs buckets")
+            raise ValueError(
+                f"RecallConfig.batch_size: {self.batch_size} must split evenly over the "
+                f"{len(self.n_pairs)} n_pairs buckets"
+            )
         bad = [m for m in self.mixers if m not in ("attention", "linear", "ssm")]
         if not self.mixers or bad:
-            raise ValueError(f"RecallConfig.mixers: expected some of ('attention', 'linear', 'ssm'), "
-                             f"got {self.mixers!r}")
+            raise ValueError(
+                f"RecallConfig.mixers: expected some of ('attention', 'linear', 'ssm'), got {self.mixers!r}"
+            )
         for f, vals in (("lrs", self.lrs), ("init_std", (self.init_std,))):
-            if not vals or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf
-                               for v in vals):
+            if not vals or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf for v in vals
+            ):
                 raise ValueError(f"RecallConfig.{f}: expected positive numbers, got {getattr(self, f)!r}")
         if not 0 <= self.warmup_steps <= self.steps:
-            raise ValueError(f"RecallConfig.warmup_steps: expected an int in [0, steps={self.steps}], "
-                             f"got {self.warmup_steps!r}")
+            raise ValueError(
+                f"RecallConfig.warmup_steps: expected an int in [0, steps={self.steps}], got {self.warmup_steps!r}"
+            )
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -164,17 +191,22 @@ class RecallConfig:
 def _check_task(vocab_size, seq_len, n, where):
     K = (vocab_size - 1) // 2
     if n > K:
-        raise ValueError(f"{where}: n_pairs={n} distinct keys need vocab_size >= {2 * n + 1} "
-                         f"(0 is the filler; keys and values split the rest), got vocab_size={vocab_size}")
+        raise ValueError(
+            f"{where}: n_pairs={n} distinct keys need vocab_size >= {2 * n + 1} "
+            f"(0 is the filler; keys and values split the rest), got vocab_size={vocab_size}"
+        )
     if 4 * n > seq_len + 1:
-        raise ValueError(f"{where}: n_pairs={n} needs seq_len >= {4 * n - 1} (n pairs, then n queried keys each "
-                         f"followed by its value), got seq_len={seq_len}")
+        raise ValueError(
+            f"{where}: n_pairs={n} needs seq_len >= {4 * n - 1} (n pairs, then n queried keys each "
+            f"followed by its value), got seq_len={seq_len}"
+        )
     if vocab_size - 1 - K < 1:
         raise ValueError(f"{where}: vocab_size={vocab_size} leaves no value ids")
 
 
-def mqar_batch(vocab_size: int, batch_size: int, seq_len: int, n_pairs: int, generator: torch.Generator,
-               gaps: bool = True):
+def mqar_batch(
+    vocab_size: int, batch_size: int, seq_len: int, n_pairs: int, generator: torch.Generator, gaps: bool = True
+):
     """One MQAR batch: ``(inputs, targets)``, int64 ``(batch_size, seq_len)``; targets are
     ``-100`` except at the queried keys, where they are the keys' values.  ``gaps=True``
     scatters the queries over the query section (Zoology); ``False`` puts them right
@@ -182,15 +214,15 @@ def mqar_batch(vocab_size: int, batch_size: int, seq_len: int, n_pairs: int, gen
     _check_task(vocab_size, seq_len, n_pairs, "mqar_batch")
     g, b, n = generator, batch_size, n_pairs
     K = (vocab_size - 1) // 2
-    keys = torch.rand(b, K, generator=g).topk(n, dim=1).indices + 1            # distinct, in 1..K
-    values = torch.rand(b, vocab_size - 1 - K, generator=g).topk(n, dim=1).indices + K + 1   # distinct too
+    keys = torch.rand(b, K, generator=g).topk(n, dim=1).indices + 1  # distinct, in 1..K
+    values = torch.rand(b, vocab_size - 1 - K, generator=g).topk(n, dim=1).indices + K + 1  # distinct too
     s = torch.zeros(b, seq_len + 1, dtype=torch.long)
-    s[:, 0:2 * n:2], s[:, 1:2 * n:2] = keys, values
+    s[:, 0 : 2 * n : 2], s[:, 1 : 2 * n : 2] = keys, values
     if gaps:
         slots = torch.rand(b, (seq_len + 1 - 2 * n) // 2, generator=g).topk(n, dim=1).indices  # distinct slots
     else:
         slots = torch.arange(n).expand(b, n)
-    order = torch.rand(b, n, generator=g).argsort(1)                            # which pair goes in which slot
+    order = torch.rand(b, n, generator=g).argsort(1)  # which pair goes in which slot
     at = 2 * n + 2 * slots
     rows = torch.arange(b)[:, None]
     qv = values.gather(1, order)
@@ -200,8 +232,7 @@ def mqar_batch(vocab_size: int, batch_size: int, seq_len: int, n_pairs: int, gen
     return s[:, :-1], targets
 
 
-def mqar_batches(vocab_size: int, batch_size: int, seq_len: int, n_pairs, *, seed: int,
-                 gaps: bool = True) -> Iterator:
+def mqar_batches(vocab_size: int, batch_size: int, seq_len: int, n_pairs, *, seed: int, gaps: bool = True) -> Iterator:
     """Infinite, deterministic MQAR batches.  ``n_pairs`` an int, or a tuple of ints: each
     batch then holds ``batch_size / len(n_pairs)`` sequences of each (in that order)."""
     ns = (n_pairs,) if isinstance(n_pairs, int) else tuple(n_pairs)
@@ -231,10 +262,19 @@ def build_model(cfg: RecallConfig, mixer: str) -> Decoder:
     """The Decoder for ``mixer``, initialised from ``cfg.seed`` (the same draw for every mixer
     up to the mixer's own parameters)."""
     torch.manual_seed(cfg.seed)
-    model = Decoder(DecoderConfig(vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                                  n_heads=cfg.n_heads, positions=cfg.positions, max_positions=cfg.seq_len,
-                                  mixer=mixer, d_state=cfg.d_state))
-    if cfg.init_std != 0.02:   # the Decoder's own default
+    model = Decoder(
+        DecoderConfig(
+            vocab_size=cfg.vocab_size,
+            d_model=cfg.d_model,
+            n_layers=cfg.n_layers,
+            n_heads=cfg.n_heads,
+            positions=cfg.positions,
+            max_positions=cfg.seq_len,
+            mixer=mixer,
+            d_state=cfg.d_state,
+        )
+    )
+    if cfg.init_std != 0.02:  # the Decoder's own default
         torch.manual_seed(cfg.seed)
         init_weights(model, cfg.n_layers, std=cfg.init_std)
     return model
@@ -248,7 +288,7 @@ def recall_accuracy(model, inputs: torch.Tensor, targets: torch.Tensor, batch: i
     hit = total = 0
     try:
         for i in range(0, inputs.shape[0], batch):
-            x, y = inputs[i:i + batch], targets[i:i + batch]
+            x, y = inputs[i : i + batch], targets[i : i + batch]
             pred = model(x).logits.argmax(-1)
             scored = y != IGNORE_INDEX
             hit += int((pred[scored] == y[scored]).sum())
@@ -282,12 +322,19 @@ def _train_one(cfg: RecallConfig, mixer: str, lr: float, report=None) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        g = torch.Generator().manual_seed(cfg.seed + 1_000_003)   # held out: another stream than training
-        eval_sets = {n: mqar_batch(cfg.vocab_size, cfg.eval_sequences, cfg.seq_len, n, g, cfg.gaps)
-                     for n in cfg.n_pairs}
+        g = torch.Generator().manual_seed(cfg.seed + 1_000_003)  # held out: another stream than training
+        eval_sets = {
+            n: mqar_batch(cfg.vocab_size, cfg.eval_sequences, cfg.seq_len, n, g, cfg.gaps) for n in cfg.n_pairs
+        }
         model = build_model(cfg, mixer)
-        tcfg = TrainConfig(steps=cfg.steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, lr=lr,
-                           warmup_steps=cfg.warmup_steps, seed=cfg.seed)
+        tcfg = TrainConfig(
+            steps=cfg.steps,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.seq_len,
+            lr=lr,
+            warmup_steps=cfg.warmup_steps,
+            seed=cfg.seed,
+        )
         data = mqar_batches(cfg.vocab_size, cfg.batch_size, cfg.seq_len, cfg.n_pairs, seed=cfg.seed, gaps=cfg.gaps)
         done = [0]
 
@@ -299,9 +346,10 @@ def _train_one(cfg: RecallConfig, mixer: str, lr: float, report=None) -> dict:
         res = train(model, data, tcfg, callback=tick, progress=False)
         if report is not None and done[0] < cfg.steps:
             report(cfg.steps - done[0])
-        tail = res.losses[-max(1, cfg.steps // 20):]
+        tail = res.losses[-max(1, cfg.steps // 20) :]
         return {
-            "mixer": mixer, "lr": lr,
+            "mixer": mixer,
+            "lr": lr,
             "params": sum(p.numel() for p in model.parameters()),
             "mixer_params": _mixer_params(model),
             "train_s": round(res.elapsed_s, 2),
@@ -312,7 +360,7 @@ def _train_one(cfg: RecallConfig, mixer: str, lr: float, report=None) -> dict:
         torch.set_num_threads(threads)
 
 
-def _train_one_queued(cfg, mixer, lr, queue):   # in a worker process
+def _train_one_queued(cfg, mixer, lr, queue):  # in a worker process
     return _train_one(cfg, mixer, lr, queue.put)
 
 
@@ -326,23 +374,28 @@ def _run_all(cfg: RecallConfig, jobs, workers: int, bar) -> list:
     import multiprocessing as mp
     import queue as queue_mod
     from concurrent.futures import ProcessPoolExecutor
-    ctx = mp.get_context("spawn")   # a fresh interpreter: no forked OpenMP state
+
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no forked OpenMP state
     with ctx.Manager() as manager, ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx) as pool:
         q = manager.Queue()
         futures = [pool.submit(_train_one_queued, cfg, mixer, lr, q) for mixer, lr in jobs]
         bar.set_description(f"mqar {len(jobs)} runs on {min(workers, len(jobs))} processes")
         while not all(f.done() for f in futures):
-            try:
+            with contextlib.suppress(queue_mod.Empty):
                 bar.update(q.get(timeout=0.2))
-            except queue_mod.Empty:
-                pass
         while not q.empty():
             bar.update(q.get())
         return [f.result() for f in futures]
 
 
-def run(quick: bool = False, force: bool = False, *, config: RecallConfig | None = None,
-        progress: bool = True, workers: int = 2) -> dict:
+def run(
+    quick: bool = False,
+    force: bool = False,
+    *,
+    config: RecallConfig | None = None,
+    progress: bool = True,
+    workers: int = 2,
+) -> dict:
     """Train one Decoder per mixer and learning rate on MQAR; measure held-out recall.
 
     For each mixer, every learning rate in ``config.lrs`` is tried and the run with the
@@ -367,8 +420,9 @@ def run(quick: bool = False, force: bool = False, *, config: RecallConfig | None
         return json.loads(path.read_text())
     t_start = time.perf_counter()
     jobs = [(mixer, lr) for mixer in cfg.mixers for lr in cfg.lrs]
-    with tqdm(total=cfg.steps * len(jobs), desc="mqar", unit="step", file=sys.stderr, disable=not progress,
-              dynamic_ncols=True) as bar:
+    with tqdm(
+        total=cfg.steps * len(jobs), desc="mqar", unit="step", file=sys.stderr, disable=not progress, dynamic_ncols=True
+    ) as bar:
         runs = _run_all(cfg, jobs, workers, bar)
     models = {}
     for mixer in cfg.mixers:
@@ -388,7 +442,7 @@ def run(quick: bool = False, force: bool = False, *, config: RecallConfig | None
         "elapsed_s": round(time.perf_counter() - t_start, 2),
         "torch": torch.__version__,
     }
-    result = json.loads(json.dumps(result))   # exactly what a cached read returns
+    result = json.loads(json.dumps(result))  # exactly what a cached read returns
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))
     tmp.replace(path)
@@ -401,23 +455,32 @@ def summary(result: dict) -> str:
     ns = [str(n) for n in result["n_pairs"]]
     c = result["config"]
     head = " ".join(f"{'n=' + n:>6}" for n in ns)
-    lines = [f"MQAR: vocab {c['vocab_size']}, seq_len {c['seq_len']}, d_model {c['d_model']}, {c['n_layers']} layers, "
-             f"{c['n_heads']} heads, {c['steps']} steps x {c['batch_size']} sequences, lr in {c['lrs']}; "
-             f"held-out accuracy on the queried values (chance {result['chance']:.3f})",
-             f"{'mixer':<10} {'params':>8} {'mixer':>7} {'lr':>7} {head} {'loss':>6} {'train s':>8}",
-             f"{'no-binding':<10} {'':>8} {'':>7} {'':>7} "
-             + " ".join(f"{result['no_binding'][n]:>6.3f}" for n in ns) + "   (H_n/n: copy a not-yet-queried value)"]
+    lines = [
+        f"MQAR: vocab {c['vocab_size']}, seq_len {c['seq_len']}, d_model {c['d_model']}, {c['n_layers']} layers, "
+        f"{c['n_heads']} heads, {c['steps']} steps x {c['batch_size']} sequences, lr in {c['lrs']}; "
+        f"held-out accuracy on the queried values (chance {result['chance']:.3f})",
+        f"{'mixer':<10} {'params':>8} {'mixer':>7} {'lr':>7} {head} {'loss':>6} {'train s':>8}",
+        f"{'no-binding':<10} {'':>8} {'':>7} {'':>7} "
+        + " ".join(f"{result['no_binding'][n]:>6.3f}" for n in ns)
+        + "   (H_n/n: copy a not-yet-queried value)",
+    ]
     base = result["models"].get("attention", {}).get("params")
     for mixer, m in result["models"].items():
         rel = f" ({m['params'] / base - 1:+.1%} params)" if base and mixer != "attention" else ""
-        lines.append(f"{mixer:<10} {m['params']:>8} {m['mixer_params']:>7} {m['lr']:>7.0e} "
-                     + " ".join(f"{m['accuracy'][n]:>6.3f}" for n in ns)
-                     + f" {m['final_loss']:>6.3f} {m['train_s']:>8.1f}{rel}")
+        lines.append(
+            f"{mixer:<10} {m['params']:>8} {m['mixer_params']:>7} {m['lr']:>7.0e} "
+            + " ".join(f"{m['accuracy'][n]:>6.3f}" for n in ns)
+            + f" {m['final_loss']:>6.3f} {m['train_s']:>8.1f}{rel}"
+        )
         for r in m["runs"]:
             if r["lr"] != m["lr"]:
-                lines.append(f"{'':<10} {'':>8} {'':>7} {r['lr']:>7.0e} "
-                             + " ".join(f"{r['accuracy'][n]:>6.3f}" for n in ns)
-                             + f" {r['final_loss']:>6.3f} {r['train_s']:>8.1f}  (not chosen)")
-    lines.append(f"(params: whole model; mixer: the sequence mixers of all layers; lr chosen per mixer by final "
-                 f"training loss; run {result['elapsed_s']:.0f} s)")
+                lines.append(
+                    f"{'':<10} {'':>8} {'':>7} {r['lr']:>7.0e} "
+                    + " ".join(f"{r['accuracy'][n]:>6.3f}" for n in ns)
+                    + f" {r['final_loss']:>6.3f} {r['train_s']:>8.1f}  (not chosen)"
+                )
+    lines.append(
+        f"(params: whole model; mixer: the sequence mixers of all layers; lr chosen per mixer by final "
+        f"training loss; run {result['elapsed_s']:.0f} s)"
+    )
     return "\n".join(lines)

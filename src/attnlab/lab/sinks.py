@@ -15,6 +15,8 @@ fast path; patterns are recomputed per layer from the captured q and k
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from attnlab.interp import detectors as D
@@ -57,12 +59,12 @@ def analyse(model, tokenizer, sentences=SENTENCES) -> dict:
     B, N = ids.shape
     with capture(model, keep=("q", "k", "v")) as cap:
         model(ids, attention_mask=b["attention_mask"], token_type_ids=b["token_type_ids"])
-    last = keep.long().sum(1) - 1                                   # [SEP] position per row
+    last = keep.long().sum(1) - 1  # [SEP] position per row
     kpos = torch.arange(N)
     cls_keys = (kpos == 0).view(1, 1, N).expand(B, N, N)
     sep_keys = (kpos.view(1, N) == last.view(B, 1)).view(B, 1, N).expand(B, N, N)
-    rows = keep                                                     # real query tokens only
-    res = {k: [] for k in ("cls", "cls_vw", "sep", "sep_vw", "entropy")}
+    rows = keep  # real query tokens only
+    res: dict[str, Any] = {k: [] for k in ("cls", "cls_vw", "sep", "sep_vw", "entropy")}
     for l in cap.layers:
         p = cap.pattern(l)
         vw = D.value_weighted(p, cap[l].v)
@@ -70,15 +72,17 @@ def analyse(model, tokenizer, sentences=SENTENCES) -> dict:
         res["sep"].append(D.keys_mass(p, sep_keys, rows).tolist())
         res["cls_vw"].append(D.keys_mass(vw, cls_keys, rows).tolist())
         res["sep_vw"].append(D.keys_mass(vw, sep_keys, rows).tolist())
-        ent = -(p * p.clamp(min=1e-30).log()).sum(-1)               # (B, H, N)
+        ent = -(p * p.clamp(min=1e-30).log()).sum(-1)  # (B, H, N)
         res["entropy"].append(D._masked_mean(ent, rows.unsqueeze(1)).tolist())
     t = {k: torch.tensor(v) for k, v in res.items()}
     sink = t["cls"] + t["sep"]
     sink_vw = t["cls_vw"] + t["sep_vw"]
     top = sink.flatten().argsort(descending=True)[:8].tolist()
     H = sink.shape[1]
-    res["top_heads"] = [{"layer": i // H, "head": i % H, "raw": float(sink.flatten()[i]),
-                         "value_weighted": float(sink_vw.flatten()[i])} for i in top]
+    res["top_heads"] = [
+        {"layer": i // H, "head": i % H, "raw": float(sink.flatten()[i]), "value_weighted": float(sink_vw.flatten()[i])}
+        for i in top
+    ]
     res["mean_raw"], res["mean_vw"] = float(sink.mean()), float(sink_vw.mean())
     res["heads_over_half_raw"] = int((sink > 0.5).sum())
     res["heads_over_half_vw"] = int((sink_vw > 0.5).sum())
@@ -92,15 +96,18 @@ def analyse(model, tokenizer, sentences=SENTENCES) -> dict:
 def run(sentences=SENTENCES) -> dict:
     """Load the pretrained MiniLM (``attnlab.models.load("minilm")``) and analyse it."""
     from attnlab.models import load
+
     model, tok = load("minilm")
     return analyse(model.eval(), tok, sentences)
 
 
 def summary(res: dict) -> str:
-    rows = [f"MiniLM sinks over {res['n_sentences']} sentences, {res['n_heads']} heads: mean mass on [CLS]+[SEP] "
-            f"raw {res['mean_raw']:.2f}, value-weighted {res['mean_vw']:.2f}; heads with > half their mass there: "
-            f"raw {res['heads_over_half_raw']}, value-weighted {res['heads_over_half_vw']}",
-            f"{'head':>6} {'raw':>6} {'value-weighted':>15}"]
+    rows = [
+        f"MiniLM sinks over {res['n_sentences']} sentences, {res['n_heads']} heads: mean mass on [CLS]+[SEP] "
+        f"raw {res['mean_raw']:.2f}, value-weighted {res['mean_vw']:.2f}; heads with > half their mass there: "
+        f"raw {res['heads_over_half_raw']}, value-weighted {res['heads_over_half_vw']}",
+        f"{'head':>6} {'raw':>6} {'value-weighted':>15}",
+    ]
     for h in res["top_heads"]:
         rows.append(f"L{h['layer']}H{h['head']:<3d} {h['raw']:6.2f} {h['value_weighted']:15.2f}")
     return "\n".join(rows)

@@ -16,33 +16,50 @@ def streaming_table(tm, n_tokens=3072, sinks=4, window=124, bar=None):
     ``tm.heldout`` (a :class:`attnlab.train.textmodels.TextModels`); ``bar`` (a tqdm bar)
     advances once per token of each streamed pass."""
     from attnlab.cache import StreamingCache
+
     model = tm.target
-    ids = tm.heldout[:n_tokens + 1]
+    ids = tm.heldout[: n_tokens + 1]
     x, y = ids[:-1], ids[1:]
     rows = []
     with torch.no_grad():
         lg = model(x[None]).logits[0]
-        rows.append({"method": f"dense attention over {n_tokens} tokens (trained on {model.cfg.max_positions})",
-                     "ppl": math.exp(float(torch.nn.functional.cross_entropy(lg, y))), "tok_s": None})
+        rows.append(
+            {
+                "method": f"dense attention over {n_tokens} tokens (trained on {model.cfg.max_positions})",
+                "ppl": math.exp(float(torch.nn.functional.cross_entropy(lg, y))),
+                "tok_s": None,
+            }
+        )
         for name, s, w in (("window only", 0, sinks + window), (f"sinks {sinks} + window {window}", sinks, window)):
             c = StreamingCache.for_model(model, sinks=s, window=w)
             t0 = time.perf_counter()
             nll = 0.0
             for t in range(n_tokens):
-                lg = model(x[t:t + 1][None], cache=c).logits[0, -1]
-                nll += float(torch.nn.functional.cross_entropy(lg[None], y[t:t + 1]))
+                lg = model(x[t : t + 1][None], cache=c).logits[0, -1]
+                nll += float(torch.nn.functional.cross_entropy(lg[None], y[t : t + 1]))
                 if bar is not None:
                     bar.update(1)
-            rows.append({"method": name, "ppl": math.exp(nll / n_tokens), "tok_s": n_tokens / (time.perf_counter() - t0),
-                         "cache_tokens": c.length})
+            rows.append(
+                {
+                    "method": name,
+                    "ppl": math.exp(nll / n_tokens),
+                    "tok_s": n_tokens / (time.perf_counter() - t0),
+                    "cache_tokens": c.length,
+                }
+            )
         W = sinks + window
         t0 = time.perf_counter()
         nll = 0.0
         for t in range(n_tokens):
-            lg = model(x[max(0, t - W + 1):t + 1][None]).logits[0, -1]
-            nll += float(torch.nn.functional.cross_entropy(lg[None], y[t:t + 1]))
+            lg = model(x[max(0, t - W + 1) : t + 1][None]).logits[0, -1]
+            nll += float(torch.nn.functional.cross_entropy(lg[None], y[t : t + 1]))
             if bar is not None:
                 bar.update(1)
-        rows.append({"method": f"sliding window {W}, recomputed per token", "ppl": math.exp(nll / n_tokens),
-                     "tok_s": n_tokens / (time.perf_counter() - t0)})
+        rows.append(
+            {
+                "method": f"sliding window {W}, recomputed per token",
+                "ppl": math.exp(nll / n_tokens),
+                "tok_s": n_tokens / (time.perf_counter() - t0),
+            }
+        )
     return rows

@@ -43,14 +43,46 @@ from __future__ import annotations
 
 from attnlab.masks.base import Mask
 from attnlab.masks.blockmask import EMPTY, FULL, PARTIAL, BlockMask
+from attnlab.masks.builtins import (
+    causal,
+    custom,
+    document,
+    key_padding,
+    padding,
+    prefix_lm,
+    sink_window,
+    sliding_window,
+    tree,
+)
 from attnlab.masks.combinators import And, Not, Or  # noqa: F401  (their kinds, for mask_from_key)
-from attnlab.masks.builtins import causal, custom, document, key_padding, padding, prefix_lm, sink_window, sliding_window, tree
 from attnlab.masks.extra import band, check_dense, dense, dense_mask, per_batch_q_offset, varlen
 from attnlab.masks.keys import KeyBuilder, mask_from_key, mask_key, parse_key
 from attnlab.masks.structure import MaskStructure
 
 __all__ = [
-    "EMPTY", "FULL", "PARTIAL", "BlockMask", "KeyBuilder", "Mask", "MaskStructure", "band", "causal", "check_dense",
-    "custom", "dense", "dense_mask", "document", "key_padding", "mask_from_key", "mask_key", "padding", "parse_key",
-    "per_batch_q_offset", "prefix_lm", "sink_window", "sliding_window", "tree", "varlen",
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "BlockMask",
+    "KeyBuilder",
+    "Mask",
+    "MaskStructure",
+    "band",
+    "causal",
+    "check_dense",
+    "custom",
+    "dense",
+    "dense_mask",
+    "document",
+    "key_padding",
+    "mask_from_key",
+    "mask_key",
+    "padding",
+    "parse_key",
+    "per_batch_q_offset",
+    "prefix_lm",
+    "sink_window",
+    "sliding_window",
+    "tree",
+    "varlen",
 ]

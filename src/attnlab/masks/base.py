@@ -6,7 +6,6 @@ See :mod:`attnlab.masks` for the conventions (absolute positions, True = attend)
 from __future__ import annotations
 
 import functools
-
 from typing import ClassVar
 
 import torch
@@ -35,11 +34,13 @@ def _as_4d(s: torch.Tensor) -> torch.Tensor:
 
 def _checks_positions(validate):
     """Wrap a subclass's ``validate`` so that the problem's positions are bounded first."""
+
     @functools.wraps(validate)
     def checked(self, B, H, Nq, Nk, q_offset, kv_offset):
         problem_positions(Nq, Nk, q_offset, kv_offset, where=lambda: f"mask {self!r}")
         return validate(self, B, H, Nq, Nk, q_offset, kv_offset)
-    checked.checks_positions = True
+
+    checked.__dict__["checks_positions"] = True
     return checked
 
 
@@ -69,7 +70,7 @@ class Mask:
             Mask.KINDS.setdefault(cls.__dict__["kind"], cls)
         v = cls.__dict__.get("validate")
         if v is not None and not getattr(v, "checks_positions", False):
-            cls.validate = _checks_positions(v)
+            setattr(cls, "validate", _checks_positions(v))  # noqa: B010 - mypy refuses a method assignment
 
     def predicate(self, b, h, q_pos, kv_pos) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -94,6 +95,7 @@ class Mask:
         """``(spec, tensors, ints)``: this mask by structure and parameters, what compiled code
         and the ``attnlab::flash_*`` custom ops read (:func:`mask_key`); None for ``custom``."""
         from attnlab.masks.keys import mask_key
+
         return mask_key(self)
 
     # -- tile classification -------------------------------------------------------
@@ -110,10 +112,19 @@ class Mask:
         """Raise ``ValueError`` if this mask cannot describe that problem."""
         problem_positions(Nq, Nk, q_offset, kv_offset, where=lambda: f"mask {self!r}")
 
-    validate.checks_positions = True
+    validate.__dict__["checks_positions"] = True
 
-    def block_mask(self, B: int, H: int, Nq: int, Nk: int, *, q_offset: int | None = None,
-                   kv_offset: int = 0, block: tuple[int, int] = (128, 512)) -> BlockMask:
+    def block_mask(
+        self,
+        B: int,
+        H: int,
+        Nq: int,
+        Nk: int,
+        *,
+        q_offset: int | None = None,
+        kv_offset: int = 0,
+        block: tuple[int, int] = (128, 512),
+    ) -> BlockMask:
         """Classify every tile of a ``(B, H, Nq, Nk)`` problem; cached per shape.
 
         ``q_offset`` defaults to ``kv_offset + Nk - Nq`` (bottom-right), as in
@@ -128,8 +139,7 @@ class Mask:
         if not isinstance(block, (tuple, list)) or len(block) != 2:
             raise ArgumentTypeError(f"block: expected a pair (block_q, block_k) of ints, got {block!r}")
         bq, bk = (integer(x, f"block: tile size {x!r}", lo=1, hi=1 << 30) for x in block)
-        key = (B, H, Nq, Nk, q_offset, kv_offset, bq, bk)
-        key = (cache.mask_id(self), *key)
+        key = (cache.mask_id(self), B, H, Nq, Nk, q_offset, kv_offset, bq, bk)
         hit = cache.block_masks.get(key)
         if hit is not None:
             return hit
@@ -181,14 +191,17 @@ class Mask:
     # -- algebra -------------------------------------------------------------------
     def __and__(self, other: Mask) -> Mask:
         from attnlab.masks.combinators import And
+
         return And(self, _check_mask(other, "&"))
 
     def __or__(self, other: Mask) -> Mask:
         from attnlab.masks.combinators import Or
+
         return Or(self, _check_mask(other, "|"))
 
     def __invert__(self) -> Mask:
         from attnlab.masks.combinators import Not
+
         return Not(self)
 
 
@@ -196,5 +209,3 @@ def _check_mask(m, op):
     if not isinstance(m, Mask):
         raise TypeError(f"mask {op}: expected an attnlab mask, got {type(m).__name__}")
     return m
-
-

@@ -17,8 +17,12 @@ and ``Hm`` in ``{1, H}`` (a mask that does not depend on the batch or head keeps
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from attnlab.masks.base import Mask
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -32,7 +36,7 @@ class BlockMask:
     :func:`attnlab.attention` skips classification; its shape is checked against q/k.
     """
 
-    mask: object  # the elementwise predicate (an attnlab.masks.Mask)
+    mask: Mask  # the elementwise predicate
     states: torch.Tensor  # int8 (Bm, Hm, nqb, nkb)
     B: int
     H: int

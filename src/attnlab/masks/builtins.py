@@ -91,6 +91,7 @@ def sliding_window(w: int, *, right: int = 0) -> Mask:
     right = integer(right, "sliding_window(right)", lo=0)
     if right:
         from attnlab.masks.extra import band
+
         return band(w - 1, right)
     return _SlidingWindow(w)
 
@@ -131,8 +132,7 @@ class _SinkWindow(Mask):
         return (("int", self.sinks), ("int", self.window))
 
     def lower(self):  # the sinks are causal too: kv < sinks and kv <= q
-        return MaskStructure(left=self.window - 1, right=0, sinks=self.sinks,
-                             sinks_right=0 if self.sinks else None)
+        return MaskStructure(left=self.window - 1, right=0, sinks=self.sinks, sinks_right=0 if self.sinks else None)
 
     def __init__(self, sinks, window):
         self.sinks, self.window = sinks, window
@@ -184,7 +184,7 @@ def block_minmax(ids: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
     starts, ends = lo.flatten(), hi.flatten() + 1
     n = ids.shape[-1]
     size = int((ends - starts).max()) if starts.numel() else 0
-    idx = (starts.view(-1, 1) + torch.arange(size).view(1, -1))
+    idx = starts.view(-1, 1) + torch.arange(size).view(1, -1)
     valid = idx < ends.view(-1, 1)
     idx = torch.where(valid, idx, starts.view(-1, 1)).clamp(max=n - 1)
     vals = ids[:, idx]  # (B', nb, size); invalid slots repeat the block's first id
@@ -217,7 +217,8 @@ class _Document(Mask):
             if n and (lo < 0 or lo + n > ids.shape[-1]):
                 raise ValueError(
                     f"document({name}): ids cover positions 0..{ids.shape[-1] - 1} but the problem needs "
-                    f"positions {lo}..{lo + n - 1} (ids are looked up by absolute position)")
+                    f"positions {lo}..{lo + n - 1} (ids are looked up by absolute position)"
+                )
 
     def classify(self, B, H, ql, qh, kl, kh):
         qmin, qmax = block_minmax(self.q_ids, ql, qh)  # (B', nqb)
@@ -314,8 +315,10 @@ class _KeyPadding(Mask):
         if self.keep.shape[0] != B:
             raise ValueError(f"key_padding(keep): got {self.keep.shape[0]} rows for batch size B={B}")
         if Nk and (kv_offset < 0 or kv_offset + Nk > self.keep.shape[1]):
-            raise ValueError(f"key_padding(keep): keep covers key positions 0..{self.keep.shape[1] - 1} but the "
-                             f"problem has keys at {kv_offset}..{kv_offset + Nk - 1} (looked up by absolute position)")
+            raise ValueError(
+                f"key_padding(keep): keep covers key positions 0..{self.keep.shape[1] - 1} but the "
+                f"problem has keys at {kv_offset}..{kv_offset + Nk - 1} (looked up by absolute position)"
+            )
 
     def classify(self, B, H, ql, qh, kl, kh):
         # number of kept keys in each kv tile, from a prefix sum: O(B * tiles)
@@ -376,8 +379,10 @@ class _Tree(Mask):
     def validate(self, B, H, Nq, Nk, q_offset, kv_offset):
         end = self.prefix_len + self.anc.shape[0]
         if q_offset + Nq > end or kv_offset + Nk > end:
-            raise ValueError(f"tree: the tree covers positions up to {end - 1} but the problem reaches "
-                             f"q position {q_offset + Nq - 1} / kv position {kv_offset + Nk - 1}")
+            raise ValueError(
+                f"tree: the tree covers positions up to {end - 1} but the problem reaches "
+                f"q position {q_offset + Nq - 1} / kv position {kv_offset + Nk - 1}"
+            )
 
     def __repr__(self):
         return f"tree(<{self.anc.shape[0]} nodes>, prefix_len={self.prefix_len})"
@@ -425,8 +430,10 @@ class _Custom(Mask):
         if isinstance(out, bool):
             out = torch.tensor(out, device=q.device if isinstance(q, torch.Tensor) else None)
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
-            raise TypeError(f"custom mask {self.name}: fn must return a bool tensor (or a Python bool), got "
-                            f"{type(out).__name__ if not isinstance(out, torch.Tensor) else out.dtype}")
+            raise TypeError(
+                f"custom mask {self.name}: fn must return a bool tensor (or a Python bool), got "
+                f"{type(out).__name__ if not isinstance(out, torch.Tensor) else out.dtype}"
+            )
         # every consumer (flash tiles, classifier, dense SDPA mask, reference) gets the grids' full shape
         grid = torch.broadcast_shapes(*(torch.as_tensor(t).shape for t in (b, h, q, kv)))
         if tuple(out.shape) != tuple(grid):
@@ -435,9 +442,11 @@ class _Custom(Mask):
             except RuntimeError:
                 ok = False
             if not ok:
-                raise ValueError(f"custom mask {self.name}: fn returned shape {tuple(out.shape)}, which does not "
-                                 f"broadcast to the position grids' shape {tuple(grid)} (B, H, Nq, Nk); return a "
-                                 "bool tensor broadcastable to it, e.g. computed from b, h, q_pos and kv_pos")
+                raise ValueError(
+                    f"custom mask {self.name}: fn returned shape {tuple(out.shape)}, which does not "
+                    f"broadcast to the position grids' shape {tuple(grid)} (B, H, Nq, Nk); return a "
+                    "bool tensor broadcastable to it, e.g. computed from b, h, q_pos and kv_pos"
+                )
             # leading dims of size 1, as broadcasting reads them; size-1 batch/head dims are
             # kept (a view), as the built-ins return them, so no consumer pays B·H times
             out = out.reshape((1,) * (len(grid) - out.dim()) + tuple(out.shape))
@@ -470,5 +479,3 @@ def custom(fn: Callable) -> Mask:
     if not callable(fn):
         raise TypeError(f"custom(fn): fn must be callable, got {type(fn).__name__}")
     return _Custom(fn, getattr(fn, "__name__", "fn"))
-
-

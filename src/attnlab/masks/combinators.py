@@ -91,4 +91,3 @@ class Not(Mask):
 
     def __repr__(self):
         return f"~{self.a!r}"
-

@@ -58,7 +58,7 @@ class _Band(Mask):
         return f"band({self.left}, {self.right})"
 
 
-def band(left, right) -> Mask:
+def band(left, right) -> _Band:
     """flash-attn's ``window_size=(left, right)``: a query at ``q_pos`` sees keys
     ``q_pos - left <= kv_pos <= q_pos + right`` (itself included).  ``None`` (flash-attn's
     ``-1``) leaves that side unbounded.
@@ -67,7 +67,7 @@ def band(left, right) -> Mask:
     itself); ``band(None, 0)`` is ``causal()``; ``band(l, r)`` is
     ``sliding_window(l + 1, right=r)``.  Positions are absolute (bottom-right aligned by
     default, as flash-attn's window is)."""
-    lr = []
+    lr: list[int | None] = []
     for name, x in (("left", left), ("right", right)):
         if x is None or (isinstance(x, int) and not isinstance(x, bool) and x == -1):
             lr.append(None)  # flash-attn's -1 = infinite
@@ -79,8 +79,7 @@ def band(left, right) -> Mask:
 def _lookup(t, b, h, qi, ki):
     """``t[b, h, qi, ki]`` with size-1 dims of ``t`` broadcast (index 0)."""
     idx = [b, h, qi, ki]
-    idx = [x if t.shape[d] > 1 else torch.zeros((), dtype=torch.long, device=t.device)
-           for d, x in enumerate(idx)]
+    idx = [x if t.shape[d] > 1 else torch.zeros((), dtype=torch.long, device=t.device) for d, x in enumerate(idx)]
     return t[tuple(torch.as_tensor(x, device=t.device) for x in idx)]
 
 
@@ -96,9 +95,11 @@ def check_dense(t, B, H, Nq, Nk, name="mask"):
         raise ValueError(f"{name}: a dense mask has at most 4 dims (B, H, Nq, Nk), got shape {tuple(t.shape)}")
     t4 = _as_4d(t)
     want = (B, H, Nq, Nk)
-    if any(s not in (1, w) for s, w in zip(t4.shape, want)):
-        raise ValueError(f"{name}: shape {tuple(t.shape)} does not broadcast to (B, H, Nq, Nk)={want}; "
-                         "each dim must be 1 or the problem's (a (B, N, H, D) layout? the mask stays (B, H, Nq, Nk))")
+    if any(s not in (1, w) for s, w in zip(t4.shape, want, strict=True)):
+        raise ValueError(
+            f"{name}: shape {tuple(t.shape)} does not broadcast to (B, H, Nq, Nk)={want}; "
+            "each dim must be 1 or the problem's (a (B, N, H, D) layout? the mask stays (B, H, Nq, Nk))"
+        )
     return t4
 
 
@@ -122,9 +123,11 @@ class _Dense(Mask):
     def validate(self, B, H, Nq, Nk, q_offset, kv_offset):
         check_dense(self.t, B, H, Nq, Nk)
         if (q_offset, kv_offset) != (self.q_offset, self.kv_offset):
-            raise ValueError(f"masks.dense: built for q_offset={self.q_offset}, kv_offset={self.kv_offset} but the "
-                             f"problem has q_offset={q_offset}, kv_offset={kv_offset}; a dense mask is indexed by "
-                             "row and column, build it with the problem's offsets")
+            raise ValueError(
+                f"masks.dense: built for q_offset={self.q_offset}, kv_offset={self.kv_offset} but the "
+                f"problem has q_offset={q_offset}, kv_offset={kv_offset}; a dense mask is indexed by "
+                "row and column, build it with the problem's offsets"
+            )
 
     def __repr__(self):
         return f"dense(<{tuple(self.t.shape)} bool>)"
@@ -139,9 +142,11 @@ def dense(t, *, q_offset: int, kv_offset: int = 0) -> Mask:
     shape (cached on the mask), so the flash path skips the empty ones.  For an additive
     float mask pass it as ``attention(mask=float_tensor)`` (:func:`attnlab.scores.bias`)."""
     if not isinstance(t, torch.Tensor) or t.dtype != torch.bool:
-        raise TypeError(f"masks.dense(t): expected a bool tensor (True = attend), got "
-                        f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}; an additive float mask "
-                        "is scores.bias(t)")
+        raise TypeError(
+            f"masks.dense(t): expected a bool tensor (True = attend), got "
+            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}; an additive float mask "
+            "is scores.bias(t)"
+        )
     q_offset = integer(q_offset, "masks.dense(q_offset)")
     kv_offset = integer(kv_offset, "masks.dense(kv_offset)")
     if t.dim() > 4:
@@ -163,7 +168,9 @@ class _ShiftedMask(Mask):
         # the offsets' range, read once here (validate then reads no tensor value, so compiled
         # code that gets this mask passes it to the flash op with no graph break); built
         # inside a compiled region it is read when the op rebuilds the mask from its key
-        self._range = None if torch.compiler.is_compiling() else (int(qo.min()), int(qo.max())) if qo.numel() else (0, 0)
+        self._range = (
+            None if torch.compiler.is_compiling() else (int(qo.min()), int(qo.max())) if qo.numel() else (0, 0)
+        )
 
     def lower(self):
         s = self.inner.lower()
@@ -175,7 +182,7 @@ class _ShiftedMask(Mask):
         for i in range(qo.shape[0]):  # one batch at a time: built-ins index ids by position
             r = torch.as_tensor(self.inner(b, h, q + qo[i], kv))
             r = r.reshape((1,) * (4 - r.dim()) + tuple(r.shape))
-            rows.append(r[i:i + 1] if r.shape[0] > 1 else r)
+            rows.append(r[i : i + 1] if r.shape[0] > 1 else r)
         shape = torch.broadcast_shapes(*(r.shape for r in rows))
         return torch.cat([r.expand(1, *shape[1:]) for r in rows], 0)
 
@@ -198,9 +205,11 @@ def per_batch_q_offset(mask: Mask, q_offset: torch.Tensor) -> Mask:
 
 def _cu_arg(cu, name):
     if not isinstance(cu, torch.Tensor) or cu.dtype.is_floating_point or cu.dtype == torch.bool or cu.dim() != 1:
-        raise ValueError(f"{name}: expected a 1-D integer tensor (num_seqs + 1,) of cumulative lengths, got "
-                         f"{cu.dtype if isinstance(cu, torch.Tensor) else type(cu).__name__}"
-                         f"{' ' + str(tuple(cu.shape)) if isinstance(cu, torch.Tensor) else ''}")
+        raise ValueError(
+            f"{name}: expected a 1-D integer tensor (num_seqs + 1,) of cumulative lengths, got "
+            f"{cu.dtype if isinstance(cu, torch.Tensor) else type(cu).__name__}"
+            f"{' ' + str(tuple(cu.shape)) if isinstance(cu, torch.Tensor) else ''}"
+        )
     cu = cu.to(device="cpu", dtype=torch.long)
     if cu.numel() < 1 or int(cu[0]) != 0:
         raise ValueError(f"{name}: must start at 0, got {cu.tolist()[:8]}")
@@ -220,9 +229,14 @@ class _Varlen(Mask):
 
     def lower(self):
         band = self.left is not None or self.right is not None
-        return MaskStructure(left=self.left, right=self.right, q_ids=self.q_ids.view(1, -1),
-                             kv_ids=self.k_ids.view(1, -1), q_pos=self.q_loc if band else None,
-                             kv_pos=self.k_loc if band else None)
+        return MaskStructure(
+            left=self.left,
+            right=self.right,
+            q_ids=self.q_ids.view(1, -1),
+            kv_ids=self.k_ids.view(1, -1),
+            q_pos=self.q_loc if band else None,
+            kv_pos=self.k_loc if band else None,
+        )
 
     def __init__(self, cu_q, cu_k, left, right):
         self.cu_q, self.cu_k, self.left, self.right = cu_q, cu_k, left, right
@@ -261,9 +275,11 @@ class _Varlen(Mask):
 
     def validate(self, B, H, Nq, Nk, q_offset, kv_offset):
         if (Nq, Nk, q_offset, kv_offset) != (*self._n, 0, 0) or B != 1:
-            raise ValueError(f"masks.varlen: built for {self._n[0]} packed queries and {self._n[1]} "
-                             f"packed keys (B=1, q_offset=kv_offset=0), got B={B}, Nq={Nq}, Nk={Nk}, "
-                             f"q_offset={q_offset}, kv_offset={kv_offset}")
+            raise ValueError(
+                f"masks.varlen: built for {self._n[0]} packed queries and {self._n[1]} "
+                f"packed keys (B=1, q_offset=kv_offset=0), got B={B}, Nq={Nq}, Nk={Nk}, "
+                f"q_offset={q_offset}, kv_offset={kv_offset}"
+            )
 
     def classify(self, B, H, ql, qh, kl, kh):
         qmin, qmax = block_minmax(self.q_ids.view(1, -1), ql, qh)
@@ -289,7 +305,7 @@ class _Varlen(Mask):
         return f"varlen({self.cu_q.numel() - 1} seqs, window=({self.left}, {self.right}))"
 
 
-def varlen(cu_seqlens_q, cu_seqlens_k=None, *, window=(None, None)) -> Mask:
+def varlen(cu_seqlens_q, cu_seqlens_k=None, *, window=(None, None)) -> _Varlen:
     """Packed variable-length sequences (flash-attn's ``cu_seqlens``): query ``t`` of sequence
     ``s`` sees only keys of sequence ``s``, and within it the ``window=(left, right)`` band
     (:func:`band`; ``None`` or ``-1`` unbounded; ``(None, 0)`` is causal) on **per-sequence,
@@ -301,8 +317,10 @@ def varlen(cu_seqlens_q, cu_seqlens_k=None, *, window=(None, None)) -> Mask:
     cu_q = _cu_arg(cu_seqlens_q, "cu_seqlens_q")
     cu_k = cu_q if cu_seqlens_k is None else _cu_arg(cu_seqlens_k, "cu_seqlens_k")
     if cu_q.numel() != cu_k.numel():
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got "
-                         f"{cu_q.numel() - 1} and {cu_k.numel() - 1}")
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got "
+            f"{cu_q.numel() - 1} and {cu_k.numel() - 1}"
+        )
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise ValueError(f"window: expected (left, right), got {window!r}")
     b = band(*window)

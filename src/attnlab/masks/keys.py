@@ -118,6 +118,7 @@ _LEAF = re.compile(r"[ti]\d+|n")  # a tensor, an int, or None; anything else nam
 
 def mask_from_key(spec: str, tensors, ints) -> Mask:
     """The mask :func:`mask_key` described (no validation: the original was validated)."""
+
     def leaf(x):
         if x[0] == "t":
             return tensors[int(x[1:])]
@@ -135,5 +136,3 @@ def mask_from_key(spec: str, tensors, ints) -> Mask:
         return cls(*(leaf(a) if isinstance(a, str) and _LEAF.fullmatch(a) else build(a) for a in args))
 
     return build(parse_key(spec))
-
-

@@ -33,6 +33,7 @@ import torch
 
 __all__ = ["ALL", "MaskStructure", "and_structures", "or_structures"]
 
+
 @dataclass(frozen=True, eq=False)
 class MaskStructure:
     """A mask as a band (with sinks), padding lengths, document ids, a key keep-vector,
@@ -118,10 +119,11 @@ class MaskStructure:
             ok = ok & band
         if self.kv_len is not None:
             ok = ok & (kv < self.kv_len[b])
-        if self.q_ids is not None:
-            bq = b if self.q_ids.shape[0] > 1 else torch.zeros_like(b)
-            bk = b if self.kv_ids.shape[0] > 1 else torch.zeros_like(b)
-            ok = ok & (self.q_ids[bq, q] == self.kv_ids[bk, kv])
+        q_ids, kv_ids = self.q_ids, self.kv_ids
+        if q_ids is not None and kv_ids is not None:  # set together
+            bq = b if q_ids.shape[0] > 1 else torch.zeros_like(b)
+            bk = b if kv_ids.shape[0] > 1 else torch.zeros_like(b)
+            ok = ok & (q_ids[bq, q] == kv_ids[bk, kv])
         if self.key_keep is not None:
             bk = b if self.key_keep.shape[0] > 1 else torch.zeros_like(b)
             ok = ok & self.key_keep[bk, kv]
@@ -159,6 +161,7 @@ class MaskStructure:
             return None
         from attnlab.masks.base import tile_states
         from attnlab.masks.builtins import block_minmax
+
         full = torch.ones((1, 1, ql.shape[0], kl.shape[1]), dtype=torch.bool)
         empty = torch.zeros_like(full)
         if self.has_band:  # q - kv ranges over [ql - kh, qh - kl] in a tile
@@ -181,9 +184,10 @@ class MaskStructure:
             lo, hi = kl.flatten(), kh.flatten() + 1
             n = (c[:, hi] - c[:, lo]).view(c.shape[0], 1, 1, -1)
             full, empty = full & (n == (hi - lo)), empty | (n == 0)
-        if self.q_ids is not None:
-            qmin, qmax = block_minmax(self.q_ids, ql, qh)
-            kmin, kmax = block_minmax(self.kv_ids, kl, kh)
+        q_ids, kv_ids = self.q_ids, self.kv_ids
+        if q_ids is not None and kv_ids is not None:  # set together
+            qmin, qmax = block_minmax(q_ids, ql, qh)
+            kmin, kmax = block_minmax(kv_ids, kl, kh)
             qmin, qmax = qmin[:, None, :, None], qmax[:, None, :, None]
             kmin, kmax = kmin[:, None, None, :], kmax[:, None, None, :]
             full = full & (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
@@ -248,7 +252,7 @@ def and_structures(a: MaskStructure | None, b: MaskStructure | None) -> MaskStru
     """The structure of ``A & B``, or ``None`` when the parts do not combine into one."""
     if a is None or b is None:
         return None
-    if not (a.q_shift is None and b.q_shift is None or _same(a.q_shift, b.q_shift)):
+    if not ((a.q_shift is None and b.q_shift is None) or _same(a.q_shift, b.q_shift)):
         return None
     band = _and_band(a, b)
     if band is None:
@@ -266,9 +270,17 @@ def and_structures(a: MaskStructure | None, b: MaskStructure | None) -> MaskStru
         return None
     kv_ids = a.kv_ids if a.q_ids is not None else b.kv_ids
     d = a if a.dense is not None else b
-    return MaskStructure(kv_len=kv_len, q_ids=q_ids, kv_ids=kv_ids, key_keep=keep, dense=d.dense,
-                         dense_q_offset=d.dense_q_offset, dense_kv_offset=d.dense_kv_offset,
-                         q_shift=a.q_shift if a.q_shift is not None else b.q_shift, **band)
+    return MaskStructure(
+        kv_len=kv_len,
+        q_ids=q_ids,
+        kv_ids=kv_ids,
+        key_keep=keep,
+        dense=d.dense,
+        dense_q_offset=d.dense_q_offset,
+        dense_kv_offset=d.dense_kv_offset,
+        q_shift=a.q_shift if a.q_shift is not None else b.q_shift,
+        **band,
+    )
 
 
 def or_structures(a: MaskStructure | None, b: MaskStructure | None) -> MaskStructure | None:

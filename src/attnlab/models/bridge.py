@@ -92,8 +92,10 @@ def register(name: str = "attnlab", backend: str = "auto") -> str:
     treated as FlashAttention in ~70 model files and by ``generate``).
     """
     if not isinstance(name, str) or not name or name == "eager" or any(s in name.lower() for s in _RESERVED):
-        raise ValueError(f"register(name): {name!r} is not usable; transformers gives names equal to 'eager' or "
-                         f"containing any of {_RESERVED} special meaning.  Use e.g. 'attnlab_tiled'")
+        raise ValueError(
+            f"register(name): {name!r} is not usable; transformers gives names equal to 'eager' or "
+            f"containing any of {_RESERVED} special meaning.  Use e.g. 'attnlab_tiled'"
+        )
     if backend not in attnlab.BACKENDS:
         raise ValueError(f"register(backend): expected one of {attnlab.BACKENDS}, got {backend!r}")
     from transformers import AttentionInterface
@@ -111,9 +113,23 @@ def register(name: str = "attnlab", backend: str = "auto") -> str:
     return name
 
 
-def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                      sliding_window=None, softcap=None, position_bias=None, s_aux=None, *, backend="auto",
-                      **kwargs):
+def attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    is_causal=None,
+    sliding_window=None,
+    softcap=None,
+    position_bias=None,
+    s_aux=None,
+    *,
+    backend="auto",
+    **kwargs,
+):
     """transformers' attention-function convention, computed by :func:`attnlab.attention`.
 
     ``query (B, H, Nq, D)``, ``key``/``value (B, Hkv, Nk, D)``; returns
@@ -151,23 +167,62 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         mods.append(scores.softcap(float(softcap)))
     for t in (bias, position_bias):
         if t is not None:
-            mods.append(_bias_mod(_check_4d(t, "position_bias" if t is position_bias else "attention_mask",
-                                            B, H, Nq, Nk), q_offset))
+            mods.append(
+                _bias_mod(
+                    _check_4d(t, "position_bias" if t is position_bias else "attention_mask", B, H, Nq, Nk), q_offset
+                )
+            )
     score_mod = None if not mods else mods[0] if len(mods) == 1 else scores.compose(*mods)
     scale = None if scaling is None else float(scaling)
-    res = attention(query, key, value, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
-                    return_lse=s_aux is not None, backend=backend, dropout_p=dropout_p)
+    res = attention(
+        query,
+        key,
+        value,
+        mask=mask,
+        score_mod=score_mod,
+        scale=scale,
+        q_offset=q_offset,
+        return_lse=s_aux is not None,
+        backend=backend,
+        dropout_p=dropout_p,
+    )
     hooks = getattr(module, "attnlab_hooks", None)
     if hooks or pts is not None:  # attnlab.interp: capture / ablation / hook points (z before s_aux's gate)
         from attnlab.nn.attention import AttentionCall, run_hooks
+
         layer = getattr(module, "layer_idx", None)
         z = res[0] if s_aux is not None else res
         if pts is not None and pts.post_active():  # scores / pattern: recomputed from q and k
-            z = pts.scores_and_pattern(AttentionCall(module, query, key, value, z, mask=mask, score_mod=score_mod, scale=scale,
-                                                      q_offset=q_offset, layer=layer))
+            z = pts.scores_and_pattern(
+                AttentionCall(
+                    module,
+                    query,
+                    key,
+                    value,
+                    z,
+                    mask=mask,
+                    score_mod=score_mod,
+                    scale=scale,
+                    q_offset=q_offset,
+                    layer=layer,
+                )
+            )
         if hooks:
-            z = run_hooks(hooks, AttentionCall(module, query, key, value, z, mask=mask, score_mod=score_mod, scale=scale,
-                                            q_offset=q_offset, layer=layer))
+            z = run_hooks(
+                hooks,
+                AttentionCall(
+                    module,
+                    query,
+                    key,
+                    value,
+                    z,
+                    mask=mask,
+                    score_mod=score_mod,
+                    scale=scale,
+                    q_offset=q_offset,
+                    layer=layer,
+                ),
+            )
         if pts is not None:
             z = pts.z(z)
         res = (z, res[1]) if s_aux is not None else z
@@ -195,8 +250,10 @@ def _weights_times_values(w, v):
 
 def _check_4d(t, name, B, H, Nq, Nk):
     if not isinstance(t, torch.Tensor) or t.dim() != 4:
-        raise TypeError(f"{name}: expected a 4-D tensor (B, 1 or H, Nq, Nk), got "
-                        f"{type(t).__name__}{'' if not isinstance(t, torch.Tensor) else tuple(t.shape)}")
+        raise TypeError(
+            f"{name}: expected a 4-D tensor (B, 1 or H, Nq, Nk), got "
+            f"{type(t).__name__}{'' if not isinstance(t, torch.Tensor) else tuple(t.shape)}"
+        )
     if t.shape[0] not in (1, B) or t.shape[1] not in (1, H) or tuple(t.shape[2:]) != (Nq, Nk):
         raise ValueError(f"{name}: shape {tuple(t.shape)} does not fit B={B}, H={H}, Nq={Nq}, Nk={Nk}")
     return t

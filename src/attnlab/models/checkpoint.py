@@ -32,10 +32,31 @@ class CheckpointError(ValueError):
 MAX_JSON_BYTES = 64 << 20
 # dtypes a weight may have (safetensors' names); everything else is refused by name
 FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-             "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
-_TORCH_NAME = {v: k for k, v in FLOAT_DTYPES.items()} | {torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-                                                         torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+}
+_TORCH_NAME = {v: k for k, v in FLOAT_DTYPES.items()} | {
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def _no_duplicate_keys(where):
@@ -46,6 +67,7 @@ def _no_duplicate_keys(where):
                 raise CheckpointError(f"{where}: key {k!r} appears twice in one JSON object (which one is meant?)")
             seen[k] = v
         return seen
+
     return hook
 
 
@@ -72,8 +94,9 @@ def read_config(folder: Path) -> dict:
     """``config.json`` of ``folder`` as a dict (see :func:`read_json_object`)."""
     p = Path(folder) / "config.json"
     if not p.is_file():
-        raise CheckpointError(f"{folder}: no config.json (a transformers checkpoint folder has config.json "
-                              "and model.safetensors)")
+        raise CheckpointError(
+            f"{folder}: no config.json (a transformers checkpoint folder has config.json and model.safetensors)"
+        )
     return read_json_object(p)
 
 
@@ -92,8 +115,9 @@ def shard_path(folder: Path, name, index: Path, tensor: str) -> Path:
         raise CheckpointError(f"{where}: expected a shard file name (a non-empty string), got {name!r}")
     pure = PurePosixPath(name)
     if pure.is_absolute() or PureWindowsPath(name).anchor or "\\" in name or ".." in pure.parts:
-        raise CheckpointError(f"{where}: shard {name!r} must be a relative path inside {folder} "
-                              "(no absolute paths, no '..')")
+        raise CheckpointError(
+            f"{where}: shard {name!r} must be a relative path inside {folder} (no absolute paths, no '..')"
+        )
     if not name.endswith(".safetensors"):
         raise CheckpointError(f"{where}: shard {name!r} is not a .safetensors file")
     root, target = Path(folder).resolve(), (Path(folder) / name).resolve()
@@ -111,8 +135,10 @@ def read_index(folder: Path) -> dict[str, Path] | None:
         return None
     wm = read_json_object(index).get("weight_map")
     if not isinstance(wm, dict) or not wm:
-        raise CheckpointError(f"{index}: field 'weight_map': expected a non-empty JSON object "
-                              f"{{tensor name: shard file}}, got {type(wm).__name__}")
+        raise CheckpointError(
+            f"{index}: field 'weight_map': expected a non-empty JSON object "
+            f"{{tensor name: shard file}}, got {type(wm).__name__}"
+        )
     shards, out = {}, {}
     for tensor, name in wm.items():
         if not isinstance(name, str) or name not in shards:
@@ -140,20 +166,27 @@ def check_index(index: dict[str, Path] | None, headers: dict, where: str) -> Non
     shards is stale or tampered with; which of them is right is not for the loader to guess)."""
     if index is None:
         return
-    errors = [f"{n!r} is listed in {index[n].name} but found in {h.file.name}"
-              for n, h in headers.items() if n in index and index[n] != h.file]
+    errors = [
+        f"{n!r} is listed in {index[n].name} but found in {h.file.name}"
+        for n, h in headers.items()
+        if n in index and index[n] != h.file
+    ]
     errors += [f"{n!r} is in {h.file.name} but not in the index" for n, h in headers.items() if n not in index]
     errors += [f"{n!r} is listed in {f.name}, which does not hold it" for n, f in index.items() if n not in headers]
     if errors:
-        raise CheckpointError(f"{where}/model.safetensors.index.json: field 'weight_map' disagrees with the shards: "
-                              + "; ".join(errors[:5]) + (f"; and {len(errors) - 5} more" if len(errors) > 5 else ""))
+        raise CheckpointError(
+            f"{where}/model.safetensors.index.json: field 'weight_map' disagrees with the shards: "
+            + "; ".join(errors[:5])
+            + (f"; and {len(errors) - 5} more" if len(errors) > 5 else "")
+        )
 
 
 @dataclass(frozen=True)
 class Header:
     """A tensor as a checkpoint declares it, read without its data."""
+
     shape: tuple
-    dtype: str          # safetensors' name: F32, BF16, I64, ...
+    dtype: str  # safetensors' name: F32, BF16, I64, ...
     file: Path
 
     @property
@@ -169,10 +202,12 @@ def _torch_load(f: Path, **kw):
     try:
         part = torch.load(f, weights_only=True, **kw)
     except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad archive
-        raise CheckpointError(f"{f}: cannot be read with torch.load(weights_only=True): "
-                              f"{type(e).__name__}: {e}") from None
-    if not isinstance(part, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                             for k, v in part.items()):
+        raise CheckpointError(
+            f"{f}: cannot be read with torch.load(weights_only=True): {type(e).__name__}: {e}"
+        ) from None
+    if not isinstance(part, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in part.items()
+    ):
         raise CheckpointError(f"{f}: expected a dict of tensors with string names")
     return part
 
@@ -187,16 +222,22 @@ def read_headers(files: list[Path]) -> dict[str, Header]:
             raise CheckpointError(f"{f}: file not found")
         if str(f).endswith(".safetensors"):
             from safetensors import SafetensorError, safe_open
+
             try:
                 with safe_open(str(f), "pt") as h:
-                    part = {k: Header(tuple(h.get_slice(k).get_shape()), h.get_slice(k).get_dtype(), Path(f))
-                            for k in h.keys()}  # noqa: SIM118 - a safe_open handle is not iterable
+                    part = {
+                        k: Header(tuple(h.get_slice(k).get_shape()), h.get_slice(k).get_dtype(), Path(f))
+                        for k in h.keys()  # noqa: SIM118 - a safe_open handle is not iterable
+                    }
             except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-                raise CheckpointError(f"{f} ({os.path.getsize(f)} bytes): not a readable safetensors file — "
-                                      f"corrupt or truncated? ({e})") from None
+                raise CheckpointError(
+                    f"{f} ({os.path.getsize(f)} bytes): not a readable safetensors file — corrupt or truncated? ({e})"
+                ) from None
         else:
-            part = {k: Header(tuple(t.shape), _TORCH_NAME.get(t.dtype, str(t.dtype)), Path(f))
-                    for k, t in _torch_load(f, map_location="meta").items()}
+            part = {
+                k: Header(tuple(t.shape), _TORCH_NAME.get(t.dtype, str(t.dtype)), Path(f))
+                for k, t in _torch_load(f, map_location="meta").items()
+            }
         dup = set(part) & set(out)
         if dup:
             raise CheckpointError(f"{f}: tensors {sorted(dup)[:3]} also appear in {out[min(dup)].file}")
@@ -213,14 +254,19 @@ def read_tensors(files: list[Path], names=None) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{f}: file not found")
         if str(f).endswith(".safetensors"):
             from safetensors import SafetensorError, safe_open
+
             size = os.path.getsize(f)
             try:
                 with safe_open(str(f), "pt") as h:
-                    part = {k: h.get_tensor(k) for k in h.keys()  # noqa: SIM118 - a safe_open handle is not iterable
-                            if names is None or k in names}
+                    part = {
+                        k: h.get_tensor(k)
+                        for k in h.keys()  # noqa: SIM118 - a safe_open handle is not iterable
+                        if names is None or k in names
+                    }
             except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-                raise CheckpointError(f"{f} ({size} bytes): not a readable safetensors file — corrupt or "
-                                      f"truncated? ({e})") from None
+                raise CheckpointError(
+                    f"{f} ({size} bytes): not a readable safetensors file — corrupt or truncated? ({e})"
+                ) from None
         else:
             try:
                 part = _torch_load(f, map_location="cpu", mmap=True)
@@ -239,6 +285,7 @@ def read_tensors(files: list[Path], names=None) -> dict[str, torch.Tensor]:
 class Entry:
     """One attnlab tensor made of checkpoint tensors ``sources`` (with their expected
     shapes), combined by ``combine`` (default: the single source as is)."""
+
     sources: list[tuple[str, tuple]]
     combine: Callable | None = None
 
@@ -254,24 +301,35 @@ def strip_prefix(tensors: dict, prefixes: tuple[str, ...], *, where: str = "chec
         short = name
         for p in prefixes:
             if name.startswith(p):
-                short = name[len(p):]
+                short = name[len(p) :]
                 break
         if short in out:
-            raise CheckpointError(f"{where}: tensors {origin[short]!r} and {name!r} are both {short!r} once the "
-                                  f"prefix {prefixes} is dropped; a checkpoint must hold one of them")
+            raise CheckpointError(
+                f"{where}: tensors {origin[short]!r} and {name!r} are both {short!r} once the "
+                f"prefix {prefixes} is dropped; a checkpoint must hold one of them"
+            )
         out[short], origin[short] = t, name
     return out
 
 
 def _raise(where: str, what: str, errors: list[str]) -> None:
     if errors:
-        raise CheckpointError(f"{where}: cannot load {what}: " + "; ".join(errors[:8])
-                              + (f"; and {len(errors) - 8} more problems" if len(errors) > 8 else ""))
+        raise CheckpointError(
+            f"{where}: cannot load {what}: "
+            + "; ".join(errors[:8])
+            + (f"; and {len(errors) - 8} more problems" if len(errors) > 8 else "")
+        )
 
 
-def check_plan(build: Callable[[], torch.nn.Module], headers: dict[str, Header], plan: dict[str, Entry], *,
-               ignore: Callable[[str], bool] = lambda n: False, where: str = "checkpoint",
-               what: str = "model") -> None:
+def check_plan(
+    build: Callable[[], torch.nn.Module],
+    headers: dict[str, Header],
+    plan: dict[str, Entry],
+    *,
+    ignore: Callable[[str], bool] = lambda n: False,
+    where: str = "checkpoint",
+    what: str = "model",
+) -> None:
     """Every check of :func:`assign` that needs no data; nothing is allocated or read.
 
     First the plan against the tensor ``headers``: missing, unexpected, misshapen or
@@ -313,21 +371,31 @@ def check_plan(build: Callable[[], torch.nn.Module], headers: dict[str, Header],
         if ours not in state:
             raise RuntimeError(f"loader bug: {ours!r} is not a tensor of {type(model).__name__}")
         if tuple(value.shape) != tuple(state[ours].shape):
-            errors.append(f"{[n for n, _ in entry.sources]} give shape {tuple(value.shape)} for {ours}, "
-                          f"expected {tuple(state[ours].shape)}")
+            errors.append(
+                f"{[n for n, _ in entry.sources]} give shape {tuple(value.shape)} for {ours}, "
+                f"expected {tuple(state[ours].shape)}"
+            )
     _raise(where, what, errors)
     n_model = sum(t.numel() for t in {id(t): t for t in state.values()}.values())
     if n_model != n_ckpt:
-        raise CheckpointError(f"{where}: the config implies {n_model} parameters ({4 * n_model} bytes in float32) "
-                              f"but the checkpoint's headers declare {n_ckpt} for the tensors it maps")
+        raise CheckpointError(
+            f"{where}: the config implies {n_model} parameters ({4 * n_model} bytes in float32) "
+            f"but the checkpoint's headers declare {n_ckpt} for the tensors it maps"
+        )
     declared = sum(h.nbytes for h in headers.values())
     held = sum(os.path.getsize(f) for f in {h.file for h in headers.values()})
     if declared > held:
         raise CheckpointError(f"{where}: the tensor headers declare {declared} bytes but the files hold only {held}")
 
 
-def assign(model: torch.nn.Module, tensors: dict[str, torch.Tensor], plan: dict[str, Entry], *,
-           ignore: Callable[[str], bool] = lambda n: False, where: str = "checkpoint") -> None:
+def assign(
+    model: torch.nn.Module,
+    tensors: dict[str, torch.Tensor],
+    plan: dict[str, Entry],
+    *,
+    ignore: Callable[[str], bool] = lambda n: False,
+    where: str = "checkpoint",
+) -> None:
     """Check everything, then copy: ``plan[attnlab_name] = Entry(...)``.
 
     Raises :class:`CheckpointError` for missing, unexpected or misshapen tensors
@@ -361,8 +429,10 @@ def assign(model: torch.nn.Module, tensors: dict[str, torch.Tensor], plan: dict[
         if ours not in state:
             raise RuntimeError(f"loader bug: {ours!r} is not a tensor of {type(model).__name__}")
         if tuple(value.shape) != tuple(state[ours].shape):
-            errors.append(f"{[n for n, _ in entry.sources]} give shape {tuple(value.shape)} for {ours}, "
-                          f"expected {tuple(state[ours].shape)}")
+            errors.append(
+                f"{[n for n, _ in entry.sources]} give shape {tuple(value.shape)} for {ours}, "
+                f"expected {tuple(state[ours].shape)}"
+            )
             continue
         new[ours] = value.to(state[ours].dtype)
     unexpected = sorted(n for n in tensors if n not in used and not ignore(n))

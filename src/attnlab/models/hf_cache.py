@@ -32,10 +32,15 @@ def as_hf_cache(cache):
     """Wrap an attnlab :class:`~attnlab.cache.Cache` for ``past_key_values=``."""
     from transformers.cache_utils import Cache as HFCache, CacheLayerMixin
 
-    if getattr(cache, "rotates_keys", False) or isinstance(getattr(cache, "evict", None), str) \
-            or type(cache).__name__ == "H2OCache":
-        raise ValueError(f"as_hf_cache: {type(cache).__name__} keeps non-contiguous positions; transformers builds "
-                         "masks for a contiguous cache (use DynamicCache, StaticCache, QuantizedCache or PagedCache)")
+    if (
+        getattr(cache, "rotates_keys", False)
+        or isinstance(getattr(cache, "evict", None), str)
+        or type(cache).__name__ == "H2OCache"
+    ):
+        raise ValueError(
+            f"as_hf_cache: {type(cache).__name__} keeps non-contiguous positions; transformers builds "
+            "masks for a contiguous cache (use DynamicCache, StaticCache, QuantizedCache or PagedCache)"
+        )
 
     class _Layer(CacheLayerMixin):
         is_sliding = False

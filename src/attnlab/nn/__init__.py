@@ -17,6 +17,21 @@ from attnlab.nn.mlp import MLP, SwiGLU
 from attnlab.nn.norms import RMSNorm
 from attnlab.nn.ssm import RecurrentCache, SSMMixer
 
-__all__ = ["MultiHeadAttention", "Block", "DecoderConfig", "EncoderConfig", "Decoder", "Encoder", "ModelOutput",
-           "mean_pool", "MLP", "SwiGLU", "RMSNorm", "AdditiveAttention", "LinearAttentionMixer", "make_mixer",
-           "RecurrentCache", "SSMMixer"]
+__all__ = [
+    "MultiHeadAttention",
+    "Block",
+    "DecoderConfig",
+    "EncoderConfig",
+    "Decoder",
+    "Encoder",
+    "ModelOutput",
+    "mean_pool",
+    "MLP",
+    "SwiGLU",
+    "RMSNorm",
+    "AdditiveAttention",
+    "LinearAttentionMixer",
+    "make_mixer",
+    "RecurrentCache",
+    "SSMMixer",
+]

@@ -48,9 +48,19 @@ class AdditiveAttention(nn.Module):
     torch.Size([2, 5, 3])
     """
 
-    def __init__(self, d_query: int, d_key: int | None = None, d_attn: int | None = None, *,
-                 heads: int | None = None, bias: bool = True, chunk_size: int = 64, q_chunk_size: int = 64,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        d_query: int,
+        d_key: int | None = None,
+        d_attn: int | None = None,
+        *,
+        heads: int | None = None,
+        bias: bool = True,
+        chunk_size: int = 64,
+        q_chunk_size: int = 64,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         d_query = integer(d_query, "d_query", lo=1)
         d_key = d_query if d_key is None else integer(d_key, "d_key", lo=1)
@@ -79,24 +89,42 @@ class AdditiveAttention(nn.Module):
                 self.bias.zero_()
 
     def extra_repr(self) -> str:
-        return (f"d_query={self.d_query}, d_key={self.d_key}, d_attn={self.d_attn}, heads={self.heads}, "
-                f"bias={self.bias is not None}")
+        return (
+            f"d_query={self.d_query}, d_key={self.d_key}, d_attn={self.d_attn}, heads={self.heads}, "
+            f"bias={self.bias is not None}"
+        )
 
     def forward(self, q, k, v=None, *, mask=None, q_offset=None, kv_offset=0, return_lse=False):
         v = k if v is None else v
         three_d = isinstance(q, torch.Tensor) and q.dim() == 3
         if three_d:
             if self.heads is not None:
-                raise ValueError(f"q: a per-head AdditiveAttention (heads={self.heads}) needs 4-D inputs "
-                                 f"(B, H, Nq, Dq), got q {tuple(q.shape)}")
+                raise ValueError(
+                    f"q: a per-head AdditiveAttention (heads={self.heads}) needs 4-D inputs "
+                    f"(B, H, Nq, Dq), got q {tuple(q.shape)}"
+                )
             for name, t in (("k", k), ("v", v)):
                 if not isinstance(t, torch.Tensor) or t.dim() != 3:
-                    raise ValueError(f"{name}: with a 3-D q (B, Nq, Dq) expected a 3-D {name} (B, Nk, dim), got "
-                                     f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+                    raise ValueError(
+                        f"{name}: with a 3-D q (B, Nq, Dq) expected a 3-D {name} (B, Nk, dim), got "
+                        f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+                    )
             q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
-        res = additive_attention(q, k, v, self.w_q, self.w_k, self.v_a, bias=self.bias, mask=mask,
-                                 q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse,
-                                 chunk_size=self.chunk_size, q_chunk_size=self.q_chunk_size)
+        res = additive_attention(
+            q,
+            k,
+            v,
+            self.w_q,
+            self.w_k,
+            self.v_a,
+            bias=self.bias,
+            mask=mask,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            return_lse=return_lse,
+            chunk_size=self.chunk_size,
+            q_chunk_size=self.q_chunk_size,
+        )
         if three_d:
             return (res[0].squeeze(1), res[1].squeeze(1)) if return_lse else res.squeeze(1)
         return res

@@ -43,6 +43,7 @@ torch.Size([2, 10, 64])
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,11 +51,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlab import masks
+from attnlab.nn.hooks import AttentionPoints
 from attnlab.ops.dispatch import BACKENDS, attention, attention_probs
 from attnlab.ops.reference import index_grids
-from attnlab.nn.hooks import AttentionPoints
-from attnlab.validate import head_shape, nonzero_real, positive_int, probability
 from attnlab.scores import compose
+from attnlab.validate import head_shape, nonzero_real, probability
 
 
 def _head_independent(mask) -> bool:
@@ -75,13 +76,14 @@ class AttentionCall:
     attention pattern for any subset of heads.  ``layer`` is the index of the layer
     when the hook's installer knows it (:func:`attnlab.interp.capture` does).
     """
+
     module: object
     q: torch.Tensor
     k: torch.Tensor
-    v: torch.Tensor
-    z: torch.Tensor
-    mask: object = None
-    score_mod: object = None
+    v: torch.Tensor | None  # None where the installer keeps no values (interp.capture's keep=)
+    z: torch.Tensor | None
+    mask: masks.Mask | masks.BlockMask | None = None
+    score_mod: Callable[..., torch.Tensor] | None = None
     scale: float | None = None
     q_offset: int | None = None
     kv_offset: int = 0
@@ -94,8 +96,9 @@ class AttentionCall:
         H, Hkv = self.q.shape[1], self.k.shape[1]
         idx = torch.arange(H) if heads is None else torch.as_tensor(heads, dtype=torch.long).reshape(-1)
         if idx.numel() and (int(idx.min()) < -H or int(idx.max()) >= H):
-            raise ValueError(f"heads: expected query-head indices in [-{H}, {H}) (negative: from the end), "
-                             f"got {idx.tolist()}")
+            raise ValueError(
+                f"heads: expected query-head indices in [-{H}, {H}) (negative: from the end), got {idx.tolist()}"
+            )
         idx = idx % H  # Python's meaning of negative indices
         kv = idx // (H // Hkv)  # the kv head each chosen query head reads
         mask, mod = self.mask, self.score_mod
@@ -106,8 +109,15 @@ class AttentionCall:
             if mask is not None and not _head_independent(mask):
                 mask = masks.custom(lambda b, h, qp, kp, m=mask: m(b, dev[h], qp, kp))
             mod = None if mod is None else (lambda s, b, h, qp, kp, f=mod: f(s, b, dev[h], qp, kp))
-        return attention_probs(self.q[:, idx], self.k[:, kv], mask=mask, score_mod=mod, scale=self.scale,
-                               q_offset=self.q_offset, kv_offset=self.kv_offset)
+        return attention_probs(
+            self.q[:, idx],
+            self.k[:, kv],
+            mask=mask,
+            score_mod=mod,
+            scale=self.scale,
+            q_offset=self.q_offset,
+            kv_offset=self.kv_offset,
+        )
 
     def scores(self) -> torch.Tensor:
         """The scores ``scale·q kᵀ + score mods`` ``(B, H, Nq, Nk)`` in float32 (float64 for float64),
@@ -132,14 +142,19 @@ class AttentionCall:
 
 def run_hooks(hooks, call: AttentionCall) -> torch.Tensor:
     """Call each hook in order; a returned tensor replaces ``call.z``.  Returns the final z."""
+    z = call.z
+    if z is None:
+        raise TypeError("run_hooks: the call holds no z (the op's output) to hand to the hooks")
     for hook in list(hooks):
         r = hook(call)
         if r is not None:
-            if not isinstance(r, torch.Tensor) or r.shape != call.z.shape:
-                raise ValueError(f"hook {hook!r}: must return None or z of shape {tuple(call.z.shape)}, got "
-                                 f"{tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__}")
-            call.z = r
-    return call.z
+            if not isinstance(r, torch.Tensor) or r.shape != z.shape:
+                raise ValueError(
+                    f"hook {hook!r}: must return None or z of shape {tuple(z.shape)}, got "
+                    f"{tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__}"
+                )
+            call.z = z = r
+    return z
 
 
 def _positions(seen, N):
@@ -149,67 +164,21 @@ def _positions(seen, N):
     return int(seen)
 
 
-class MultiHeadAttention(nn.Module):
-    """Multi-head attention (MHA; GQA with ``n_kv_heads < n_heads``; MQA with 1).
+class FusedQKV(nn.Module):
+    """The fused ``qkv_weight (n_qkv, d_model)`` / ``out_weight`` parameters shared by
+    :class:`MultiHeadAttention` and :class:`attnlab.nn.mixers.LinearAttentionMixer`: their
+    initialisation, per-head views (``W_Q (n_heads, d_model, d_head)`` ...) and the
+    projection to q ``(B, H, N, d_head)``, k and v ``(B, Hkv, M, d_head)``.  A subclass sets
+    the attributes below in its ``__init__``."""
 
-    Args:
-        d_model: width of the residual stream.
-        n_heads: query heads ``H``.
-        n_kv_heads: key/value heads ``Hkv`` (default ``H``); ``H % Hkv == 0``.
-        d_head: per-head width (default ``d_model // n_heads``).
-        bias: biases on Q, K, V and O.
-        dropout: attention-probability dropout while training: the op's
-            ``dropout_p`` (:mod:`attnlab.ops.dropout`: a counter-based keep-mask that the
-            flash backward regenerates per tile, any mask or score mod), with the seed
-            drawn from torch's default generator per call (``torch.manual_seed`` makes a
-            training run reproducible).  Off in eval mode.  With dropout, ``backend``
-            ``"sdpa"`` is refused by the op; ``"auto"`` runs the flash path.
-            ``need_weights`` returns the undropped pattern.
-        positions: ``None``, a :class:`attnlab.positions.RoPE` (rotates q and k at their
-            absolute positions) or an :class:`attnlab.positions.ALiBi` (a score mod).
-        backend: passed to :func:`attnlab.attention`.
-        scale: softmax scale, default ``1/sqrt(d_head)``.
-        context_parallel: ``None`` (default), or an
-            :class:`attnlab.distributed.ContextParallel`: ``x`` is then this rank's shard
-            of a sequence split over a process group and attention runs across the
-            group (ring or Ulysses); RoPE uses the shard's global positions.
-    """
-
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, d_head: int | None = None, *,
-                 bias: bool = True, dropout: float = 0.0, positions=None, backend: str = "auto",
-                 scale: float | None = None, context_parallel=None):
-        super().__init__()
-        d_model, n_heads, n_kv_heads, d_head = head_shape(d_model, n_heads, n_kv_heads, d_head)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-        if positions is not None and not (hasattr(positions, "cos_sin") or hasattr(positions, "score_mod")):
-            raise TypeError(f"positions: expected None, a positions.RoPE or a positions.ALiBi, got "
-                            f"{type(positions).__name__}")
-        if hasattr(positions, "cos_sin") and positions.d_head != d_head:
-            raise ValueError(f"positions: RoPE built for d_head={positions.d_head}, attention has d_head={d_head}")
-        if hasattr(positions, "slopes") and positions.slopes.shape[0] != n_heads:
-            raise ValueError(f"positions: ALiBi has {positions.slopes.shape[0]} slopes for n_heads={n_heads}")
-        self.d_model, self.n_heads, self.n_kv_heads, self.d_head = d_model, n_heads, n_kv_heads, d_head
-        self.dropout = probability(dropout, "dropout")
-        self.backend = backend
-        self.scale = 1.0 / math.sqrt(d_head) if scale is None else nonzero_real(scale, "scale",
-                                                                                  hint="default 1/sqrt(d_head)")
-        self.positions = positions  # a RoPE is a Module (buffers); ALiBi is not
-        self._alibi = positions.score_mod() if hasattr(positions, "score_mod") else None
-        self.context_parallel = context_parallel  # duck-typed: .positions(n, device), .attend(q, k, v, ...)
-        n_qkv = (n_heads + 2 * n_kv_heads) * d_head
-        self.qkv_weight = nn.Parameter(torch.empty(n_qkv, d_model))
-        self.qkv_bias = nn.Parameter(torch.zeros(n_qkv)) if bias else None
-        self.out_weight = nn.Parameter(torch.empty(d_model, n_heads * d_head))
-        self.out_bias = nn.Parameter(torch.zeros(d_model)) if bias else None
-        #: callables ``hook(call: AttentionCall) -> None | z`` run after the op, before W_O;
-        #: a returned tensor ``(B, H, Nq, d_head)`` replaces z (ablation, patching).
-        #: See :mod:`attnlab.interp`.  Not part of the state dict.
-        self.hooks: list = []
-        #: TransformerLens-style hook points (hook_q ... hook_result), empty unless
-        #: :mod:`attnlab.interp` installs functions; see :mod:`attnlab.nn.hooks`.
-        self.attnlab_points = AttentionPoints()
-        self.reset_parameters()
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    qkv_weight: nn.Parameter
+    qkv_bias: nn.Parameter | None
+    out_weight: nn.Parameter
+    out_bias: nn.Parameter | None
 
     def reset_parameters(self) -> None:
         nn.init.xavier_uniform_(self.qkv_weight)
@@ -265,8 +234,83 @@ class MultiHeadAttention(nn.Module):
         k, v = kv.split((Hkv, Hkv), dim=1)
         return q, k, v
 
-    def forward(self, x, context=None, *, mask=None, score_mod=None, pos=None, cache=None,
-                need_weights: bool = False):
+
+class MultiHeadAttention(FusedQKV):
+    """Multi-head attention (MHA; GQA with ``n_kv_heads < n_heads``; MQA with 1).
+
+    Args:
+        d_model: width of the residual stream.
+        n_heads: query heads ``H``.
+        n_kv_heads: key/value heads ``Hkv`` (default ``H``); ``H % Hkv == 0``.
+        d_head: per-head width (default ``d_model // n_heads``).
+        bias: biases on Q, K, V and O.
+        dropout: attention-probability dropout while training: the op's
+            ``dropout_p`` (:mod:`attnlab.ops.dropout`: a counter-based keep-mask that the
+            flash backward regenerates per tile, any mask or score mod), with the seed
+            drawn from torch's default generator per call (``torch.manual_seed`` makes a
+            training run reproducible).  Off in eval mode.  With dropout, ``backend``
+            ``"sdpa"`` is refused by the op; ``"auto"`` runs the flash path.
+            ``need_weights`` returns the undropped pattern.
+        positions: ``None``, a :class:`attnlab.positions.RoPE` (rotates q and k at their
+            absolute positions) or an :class:`attnlab.positions.ALiBi` (a score mod).
+        backend: passed to :func:`attnlab.attention`.
+        scale: softmax scale, default ``1/sqrt(d_head)``.
+        context_parallel: ``None`` (default), or an
+            :class:`attnlab.distributed.ContextParallel`: ``x`` is then this rank's shard
+            of a sequence split over a process group and attention runs across the
+            group (ring or Ulysses); RoPE uses the shard's global positions.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        d_head: int | None = None,
+        *,
+        bias: bool = True,
+        dropout: float = 0.0,
+        positions=None,
+        backend: str = "auto",
+        scale: float | None = None,
+        context_parallel=None,
+    ):
+        super().__init__()
+        d_model, n_heads, n_kv_heads, d_head = head_shape(d_model, n_heads, n_kv_heads, d_head)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        if positions is not None and not (hasattr(positions, "cos_sin") or hasattr(positions, "score_mod")):
+            raise TypeError(
+                f"positions: expected None, a positions.RoPE or a positions.ALiBi, got {type(positions).__name__}"
+            )
+        if hasattr(positions, "cos_sin") and positions.d_head != d_head:
+            raise ValueError(f"positions: RoPE built for d_head={positions.d_head}, attention has d_head={d_head}")
+        if hasattr(positions, "slopes") and positions.slopes.shape[0] != n_heads:
+            raise ValueError(f"positions: ALiBi has {positions.slopes.shape[0]} slopes for n_heads={n_heads}")
+        self.d_model, self.n_heads, self.n_kv_heads, self.d_head = d_model, n_heads, n_kv_heads, d_head
+        self.dropout = probability(dropout, "dropout")
+        self.backend = backend
+        self.scale = (
+            1.0 / math.sqrt(d_head) if scale is None else nonzero_real(scale, "scale", hint="default 1/sqrt(d_head)")
+        )
+        self.positions = positions  # a RoPE is a Module (buffers); ALiBi is not
+        self._alibi = positions.score_mod() if hasattr(positions, "score_mod") else None
+        self.context_parallel = context_parallel  # duck-typed: .positions(n, device), .attend(q, k, v, ...)
+        n_qkv = (n_heads + 2 * n_kv_heads) * d_head
+        self.qkv_weight = nn.Parameter(torch.empty(n_qkv, d_model))
+        self.qkv_bias = nn.Parameter(torch.zeros(n_qkv)) if bias else None
+        self.out_weight = nn.Parameter(torch.empty(d_model, n_heads * d_head))
+        self.out_bias = nn.Parameter(torch.zeros(d_model)) if bias else None
+        #: callables ``hook(call: AttentionCall) -> None | z`` run after the op, before W_O;
+        #: a returned tensor ``(B, H, Nq, d_head)`` replaces z (ablation, patching).
+        #: See :mod:`attnlab.interp`.  Not part of the state dict.
+        self.hooks: list = []
+        #: TransformerLens-style hook points (hook_q ... hook_result), empty unless
+        #: :mod:`attnlab.interp` installs functions; see :mod:`attnlab.nn.hooks`.
+        self.attnlab_points = AttentionPoints()
+        self.reset_parameters()
+
+    def forward(self, x, context=None, *, mask=None, score_mod=None, pos=None, cache=None, need_weights: bool = False):
         """Attend ``x (B, N, d_model)`` to itself (or to ``context (B, M, d_model)``).
 
         Args:
@@ -282,15 +326,20 @@ class MultiHeadAttention(nn.Module):
         Returns ``(B, N, d_model)``, or ``(out, pattern)`` with ``need_weights``.
         """
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x: expected (B, N, d_model={self.d_model}), got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+            raise ValueError(
+                f"x: expected (B, N, d_model={self.d_model}), got "
+                f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+            )
         if context is not None:
             if context.dim() != 3 or context.shape[0] != x.shape[0] or context.shape[-1] != self.d_model:
-                raise ValueError(f"context: expected (B={x.shape[0]}, M, d_model={self.d_model}), "
-                                 f"got {tuple(context.shape)}")
+                raise ValueError(
+                    f"context: expected (B={x.shape[0]}, M, d_model={self.d_model}), got {tuple(context.shape)}"
+                )
             if hasattr(self.positions, "cos_sin"):
-                raise ValueError("cross-attention (context=...) with RoPE positions is not defined: "
-                                 "build the module with positions=None or ALiBi")
+                raise ValueError(
+                    "cross-attention (context=...) with RoPE positions is not defined: "
+                    "build the module with positions=None or ALiBi"
+                )
         B, N, _ = x.shape
         q, k, v = self.project(x, context)
         pts = self.attnlab_points
@@ -310,10 +359,18 @@ class MultiHeadAttention(nn.Module):
         """The sequence is sharded over ``self.context_parallel``'s group: ring/Ulysses
         attention of this rank's ``(B, H, N, d_head)`` shard (self-attention only)."""
         cp = self.context_parallel
-        if (cache is not None or context is not None or need_weights or self.hooks or self.attnlab_points.active()
-                or (self.training and self.dropout > 0)):
-            raise ValueError("context_parallel: runs self-attention only, without cache, context, need_weights, "
-                             "hooks or attention dropout")
+        if (
+            cache is not None
+            or context is not None
+            or need_weights
+            or self.hooks
+            or self.attnlab_points.active()
+            or (self.training and self.dropout > 0)
+        ):
+            raise ValueError(
+                "context_parallel: runs self-attention only, without cache, context, need_weights, "
+                "hooks or attention dropout"
+            )
         if rope is not None:
             p = cp.positions(N, q.device) if pos is None else pos
             q, k = rope(q, p), rope(k, p)
@@ -334,7 +391,7 @@ class MultiHeadAttention(nn.Module):
         kv = cache.update(k, v)
         if rope is not None and getattr(cache, "rotates_keys", False):
             q = rope(q, kv.q_positions)  # the cache stores keys unrotated and rotates them at read
-        if not (self.training and self.dropout > 0 or need_weights or self.hooks or pts.active()):
+        if not ((self.training and self.dropout > 0) or need_weights or self.hooks or pts.active()):
             z = kv.attend(q, mask=mask, score_mod=mod, scale=self.scale, backend=self.backend)
             return self._out(z, B, N)
         kv = kv.dense()
@@ -378,6 +435,8 @@ class MultiHeadAttention(nn.Module):
         return F.linear(z.transpose(1, 2).reshape(B, N, self.n_heads * self.d_head), self.out_weight, self.out_bias)
 
     def extra_repr(self) -> str:
-        return (f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
-                f"d_head={self.d_head}, bias={self.qkv_bias is not None}, dropout={self.dropout}, "
-                f"backend={self.backend!r}")
+        return (
+            f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
+            f"d_head={self.d_head}, bias={self.qkv_bias is not None}, dropout={self.dropout}, "
+            f"backend={self.backend!r}"
+        )

@@ -32,6 +32,15 @@ from attnlab.nn.norms import make_norm
 
 
 class Block(nn.Module):
+    # None in an attention-only block (see :meth:`_sublayers`)
+    norm1: nn.Module | None
+    norm2: nn.Module | None
+    mlp: nn.Module | None
+    hook_resid_mid: HookPoint | None
+    hook_mlp_out: HookPoint | None
+    ln1_points: NormPoints | None
+    ln2_points: NormPoints | None
+
     def __init__(self, cfg, *, attn_only: bool = False, positions=None):
         super().__init__()
         self.post = cfg.norm_position == "post"
@@ -53,18 +62,29 @@ class Block(nn.Module):
     def forward(self, x, *, mask=None, pos=None, cache=None, need_weights=False):
         """``x (B, N, d_model)`` -> same; with ``need_weights`` also the pattern ``(B, H, N, M)``."""
         x = self.hook_resid_pre(x)
-        if self.attn_only:
+        parts = self._sublayers()
+        if parts is None:  # attention-only
             a = self.attn(x, mask=mask, pos=pos, cache=cache, need_weights=need_weights)
             a, w = a if need_weights else (a, None)
             return self.hook_resid_post(x + self.hook_attn_out(self.drop(a))), w
+        norm1, norm2, mlp, ln1_points, ln2_points, hook_resid_mid, hook_mlp_out = parts
         if self.post:
             a = self.attn(x, mask=mask, pos=pos, cache=cache, need_weights=need_weights)
             a, w = a if need_weights else (a, None)
-            x = self.ln1_points(self.norm1, self.hook_resid_mid(x + self.hook_attn_out(self.drop(a))))
-            x = self.hook_resid_post(x + self.hook_mlp_out(self.drop(self.mlp(x))))
-            return self.ln2_points(self.norm2, x), w
-        a = self.attn(self.ln1_points(self.norm1, x), mask=mask, pos=pos, cache=cache, need_weights=need_weights)
+            x = ln1_points(norm1, hook_resid_mid(x + self.hook_attn_out(self.drop(a))))
+            x = self.hook_resid_post(x + hook_mlp_out(self.drop(mlp(x))))
+            return ln2_points(norm2, x), w
+        a = self.attn(ln1_points(norm1, x), mask=mask, pos=pos, cache=cache, need_weights=need_weights)
         a, w = a if need_weights else (a, None)
-        x = self.hook_resid_mid(x + self.hook_attn_out(self.drop(a)))
-        x = x + self.hook_mlp_out(self.drop(self.mlp(self.ln2_points(self.norm2, x))))
+        x = hook_resid_mid(x + self.hook_attn_out(self.drop(a)))
+        x = x + hook_mlp_out(self.drop(mlp(ln2_points(norm2, x))))
         return self.hook_resid_post(x), w
+
+    def _sublayers(self):
+        """``(norm1, norm2, mlp, ln1_points, ln2_points, hook_resid_mid, hook_mlp_out)``, or None
+        for an attention-only block (which has none of them)."""
+        n1, n2, mlp = self.norm1, self.norm2, self.mlp
+        l1, l2, mid, out = self.ln1_points, self.ln2_points, self.hook_resid_mid, self.hook_mlp_out
+        if n1 is None or n2 is None or mlp is None or l1 is None or l2 is None or mid is None or out is None:
+            return None
+        return n1, n2, mlp, l1, l2, mid, out

@@ -21,8 +21,9 @@ from attnlab.nn.norms import NORMS
 from attnlab.ops.dispatch import BACKENDS
 from attnlab.validate import choice, head_shape, nonneg_int, positive_float, positive_int, probability, real
 
-_SCALINGS = {c.__name__: c for c in (P.LinearScaling, P.NTKScaling, P.DynamicNTKScaling, P.YaRNScaling,
-                                     P.Llama3Scaling)}
+_SCALINGS = {
+    c.__name__: c for c in (P.LinearScaling, P.NTKScaling, P.DynamicNTKScaling, P.YaRNScaling, P.Llama3Scaling)
+}
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
 MLPS = ("mlp", "swiglu")
 MIXERS = ("attention", "linear", "ssm")
@@ -37,27 +38,27 @@ class _Common:
     n_heads: int
     n_kv_heads: int | None = None
     d_head: int | None = None
-    d_mlp: int | None = None          # default 4 * d_model
-    max_positions: int = 1024         # for learned / sinusoidal tables
-    positions: str = "learned"        # learned | sinusoidal | rope | alibi | none
-    norm: str = "layernorm"           # layernorm | rmsnorm
+    d_mlp: int | None = None  # default 4 * d_model
+    max_positions: int = 1024  # for learned / sinusoidal tables
+    positions: str = "learned"  # learned | sinusoidal | rope | alibi | none
+    norm: str = "layernorm"  # layernorm | rmsnorm
     norm_eps: float = 1e-5
-    norm_position: str = "pre"        # pre (GPT-2, Llama) | post (BERT)
-    mlp: str = "mlp"                  # mlp | swiglu
-    act: str = "gelu"                 # gelu | gelu_tanh | relu | silu
-    bias: bool = True                 # biases of attention and MLP linears (and LayerNorm shifts)
-    dropout: float = 0.0              # embedding / residual dropout
-    attn_dropout: float = 0.0         # attention-probability dropout
-    backend: str = "auto"             # attnlab.attention backend
+    norm_position: str = "pre"  # pre (GPT-2, Llama) | post (BERT)
+    mlp: str = "mlp"  # mlp | swiglu
+    act: str = "gelu"  # gelu | gelu_tanh | relu | silu
+    bias: bool = True  # biases of attention and MLP linears (and LayerNorm shifts)
+    dropout: float = 0.0  # embedding / residual dropout
+    attn_dropout: float = 0.0  # attention-probability dropout
+    backend: str = "auto"  # attnlab.attention backend
     rope_base: float = 10000.0
-    rope_interleaved: bool = False    # False: half-split pairing (Llama/NeoX); True: (2i, 2i+1)
-    rotary_dim: int | None = None     # partial rotary (default d_head)
-    rope_scaling: Any = None          # a positions.*Scaling (a dataclass)
-    mixer: str = "attention"          # attention | linear | ssm  (the token mixer of every block)
-    d_state: int = 16                 # ssm: state size per channel
-    ssm_expand: int = 1               # ssm: inner channels = ssm_expand * d_model (1 ~ attention's params)
-    ssm_conv: int = 4                 # ssm: kernel of the short causal conv (0 = none)
-    linear_feature_map: str = "elu"   # linear: "elu" (elu+1) or "favor" (FAVOR+ random features)
+    rope_interleaved: bool = False  # False: half-split pairing (Llama/NeoX); True: (2i, 2i+1)
+    rotary_dim: int | None = None  # partial rotary (default d_head)
+    rope_scaling: Any = None  # a positions.*Scaling (a dataclass)
+    mixer: str = "attention"  # attention | linear | ssm  (the token mixer of every block)
+    d_state: int = 16  # ssm: state size per channel
+    ssm_expand: int = 1  # ssm: inner channels = ssm_expand * d_model (1 ~ attention's params)
+    ssm_conv: int = 4  # ssm: kernel of the short causal conv (0 = none)
+    linear_feature_map: str = "elu"  # linear: "elu" (elu+1) or "favor" (FAVOR+ random features)
 
     def __post_init__(self):
         name = type(self).__name__
@@ -66,7 +67,8 @@ class _Common:
         for f in ("vocab_size", "d_model", "n_layers", "n_heads", "max_positions"):
             positive_int(getattr(self, f), f"{name}.{f}")
         self.d_model, self.n_heads, self.n_kv_heads, self.d_head = head_shape(
-            self.d_model, self.n_heads, self.n_kv_heads, self.d_head, where=name)
+            self.d_model, self.n_heads, self.n_kv_heads, self.d_head, where=name
+        )
         if self.d_mlp is None:
             self.d_mlp = 4 * self.d_model
         positive_int(self.d_mlp, f"{name}.d_mlp")
@@ -84,8 +86,10 @@ class _Common:
         if rd is not None and (isinstance(rd, bool) or not isinstance(rd, int) or rd < 2 or rd % 2 or rd > self.d_head):
             raise ValueError(f"{name}.rotary_dim: expected an even int in [2, d_head={self.d_head}], got {rd!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, tuple(_SCALINGS.values())):
-            raise TypeError(f"{name}.rope_scaling: expected None or one of {sorted(_SCALINGS)}, "
-                            f"got {type(self.rope_scaling).__name__}")
+            raise TypeError(
+                f"{name}.rope_scaling: expected None or one of {sorted(_SCALINGS)}, "
+                f"got {type(self.rope_scaling).__name__}"
+            )
         for f in ("bias", "rope_interleaved"):
             if not isinstance(getattr(self, f), bool):
                 raise TypeError(f"{name}.{f}: expected a bool, got {getattr(self, f)!r}")
@@ -100,24 +104,35 @@ class _Common:
         if self.mixer == "attention":
             return
         if self.positions == "alibi":
-            raise ValueError(f"{name}: positions='alibi' biases softmax scores; mixer={self.mixer!r} forms none "
-                             "(use 'rope', 'learned', 'sinusoidal' or 'none')")
+            raise ValueError(
+                f"{name}: positions='alibi' biases softmax scores; mixer={self.mixer!r} forms none "
+                "(use 'rope', 'learned', 'sinusoidal' or 'none')"
+            )
         if self.attn_dropout:
-            raise ValueError(f"{name}: attn_dropout={self.attn_dropout} drops softmax probabilities; "
-                             f"mixer={self.mixer!r} has none (set attn_dropout=0)")
+            raise ValueError(
+                f"{name}: attn_dropout={self.attn_dropout} drops softmax probabilities; "
+                f"mixer={self.mixer!r} has none (set attn_dropout=0)"
+            )
         if self.mixer == "ssm":
             if self.n_kv_heads != self.n_heads:
-                raise ValueError(f"{name}: n_kv_heads={self.n_kv_heads} (GQA) means nothing to mixer='ssm'; "
-                                 f"leave it at n_heads={self.n_heads}")
+                raise ValueError(
+                    f"{name}: n_kv_heads={self.n_kv_heads} (GQA) means nothing to mixer='ssm'; "
+                    f"leave it at n_heads={self.n_heads}"
+                )
             if (self.ssm_expand * self.d_model) % self.n_heads:
-                raise ValueError(f"{name}: mixer='ssm' splits ssm_expand*d_model = {self.ssm_expand * self.d_model} "
-                                 f"channels into n_heads={self.n_heads} equal heads; choose n_heads dividing it")
+                raise ValueError(
+                    f"{name}: mixer='ssm' splits ssm_expand*d_model = {self.ssm_expand * self.d_model} "
+                    f"channels into n_heads={self.n_heads} equal heads; choose n_heads dividing it"
+                )
 
     def replace(self, **changes):
         """A copy with some fields changed (validated again).  Fields that were derived
         (``d_head``, ``n_kv_heads``, ``d_mlp`` left at None) are derived again."""
-        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-              if f.name not in getattr(self, "_derived", ())}
+        kw = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in getattr(self, "_derived", ())
+        }
         kw.update(changes)
         return type(self)(**kw)
 
@@ -157,6 +172,7 @@ class DecoderConfig(_Common):
     ``ssm_conv``).  Everything else stays the same, so ``cfg.replace(mixer="ssm")`` is
     the same model with another mixer.  RoPE applies to both attentions; the SSM ignores
     it; ALiBi and ``attn_dropout`` belong to softmax attention only."""
+
     tie_embeddings: bool = True
     attn_only: bool = False
     final_norm: bool = True
@@ -172,11 +188,12 @@ class DecoderConfig(_Common):
 class EncoderConfig(_Common):
     """A BERT-style bidirectional encoder.  Defaults are BERT's (post-LN, GELU, learned
     absolute positions plus token-type embeddings, eps 1e-12)."""
+
     max_positions: int = 512
     norm_eps: float = 1e-12
     norm_position: str = "post"
     type_vocab_size: int = 2
-    pooler: bool = True               # BERT's tanh pooler on the first token
+    pooler: bool = True  # BERT's tanh pooler on the first token
     pad_token_id: int = 0
 
     def __post_init__(self):
@@ -184,8 +201,12 @@ class EncoderConfig(_Common):
         nonneg_int(self.type_vocab_size, "EncoderConfig.type_vocab_size")
         nonneg_int(self.pad_token_id, "EncoderConfig.pad_token_id")
         if self.mixer != "attention":
-            raise ValueError(f"EncoderConfig.mixer: the encoder is bidirectional and attends over padding masks; "
-                             f"only mixer='attention' is supported, got {self.mixer!r}")
+            raise ValueError(
+                f"EncoderConfig.mixer: the encoder is bidirectional and attends over padding masks; "
+                f"only mixer='attention' is supported, got {self.mixer!r}"
+            )
         if self.pad_token_id >= self.vocab_size:
-            raise ValueError(f"EncoderConfig.pad_token_id: expected an id in [0, vocab_size={self.vocab_size}), "
-                             f"got {self.pad_token_id}")
+            raise ValueError(
+                f"EncoderConfig.pad_token_id: expected an id in [0, vocab_size={self.vocab_size}), "
+                f"got {self.pad_token_id}"
+            )

@@ -33,6 +33,7 @@ class ModelOutput:
     ``hidden_states``: the residual stream entering each block and the last one
     (``n_layers + 1`` tensors) when asked; ``attentions``: each layer's pattern
     ``(B, H, N, M)`` when asked; ``pooled``: BERT's pooler output."""
+
     logits: torch.Tensor | None
     last_hidden_state: torch.Tensor
     hidden_states: list | None = None
@@ -51,8 +52,13 @@ def absolute_positions(kind: str, max_positions: int, d_model: int) -> nn.Module
 def attention_positions(cfg, *, bidirectional: bool = False):
     """The per-attention position object (RoPE / ALiBi), shared by every layer."""
     if cfg.positions == "rope":
-        return P.RoPE(cfg.d_head, base=cfg.rope_base, rotary_dim=cfg.rotary_dim,
-                      interleaved=cfg.rope_interleaved, scaling=cfg.rope_scaling)
+        return P.RoPE(
+            cfg.d_head,
+            base=cfg.rope_base,
+            rotary_dim=cfg.rotary_dim,
+            interleaved=cfg.rope_interleaved,
+            scaling=cfg.rope_scaling,
+        )
     if cfg.positions == "alibi":
         return P.ALiBi(cfg.n_heads, symmetric=bidirectional)
     return None
@@ -67,8 +73,10 @@ def token_positions(pos, B, N, start, device):
     if isinstance(pos, int):
         return torch.arange(pos, pos + N, device=device)
     if not isinstance(pos, torch.Tensor) or pos.dtype.is_floating_point or pos.shape[-1] != N or pos.dim() > 2:
-        raise ValueError(f"pos: expected None, an int offset or integer positions (N={N},) / (B, N), got "
-                         f"{tuple(pos.shape) if isinstance(pos, torch.Tensor) else type(pos).__name__}")
+        raise ValueError(
+            f"pos: expected None, an int offset or integer positions (N={N},) / (B, N), got "
+            f"{tuple(pos.shape) if isinstance(pos, torch.Tensor) else type(pos).__name__}"
+        )
     if pos.dim() == 2 and pos.shape[0] not in (1, B):
         raise ValueError(f"pos: expected (N={N},) or (B={B}, N={N}) positions, got {tuple(pos.shape)}")
     return pos
@@ -85,8 +93,9 @@ class Decoder(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         rel = attention_positions(cfg)
         self.blocks = nn.ModuleList(Block(cfg, attn_only=cfg.attn_only, positions=rel) for _ in range(cfg.n_layers))
-        self.norm = (make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias)
-                     if cfg.final_norm and not cfg.attn_only else None)
+        self.norm = (
+            make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias) if cfg.final_norm and not cfg.attn_only else None
+        )
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         init_weights(self, cfg.n_layers)
         if cfg.tie_embeddings:
@@ -95,8 +104,17 @@ class Decoder(nn.Module):
         self.hook_embed, self.hook_pos_embed, self.hook_logits = HookPoint(), HookPoint(), HookPoint()
         self.ln_final_points = NormPoints()
 
-    def forward(self, input_ids, *, attention_mask=None, pos=None, cache=None, mask=None,
-                output_attentions: bool = False, output_hidden_states: bool = False) -> ModelOutput:
+    def forward(
+        self,
+        input_ids,
+        *,
+        attention_mask=None,
+        pos=None,
+        cache=None,
+        mask=None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+    ) -> ModelOutput:
         """Logits for ``input_ids (B, N)``.
 
         Args:
@@ -110,8 +128,10 @@ class Decoder(nn.Module):
         """
         ids = check_ids(input_ids, self.cfg.vocab_size)
         if output_attentions and self.cfg.mixer == "ssm":
-            raise ValueError("output_attentions: the SSM mixer (cfg.mixer='ssm') forms no attention pattern; "
-                             "it is available for mixer='attention' (softmax) and 'linear' (normalised φ(q)·φ(k))")
+            raise ValueError(
+                "output_attentions: the SSM mixer (cfg.mixer='ssm') forms no attention pattern; "
+                "it is available for mixer='attention' (softmax) and 'linear' (normalised φ(q)·φ(k))"
+            )
         B, N = ids.shape
         if cache is not None and len(cache) != len(self.blocks):
             raise ValueError(f"cache: expected {len(self.blocks)} per-layer caches, got {len(cache)}")
@@ -131,8 +151,9 @@ class Decoder(nn.Module):
         for i, block in enumerate(self.blocks):
             if hidden is not None:
                 hidden.append(x)
-            x, w = block(x, mask=mask, pos=rel_pos, cache=None if cache is None else cache[i],
-                         need_weights=output_attentions)
+            x, w = block(
+                x, mask=mask, pos=rel_pos, cache=None if cache is None else cache[i], need_weights=output_attentions
+            )
             if attns is not None:
                 attns.append(w)
         if self.norm is not None:
@@ -144,8 +165,10 @@ class Decoder(nn.Module):
     def extra_repr(self):
         c = self.cfg
         mixer = "" if c.mixer == "attention" else f", mixer={c.mixer}"
-        return (f"layers={c.n_layers}, d_model={c.d_model}, heads={c.n_heads}/{c.n_kv_heads}, "
-                f"positions={c.positions}{mixer}")
+        return (
+            f"layers={c.n_layers}, d_model={c.d_model}, heads={c.n_heads}/{c.n_kv_heads}, "
+            f"positions={c.positions}{mixer}"
+        )
 
 
 def init_weights(model: nn.Module, n_layers: int, std: float = 0.02) -> None:
@@ -157,6 +180,7 @@ def init_weights(model: nn.Module, n_layers: int, std: float = 0.02) -> None:
     from attnlab.nn.attention import MultiHeadAttention
     from attnlab.nn.mixers import init_mixer_weights
     from attnlab.nn.mlp import MLP, SwiGLU
+
     resid = std / (2 * n_layers) ** 0.5
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -184,12 +208,16 @@ def init_weights(model: nn.Module, n_layers: int, std: float = 0.02) -> None:
 
 def check_ids(ids, vocab_size):
     if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 2:
-        raise ValueError(f"input_ids: expected an integer tensor (B, N), got "
-                         f"{(ids.dtype, tuple(ids.shape)) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
-    if ids.numel() and not tensor_check((ids >= 0).all() & (ids < vocab_size).all(),
-                                        f"input_ids: token ids must lie in [0, {vocab_size})"):
-        raise ValueError(f"input_ids: token ids must lie in [0, {vocab_size}), got range "
-                         f"[{int(ids.min())}, {int(ids.max())}]")
+        raise ValueError(
+            f"input_ids: expected an integer tensor (B, N), got "
+            f"{(ids.dtype, tuple(ids.shape)) if isinstance(ids, torch.Tensor) else type(ids).__name__}"
+        )
+    if ids.numel() and not tensor_check(
+        (ids >= 0).all() & (ids < vocab_size).all(), f"input_ids: token ids must lie in [0, {vocab_size})"
+    ):
+        raise ValueError(
+            f"input_ids: token ids must lie in [0, {vocab_size}), got range [{int(ids.min())}, {int(ids.max())}]"
+        )
     return ids
 
 

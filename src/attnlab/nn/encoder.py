@@ -20,10 +20,10 @@ from attnlab.nn.block import Block
 from attnlab.nn.config import EncoderConfig
 from attnlab.nn.decoder import (
     ModelOutput,
-    check_ids,
-    check_keep,
     absolute_positions,
     attention_positions,
+    check_ids,
+    check_keep,
     init_weights,
     token_positions,
 )
@@ -44,15 +44,25 @@ class Encoder(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         rel = attention_positions(cfg, bidirectional=True)
         self.blocks = nn.ModuleList(Block(cfg, positions=rel) for _ in range(cfg.n_layers))
-        self.final_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias) if cfg.norm_position == "pre" else None
+        self.final_norm = (
+            make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias) if cfg.norm_position == "pre" else None
+        )
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model) if cfg.pooler else None
         init_weights(self, cfg.n_layers)
         # hook points (attnlab.nn.hooks): word / position / token-type embeddings, ln_final (pre-norm only)
         self.hook_embed, self.hook_pos_embed, self.hook_token_type_embed = HookPoint(), HookPoint(), HookPoint()
         self.ln_final_points = NormPoints()
 
-    def forward(self, input_ids, *, attention_mask=None, token_type_ids=None, pos=None,
-                output_attentions: bool = False, output_hidden_states: bool = False) -> ModelOutput:
+    def forward(
+        self,
+        input_ids,
+        *,
+        attention_mask=None,
+        token_type_ids=None,
+        pos=None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+    ) -> ModelOutput:
         """Encode ``input_ids (B, N)``; ``attention_mask (B, N)`` marks real tokens (True/1).
 
         Padded keys are hidden from every query (:func:`attnlab.masks.key_padding`); the

@@ -36,6 +36,7 @@ __all__ = ["HookPoint", "AttentionPoints", "NormPoints"]
 
 class HookPoint:
     """A list of functions run on one tensor; each may return a replacement of the same shape."""
+
     __slots__ = ("fns",)
 
     def __init__(self):
@@ -49,8 +50,7 @@ class HookPoint:
             if r is not None:
                 if not isinstance(r, torch.Tensor) or r.shape != x.shape:
                     got = tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__
-                    raise ValueError(f"hook {fn!r}: must return None or a tensor of shape {tuple(x.shape)}, "
-                                     f"got {got}")
+                    raise ValueError(f"hook {fn!r}: must return None or a tensor of shape {tuple(x.shape)}, got {got}")
                 x = r
         return x
 
@@ -84,8 +84,18 @@ class AttentionPoints:
     ``hook_pattern``: the softmax of the scores (float32; fully masked rows 0);
     ``hook_z``: per-head outputs before W_O; ``hook_result``: per-head outputs through W_O.
     """
-    NAMES = ("hook_q", "hook_k", "hook_v", "hook_rot_q", "hook_rot_k", "hook_attn_scores", "hook_pattern",
-             "hook_z", "hook_result")
+
+    NAMES = (
+        "hook_q",
+        "hook_k",
+        "hook_v",
+        "hook_rot_q",
+        "hook_rot_k",
+        "hook_attn_scores",
+        "hook_pattern",
+        "hook_z",
+        "hook_result",
+    )
     __slots__ = (*NAMES, "bridge_stage")
     hook_q: HookPoint
     hook_k: HookPoint
@@ -117,8 +127,9 @@ class AttentionPoints:
         return bool(self.hook_attn_scores.fns or self.hook_pattern.fns)
 
     def active(self) -> bool:
-        return bool(self.qkv_active() or self.rot_active() or self.post_active() or self.hook_z.fns
-                    or self.hook_result.fns)
+        return bool(
+            self.qkv_active() or self.rot_active() or self.post_active() or self.hook_z.fns or self.hook_result.fns
+        )
 
     def qkv(self, q, k, v):
         """q ``(B, H, N, d)``, k/v ``(B, Hkv, N, d)`` through hook_q/k/v."""
@@ -174,6 +185,7 @@ class NormPoints:
 
     :meth:`__call__` runs the norm module unchanged; when ``hook_scale`` has functions it computes the
     scale for them, and if one edits it, the norm by hand from the edited scale."""
+
     __slots__ = ("hook_normalized", "hook_scale")
 
     def __init__(self):

@@ -32,18 +32,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnlab.nn.attention import MultiHeadAttention
+from attnlab.nn.attention import FusedQKV, MultiHeadAttention
 from attnlab.nn.config import FEATURE_MAPS, MIXERS
 from attnlab.nn.ssm import RecurrentCache, SSMMixer, check_recurrent_cache
-from attnlab.validate import head_shape, positive_int
 from attnlab.ops.linear import FavorFeatures, elu_feature, linear_attention, linear_attention_step
 from attnlab.ops.sdpa import is_causal_mask
+from attnlab.validate import head_shape, positive_int
 
 __all__ = ["LinearAttentionMixer", "SSMMixer", "RecurrentCache", "make_mixer", "MIXERS", "FEATURE_MAPS"]
 
 
-
-class LinearAttentionMixer(nn.Module):
+class LinearAttentionMixer(FusedQKV):  # MultiHeadAttention's fused parameters, views and projection
     """Multi-head *linear* attention with :class:`MultiHeadAttention`'s projections.
 
     The weights have MultiHeadAttention's names, shapes and fused layout (``qkv_weight``
@@ -77,16 +76,29 @@ class LinearAttentionMixer(nn.Module):
     (torch.Size([2, 6, 32]), torch.Size([2, 4, 6, 6]), True)
     """
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, d_head: int | None = None, *,
-                 bias: bool = True, feature_map: str = "elu", n_features: int | None = None, seed: int = 0,
-                 positions=None, chunk_size: int = 64):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        d_head: int | None = None,
+        *,
+        bias: bool = True,
+        feature_map: str = "elu",
+        n_features: int | None = None,
+        seed: int = 0,
+        positions=None,
+        chunk_size: int = 64,
+    ):
         super().__init__()
         d_model, n_heads, n_kv_heads, d_head = head_shape(d_model, n_heads, n_kv_heads, d_head)
         if feature_map not in FEATURE_MAPS:
             raise ValueError(f"feature_map: expected one of {FEATURE_MAPS}, got {feature_map!r}")
         if positions is not None and not hasattr(positions, "cos_sin"):
-            raise TypeError(f"positions: linear attention takes None or a positions.RoPE (ALiBi biases softmax "
-                            f"scores, which linear attention does not form), got {type(positions).__name__}")
+            raise TypeError(
+                f"positions: linear attention takes None or a positions.RoPE (ALiBi biases softmax "
+                f"scores, which linear attention does not form), got {type(positions).__name__}"
+            )
         if positions is not None and positions.d_head != d_head:
             raise ValueError(f"positions: RoPE built for d_head={positions.d_head}, the mixer has d_head={d_head}")
         self.d_model, self.n_heads, self.n_kv_heads, self.d_head = d_model, n_heads, n_kv_heads, d_head
@@ -105,21 +117,18 @@ class LinearAttentionMixer(nn.Module):
         self.out_bias = nn.Parameter(torch.zeros(d_model)) if bias else None
         self.reset_parameters()
 
-    # the same fused parameters as MultiHeadAttention, so the same per-head views and projection
-    reset_parameters = MultiHeadAttention.reset_parameters
-    _rows, _w, _b = MultiHeadAttention._rows, MultiHeadAttention._w, MultiHeadAttention._b
-    W_Q, W_K, W_V, W_O = MultiHeadAttention.W_Q, MultiHeadAttention.W_K, MultiHeadAttention.W_V, MultiHeadAttention.W_O
-    b_Q, b_K, b_V, b_O = MultiHeadAttention.b_Q, MultiHeadAttention.b_K, MultiHeadAttention.b_V, MultiHeadAttention.b_O
-    project = MultiHeadAttention.project  # q (B, H, N, d_head), k, v (B, Hkv, N, d_head) before positions
-
     def forward(self, x, *, mask=None, pos=None, cache=None, need_weights: bool = False):
         """``x (B, N, d_model)`` -> ``(B, N, d_model)`` (and the pattern with ``need_weights``)."""
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x: expected (B, N, d_model={self.d_model}), got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+            raise ValueError(
+                f"x: expected (B, N, d_model={self.d_model}), got "
+                f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+            )
         if mask is not None and not is_causal_mask(mask):
-            raise ValueError(f"mask: linear attention takes None (bidirectional) or masks.causal(), got {mask!r}; "
-                             "padding, document or tree masks need mixer='attention'")
+            raise ValueError(
+                f"mask: linear attention takes None (bidirectional) or masks.causal(), got {mask!r}; "
+                "padding, document or tree masks need mixer='attention'"
+            )
         causal = mask is not None
         check_recurrent_cache(cache, "linear attention")
         if cache is not None and not causal:
@@ -158,8 +167,10 @@ class LinearAttentionMixer(nn.Module):
         return a / a.sum(-1, keepdim=True).clamp_min(eps)
 
     def extra_repr(self) -> str:
-        return (f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
-                f"d_head={self.d_head}, bias={self.qkv_bias is not None}, feature_map={self.feature_map_name!r}")
+        return (
+            f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
+            f"d_head={self.d_head}, bias={self.qkv_bias is not None}, feature_map={self.feature_map_name!r}"
+        )
 
 
 def make_mixer(cfg, positions=None) -> nn.Module:
@@ -168,17 +179,35 @@ def make_mixer(cfg, positions=None) -> nn.Module:
     ``cfg.mixer``.  ``positions`` is the shared RoPE/ALiBi object (or None)."""
     kind = getattr(cfg, "mixer", "attention")
     if kind == "attention":
-        return MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, bias=cfg.bias,
-                                  dropout=cfg.attn_dropout, positions=positions, backend=cfg.backend)
+        return MultiHeadAttention(
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.d_head,
+            bias=cfg.bias,
+            dropout=cfg.attn_dropout,
+            positions=positions,
+            backend=cfg.backend,
+        )
     if kind in ("linear", "ssm") and positions is not None and not hasattr(positions, "cos_sin"):
-        raise ValueError(f"positions: mixer={kind!r} takes no ALiBi (a bias on softmax scores); use positions "
-                         "'rope', 'learned', 'sinusoidal' or 'none'")
+        raise ValueError(
+            f"positions: mixer={kind!r} takes no ALiBi (a bias on softmax scores); use positions "
+            "'rope', 'learned', 'sinusoidal' or 'none'"
+        )
     if kind == "linear":
-        return LinearAttentionMixer(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, bias=cfg.bias,
-                                    feature_map=cfg.linear_feature_map, positions=positions)
+        return LinearAttentionMixer(
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.d_head,
+            bias=cfg.bias,
+            feature_map=cfg.linear_feature_map,
+            positions=positions,
+        )
     if kind == "ssm":
-        return SSMMixer(cfg.d_model, cfg.n_heads, cfg.d_state, expand=cfg.ssm_expand, d_conv=cfg.ssm_conv,
-                        bias=cfg.bias)
+        return SSMMixer(
+            cfg.d_model, cfg.n_heads, cfg.d_state, expand=cfg.ssm_expand, d_conv=cfg.ssm_conv, bias=cfg.bias
+        )
     raise ValueError(f"cfg.mixer: expected one of {MIXERS}, got {kind!r}")
 
 
@@ -197,4 +226,3 @@ def init_mixer_weights(m: nn.Module, std: float, resid: float) -> None:
             nn.init.normal_(lin.weight, std=s)
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
-

@@ -18,7 +18,7 @@ from attnlab.nn.hooks import HookPoint
 from attnlab.validate import choice, positive_int
 
 ACTIVATIONS = {
-    "gelu": lambda x: F.gelu(x),                          # erf form (BERT)
+    "gelu": lambda x: F.gelu(x),  # erf form (BERT)
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's "gelu_new"
     "relu": F.relu,
     "silu": F.silu,

@@ -107,8 +107,9 @@ def _check_scan(x, dt, A, B, C, D, state, chunk_size, *, step=False):
     if A.shape != (H,):
         raise ValueError(f"A: expected one decay per head, (H={H},), got {_shape(A)}")
     if not bool(torch.isfinite(A).all()) or bool((A > 0).any()):
-        raise ValueError("A: expected finite values <= 0 (a decay; A = -exp(A_log)), got "
-                         f"{A.detach().flatten()[:4].tolist()}")
+        raise ValueError(
+            f"A: expected finite values <= 0 (a decay; A = -exp(A_log)), got {A.detach().flatten()[:4].tolist()}"
+        )
     if bool((dt < 0).any()) or not bool(torch.isfinite(dt).all()):
         raise ValueError("dt: expected finite step sizes >= 0 (e.g. softplus of a projection)")
     if D is not None and D.shape != (H,):
@@ -231,23 +232,23 @@ def selective_scan(x, dt, A, B, C, D=None, *, state=None, chunk_size=32, return_
     if pad:  # dt = 0 and x = 0: identity steps
         xs, dts = F.pad(xs, (0, 0, 0, 0, 0, pad)), F.pad(dts, (0, 0, 0, pad))
         Bs, Cs = F.pad(Bs, (0, 0, 0, pad)), F.pad(Cs, (0, 0, 0, pad))
-    a = (dts * As).view(b, nC, L, H).transpose(2, 3)                  # (b, nC, H, L), ≤ 0
+    a = (dts * As).view(b, nC, L, H).transpose(2, 3)  # (b, nC, H, L), ≤ 0
     seg, cum = _segsum(a)
-    decay = torch.exp(seg)                                             # (b, nC, H, L, L)
+    decay = torch.exp(seg)  # (b, nC, H, L, L)
     Bc, Cc = Bs.view(b, nC, L, S), Cs.view(b, nC, L, S)
-    xd = (xs * dts[..., None]).view(b, nC, L, H, P).transpose(2, 3).contiguous()   # (b, nC, H, L, P): Δ·x
+    xd = (xs * dts[..., None]).view(b, nC, L, H, P).transpose(2, 3).contiguous()  # (b, nC, H, L, P): Δ·x
     # inside each chunk: y_t = Σ_{τ≤t} exp(segsum[t, τ]) (C_t·B_τ) Δ_τ x_τ
-    y = (decay * (Cc @ Bc.transpose(-1, -2))[:, :, None]) @ xd          # (b, nC, H, L, P)
+    y = (decay * (Cc @ Bc.transpose(-1, -2))[:, :, None]) @ xd  # (b, nC, H, L, P)
     # what each chunk adds to the state: Σ_τ exp(Σ_{k>τ} a_k) Δ_τ x_τ ⊗ B_τ
-    w = decay[..., -1, :]                                              # (b, nC, H, L)
-    U = (xd * w[..., None]).transpose(-1, -2) @ Bc[:, :, None]          # (b, nC, H, P, S)
-    cum = torch.exp(cum.to(acc))                                       # (b, nC, H, L): decay since chunk start
-    total = cum[..., -1, None, None]                                   # (b, nC, H, 1, 1)
+    w = decay[..., -1, :]  # (b, nC, H, L)
+    U = (xd * w[..., None]).transpose(-1, -2) @ Bc[:, :, None]  # (b, nC, H, P, S)
+    cum = torch.exp(cum.to(acc))  # (b, nC, H, L): decay since chunk start
+    total = cum[..., -1, None, None]  # (b, nC, H, 1, 1)
     entering = []
     for c in range(nC):
         entering.append(h)
         h = total[:, c] * h + U[:, c]
-    h_in = torch.stack(entering, 1)                                     # (b, nC, H, P, S)
+    h_in = torch.stack(entering, 1)  # (b, nC, H, P, S)
     # the entering state, decayed to each step and read out: exp(cum_t) C_t · h_in
     y = y + cum[..., None] * (Cc[:, :, None] @ h_in.transpose(-1, -2))
     y = y.transpose(2, 3).reshape(b, nC * L, H, P)[:, :N]
@@ -285,8 +286,10 @@ class RecurrentCache:
         self.state = state
 
     def update(self, k, v):
-        raise TypeError("cache: a RecurrentCache holds the running state of a linear-attention or SSM mixer; "
-                        "softmax attention (mixer='attention') needs a KV cache from attnlab.cache")
+        raise TypeError(
+            "cache: a RecurrentCache holds the running state of a linear-attention or SSM mixer; "
+            "softmax attention (mixer='attention') needs a KV cache from attnlab.cache"
+        )
 
     def __repr__(self):
         return f"RecurrentCache(seen={self.seen}, state={'set' if self.state is not None else None})"
@@ -295,9 +298,11 @@ class RecurrentCache:
 def check_recurrent_cache(cache, who: str):
     """``cache`` must be None or a :class:`RecurrentCache`; a clear TypeError otherwise."""
     if cache is not None and not isinstance(cache, RecurrentCache):
-        raise TypeError(f"cache: {who} keeps a recurrent state, not keys and values; pass "
-                        f"attnlab.nn.ssm.RecurrentCache objects (RecurrentCache.for_layers(n_layers)), "
-                        f"got {type(cache).__name__}")
+        raise TypeError(
+            f"cache: {who} keeps a recurrent state, not keys and values; pass "
+            f"attnlab.nn.ssm.RecurrentCache objects (RecurrentCache.for_layers(n_layers)), "
+            f"got {type(cache).__name__}"
+        )
     return cache
 
 
@@ -341,8 +346,19 @@ class SSMMixer(nn.Module):
     (True, 10)
     """
 
-    def __init__(self, d_model: int, n_heads: int, d_state: int = 16, *, expand: int = 1, d_conv: int = 4,
-                 bias: bool = True, chunk_size: int = 32, dt_min: float = 1e-3, dt_max: float = 1e-1):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_state: int = 16,
+        *,
+        expand: int = 1,
+        d_conv: int = 4,
+        bias: bool = True,
+        chunk_size: int = 32,
+        dt_min: float = 1e-3,
+        dt_max: float = 1e-1,
+    ):
         super().__init__()
         self.d_model = positive_int(d_model, "d_model")
         self.n_heads = positive_int(n_heads, "n_heads")
@@ -352,8 +368,9 @@ class SSMMixer(nn.Module):
         self.chunk_size = positive_int(chunk_size, "chunk_size")
         E = self.expand * self.d_model
         if E % self.n_heads:
-            raise ValueError(f"n_heads: expand·d_model = {E} inner channels must split into n_heads={n_heads} "
-                             "equal heads")
+            raise ValueError(
+                f"n_heads: expand·d_model = {E} inner channels must split into n_heads={n_heads} equal heads"
+            )
         if not (0 < dt_min <= dt_max):
             raise ValueError(f"dt_min, dt_max: expected 0 < dt_min <= dt_max, got {dt_min}, {dt_max}")
         self.d_inner, self.head_dim = E, E // self.n_heads
@@ -389,12 +406,16 @@ class SSMMixer(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x: expected (B, N, d_model={self.d_model}), got {_shape(x)}")
         if need_weights:
-            raise ValueError("need_weights: an SSM mixer has no attention pattern (output_attentions needs "
-                             "mixer='attention' or 'linear')")
+            raise ValueError(
+                "need_weights: an SSM mixer has no attention pattern (output_attentions needs "
+                "mixer='attention' or 'linear')"
+            )
         if mask is not None and not is_causal_mask(mask):
-            raise ValueError(f"mask: the SSM scan is causal by construction and takes only None or "
-                             f"masks.causal(), got {mask!r}; padding, document or tree masks need "
-                             "mixer='attention'")
+            raise ValueError(
+                f"mask: the SSM scan is causal by construction and takes only None or "
+                f"masks.causal(), got {mask!r}; padding, document or tree masks need "
+                "mixer='attention'"
+            )
         check_recurrent_cache(cache, "the SSM mixer")
         Bn, N, _ = x.shape
         E, S, H, P = self.d_inner, self.d_state, self.n_heads, self.head_dim
@@ -404,27 +425,38 @@ class SSMMixer(nn.Module):
             raise ValueError(f"cache: holds a state for batch {st['ssm'].shape[0]}, got x {tuple(x.shape)}")
         conv_state = None
         if self.conv is not None:
-            u = xbc.transpose(1, 2)                                    # (B, E+2S, N)
+            u = xbc.transpose(1, 2)  # (B, E+2S, N)
             K = self.d_conv
             if cache is not None:
                 prev = u.new_zeros(Bn, u.shape[1], K - 1) if st is None else st["conv"].to(u.dtype)
                 u = torch.cat([prev, u], -1)
-                conv_state = u[..., u.shape[-1] - (K - 1):] if K > 1 else u[..., :0]
+                conv_state = u[..., u.shape[-1] - (K - 1) :] if K > 1 else u[..., :0]
                 xbc = F.conv1d(u, self.conv.weight, self.conv.bias, groups=u.shape[1]).transpose(1, 2)
             else:
-                xbc = F.conv1d(F.pad(u, (K - 1, 0)), self.conv.weight, self.conv.bias,
-                               groups=u.shape[1]).transpose(1, 2)
+                xbc = F.conv1d(F.pad(u, (K - 1, 0)), self.conv.weight, self.conv.bias, groups=u.shape[1]).transpose(
+                    1, 2
+                )
         xbc = F.silu(xbc)
         u, Bm, Cm = xbc.split((E, S, S), dim=-1)
         dt = F.softplus(dt + self.dt_bias)
-        y, h = selective_scan(u.reshape(Bn, N, H, P), dt, self.A, Bm, Cm, self.D,
-                              state=None if st is None else st["ssm"], chunk_size=self.chunk_size,
-                              return_state=True)
+        y, h = selective_scan(
+            u.reshape(Bn, N, H, P),
+            dt,
+            self.A,
+            Bm,
+            Cm,
+            self.D,
+            state=None if st is None else st["ssm"],
+            chunk_size=self.chunk_size,
+            return_state=True,
+        )
         if cache is not None:
             cache.advance(N, {"ssm": h.detach(), "conv": None if conv_state is None else conv_state.detach()})
         y = self.norm(y.reshape(Bn, N, E) * F.silu(z))
         return self.out_proj(y)
 
     def extra_repr(self) -> str:
-        return (f"d_model={self.d_model}, n_heads={self.n_heads}, d_state={self.d_state}, expand={self.expand}, "
-                f"d_conv={self.d_conv}, chunk_size={self.chunk_size}")
+        return (
+            f"d_model={self.d_model}, n_heads={self.n_heads}, d_state={self.d_state}, expand={self.expand}, "
+            f"d_conv={self.d_conv}, chunk_size={self.chunk_size}"
+        )

@@ -7,5 +7,13 @@ from attnlab.ops.flash import flash_attention
 from attnlab.ops.merge import merge_states
 from attnlab.ops.reference import reference_attention
 
-__all__ = ["attention", "attention_probs", "BACKENDS", "BlockMask", "dropout_mask", "flash_attention", "merge_states",
-           "reference_attention"]
+__all__ = [
+    "attention",
+    "attention_probs",
+    "BACKENDS",
+    "BlockMask",
+    "dropout_mask",
+    "flash_attention",
+    "merge_states",
+    "reference_attention",
+]

@@ -58,8 +58,22 @@ __all__ = ["additive_attention", "naive_additive_attention"]
 _NEG_INF = float("-inf")
 
 
-def additive_attention(q, k, v, w_q, w_k, v_a, *, bias=None, mask=None, q_offset=None, kv_offset=0,
-                       return_lse=False, chunk_size=64, q_chunk_size=64):
+def additive_attention(
+    q,
+    k,
+    v,
+    w_q,
+    w_k,
+    v_a,
+    *,
+    bias=None,
+    mask=None,
+    q_offset=None,
+    kv_offset=0,
+    return_lse=False,
+    chunk_size=64,
+    q_chunk_size=64,
+):
     """Additive attention ``softmax_j(v_aᵀ tanh(W_q q_i + W_k k_j + b)) · v``, tiled.
 
     Shapes and positions as in the module docstring (:mod:`attnlab.ops.additive`).
@@ -86,16 +100,15 @@ def additive_attention(q, k, v, w_q, w_k, v_a, *, bias=None, mask=None, q_offset
     >>> out.shape, torch.allclose(out, naive_additive_attention(q, k, v, w_q, w_k, v_a), atol=1e-5)
     (torch.Size([2, 4, 5, 3]), True)
     """
-    B, H, Hkv, Nq, Nk, q_offset, kv_offset = _check(q, k, v, w_q, w_k, v_a, bias, mask, q_offset, kv_offset,
-                                                    return_lse)
+    B, H, Hkv, Nq, Nk, q_offset, kv_offset = _check(q, k, v, w_q, w_k, v_a, bias, mask, q_offset, kv_offset, return_lse)
     bq = integer(q_chunk_size, "q_chunk_size", lo=1)
     bk = integer(chunk_size, "chunk_size", lo=1)
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
-    pq = _project_q(q, w_q, bias, Hkv, acc)                       # (B, Hkv, G, Nq, A)
-    pk = _project_k(k, w_k, Hkv, G, acc)                          # (B, Hkv, 1 or G, Nk, A)
-    va = _vec(v_a, Hkv, G, acc)                                   # (Hkv, 1 or G, A)
-    vv = v.to(acc).unsqueeze(2)                                   # (B, Hkv, 1, Nk, Dv)
+    pq = _project_q(q, w_q, bias, Hkv, acc)  # (B, Hkv, G, Nq, A)
+    pk = _project_k(k, w_k, Hkv, G, acc)  # (B, Hkv, 1 or G, Nk, A)
+    va = _vec(v_a, Hkv, G, acc)  # (Hkv, 1 or G, A)
+    vv = v.to(acc).unsqueeze(2)  # (B, Hkv, 1, Nk, Dv)
     if isinstance(mask, BlockMask):
         bm, bq, bk = mask, mask.block_q, mask.block_k
     elif mask is not None and Nq > 0 and Nk > 0:
@@ -110,8 +123,9 @@ def additive_attention(q, k, v, w_q, w_k, v_a, *, bias=None, mask=None, q_offset
     return out
 
 
-def naive_additive_attention(q, k, v, w_q, w_k, v_a, *, bias=None, mask=None, q_offset=None, kv_offset=0,
-                             return_lse=False):
+def naive_additive_attention(
+    q, k, v, w_q, w_k, v_a, *, bias=None, mask=None, q_offset=None, kv_offset=0, return_lse=False
+):
     """Reference for :func:`additive_attention` (same arguments, no tiling): materialises
     ``tanh(W_q q_i + W_k k_j + b)`` as ``(B, H, Nq, Nk, A)`` with K/V repeated per query
     head, evaluates the mask densely and differentiates with plain autograd.
@@ -122,16 +136,15 @@ def naive_additive_attention(q, k, v, w_q, w_k, v_a, *, bias=None, mask=None, q_
     >>> naive_additive_attention(q, k, v, w, w, torch.ones(4)).item()
     1.0
     """
-    B, H, Hkv, Nq, Nk, q_offset, kv_offset = _check(q, k, v, w_q, w_k, v_a, bias, mask, q_offset, kv_offset,
-                                                    return_lse)
+    B, H, Hkv, Nq, Nk, q_offset, kv_offset = _check(q, k, v, w_q, w_k, v_a, bias, mask, q_offset, kv_offset, return_lse)
     G = H // Hkv
     acc = _acc_dtype(q.dtype)
     pq = _project_q(q, w_q, bias, Hkv, acc).reshape(B, H, Nq, -1)
     pk = _project_k(k, w_k, Hkv, G, acc).expand(B, Hkv, G, Nk, -1).reshape(B, H, Nk, -1)
     va = _vec(v_a, Hkv, G, acc).expand(Hkv, G, -1).reshape(H, -1)
     vv = v.to(acc).repeat_interleave(G, dim=1)
-    t = torch.tanh(pq[:, :, :, None, :] + pk[:, :, None, :, :])          # (B, H, Nq, Nk, A)
-    s = (t * va[None, :, None, None, :]).sum(-1)                          # (B, H, Nq, Nk)
+    t = torch.tanh(pq[:, :, :, None, :] + pk[:, :, None, :, :])  # (B, H, Nq, Nk, A)
+    s = (t * va[None, :, None, None, :]).sum(-1)  # (B, H, Nq, Nk)
     if isinstance(mask, BlockMask):
         mask = mask.mask
     if mask is not None:
@@ -158,6 +171,7 @@ def naive_additive_attention(q, k, v, w_q, w_k, v_a, *, bias=None, mask=None, q_
 # The tiled kernel.  Internal layout: pq (B, Hkv, G, Nq, A), pk (B, Hkv, Gk, Nk, A) with
 # Gk in {1, G}, vv (B, Hkv, 1, Nk, Dv), va (Hkv, Gw, A) with Gw in {1, G}; out
 # (B, Hkv, G, Nq, Dv) and lse (B, Hkv, G, Nq) in the accumulator dtype.
+
 
 class _Plan:
     """Tiles to visit: per query block, ``[(kv_block, needs_mask), ...]``."""
@@ -225,7 +239,7 @@ def _forward(plan, pq, pk, vv, va):
 
 def _backward(plan, pq, pk, vv, va, out, lse, dout, dlse):
     Nq = pq.shape[3]
-    delta = (dout * out).sum(-1)                                   # rowsum(dO ∘ O) − dLSE
+    delta = (dout * out).sum(-1)  # rowsum(dO ∘ O) − dLSE
     if dlse is not None:
         delta = delta - dlse
     lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
@@ -242,11 +256,11 @@ def _backward(plan, pq, pk, vv, va, out, lse, dout, dlse):
         for j, needs_mask in row:
             ks, ke = j * plan.bk, min(plan.Nk, (j + 1) * plan.bk)
             t, s = _tile_scores(plan, pq, pk, va, qs, qe, ks, ke, needs_mask)
-            p = torch.exp(s - L)                                   # masked entries: exp(-inf) = 0
-            dvv[:, :, :, ks:ke] += (p.transpose(-1, -2) @ dO).sum(2, keepdim=True)   # G -> shared kv head
+            p = torch.exp(s - L)  # masked entries: exp(-inf) = 0
+            dvv[:, :, :, ks:ke] += (p.transpose(-1, -2) @ dO).sum(2, keepdim=True)  # G -> shared kv head
             ds = p * (dO @ vv[:, :, :, ks:ke].transpose(-1, -2) - D)
             dva += _sum_to(torch.einsum("bkgij,bkgija->kga", ds, t), va.shape)
-            du = (1 - t * t).mul_(va_t).mul_(ds.unsqueeze(-1))     # d e_ij / d(pq_i + pk_j)
+            du = (1 - t * t).mul_(va_t).mul_(ds.unsqueeze(-1))  # d e_ij / d(pq_i + pk_j)
             dpq[:, :, :, qs:qe] += du.sum(-2)
             dpk[:, :, :, ks:ke] += _sum_to(du.sum(-3), dpk[:, :, :, ks:ke].shape)
     return dpq, dpk, dvv, dva
@@ -272,12 +286,14 @@ class _AdditiveFn(torch.autograd.Function):
         pq, pk, vv, va, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dpq, dpk, dvv, dva = _backward(ctx.plan, pq, pk, vv, va, out, lse, dout.to(out.dtype),
-                                       None if dlse is None else dlse.to(lse.dtype))
+        dpq, dpk, dvv, dva = _backward(
+            ctx.plan, pq, pk, vv, va, out, lse, dout.to(out.dtype), None if dlse is None else dlse.to(lse.dtype)
+        )
         return None, dpq, dpk, dvv, dva
 
 
 # --------------------------------------------------------------------------------------
+
 
 def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -310,8 +326,17 @@ def _vec(x, Hkv, G, acc):
 
 def _check(q, k, v, w_q, w_k, v_a, bias, mask, q_offset, kv_offset, return_lse):
     # q/k/v, offsets and the mask (BlockMasks: built for this problem); q and k may differ in head dim
-    pr = normalize(q, k, v, mask=mask, q_offset=q_offset, kv_offset=kv_offset, layout=_LAYOUT, same_head_dim=False,
-                   positive_head_dim=False)
+    pr = normalize(
+        q,
+        k,
+        v,
+        mask=mask,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        layout=_LAYOUT,
+        same_head_dim=False,
+        positive_head_dim=False,
+    )
     B, H, Nq, Dq = q.shape
     _, Hkv, Nk, Dk = k.shape
     q_offset, kv_offset = pr.q_offset, pr.kv_offset
@@ -326,19 +351,22 @@ def _check(q, k, v, w_q, w_k, v_a, bias, mask, q_offset, kv_offset, return_lse):
         if w.device != q.device:
             raise ValueError(f"{name}: expected device {q.device} (as q), got {w.device}")
     if w_q.dim() not in (2, 3) or w_q.shape[-1] != Dq or (w_q.dim() == 3 and w_q.shape[0] != H):
-        raise ValueError(f"w_q: expected (A, Dq={Dq}) shared or (H={H}, A, Dq={Dq}) per head, "
-                         f"got {tuple(w_q.shape)}")
+        raise ValueError(f"w_q: expected (A, Dq={Dq}) shared or (H={H}, A, Dq={Dq}) per head, got {tuple(w_q.shape)}")
     A = w_q.shape[-2]
     if A == 0:
         raise ValueError(f"w_q: d_attn A must be >= 1, got w_q {tuple(w_q.shape)}")
     if w_k.dim() not in (2, 3) or w_k.shape[-2:] != (A, Dk) or (w_k.dim() == 3 and w_k.shape[0] != H):
-        raise ValueError(f"w_k: expected (A={A}, Dk={Dk}) shared or (H={H}, A={A}, Dk={Dk}) per head "
-                         f"(A from w_q {tuple(w_q.shape)}), got {tuple(w_k.shape)}")
+        raise ValueError(
+            f"w_k: expected (A={A}, Dk={Dk}) shared or (H={H}, A={A}, Dk={Dk}) per head "
+            f"(A from w_q {tuple(w_q.shape)}), got {tuple(w_k.shape)}"
+        )
     for name in ("v_a", "bias"):
         w = weights[name]
         if w is not None and not (tuple(w.shape) == (A,) or tuple(w.shape) == (H, A)):
-            raise ValueError(f"{name}: expected ({A},) shared or ({H}, {A}) per head (A from w_q "
-                             f"{tuple(w_q.shape)}, H from q), got {tuple(w.shape)}")
+            raise ValueError(
+                f"{name}: expected ({A},) shared or ({H}, {A}) per head (A from w_q "
+                f"{tuple(w_q.shape)}, H from q), got {tuple(w.shape)}"
+            )
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     return B, H, Hkv, Nq, Nk, q_offset, kv_offset

@@ -30,12 +30,22 @@ import torch
 from attnlab import validate
 from attnlab.masks import BlockMask
 
-__all__ = ["Problem", "normalize", "check_qkv", "scale_arg", "offsets", "check_mask", "check_score_mod", "LAYOUT",
-           "BNHD_HINT"]
+__all__ = [
+    "Problem",
+    "normalize",
+    "check_qkv",
+    "scale_arg",
+    "offsets",
+    "check_mask",
+    "check_score_mod",
+    "LAYOUT",
+    "BNHD_HINT",
+]
 
 LAYOUT = {"q": "(B, H, Nq, D)", "k": "(B, Hkv, Nk, D)", "v": "(B, Hkv, Nk, Dv)"}
-BNHD_HINT = ("; attnlab reads q/k/v as (B, H, N, D) (heads before tokens): flash-attn's (B, N, H, D) "
-             "tensors need layout='bnhd'")
+BNHD_HINT = (
+    "; attnlab reads q/k/v as (B, H, N, D) (heads before tokens): flash-attn's (B, N, H, D) tensors need layout='bnhd'"
+)
 
 
 @dataclass(frozen=True)
@@ -59,8 +69,16 @@ class Problem:
     score_mod: object = None
 
 
-def check_qkv(q, k, v, *, layout: dict | None = None, same_head_dim: bool = True,
-              shared_kv_batch: bool = False, positive_head_dim: bool = True) -> None:
+def check_qkv(
+    q,
+    k,
+    v,
+    *,
+    layout: dict | None = None,
+    same_head_dim: bool = True,
+    shared_kv_batch: bool = False,
+    positive_head_dim: bool = True,
+) -> None:
     """q, k, v are 4-D float tensors of one dtype on one device whose shapes fit together:
     one batch size, k and v the same ``(B, Hkv, Nk)``, ``H % Hkv == 0`` (GQA), and (with
     ``same_head_dim``) one head dim for q and k, ``D >= 1`` (with ``positive_head_dim``).  ``layout`` names the dims in
@@ -75,8 +93,10 @@ def check_qkv(q, k, v, *, layout: dict | None = None, same_head_dim: bool = True
     validate.same_device(q=q, k=k, v=v)
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"batch sizes differ: {shapes}"
-                         + (" (k/v may also have batch 1, shared by the batch)" if shared_kv_batch else ""))
+        raise ValueError(
+            f"batch sizes differ: {shapes}"
+            + (" (k/v may also have batch 1, shared by the batch)" if shared_kv_batch else "")
+        )
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v must have the same (B, Hkv, Nk): {shapes}{BNHD_HINT}")
     validate.gqa_heads(q.shape[1], k.shape[1], f"{shapes}{BNHD_HINT}")
@@ -96,8 +116,11 @@ def scale_arg(scale, D: int) -> float:
 def offsets(q_offset, kv_offset, Nq: int, Nk: int) -> tuple[int, int]:
     """``(q_offset, kv_offset)`` as ints; ``q_offset=None`` gives ``kv_offset + Nk - Nq``."""
     kv_offset = validate.integer(kv_offset, "kv_offset", hi=None, type_error=TypeError)
-    q_offset = kv_offset + Nk - Nq if q_offset is None else validate.integer(q_offset, "q_offset", hi=None,
-                                                                              type_error=TypeError)
+    q_offset = (
+        kv_offset + Nk - Nq
+        if q_offset is None
+        else validate.integer(q_offset, "q_offset", hi=None, type_error=TypeError)
+    )
     return q_offset, kv_offset
 
 
@@ -109,8 +132,10 @@ def check_mask(mask, B, H, Nq, Nk, q_offset, kv_offset) -> None:
         mask.check_shape(B, H, Nq, Nk, q_offset, kv_offset)
         return
     if not (hasattr(mask, "block_mask") and hasattr(mask, "predicate")):
-        raise TypeError(f"mask: expected an attnlab mask (attnlab.masks.causal(), ..., or masks.custom(fn)) "
-                        f"or a BlockMask, got {type(mask).__name__}")
+        raise TypeError(
+            f"mask: expected an attnlab mask (attnlab.masks.causal(), ..., or masks.custom(fn)) "
+            f"or a BlockMask, got {type(mask).__name__}"
+        )
     mask.validate(B, H, Nq, Nk, q_offset, kv_offset)
 
 
@@ -119,23 +144,44 @@ def check_score_mod(score_mod, B, H) -> None:
     accepts ``B`` batches of ``H`` heads (its ``validate(B, H)``, where it has one)."""
     if score_mod is not None:
         if not callable(score_mod):
-            raise TypeError(f"score_mod: expected a callable (score, b, h, q_pos, kv_pos) -> score, "
-                            f"got {type(score_mod).__name__}")
+            raise TypeError(
+                f"score_mod: expected a callable (score, b, h, q_pos, kv_pos) -> score, got {type(score_mod).__name__}"
+            )
         if hasattr(score_mod, "validate"):
             score_mod.validate(B, H)
 
 
-def normalize(q, k, v=None, *, mask=None, score_mod=None, scale=None, q_offset=None, kv_offset=0,
-              layout: dict | None = None, same_head_dim: bool = True, shared_kv_batch: bool = False,
-              positive_head_dim: bool = True, check_mod: bool = True) -> Problem:
+def normalize(
+    q,
+    k,
+    v=None,
+    *,
+    mask=None,
+    score_mod=None,
+    scale=None,
+    q_offset=None,
+    kv_offset=0,
+    layout: dict | None = None,
+    same_head_dim: bool = True,
+    shared_kv_batch: bool = False,
+    positive_head_dim: bool = True,
+    check_mod: bool = True,
+) -> Problem:
     """Check an attention call once and return it as a :class:`Problem`.
 
     ``v=None`` (a pattern or statistics: no values) checks ``k`` in its place (``Dv = D``).
     The mask is checked against the problem's absolute positions (BlockMasks: built for
     this shape and these offsets); ``check_mod=False`` leaves the score mod to the caller.
     """
-    check_qkv(q, k, k if v is None else v, layout=layout, same_head_dim=same_head_dim,
-              shared_kv_batch=shared_kv_batch, positive_head_dim=positive_head_dim)
+    check_qkv(
+        q,
+        k,
+        k if v is None else v,
+        layout=layout,
+        same_head_dim=same_head_dim,
+        shared_kv_batch=shared_kv_batch,
+        positive_head_dim=positive_head_dim,
+    )
     v = k if v is None else v
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]

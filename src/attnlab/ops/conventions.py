@@ -32,8 +32,14 @@ def wants_conventions(q, k, mask, scale, q_offset, layout) -> bool:
     """True when the call uses a convention that :func:`apply` maps first."""
     if layout != "bhnd" or is_tensor_arg(mask) or is_tensor_arg(scale) or is_tensor_arg(q_offset):
         return True
-    return (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4 and k.dim() == 4
-            and k.shape[0] == 1 and q.shape[0] > 1)
+    return (
+        isinstance(q, torch.Tensor)
+        and isinstance(k, torch.Tensor)
+        and q.dim() == 4
+        and k.dim() == 4
+        and k.shape[0] == 1
+        and q.shape[0] > 1
+    )
 
 
 def _layout_arg(layout):
@@ -42,24 +48,52 @@ def _layout_arg(layout):
     return layout
 
 
-def apply(attention, q, k, v, *, mask, score_mod, scale, q_offset, kv_offset, return_lse, backend, layout,
-          dropout_p=0.0, dropout_seed=None):
+def apply(
+    attention,
+    q,
+    k,
+    v,
+    *,
+    mask,
+    score_mod,
+    scale,
+    q_offset,
+    kv_offset,
+    return_lse,
+    backend,
+    layout,
+    dropout_p=0.0,
+    dropout_seed=None,
+):
     """Map the conventions onto a plain call of ``attention`` and map its result back."""
     from attnlab import scores  # here, not at import: attnlab.masks imports attnlab.ops
-    from attnlab.masks import Mask
-    from attnlab.masks import check_dense, dense, per_batch_q_offset
+    from attnlab.masks import Mask, check_dense, dense, per_batch_q_offset
+
     layout = _layout_arg(layout)
     if layout == "bnhd":
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                raise ValueError(f"{name}: layout='bnhd' expects 4 dims (B, N, H, D), got "
-                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+                raise ValueError(
+                    f"{name}: layout='bnhd' expects 4 dims (B, N, H, D), got "
+                    f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+                )
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # views: no copy
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         # let attention() word the error
-        return attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
-                         kv_offset=kv_offset, return_lse=return_lse, backend=backend, dropout_p=dropout_p,
-                         dropout_seed=dropout_seed)
+        return attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=score_mod,
+            scale=scale,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            return_lse=return_lse,
+            backend=backend,
+            dropout_p=dropout_p,
+            dropout_seed=dropout_seed,
+        )
     B, H, Nq, _ = q.shape
     if k.shape[0] == 1 and v.shape[0] == 1 and B > 1:
         k, v = k.expand(B, *k.shape[1:]), v.expand(B, *v.shape[1:])  # K/V shared by the batch: views
@@ -102,8 +136,20 @@ def apply(attention, q, k, v, *, mask, score_mod, scale, q_offset, kv_offset, re
         else:
             raise TypeError(f"mask: a tensor mask must be bool (True = attend) or float (additive), got {t.dtype}")
     mod = None if not mods else mods[0] if len(mods) == 1 else scores.compose(*mods)
-    res = attention(q, k, v, mask=base_mask, score_mod=mod, scale=scale, q_offset=kernel_qo, kv_offset=kv_offset,
-                    return_lse=return_lse, backend=backend, dropout_p=dropout_p, dropout_seed=dropout_seed)
+    res = attention(
+        q,
+        k,
+        v,
+        mask=base_mask,
+        score_mod=mod,
+        scale=scale,
+        q_offset=kernel_qo,
+        kv_offset=kv_offset,
+        return_lse=return_lse,
+        backend=backend,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+    )
     if layout == "bnhd":
         if return_lse:
             return res[0].transpose(1, 2), res[1]
@@ -114,8 +160,10 @@ def apply(attention, q, k, v, *, mask, score_mod, scale, q_offset, kv_offset, re
 def _q_offsets(q_offset, B):
     t = q_offset
     if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() != 1 or t.shape[0] != B:
-        raise ValueError(f"q_offset: a tensor q_offset must be (B,)={B} integers (per-batch query positions), "
-                         f"got {t.dtype} {tuple(t.shape)}")
+        raise ValueError(
+            f"q_offset: a tensor q_offset must be (B,)={B} integers (per-batch query positions), "
+            f"got {t.dtype} {tuple(t.shape)}"
+        )
     return t.to(torch.long)
 
 
@@ -124,6 +172,7 @@ def _shifted_mod(mod, qo):
 
     def shifted(score, b, h, q, kv):
         return mod(score, b, h, q + qo.to(q.device).view(-1, 1, 1, 1), kv)
+
     params = mod.parameters() if isinstance(mod, scores.ScoreMod) else []
     out = scores.custom(shifted, params=params)
     if hasattr(mod, "validate"):

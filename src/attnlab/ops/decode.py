@@ -28,8 +28,17 @@ from attnlab.ops.dispatch import attention
 from attnlab.ops.merge import merge_states
 
 
-def split_kv_attention(q, pieces: Iterable, *, mask=None, score_mod=None, scale=None, q_offset: int,
-                       backend: str = "auto", return_lse: bool = False):
+def split_kv_attention(
+    q,
+    pieces: Iterable,
+    *,
+    mask=None,
+    score_mod=None,
+    scale=None,
+    q_offset: int,
+    backend: str = "auto",
+    return_lse: bool = False,
+):
     """Attention of ``q (B, H, Nq, D)`` over ``pieces``: ``(k_i, v_i, kv_offset_i)`` with
     ``k_i (B, Hkv, n_i, D)``, ``v_i (B, Hkv, n_i, Dv)``, disjoint key positions.
 
@@ -40,8 +49,18 @@ def split_kv_attention(q, pieces: Iterable, *, mask=None, score_mod=None, scale=
     for k, v, kv_offset in pieces:
         if k.shape[2] == 0:
             continue
-        o, l = attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
-                         kv_offset=kv_offset, return_lse=True, backend=backend)
+        o, l = attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=score_mod,
+            scale=scale,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            return_lse=True,
+            backend=backend,
+        )
         outs.append(o)
         lses.append(l)
     if not outs:

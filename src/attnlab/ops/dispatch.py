@@ -17,9 +17,22 @@ from attnlab.ops.sdpa import is_causal_mask, sdpa_attention, sdpa_dense_mask, sd
 BACKENDS = ("auto", "reference", "flash", "sdpa", "triton", "native")
 
 
-def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, kv_offset=0,
-              return_lse=False, backend="auto", dropout_p=0.0, dropout_seed=None,
-              layout="bhnd"):
+def attention(
+    q,
+    k,
+    v,
+    *,
+    mask=None,
+    score_mod=None,
+    scale=None,
+    q_offset=None,
+    kv_offset=0,
+    return_lse=False,
+    backend="auto",
+    dropout_p=0.0,
+    dropout_seed=None,
+    layout="bhnd",
+):
     """Scaled dot-product attention: ``softmax(scale·q kᵀ + score_mod, masked) v``.
 
     Shapes::
@@ -100,11 +113,33 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
     (torch.Size([2, 8, 16, 64]), torch.Size([2, 8, 16]))
     """
     if conventions.wants_conventions(q, k, mask, scale, q_offset, layout):
-        return conventions.apply(attention, q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
-                                 kv_offset=kv_offset, return_lse=return_lse, backend=backend, layout=layout,
-                                 dropout_p=dropout_p, dropout_seed=dropout_seed)
-    pr = normalize(q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset,
-                   shared_kv_batch=True)
+        return conventions.apply(
+            attention,
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=score_mod,
+            scale=scale,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            return_lse=return_lse,
+            backend=backend,
+            layout=layout,
+            dropout_p=dropout_p,
+            dropout_seed=dropout_seed,
+        )
+    pr = normalize(
+        q,
+        k,
+        v,
+        mask=mask,
+        score_mod=score_mod,
+        scale=scale,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        shared_kv_batch=True,
+    )
     B, H, Nq, Nk = pr.B, pr.H, pr.Nq, pr.Nk
     scale, q_offset, kv_offset = pr.scale, pr.q_offset, pr.kv_offset
     if not isinstance(return_lse, bool):
@@ -113,26 +148,46 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     dropout_p, dropout_seed = check_dropout(dropout_p, dropout_seed)
     if dropout_p:
-        return _dropout_attention(q, k, v, mask, score_mod, scale, q_offset, kv_offset, return_lse, backend,
-                                  make_dropout(dropout_p, dropout_seed))
+        return _dropout_attention(
+            q,
+            k,
+            v,
+            mask,
+            score_mod,
+            scale,
+            q_offset,
+            kv_offset,
+            return_lse,
+            backend,
+            make_dropout(dropout_p, dropout_seed),
+        )
     if mask is not None and Nk and is_causal_mask(mask) and q_offset >= kv_offset + Nk - 1:
         mask = None  # every key sits at or before the first query: causal() hides nothing (decoding)
 
     if backend == "sdpa":
         why = sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse)
         if why is not None:
-            raise ValueError(f"backend='sdpa': this request does not map onto torch SDPA ({why}); "
-                             "use backend='flash' or 'auto'")
+            raise ValueError(
+                f"backend='sdpa': this request does not map onto torch SDPA ({why}); use backend='flash' or 'auto'"
+            )
     elif backend == "triton":
         from attnlab.ops.triton import unsupported as triton_unsupported
+
         why = triton_unsupported(q, k, v, mask, score_mod, q_offset, kv_offset)
         if why is not None:
             raise ValueError(f"backend='triton': {why}; use backend='flash' or 'auto'")
     elif backend == "auto":
         backend = choose_backend(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=v)
-        if backend == "flash" and mask is not None and score_mod is None and not return_lse and not traced(q, k, v) \
-                and B * H * Nq * Nk <= _DENSE_MASK_MAX and not _wants_grad(q, k, v) \
-                and not maybe_nonfinite(q, k, v):
+        if (
+            backend == "flash"
+            and mask is not None
+            and score_mod is None
+            and not return_lse
+            and not traced(q, k, v)
+            and B * H * Nq * Nk <= _DENSE_MASK_MAX
+            and not _wants_grad(q, k, v)
+            and not maybe_nonfinite(q, k, v)
+        ):
             out = sdpa_dense_mask(q, k, v, mask, scale=scale, q_offset=q_offset, kv_offset=kv_offset)
             if out is not None:
                 return out
@@ -151,6 +206,7 @@ def attention(q, k, v, *, mask=None, score_mod=None, scale=None, q_offset=None, 
         out, lse = reference_attention(q, k, v, **kw)
     elif backend == "triton":
         from attnlab.ops.triton import triton_attention
+
         out, lse = triton_attention(q, k, v, **kw)
     elif backend == "native":
         out, lse = _native(q, k, v, kw)
@@ -184,8 +240,16 @@ def _flash(q, k, v, kw):
                 ref_kw.pop("dropout", None)
             return reference_attention(q, k, v, **ref_kw)
         B, H, Nq, _ = q.shape
-        dm = dense_mask(mask.mask if isinstance(mask, BlockMask) else mask, B, H, Nq, k.shape[2], kw["q_offset"],
-                        kw["kv_offset"], q.device)
+        dm = dense_mask(
+            mask.mask if isinstance(mask, BlockMask) else mask,
+            B,
+            H,
+            Nq,
+            k.shape[2],
+            kw["q_offset"],
+            kw["kv_offset"],
+            q.device,
+        )
         args = op_args(q, k, dm, mod, kw["q_offset"], kw["kv_offset"])
     if args is None:
         return flash_attention(q, k, v, **kw)
@@ -195,11 +259,14 @@ def _flash(q, k, v, kw):
 def _dropout_attention(q, k, v, mask, score_mod, scale, q_offset, kv_offset, return_lse, backend, dropout):
     """``attention`` with dropout (inputs validated): reference, flash or triton."""
     if backend == "sdpa":
-        raise ValueError(f"backend='sdpa' with dropout_p={dropout.p}: torch SDPA's dropout draws its own mask, "
-                         "which attnlab cannot regenerate or reproduce; use backend='flash' or 'auto' (the "
-                         "counter-based dropout of attnlab.ops.dropout)")
+        raise ValueError(
+            f"backend='sdpa' with dropout_p={dropout.p}: torch SDPA's dropout draws its own mask, "
+            "which attnlab cannot regenerate or reproduce; use backend='flash' or 'auto' (the "
+            "counter-based dropout of attnlab.ops.dropout)"
+        )
     if backend in ("auto", "triton") and q.shape[2] and k.shape[2]:
         from attnlab.ops.triton import unsupported as triton_unsupported
+
         if backend == "triton" or q.device.type == "cuda":
             why = triton_unsupported(q, k, v, mask, score_mod, q_offset, kv_offset, dropout=dropout)
             if why is not None and backend == "triton":
@@ -212,6 +279,7 @@ def _dropout_attention(q, k, v, mask, score_mod, scale, q_offset, kv_offset, ret
         out, lse = reference_attention(q, k, v, **kw)
     elif backend == "triton":
         from attnlab.ops.triton import triton_attention
+
         out, lse = triton_attention(q, k, v, **kw)
     else:
         out, lse = _flash(q, k, v, kw)
@@ -231,12 +299,21 @@ def attention_probs(q, k, *, mask=None, score_mod=None, scale=None, q_offset=Non
     >>> p.shape, p[0, 0, 0].tolist()[1:]
     (torch.Size([1, 2, 3, 3]), [0.0, 0.0])
     """
-    pr = normalize(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset,
-                   shared_kv_batch=True)
+    pr = normalize(
+        q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset, shared_kv_batch=True
+    )
     if isinstance(mask, BlockMask):
         mask = mask.mask
-    return reference_probs(q, k, mask=mask, score_mod=score_mod, scale=pr.scale, q_offset=pr.q_offset,
-                           kv_offset=pr.kv_offset, need_lse=False)[0]
+    return reference_probs(
+        q,
+        k,
+        mask=mask,
+        score_mod=score_mod,
+        scale=pr.scale,
+        q_offset=pr.q_offset,
+        kv_offset=pr.kv_offset,
+        need_lse=False,
+    )[0]
 
 
 # Measured choice (docs/benchmarks.md, `attnlab bench attention`, 2 threads): torch SDPA
@@ -277,6 +354,7 @@ def torch_backend(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=None
         return "sdpa"
     if q.device.type == "cuda":  # unmeasured policy (docs/triton.md): SDPA where it maps, else the Triton kernels
         from attnlab.ops.triton import unsupported as triton_unsupported
+
         if triton_unsupported(q, k, k if v is None else v, mask, score_mod, q_offset, kv_offset) is None:
             return "triton"
     return "flash"

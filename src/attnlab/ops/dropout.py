@@ -82,7 +82,7 @@ class Dropout:
         # an int, or (under torch.compile, drawn in the graph) a 0-d int64 tensor: the same
         # 64 bits in two's complement, so ``s & M32`` and ``(s >> 32) & M32`` agree
         self.seed = seed if isinstance(seed, torch.Tensor) else int(seed)
-        self.threshold = min(M32, int(round(self.p * 2.0**32)))
+        self.threshold = min(M32, round(self.p * 2.0**32))
         self.inv_keep = 1.0 / (1.0 - self.p)
         s = self.seed if isinstance(seed, torch.Tensor) else self.seed & ((1 << 64) - 1)
         self.key_r = absorb(absorb(_ROW0, s & M32), (s >> 32) & M32)
@@ -128,12 +128,15 @@ def check_dropout(dropout_p, dropout_seed):
         raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}")
     p = float(dropout_p)
     if not 0.0 <= p < 1.0:  # NaN fails too
-        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r} "
-                         "(p = 1 would drop everything and divide by 0)")
+        raise ValueError(
+            f"dropout_p: expected a probability in [0, 1), got {dropout_p!r} "
+            "(p = 1 would drop everything and divide by 0)"
+        )
     if dropout_seed is not None and not isinstance(dropout_seed, torch.Generator):
         if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, numbers.Integral):
-            raise TypeError(f"dropout_seed: expected None, an int or a torch.Generator, got "
-                            f"{type(dropout_seed).__name__}")
+            raise TypeError(
+                f"dropout_seed: expected None, an int or a torch.Generator, got {type(dropout_seed).__name__}"
+            )
         if not -(2**63) <= int(dropout_seed) < 2**64:
             raise ValueError(f"dropout_seed: expected an int in [-2^63, 2^64), got {dropout_seed}")
     return p, dropout_seed

@@ -38,11 +38,36 @@ from attnlab.ops.finite import all_finite, zmm
 from attnlab.ops.modparams import score_mod_params
 from attnlab.ops.reference import acc_dtype
 from attnlab.ops.tiles import choose_tiles
-from attnlab.ops.tiling import (FUSED_MAX, LOG2E, NEG_INF, TileProblem, drop_tile, exp_shifted_fast, fast_tile,
-                                finish, fused_ok, mm_dtype, pick_block_mask, prepare, rescale, rows, score_tile)
+from attnlab.ops.tiling import (
+    FUSED_MAX,
+    LOG2E,
+    NEG_INF,
+    TileProblem,
+    drop_tile,
+    exp_shifted_fast,
+    fast_tile,
+    finish,
+    fused_ok,
+    mm_dtype,
+    pick_block_mask,
+    prepare,
+    rescale,
+    rows,
+    score_tile,
+)
 
-__all__ = ["flash_attention", "flash_forward", "flash_backward", "make_problem", "tiled_function",
-           "refuse_double_backward", "DoubleBackwardError", "DOUBLE_BACKWARD", "FUSED_MAX", "LOG2E"]
+__all__ = [
+    "flash_attention",
+    "flash_forward",
+    "flash_backward",
+    "make_problem",
+    "tiled_function",
+    "refuse_double_backward",
+    "DoubleBackwardError",
+    "DOUBLE_BACKWARD",
+    "FUSED_MAX",
+    "LOG2E",
+]
 
 
 def _forward_row(pb, i, qf, kT, vf, outf, lsef, b, h, Nq, Nk, acc, mmd, B, H, careful=False):
@@ -92,7 +117,7 @@ def _forward_row(pb, i, qf, kT, vf, outf, lsef, b, h, Nq, Nk, acc, mmd, B, H, ca
 
 
 def _forward(pb: TileProblem, q, k, v):
-    B, H, Nq, D = q.shape
+    B, H, Nq, _D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     BH = B * Hkv
@@ -148,8 +173,22 @@ def _backward(pb: TileProblem, q, k, v, out, lse, dout, dlse, params, careful=Fa
             if fast_tile(pb, needs_mask):
                 P = exp_shifted_fast(pb, X, L_safe)
             else:
-                X, leaf, mod_out = score_tile(pb, X, b, h, qs, qe, ks, ke, needs_mask, acc, B, H,
-                                               with_grad=pb.score_mod is not None, careful=careful)
+                X, leaf, mod_out = score_tile(
+                    pb,
+                    X,
+                    b,
+                    h,
+                    qs,
+                    qe,
+                    ks,
+                    ke,
+                    needs_mask,
+                    acc,
+                    B,
+                    H,
+                    with_grad=pb.score_mod is not None,
+                    careful=careful,
+                )
                 if careful:
                     hidden = X == NEG_INF
                 P = X.sub_(L_safe).mul_(LOG2E).exp2_()
@@ -182,8 +221,12 @@ def _backward(pb: TileProblem, q, k, v, out, lse, dout, dlse, params, careful=Fa
         dq[:, :, qs:qe] = dQi.view(BH, G, n, D)
     if not careful and not all_finite(dq, dk, dv, *dparams):
         return _backward(pb, q, k, v, out, lse, dout, dlse, params, careful=True)
-    return (dq.view(B, H, Nq, D).to(q.dtype), dk.view(B, Hkv, Nk, D).to(k.dtype),
-            dv.view(B, Hkv, Nk, Dv).to(v.dtype), dparams)
+    return (
+        dq.view(B, H, Nq, D).to(q.dtype),
+        dk.view(B, Hkv, Nk, D).to(k.dtype),
+        dv.view(B, Hkv, Nk, Dv).to(v.dtype),
+        dparams,
+    )
 
 
 def _mod_backward(mod_out, leaf, params, dparams, dS):
@@ -193,7 +236,7 @@ def _mod_backward(mod_out, leaf, params, dparams, dS):
     if not mod_out.requires_grad:
         return torch.zeros_like(dS)
     grads = torch.autograd.grad(mod_out, [leaf, *params], dS.view(mod_out.shape), allow_unused=True)
-    for t, g in zip(dparams, grads[1:]):
+    for t, g in zip(dparams, grads[1:], strict=True):
         if g is not None:
             t += g
     return torch.zeros_like(dS) if grads[0] is None else grads[0].reshape(dS.shape)
@@ -203,9 +246,11 @@ class DoubleBackwardError(RuntimeError):
     """A second derivative through a tiled kernel (flash, triton) was asked for."""
 
 
-DOUBLE_BACKWARD = ("attnlab {}: double backward (create_graph=True, gradgradcheck, grad of grad) is not "
-                   "implemented by the tiled kernel; use backend='reference' (materialized, differentiable any "
-                   "number of times) for second derivatives")
+DOUBLE_BACKWARD = (
+    "attnlab {}: double backward (create_graph=True, gradgradcheck, grad of grad) is not "
+    "implemented by the tiled kernel; use backend='reference' (materialized, differentiable any "
+    "number of times) for second derivatives"
+)
 
 
 class _NoDoubleBackward(torch.autograd.Function):
@@ -233,18 +278,20 @@ def refuse_double_backward(name, anchors, grads):
     :class:`DoubleBackwardError` naming ``backend='reference'`` (only when a graph is being
     recorded: ``create_graph=True`` or a torch.func transform)."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():  # (compiled backwards are never
-        return grads                                                     # differentiated again: torch refuses)
+        return grads  # differentiated again: torch refuses)
     anchors = [t for t in anchors if t is not None and t.requires_grad]
     live = [i for i, g in enumerate(grads) if g is not None]
     if not anchors or not live:
         return grads
     out = list(grads)
-    for i, g in zip(live, _NoDoubleBackward.apply(name, len(anchors), *anchors, *(grads[i] for i in live))):
+    for i, g in zip(
+        live, _NoDoubleBackward.apply(name, len(anchors), *anchors, *(grads[i] for i in live)), strict=False
+    ):
         out[i] = g
     return out
 
 
-def tiled_function(fwd, bwd, name: str) -> type:
+def tiled_function(fwd, bwd, name: str) -> type[torch.autograd.Function]:
     """The autograd.Function of a tiled kernel pair: ``fwd(pb, q, k, v, *params) -> (out, lse)`` and
     ``bwd(pb, q, k, v, out, lse, dout, dlse, params) -> (dq, dk, dv, dparams)``, where
     ``pb`` is the kernel's plan and ``params`` the score mod's learnable tensors.  The
@@ -276,7 +323,7 @@ def tiled_function(fwd, bwd, name: str) -> type:
             """A loop over the mapped dimension (masks read the batch index b)."""
             outs = []
             for i in range(info.batch_size):
-                sl = [t if d is None else t.select(d, i) for t, d in zip((q, k, v, *params), in_dims[1:])]
+                sl = [t if d is None else t.select(d, i) for t, d in zip((q, k, v, *params), in_dims[1:], strict=True)]
                 outs.append(Fn.apply(pb, *sl))
             return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
 
@@ -288,8 +335,7 @@ _FlashFn = tiled_function(lambda pb, q, k, v, *params: _forward(pb, q, k, v), _b
 flash_forward, flash_backward = _forward, _backward  # the kernel pair, for backends that fall back on it
 
 
-def flash_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, block=None,
-                    dropout=None):
+def flash_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, block=None, dropout=None):
     """Tiled attention, forward and backward.  Returns ``(out, lse)``; inputs already validated.
 
     ``mask`` is an attnlab Mask, a BlockMask built for this shape, or None.  ``block``
@@ -297,8 +343,17 @@ def flash_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_o
     sizes win).  ``dropout`` (an :class:`attnlab.ops.dropout.Dropout` or None): each
     visited tile's keep-mask is regenerated from its counters, forward and backward.
     """
-    pb, params = make_problem(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
-                              kv_offset=kv_offset, block=block, dropout=dropout)
+    pb, params = make_problem(
+        q,
+        k,
+        mask=mask,
+        score_mod=score_mod,
+        scale=scale,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        block=block,
+        dropout=dropout,
+    )
     return _FlashFn.apply(pb, q, k, v, *params)
 
 
@@ -322,8 +377,9 @@ def make_problem(q, k, *, mask, score_mod, scale, q_offset, kv_offset, block=Non
     elif score_mod is not None and torch.is_grad_enabled():
         # declared (mod.parameters()) or captured (closure, bound self, module, partial):
         # every tensor requiring grad that the mod reads must be an input of the Function
-        params = score_mod_params(score_mod, dtype=acc_dtype(q.dtype), device=q.device, q_offset=q_offset,
-                                  kv_offset=kv_offset)
+        params = score_mod_params(
+            score_mod, dtype=acc_dtype(q.dtype), device=q.device, q_offset=q_offset, kv_offset=kv_offset
+        )
     else:
         params = []
     pb = TileProblem(block_mask, score_mod, scale, q_offset, kv_offset, Nq, Nk, *block)

@@ -42,7 +42,6 @@ from attnlab import validate
 __all__ = ["hopfield_update", "hopfield_retrieve", "hopfield_energy"]
 
 
-
 def hopfield_update(xi, patterns, beta):
     """One update ``ξ_new = X softmax(β Xᵀ ξ)`` of every state row.
 
@@ -82,7 +81,7 @@ def hopfield_energy(xi, patterns, beta):
     if N == 0:
         raise ValueError(f"patterns: the energy needs at least one stored pattern, got {tuple(patterns.shape)}")
     lse = torch.logsumexp(beta * (x @ X.transpose(-1, -2)), dim=-1)
-    Msq = (X * X).sum(-1).amax(-1, keepdim=True)           # (B, 1) or (1,)
+    Msq = (X * X).sum(-1).amax(-1, keepdim=True)  # (B, 1) or (1,)
     return -lse / beta + 0.5 * (x * x).sum(-1) + math.log(N) / beta + 0.5 * Msq
 
 
@@ -117,12 +116,13 @@ def hopfield_retrieve(xi, patterns, beta, *, steps=100, tol=1e-6):
 
 # --------------------------------------------------------------------------------------
 
+
 def _update(xi, patterns, beta):
     acc = _acc_dtype(xi.dtype)
     x, X = xi.to(acc), patterns.to(acc)
     if X.shape[-2] == 0:  # no stored pattern: like a fully masked attention row, 0 (not NaN)
         return torch.zeros_like(xi)
-    p = torch.softmax(beta * (x @ X.transpose(-1, -2)), dim=-1)   # (B, M, N)
+    p = torch.softmax(beta * (x @ X.transpose(-1, -2)), dim=-1)  # (B, M, N)
     return (p @ X).to(xi.dtype)
 
 
@@ -135,13 +135,16 @@ def _check(xi, patterns, beta):
         validate.tensor(t, name)
         validate.float_dtype(t, name)
     if xi.dim() not in (2, 3) or patterns.dim() != xi.dim():
-        raise ValueError(f"xi, patterns: expected xi (B, M, d) with patterns (B, N, d), or xi (M, d) with "
-                         f"patterns (N, d); got xi {tuple(xi.shape)}, patterns {tuple(patterns.shape)}")
+        raise ValueError(
+            f"xi, patterns: expected xi (B, M, d) with patterns (B, N, d), or xi (M, d) with "
+            f"patterns (N, d); got xi {tuple(xi.shape)}, patterns {tuple(patterns.shape)}"
+        )
     if xi.dim() == 3 and xi.shape[0] != patterns.shape[0]:
         raise ValueError(f"xi, patterns: batch sizes differ: xi {tuple(xi.shape)}, patterns {tuple(patterns.shape)}")
     if xi.shape[-1] != patterns.shape[-1]:
-        raise ValueError(f"xi, patterns: pattern dimension d differs: xi {tuple(xi.shape)}, "
-                         f"patterns {tuple(patterns.shape)}")
+        raise ValueError(
+            f"xi, patterns: pattern dimension d differs: xi {tuple(xi.shape)}, patterns {tuple(patterns.shape)}"
+        )
     validate.same_dtype(xi=xi, patterns=patterns)
     validate.same_device(xi=xi, patterns=patterns)
     return validate.positive_float(beta, "beta")

@@ -36,6 +36,7 @@ import sys
 import torch
 from torch import Tensor
 
+from attnlab.masks import BlockMask, cache as mask_cache, mask_from_key, mask_key
 from attnlab.ops.flash import (
     DOUBLE_BACKWARD,
     DoubleBackwardError,
@@ -44,10 +45,7 @@ from attnlab.ops.flash import (
     make_problem,
     refuse_double_backward,
 )
-from attnlab.masks import BlockMask, mask_from_key, mask_key
-from attnlab.masks import cache as mask_cache
 from attnlab.ops.reference import acc_dtype
-
 
 
 def _tensor_id(t: Tensor):
@@ -70,6 +68,7 @@ def _mod(spec: str, tensors):
     if not spec:
         return None
     from attnlab.scores import mod_from_key
+
     return mod_from_key(spec, list(tensors), [])
 
 
@@ -78,11 +77,27 @@ def _problem(q, k, mask_spec, mask_tensors, ints, mod, scale, q_offset, kv_offse
     if block:
         bq, bk = int(block[0]), int(block[1])
         if mask is not None and q.shape[2] > 0 and k.shape[2] > 0:
-            mask = mask.block_mask(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q_offset=int(q_offset),
-                                   kv_offset=int(kv_offset), block=(bq, bk))
+            mask = mask.block_mask(
+                q.shape[0],
+                q.shape[1],
+                q.shape[2],
+                k.shape[2],
+                q_offset=int(q_offset),
+                kv_offset=int(kv_offset),
+                block=(bq, bk),
+            )
         block = (bq, bk)
-    pb, _ = make_problem(q, k, mask=mask, score_mod=mod, scale=scale, q_offset=int(q_offset),
-                         kv_offset=int(kv_offset), block=block or None, params=params)
+    pb, _ = make_problem(
+        q,
+        k,
+        mask=mask,
+        score_mod=mod,
+        scale=scale,
+        q_offset=int(q_offset),
+        kv_offset=int(kv_offset),
+        block=block or None,
+        params=params,
+    )
     pb.check_graph = None  # the mod was rebuilt from its key: it reads only its own tensors
     return pb
 
@@ -98,6 +113,7 @@ def _dropout(p: float, seed: int, seed_tensor=None):
     if not p:
         return None
     from attnlab.ops.dropout import Dropout
+
     if seed_tensor is not None:  # drawn inside a compiled graph (dropout_seed=None): a 0-d int64 tensor
         seed = int(seed_tensor)
     return Dropout(p, int(seed) & ((1 << 64) - 1))
@@ -126,38 +142,85 @@ class _autograd_inside:
 
 
 @torch.library.custom_op("attnlab::flash_fwd", mutates_args=())
-def flash_fwd(q: Tensor, k: Tensor, v: Tensor, mask_spec: str, mask_tensors: list[Tensor], mod_spec: str,
-              mod_tensors: list[Tensor], ints: list[int], scale: float, q_offset: int, kv_offset: int,
-              block: list[int], dropout_p: float, dropout_seed: int,
-              seed_tensor: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def flash_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_spec: str,
+    mask_tensors: list[Tensor],
+    mod_spec: str,
+    mod_tensors: list[Tensor],
+    ints: list[int],
+    scale: float,
+    q_offset: int,
+    kv_offset: int,
+    block: list[int],
+    dropout_p: float,
+    dropout_seed: int,
+    seed_tensor: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Tiled forward: ``(out (B, H, Nq, Dv), lse (B, H, Nq) float32/64)``."""
     with torch.no_grad():
-        pb = _problem(q, k, mask_spec, mask_tensors, ints, _mod(mod_spec, mod_tensors), scale, q_offset,
-                      kv_offset, block, [])
+        pb = _problem(
+            q, k, mask_spec, mask_tensors, ints, _mod(mod_spec, mod_tensors), scale, q_offset, kv_offset, block, []
+        )
         pb.dropout = _dropout(dropout_p, dropout_seed, seed_tensor)
         out, lse = flash_forward(pb, q, k, v)
         return out.contiguous(), lse.contiguous()
 
 
 @flash_fwd.register_fake
-def _flash_fwd_fake(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale, q_offset, kv_offset,
-                    block, dropout_p, dropout_seed, seed_tensor=None):
+def _flash_fwd_fake(
+    q,
+    k,
+    v,
+    mask_spec,
+    mask_tensors,
+    mod_spec,
+    mod_tensors,
+    ints,
+    scale,
+    q_offset,
+    kv_offset,
+    block,
+    dropout_p,
+    dropout_seed,
+    seed_tensor=None,
+):
     B, H, Nq, _ = q.shape
     return q.new_empty((B, H, Nq, v.shape[-1])), q.new_empty((B, H, Nq), dtype=acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("attnlab::flash_bwd", mutates_args=())
-def flash_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-              mask_spec: str, mask_tensors: list[Tensor], mod_spec: str, mod_tensors: list[Tensor], ints: list[int],
-              scale: float, q_offset: int, kv_offset: int, block: list[int], dropout_p: float,
-              dropout_seed: int, seed_tensor: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+def flash_bwd(
+    dout: Tensor,
+    dlse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    mask_spec: str,
+    mask_tensors: list[Tensor],
+    mod_spec: str,
+    mod_tensors: list[Tensor],
+    ints: list[int],
+    scale: float,
+    q_offset: int,
+    kv_offset: int,
+    block: list[int],
+    dropout_p: float,
+    dropout_seed: int,
+    seed_tensor: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """Tiled backward: ``(dq, dk, dv, [d mod_tensors[i]])`` (zeros for a tensor the mod
     does not differentiate)."""
     leaves = [t.detach().requires_grad_(t.dtype.is_floating_point) for t in mod_tensors]
     params = [t for t in leaves if t.requires_grad]
     with torch.no_grad():
-        pb = _problem(q, k, mask_spec, mask_tensors, ints, _mod(mod_spec, leaves), scale, q_offset, kv_offset,
-                      block, params)
+        pb = _problem(
+            q, k, mask_spec, mask_tensors, ints, _mod(mod_spec, leaves), scale, q_offset, kv_offset, block, params
+        )
         pb.dropout = _dropout(dropout_p, dropout_seed, seed_tensor)
     q, k, v, out, lse, dout = (t.detach() for t in (q, k, v, out, lse, dout))
     dlse = None if dlse is None else dlse.detach()
@@ -169,16 +232,54 @@ def flash_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor
 
 
 @flash_bwd.register_fake
-def _flash_bwd_fake(dout, dlse, q, k, v, out, lse, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale,
-                    q_offset, kv_offset, block, dropout_p, dropout_seed, seed_tensor=None):
+def _flash_bwd_fake(
+    dout,
+    dlse,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    mask_spec,
+    mask_tensors,
+    mod_spec,
+    mod_tensors,
+    ints,
+    scale,
+    q_offset,
+    kv_offset,
+    block,
+    dropout_p,
+    dropout_seed,
+    seed_tensor=None,
+):
     # contiguous, as the kernel returns them (inductor checks the strides against the fake's)
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            [t.new_empty(t.shape) for t in mod_tensors])
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+        [t.new_empty(t.shape) for t in mod_tensors],
+    )
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale, q_offset, kv_offset, block,
-     dropout_p, dropout_seed, *seed) = inputs
+    (
+        q,
+        k,
+        v,
+        mask_spec,
+        mask_tensors,
+        mod_spec,
+        mod_tensors,
+        ints,
+        scale,
+        q_offset,
+        kv_offset,
+        block,
+        dropout_p,
+        dropout_seed,
+        *seed,
+    ) = inputs
     out, lse = output
     seed = [t for t in seed if t is not None]
     ctx.save_for_backward(q, k, v, out, lse, *mask_tensors, *mod_tensors, *seed)
@@ -190,20 +291,53 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *rest = ctx.saved_tensors
-    seed = rest[len(rest) - ctx.n_seed:] if ctx.n_seed else []
-    rest = rest[:len(rest) - ctx.n_seed]
-    mask_tensors, mod_tensors = rest[:ctx.n_mask], rest[ctx.n_mask:]
+    seed = rest[len(rest) - ctx.n_seed :] if ctx.n_seed else []
+    rest = rest[: len(rest) - ctx.n_seed]
+    mask_tensors, mod_tensors = rest[: ctx.n_mask], rest[ctx.n_mask :]
     mask_spec, mod_spec, ints, scale, q_offset, kv_offset, block, dropout_p, dropout_seed = ctx.args
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (dout, dlse, q, k, v, *mod_tensors)):
         raise DoubleBackwardError(DOUBLE_BACKWARD.format("flash backend"))
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv, dmod = torch.ops.attnlab.flash_bwd(dout, dlse, q, k, v, out, lse, mask_spec, list(mask_tensors),
-                                                   mod_spec, list(mod_tensors), ints, scale, q_offset, kv_offset,
-                                                   block, dropout_p, dropout_seed, *seed)
-    grads = (dq, dk, dv, None, [None] * len(mask_tensors), None, list(dmod), _no_grad(ints), None, None, None,
-             _no_grad(block), None, None, None)
-    return grads[:ctx.n_inputs]
+    dq, dk, dv, dmod = torch.ops.attnlab.flash_bwd(
+        dout,
+        dlse,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        mask_spec,
+        list(mask_tensors),
+        mod_spec,
+        list(mod_tensors),
+        ints,
+        scale,
+        q_offset,
+        kv_offset,
+        block,
+        dropout_p,
+        dropout_seed,
+        *seed,
+    )
+    grads = (
+        dq,
+        dk,
+        dv,
+        None,
+        [None] * len(mask_tensors),
+        None,
+        list(dmod),
+        _no_grad(ints),
+        None,
+        None,
+        None,
+        _no_grad(block),
+        None,
+        None,
+        None,
+    )
+    return grads[: ctx.n_inputs]
 
 
 def _no_grad(xs):
@@ -233,12 +367,16 @@ def visited_fraction(q, k, mask_spec, mask_tensors, ints, scale, q_offset, kv_of
     """The fraction of the ``Nq·Nk`` score elements the flash kernel computes for this call
     (1.0 without a mask, or on fake tensors)."""
     from torch._subclasses.fake_tensor import is_fake
+
     Nq, Nk = q.shape[2], k.shape[2]
     if not mask_spec or Nq == 0 or Nk == 0 or any(is_fake(t) or t.device.type == "meta" for t in (q, k, *mask_tensors)):
         return 1.0
     pb = _problem(q, k, mask_spec, mask_tensors, ints, None, scale, q_offset, kv_offset, block, [])
-    area = sum((min(Nq, (i + 1) * pb.bq) - i * pb.bq) * (min(Nk, (j + 1) * pb.bk) - j * pb.bk)
-               for i, row in enumerate(pb.plan) for j, _ in row)
+    area = sum(
+        (min(Nq, (i + 1) * pb.bq) - i * pb.bq) * (min(Nk, (j + 1) * pb.bk) - j * pb.bk)
+        for i, row in enumerate(pb.plan)
+        for j, _ in row
+    )
     return area / (Nq * Nk)
 
 
@@ -246,14 +384,48 @@ def _register_flop_formulas(fc) -> None:
     """Register the formulas with the module ``torch.utils.flop_counter`` (``fc``)."""
 
     @fc.register_flop_formula(torch.ops.attnlab.flash_fwd, get_raw=True)
-    def _flash_fwd_flops(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale, q_offset, kv_offset,
-                         block, *rest, out_val=None, **kw) -> int:
+    def _flash_fwd_flops(
+        q,
+        k,
+        v,
+        mask_spec,
+        mask_tensors,
+        mod_spec,
+        mod_tensors,
+        ints,
+        scale,
+        q_offset,
+        kv_offset,
+        block,
+        *rest,
+        out_val=None,
+        **kw,
+    ) -> int:
         frac = visited_fraction(q, k, mask_spec, mask_tensors, ints, scale, q_offset, kv_offset, block)
         return round(fc.sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape)) * frac)
 
     @fc.register_flop_formula(torch.ops.attnlab.flash_bwd, get_raw=True)
-    def _flash_bwd_flops(dout, dlse, q, k, v, out, lse, mask_spec, mask_tensors, mod_spec, mod_tensors, ints, scale,
-                         q_offset, kv_offset, block, *rest, out_val=None, **kw) -> int:
+    def _flash_bwd_flops(
+        dout,
+        dlse,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        mask_spec,
+        mask_tensors,
+        mod_spec,
+        mod_tensors,
+        ints,
+        scale,
+        q_offset,
+        kv_offset,
+        block,
+        *rest,
+        out_val=None,
+        **kw,
+    ) -> int:
         frac = visited_fraction(q, k, mask_spec, mask_tensors, ints, scale, q_offset, kv_offset, block)
         dense = fc.sdpa_backward_flop_count(tuple(dout.shape), tuple(q.shape), tuple(k.shape), tuple(v.shape))
         return round(dense * frac)
@@ -279,7 +451,7 @@ class _OnFlopCounterImport(importlib.abc.MetaPathFinder):
             run(module)
             _register_flop_formulas(module)
 
-        spec.loader.exec_module = exec_module
+        setattr(spec.loader, "exec_module", exec_module)  # noqa: B010 - mypy refuses a method assignment
         return spec
 
 
@@ -336,8 +508,16 @@ def op_args(q, k, mask, score_mod, q_offset, kv_offset, block=None):
     sk: tuple | None = ("", [], []) if score_mod is None else (score_mod.key() if hasattr(score_mod, "key") else None)
     if mk is None or sk is None:
         return None
-    return (mk[0], list(mk[1]), sk[0], list(sk[1]), list(mk[2]), q_offset, kv_offset,
-            [] if block is None else [int(block[0]), int(block[1])])
+    return (
+        mk[0],
+        list(mk[1]),
+        sk[0],
+        list(sk[1]),
+        list(mk[2]),
+        q_offset,
+        kv_offset,
+        [] if block is None else [int(block[0]), int(block[1])],
+    )
 
 
 class _FlashOp(torch.autograd.Function):
@@ -354,9 +534,23 @@ class _FlashOp(torch.autograd.Function):
         mask_spec, mod_spec, n_mask, ints, scale, q_offset, kv_offset, block, dp, ds, n_seed = meta
         tensors, seed = _split_seed(tensors, n_seed)
         with torch.no_grad():  # this Function is the autograd (torch.func sees it, not the op's)
-            return torch.ops.attnlab.flash_fwd(q, k, v, mask_spec, list(tensors[:n_mask]), mod_spec,
-                                               list(tensors[n_mask:]), ints, scale, q_offset, kv_offset, block,
-                                               dp, ds, *seed)
+            return torch.ops.attnlab.flash_fwd(
+                q,
+                k,
+                v,
+                mask_spec,
+                list(tensors[:n_mask]),
+                mod_spec,
+                list(tensors[n_mask:]),
+                ints,
+                scale,
+                q_offset,
+                kv_offset,
+                block,
+                dp,
+                ds,
+                *seed,
+            )
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -372,9 +566,27 @@ class _FlashOp(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         with torch.no_grad():
-            dq, dk, dv, dmod = torch.ops.attnlab.flash_bwd(dout, dlse, q, k, v, out, lse, mask_spec,
-                                                           list(tensors[:n_mask]), mod_spec, list(tensors[n_mask:]),
-                                                           ints, scale, q_offset, kv_offset, block, dp, ds, *seed)
+            dq, dk, dv, dmod = torch.ops.attnlab.flash_bwd(
+                dout,
+                dlse,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                mask_spec,
+                list(tensors[:n_mask]),
+                mod_spec,
+                list(tensors[n_mask:]),
+                ints,
+                scale,
+                q_offset,
+                kv_offset,
+                block,
+                dp,
+                ds,
+                *seed,
+            )
         grads = refuse_double_backward("flash backend", (q, k, v, dout, dlse, *tensors), [dq, dk, dv, *dmod])
         return (None, *grads[:3], *([None] * n_mask), *grads[3:], *([None] * n_seed))
 
@@ -400,10 +612,24 @@ def flash_op(q, k, v, args, scale, dropout=None):
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *mod_tensors))):
         # no gradient wanted: the operator itself (dynamo mis-inlines a setup_context-style
         # Function whose inputs need no grad)
-        return torch.ops.attnlab.flash_fwd(q, k, v, mask_spec, mask_tensors, mod_spec, mod_tensors, ints,
-                                           float(scale), q_offset, kv_offset, block, dp, ds, *seed)
-    meta = (mask_spec, mod_spec, len(mask_tensors), ints, float(scale), q_offset, kv_offset, block, dp, ds,
-            len(seed))
+        return torch.ops.attnlab.flash_fwd(
+            q,
+            k,
+            v,
+            mask_spec,
+            mask_tensors,
+            mod_spec,
+            mod_tensors,
+            ints,
+            float(scale),
+            q_offset,
+            kv_offset,
+            block,
+            dp,
+            ds,
+            *seed,
+        )
+    meta = (mask_spec, mod_spec, len(mask_tensors), ints, float(scale), q_offset, kv_offset, block, dp, ds, len(seed))
     ts = [q, k, v, *mask_tensors, *mod_tensors, *seed]
     for i in range(1, len(ts)):  # one tensor passed twice (q, q, q): distinct views (dynamo refuses duplicates)
         if any(ts[i] is t for t in ts[:i]):

@@ -47,9 +47,14 @@ import torch.nn.functional as F
 from attnlab.ops.args import check_qkv
 from attnlab.validate import integer, positive_float
 
-__all__ = ["elu_feature", "FavorFeatures", "LinearState", "linear_attention",
-           "linear_attention_step", "naive_linear_attention"]
-
+__all__ = [
+    "elu_feature",
+    "FavorFeatures",
+    "LinearState",
+    "linear_attention",
+    "linear_attention_step",
+    "naive_linear_attention",
+]
 
 
 def elu_feature(x: torch.Tensor) -> torch.Tensor:
@@ -83,11 +88,10 @@ class FavorFeatures:
     """
 
     seed: int
-    weights: torch.Tensor                              # (n_features, d_head) float64
-    _cache: dict[tuple[torch.device, torch.dtype], torch.Tensor]   # weights per (device, dtype)
+    weights: torch.Tensor  # (n_features, d_head) float64
+    _cache: dict[tuple[torch.device, torch.dtype], torch.Tensor]  # weights per (device, dtype)
 
-    def __init__(self, d_head: int, n_features: int, *, seed: int, orthogonal: bool = True,
-                 stabilize: bool = True):
+    def __init__(self, d_head: int, n_features: int, *, seed: int, orthogonal: bool = True, stabilize: bool = True):
         self.d_head = integer(d_head, "d_head", lo=1)
         self.n_features = integer(n_features, "n_features", lo=1)
         if not isinstance(orthogonal, bool):
@@ -118,8 +122,10 @@ class FavorFeatures:
         return self
 
     def __repr__(self):
-        return (f"FavorFeatures(d_head={self.d_head}, n_features={self.n_features}, seed={self.seed}, "
-                f"orthogonal={self.orthogonal}, stabilize={self.stabilize})")
+        return (
+            f"FavorFeatures(d_head={self.d_head}, n_features={self.n_features}, seed={self.seed}, "
+            f"orthogonal={self.orthogonal}, stabilize={self.stabilize})"
+        )
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The exponent ``w·x' − |x'|²/2``, ``(..., D) -> (..., m)``, in float32 (float64 stays)."""
@@ -132,7 +138,7 @@ class FavorFeatures:
         w = self._cache.get(key)
         if w is None:
             w = self._cache[key] = self.weights.to(device=x.device, dtype=acc)
-        xs = x.to(acc) * self.d_head ** -0.25
+        xs = x.to(acc) * self.d_head**-0.25
         return xs @ w.T - 0.5 * (xs * xs).sum(-1, keepdim=True)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -202,9 +208,9 @@ def linear_attention(q, k, v, *, feature_map="elu", causal=False, normalize=True
     pq = pq.reshape(B, Hkv, G, Nq, -1)
     vv = v.to(acc)
     if not causal:
-        kv = pk.transpose(-1, -2) @ vv                                   # (B, Hkv, F, Dv)
-        num = pq @ kv.unsqueeze(2)                                       # (B, Hkv, G, Nq, Dv)
-        den = pq @ pk.sum(-2)[:, :, None, :, None]                       # (B, Hkv, G, Nq, 1)
+        kv = pk.transpose(-1, -2) @ vv  # (B, Hkv, F, Dv)
+        num = pq @ kv.unsqueeze(2)  # (B, Hkv, G, Nq, Dv)
+        den = pq @ pk.sum(-2)[:, :, None, :, None]  # (B, Hkv, G, Nq, 1)
     else:
         Fdim = pk.shape[-1]
         S = pk.new_zeros(B, Hkv, Fdim, v.shape[-1])
@@ -240,7 +246,7 @@ def linear_attention_step(q, k, v, state=None, *, feature_map="elu", normalize=T
     if favor:
         pq = feature_map.query(q)
         lg = feature_map.logits(k)
-        m_new = lg.detach().amax(dim=(-2, -1))                           # (B, Hkv)
+        m_new = lg.detach().amax(dim=(-2, -1))  # (B, Hkv)
     else:
         pq, pk = _featurize(feature_map, q, k)
     Dv = v.shape[-1]
@@ -253,11 +259,15 @@ def linear_attention_step(q, k, v, state=None, *, feature_map="elu", normalize=T
         if not isinstance(state, LinearState):
             raise TypeError(f"state: expected a LinearState or None, got {type(state).__name__}")
         if tuple(state.S.shape) != (B, Hkv, Fdim, Dv) or tuple(state.z.shape) != (B, Hkv, Fdim):
-            raise ValueError(f"state: expected S {(B, Hkv, Fdim, Dv)} and z {(B, Hkv, Fdim)} for these "
-                             f"inputs and feature_map, got S {tuple(state.S.shape)}, z {tuple(state.z.shape)}")
+            raise ValueError(
+                f"state: expected S {(B, Hkv, Fdim, Dv)} and z {(B, Hkv, Fdim)} for these "
+                f"inputs and feature_map, got S {tuple(state.S.shape)}, z {tuple(state.z.shape)}"
+            )
         if favor != (state.m is not None):
-            raise ValueError("state: its stabiliser m must be present exactly when feature_map is a "
-                             "stabilised FavorFeatures (use the same feature_map for every step)")
+            raise ValueError(
+                "state: its stabiliser m must be present exactly when feature_map is a "
+                "stabilised FavorFeatures (use the same feature_map for every step)"
+            )
         S, z, m = state.S.to(acc), state.z.to(acc), state.m
     if favor:
         if m is not None:
@@ -288,7 +298,7 @@ def naive_linear_attention(q, k, v, *, feature_map="elu", causal=False, normaliz
     acc = pq.dtype
     pk = pk.repeat_interleave(H // Hkv, dim=1)
     vv = v.to(acc).repeat_interleave(H // Hkv, dim=1)
-    a = pq @ pk.transpose(-1, -2)                                        # (B, H, Nq, Nk)
+    a = pq @ pk.transpose(-1, -2)  # (B, H, Nq, Nk)
     if causal:
         a = a * torch.ones(Nq, Nk, dtype=torch.bool, device=a.device).tril()
     num = a @ vv
@@ -298,6 +308,7 @@ def naive_linear_attention(q, k, v, *, feature_map="elu", causal=False, normaliz
 
 
 # ---------------------------------------------------------------------------------------
+
 
 def _causal_chunks(pq, pk, v, S, z, chunk_size):
     """pq (B,Hkv,G,N,F), pk (B,Hkv,N,F), v (B,Hkv,N,Dv); S, z the state before row 0."""
@@ -309,7 +320,7 @@ def _causal_chunks(pq, pk, v, S, z, chunk_size):
         qc, kc, vc = pq[..., s:e, :], pk[..., s:e, :], v[..., s:e, :]
         if tri is None or tri.shape[0] != e - s:
             tri = torch.ones(e - s, e - s, dtype=torch.bool, device=pk.device).tril()
-        a = (qc @ kc.unsqueeze(2).transpose(-1, -2)) * tri               # (B,Hkv,G,C,C)
+        a = (qc @ kc.unsqueeze(2).transpose(-1, -2)) * tri  # (B,Hkv,G,C,C)
         nums.append(a @ vc.unsqueeze(2) + qc @ S.unsqueeze(2))
         dens.append(a.sum(-1, keepdim=True) + qc @ z[:, :, None, :, None])
         S = S + kc.transpose(-1, -2) @ vc
@@ -333,8 +344,10 @@ def _featurize(fm, q, k):
     pq, pk = fn(q.to(acc)), fn(k.to(acc))
     for name, x, p in (("q", q, pq), ("k", k, pk)):
         if not isinstance(p, torch.Tensor) or p.dim() != 4 or p.shape[:3] != x.shape[:3]:
-            raise ValueError(f"feature_map: must map {name} {tuple(x.shape)} to (B, heads, N, F), got "
-                             f"{tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}")
+            raise ValueError(
+                f"feature_map: must map {name} {tuple(x.shape)} to (B, heads, N, F), got "
+                f"{tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}"
+            )
     if pq.shape[-1] != pk.shape[-1]:
         raise ValueError(f"feature_map: gave F={pq.shape[-1]} features for q but F={pk.shape[-1]} for k")
     return pq.to(acc), pk.to(acc)
@@ -360,19 +373,23 @@ def _check(q, k, v, feature_map, causal, normalize, chunk_size, eps):
     if not isinstance(normalize, bool):
         raise TypeError(f"normalize: expected a bool, got {type(normalize).__name__}")
     if causal and Nq != Nk:
-        raise ValueError(f"causal: needs Nq == Nk (one sequence), got q {tuple(q.shape)}, k {tuple(k.shape)}; "
-                         "for new tokens after a prefix use linear_attention_step with the prefix's state")
+        raise ValueError(
+            f"causal: needs Nq == Nk (one sequence), got q {tuple(q.shape)}, k {tuple(k.shape)}; "
+            "for new tokens after a prefix use linear_attention_step with the prefix's state"
+        )
     integer(chunk_size, "chunk_size", lo=1)
     positive_float(eps, "eps")
     if isinstance(feature_map, str):
         if feature_map != "elu":
-            raise ValueError(f"feature_map: unknown name {feature_map!r}; expected 'elu', a FavorFeatures, "
-                             "or a callable (..., N, D) -> (..., N, F)")
+            raise ValueError(
+                f"feature_map: unknown name {feature_map!r}; expected 'elu', a FavorFeatures, "
+                "or a callable (..., N, D) -> (..., N, F)"
+            )
     elif isinstance(feature_map, FavorFeatures):
         if feature_map.d_head != D:
-            raise ValueError(f"feature_map: FavorFeatures built for d_head={feature_map.d_head}, "
-                             f"but q has D={D}")
+            raise ValueError(f"feature_map: FavorFeatures built for d_head={feature_map.d_head}, but q has D={D}")
     elif not callable(feature_map):
-        raise TypeError(f"feature_map: expected 'elu', a FavorFeatures, or a callable, "
-                        f"got {type(feature_map).__name__}")
+        raise TypeError(
+            f"feature_map: expected 'elu', a FavorFeatures, or a callable, got {type(feature_map).__name__}"
+        )
     return B, H, Hkv, Nq, Nk

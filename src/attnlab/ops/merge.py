@@ -39,11 +39,15 @@ def merge_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
         if not isinstance(o, torch.Tensor) or not isinstance(l, torch.Tensor):
             raise TypeError(f"merge_states: part {i} is not a pair of tensors")
         if o.shape != outs[0].shape or l.shape != lses[0].shape:
-            raise ValueError(f"merge_states: part {i} has shapes out {tuple(o.shape)}, lse {tuple(l.shape)}; "
-                             f"part 0 has out {tuple(outs[0].shape)}, lse {tuple(lses[0].shape)}")
+            raise ValueError(
+                f"merge_states: part {i} has shapes out {tuple(o.shape)}, lse {tuple(l.shape)}; "
+                f"part 0 has out {tuple(outs[0].shape)}, lse {tuple(lses[0].shape)}"
+            )
         if o.shape[:-1] != l.shape:
-            raise ValueError(f"merge_states: out {tuple(o.shape)} and lse {tuple(l.shape)} of part {i} disagree; "
-                             "lse must be out.shape[:-1]")
+            raise ValueError(
+                f"merge_states: out {tuple(o.shape)} and lse {tuple(l.shape)} of part {i} disagree; "
+                "lse must be out.shape[:-1]"
+            )
     acc = torch.float64 if outs[0].dtype == torch.float64 or lses[0].dtype == torch.float64 else torch.float32
     L = torch.stack([l.to(acc) for l in lses])  # (P, ..., N)
     M = L.amax(0)
@@ -59,6 +63,8 @@ def merge_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
     # a part with no visible key (LSE -inf) or outweighed by +inf parts contributes nothing,
     # whatever its output holds: where(), not 0·out (0·NaN would be NaN, forward and backward)
     zero = torch.zeros((), dtype=acc, device=L.device)
-    out = functools.reduce(operator.add, (wn[i].unsqueeze(-1) * torch.where(w[i].unsqueeze(-1) == 0, zero, outs[i].to(acc))
-                                          for i in range(len(outs))))
+    out = functools.reduce(
+        operator.add,
+        (wn[i].unsqueeze(-1) * torch.where(w[i].unsqueeze(-1) == 0, zero, outs[i].to(acc)) for i in range(len(outs))),
+    )
     return out.to(outs[0].dtype), lse

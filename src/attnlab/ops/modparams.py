@@ -151,7 +151,8 @@ def _refusal(score_mod) -> ValueError:
     return ValueError(
         f"score_mod {score_mod!r}: it reads a tensor that requires grad which attnlab cannot route to the tiled "
         "backward (computed outside the mod and not reachable from it); pass it explicitly with "
-        "scores.custom(fn, params=[tensor, ...])")
+        "scores.custom(fn, params=[tensor, ...])"
+    )
 
 
 def score_mod_params(score_mod, *, dtype, device, q_offset: int = 0, kv_offset: int = 0) -> list[torch.Tensor]:

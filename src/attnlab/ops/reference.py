@@ -29,8 +29,7 @@ def index_grids(B, H, Nq, Nk, q_offset, kv_offset, device):
     return b, h, qp, kp
 
 
-def reference_probs(q, k, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, holder=None,
-                    need_lse=True):
+def reference_probs(q, k, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, holder=None, need_lse=True):
     """The attention probabilities ``(B, H, Nq, Nk)`` in float32 (float64 for float64)
     and the LSE ``(B, H, Nq)``; inputs already validated.  Fully masked rows are 0.
 
@@ -51,8 +50,13 @@ def reference_probs(q, k, *, mask=None, score_mod=None, scale, q_offset, kv_offs
     # matmul-then-scale, whose backward rounding the accuracy rule's same-dtype reference stands for
     no_grad = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
     if holder is None and no_grad and q.dtype == acc and q.dim() == 4 and isinstance(scale, float):
-        s = torch.baddbmm(q.new_empty(()), q.reshape(B * H, Nq, -1), kr.reshape(B * H, Nk, -1).transpose(-1, -2),
-                          beta=0.0, alpha=scale).view(B, H, Nq, Nk)
+        s = torch.baddbmm(
+            q.new_empty(()),
+            q.reshape(B * H, Nq, -1),
+            kr.reshape(B * H, Nk, -1).transpose(-1, -2),
+            beta=0.0,
+            alpha=scale,
+        ).view(B, H, Nq, Nk)
     else:
         raw = torch.matmul(q, kr.transpose(-1, -2)) if holder is None else hidden_scores(q, kr, holder)
         s = raw.to(acc) * scale
@@ -64,8 +68,10 @@ def reference_probs(q, k, *, mask=None, score_mod=None, scale, q_offset, kv_offs
             s = torch.where(~allowed & ~torch.isfinite(s), torch.zeros_like(s), s)
         s = score_mod(s, b, h, qp, kp)
         if not isinstance(s, torch.Tensor) or s.shape != shape:
-            raise ValueError(f"score_mod: returned {tuple(getattr(s, 'shape', ()))} for a score matrix of shape "
-                             f"{tuple(shape)}; a score mod must be elementwise")
+            raise ValueError(
+                f"score_mod: returned {tuple(getattr(s, 'shape', ()))} for a score matrix of shape "
+                f"{tuple(shape)}; a score mod must be elementwise"
+            )
     if allowed is not None:  # in place on our own fresh scores; a score mod's output may be anyone's tensor
         s = s.masked_fill_(~allowed, float("-inf")) if score_mod is None else s.masked_fill(~allowed, float("-inf"))
     if holder is not None:
@@ -100,8 +106,9 @@ def reference_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, 
     G = q.shape[1] // k.shape[1]
     # (under torch.compile / torch.func the check cannot run: the plain path, docs/compile.md)
     holder: dict | None = None if traced(q, k, v) or all_finite(q, k, v) else {}
-    p, lse = reference_probs(q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset,
-                             kv_offset=kv_offset, holder=holder)
+    p, lse = reference_probs(
+        q, k, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset, holder=holder
+    )
     vr = v.repeat_interleave(G, dim=1) if G > 1 else v
     if dropout is not None:
         B, H, Nq, _ = q.shape

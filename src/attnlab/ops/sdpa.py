@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from attnlab.masks import BlockMask, Mask
 from attnlab.ops.flash import refuse_double_backward
 
-
 # A causal mask whose queries sit after the first key (a prefill chunk over a cache) is
 # passed to SDPA as an explicit boolean (Nq, Nk) mask up to this many elements.
 _DENSE_CAUSAL_MAX = 1 << 20
@@ -40,7 +39,7 @@ def key_keep_slice(mask, Nk, kv_offset):
     s = _structure(mask)
     if s is None or s.fields() != {"key_keep"}:
         return None
-    return s.key_keep[:, kv_offset:kv_offset + Nk]
+    return s.key_keep[:, kv_offset : kv_offset + Nk]
 
 
 def sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse) -> str | None:
@@ -62,12 +61,16 @@ def sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse) -> 
         if not is_causal_mask(mask):
             return f"SDPA maps only no mask, causal() or key_padding(), got {mask!r}"
         if q_offset < kv_offset:
-            return (f"with q_offset {q_offset} < kv_offset {kv_offset} the first rows see no key; SDPA would give "
-                    "NaN where attnlab gives zeros")
+            return (
+                f"with q_offset {q_offset} < kv_offset {kv_offset} the first rows see no key; SDPA would give "
+                "NaN where attnlab gives zeros"
+            )
         if q_offset != kv_offset and q.shape[2] * k.shape[2] > _DENSE_CAUSAL_MAX:
-            return (f"SDPA's is_causal is top-left aligned; attnlab's causal() matches it only when "
-                    f"q_offset == kv_offset (here {q_offset} vs {kv_offset}; Nq={q.shape[2]}, Nk={k.shape[2]}), "
-                    f"or as a dense mask of at most {_DENSE_CAUSAL_MAX} elements")
+            return (
+                f"SDPA's is_causal is top-left aligned; attnlab's causal() matches it only when "
+                f"q_offset == kv_offset (here {q_offset} vs {kv_offset}; Nq={q.shape[2]}, Nk={k.shape[2]}), "
+                f"or as a dense mask of at most {_DENSE_CAUSAL_MAX} elements"
+            )
     return None
 
 
@@ -116,6 +119,7 @@ def sdpa_dense_mask(q, k, v, mask, *, scale, q_offset, kv_offset):
     """SDPA with ``mask`` evaluated on the whole (small) problem as a boolean tensor, or
     ``None`` when some row would see no key (SDPA would give NaN there)."""
     from attnlab.ops.reference import index_grids
+
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
     pred = mask.mask if isinstance(mask, BlockMask) else mask  # a BlockMask: its predicate

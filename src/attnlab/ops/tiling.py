@@ -45,8 +45,23 @@ from attnlab.ops.finite import traced
 from attnlab.ops.modparams import check_tile_graph, marker
 from attnlab.ops.tiles import tile_candidates
 
-__all__ = ["LOG2E", "FUSED_MAX", "NEG_INF", "TileProblem", "mm_dtype", "prepare", "rows", "fast_tile",
-           "exp_shifted_fast", "score_tile", "drop_tile", "rescale", "finish", "fused_ok", "pick_block_mask"]
+__all__ = [
+    "LOG2E",
+    "FUSED_MAX",
+    "NEG_INF",
+    "TileProblem",
+    "mm_dtype",
+    "prepare",
+    "rows",
+    "fast_tile",
+    "exp_shifted_fast",
+    "score_tile",
+    "drop_tile",
+    "rescale",
+    "finish",
+    "fused_ok",
+    "pick_block_mask",
+]
 
 NEG_INF = float("-inf")
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x·log2 e), and exp2 is the cheaper kernel
@@ -110,7 +125,7 @@ def prepare(q, k, v, mmd):
     where the strides allow it (always for (B, H, N, D) and for B = 1), else a copy.
     Returns ``(qf, kf, kT, vf)`` with kT, kf and vf in ``mmd``.
     """
-    B, H, Nq, D = q.shape
+    B, H, _Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     qf = q.unflatten(1, (Hkv, H // Hkv))
     kT = k.transpose(2, 3).reshape(B * Hkv, D, Nk).to(mmd).contiguous()
@@ -186,8 +201,10 @@ def score_tile(pb, S, b, h, qs, qe, ks, ke, needs_mask, acc, B, H, with_grad=Fal
         else:
             Y = pb.score_mod(X4, b, h, qp, kp)
         if not isinstance(Y, torch.Tensor) or Y.shape != (B, H, n, m):
-            raise ValueError(f"score_mod: returned {tuple(getattr(Y, 'shape', ()))} for a score tile of shape "
-                             f"{(B, H, n, m)}; a score mod must be elementwise")
+            raise ValueError(
+                f"score_mod: returned {tuple(getattr(Y, 'shape', ()))} for a score tile of shape "
+                f"{(B, H, n, m)}; a score mod must be elementwise"
+            )
         X4 = Y.to(acc) if Y.dtype != acc else Y
     if needs_mask:
         X4 = X4.masked_fill_(pb.block_mask.masked_out(b, h, qs, qe, ks, ke) if mo is None else mo, NEG_INF)

@@ -21,10 +21,9 @@ Positions are per sequence and bottom-right aligned, as in flash-attn: with
 
 from __future__ import annotations
 
-
 import torch
 
-from attnlab import scores
+from attnlab import masks, scores
 from attnlab.masks import varlen as varlen_mask
 from attnlab.ops.dispatch import attention
 from attnlab.ops.dropout import check_dropout
@@ -56,15 +55,34 @@ def _max_seqlen(x, name, cu):
         return actual
     x = integer(x, name, hi=None, type_error=TypeError)
     if int(x) < actual:
-        raise ValueError(f"{name}={int(x)} is shorter than the longest sequence ({actual}); flash-attn would "
-                         "read past it, attnlab refuses")
+        raise ValueError(
+            f"{name}={int(x)} is shorter than the longest sequence ({actual}); flash-attn would "
+            "read past it, attnlab refuses"
+        )
     return int(x)
 
 
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
-                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     deterministic=False, return_attn_probs=False, *, return_lse=False, backend="flash",
-                     dropout_seed=None):
+def varlen_attention(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    *,
+    return_lse=False,
+    backend="flash",
+    dropout_seed=None,
+):
     """flash-attn's ``flash_attn_varlen_func`` on attnlab's kernels (shapes: module doc).
 
     Args (flash-attn's names and meanings):
@@ -106,33 +124,50 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     mask = varlen_mask(cu_seqlens_q, cu_seqlens_k, window=(left, right))
     total_q, total_k = int(mask.cu_q[-1]), int(mask.cu_k[-1])
     if q.shape[0] != total_q or k.shape[0] != total_k or v.shape[0] != total_k:
-        raise ValueError(f"cu_seqlens_q[-1]={total_q} / cu_seqlens_k[-1]={total_k} must equal the packed lengths: "
-                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"cu_seqlens_q[-1]={total_q} / cu_seqlens_k[-1]={total_k} must equal the packed lengths: "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     _max_seqlen(max_seqlen_q, "max_seqlen_q", mask.cu_q)
     _max_seqlen(max_seqlen_k, "max_seqlen_k", mask.cu_k)
-    mods = []
+    mods: list[scores.ScoreMod] = []
+    alibi_mod = None
     if softcap:
         mods.append(scores.softcap(softcap))
     if alibi_slopes is not None:
         s = alibi_slopes
         if isinstance(s, torch.Tensor) and s.dim() == 2 and s.shape[0] != mask.cu_q.numel() - 1:
-            raise ValueError(f"alibi_slopes: (num_seqs, H) slopes of shape {tuple(s.shape)} for "
-                             f"{mask.cu_q.numel() - 1} sequences")
-        mods.append(scores.alibi(s, symmetric=True))
+            raise ValueError(
+                f"alibi_slopes: (num_seqs, H) slopes of shape {tuple(s.shape)} for {mask.cu_q.numel() - 1} sequences"
+            )
+        alibi_mod = scores.alibi(s, symmetric=True)
+        mods.append(alibi_mod)
     mod = None
     if mods:
         inner = mods[0] if len(mods) == 1 else scores.compose(*mods)
         mod = _LocalPositions(inner, mask)
-        if alibi_slopes is not None:  # validate the slopes against H (the sequence index is b)
-            sl = mods[-1].slopes
+        if alibi_mod is not None:  # validate the slopes against H (the sequence index is b)
+            sl = alibi_mod.slopes
             if sl.shape[-1] != q.shape[1]:
                 raise ValueError(f"alibi_slopes: {sl.shape[-1]} slopes for H={q.shape[1]} query heads")
-    kernel_mask = mask
+    kernel_mask: masks.Mask | masks.BlockMask = mask
     if backend == "flash" and total_q and total_k:  # exact tile states, tiles chosen for the packed problem
         kernel_mask = varlen_block_mask(mask, q.shape[1], q.shape[2], q.dtype, q.device)
-    res = attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask=kernel_mask, score_mod=mod, scale=softmax_scale,
-                    q_offset=0, kv_offset=0, return_lse=True, backend=backend, layout="bnhd", dropout_p=dropout_p,
-                    dropout_seed=dropout_seed)
+    res = attention(
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        mask=kernel_mask,
+        score_mod=mod,
+        scale=softmax_scale,
+        q_offset=0,
+        kv_offset=0,
+        return_lse=True,
+        backend=backend,
+        layout="bnhd",
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+    )
     out, lse = res[0][0], res[1][0]
     if return_attn_probs:
         return out, lse, None

@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.masks import EMPTY, FULL, PARTIAL, BlockMask
-from attnlab.masks import cache as mask_cache
+from attnlab.masks import EMPTY, FULL, PARTIAL, BlockMask, cache as mask_cache
 from attnlab.ops.tiles import tile_candidates
 
 _CHUNK = 1 << 22  # tile-rows x tile-cols x sequences evaluated at once

@@ -22,7 +22,9 @@ def to_numpy(x, name: str) -> np.ndarray:
     try:
         return np.asarray(x)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"{name}: could not read as an array ({e}); pass a tensor, an array or a rectangular list") from None
+        raise ValueError(
+            f"{name}: could not read as an array ({e}); pass a tensor, an array or a rectangular list"
+        ) from None
 
 
 def to_float_array(x, name: str, ndim: int | tuple[int, ...]) -> np.ndarray:

@@ -101,8 +101,17 @@ class Report:
         """
         return self._add(table_html(columns, rows, caption=caption, highlight=highlight, fmt=fmt))
 
-    def head_grid(self, scores, *, title: str, row_label: str = "layer", col_label: str = "head",
-                  fmt: str = ".2f", vmin: float | None = None, vmax: float | None = None) -> Report:
+    def head_grid(
+        self,
+        scores,
+        *,
+        title: str,
+        row_label: str = "layer",
+        col_label: str = "head",
+        fmt: str = ".2f",
+        vmin: float | None = None,
+        vmax: float | None = None,
+    ) -> Report:
         """A ``[L, H]`` tensor/array (e.g. a detector's score per head) as a coloured grid.
 
         Also takes a :class:`~attnlab.interp.detectors.HeadScores` or a result with named axes
@@ -111,13 +120,33 @@ class Report:
         The colour scale spans the data (or ``vmin``..``vmax``); signed data get a diverging
         scale centred on 0.  Each cell shows its value with ``fmt``; NaN cells are grey.
         """
-        return self._add(head_grid_html(as_scores(scores), title=_title(title, "title"), row_label=row_label,
-                                        col_label=col_label, fmt=fmt, vmin=vmin, vmax=vmax,
-                                        fig_id=self._fig_id(title)))
+        return self._add(
+            head_grid_html(
+                as_scores(scores),
+                title=_title(title, "title"),
+                row_label=row_label,
+                col_label=col_label,
+                fmt=fmt,
+                vmin=vmin,
+                vmax=vmax,
+                fig_id=self._fig_id(title),
+            )
+        )
 
     # -- heatmaps ----------------------------------------------------------------------
-    def heatmaps(self, patterns, tokens_q=None, tokens_k=None, *, title: str, labels=None,
-                 floor: float = 1e-5, color: str = "sqrt", pool: str = "max", batch: int | None = None) -> Report:
+    def heatmaps(
+        self,
+        patterns,
+        tokens_q=None,
+        tokens_k=None,
+        *,
+        title: str,
+        labels=None,
+        floor: float = 1e-5,
+        color: str = "sqrt",
+        pool: str = "max",
+        batch: int | None = None,
+    ) -> Report:
         """Attention patterns as an interactive canvas heatmap with a layer/head selector.
 
         ``patterns``: ``[L, H, Nq, Nk]`` (or ``[H, Nq, Nk]``, ``[Nq, Nk]``, or a list of
@@ -133,11 +162,32 @@ class Report:
         for views larger than the canvas.  All are switchable in the page.
         """
         self._has_heatmap = True
-        return self._add(heatmap_html(as_patterns(patterns, batch), tokens_q, tokens_k, title=_title(title, "title"), labels=labels,
-                                      floor=floor, color=color, pool=pool, fig_id=self._fig_id(title)))
+        return self._add(
+            heatmap_html(
+                as_patterns(patterns, batch),
+                tokens_q,
+                tokens_k,
+                title=_title(title, "title"),
+                labels=labels,
+                floor=floor,
+                color=color,
+                pool=pool,
+                fig_id=self._fig_id(title),
+            )
+        )
 
-    def token_view(self, patterns, tokens_q, tokens_k=None, *, title: str, layer: int = 0, head=0, labels=None,
-                   batch: int | None = None) -> Report:
+    def token_view(
+        self,
+        patterns,
+        tokens_q,
+        tokens_k=None,
+        *,
+        title: str,
+        layer: int = 0,
+        head=0,
+        labels=None,
+        batch: int | None = None,
+    ) -> Report:
         """bertviz-style token-to-token view: queries left, keys right, a line per pair with
         opacity = weight, for the selected layer and head (selectors in the page, hover a
         token to isolate its lines and list its strongest partners).
@@ -148,27 +198,44 @@ class Report:
         view).  Up to :data:`attnlab.report.token_view.MAX_TOKENS` tokens.
         """
         self._has_token_view = True
-        return self._add(token_view_html(as_patterns(patterns, batch), tokens_q, tokens_k, title=_title(title, "title"),
-                                         fig_id=self._fig_id(title), layer=layer, head=head, labels=labels))
+        return self._add(
+            token_view_html(
+                as_patterns(patterns, batch),
+                tokens_q,
+                tokens_k,
+                title=_title(title, "title"),
+                fig_id=self._fig_id(title),
+                layer=layer,
+                head=head,
+                labels=labels,
+            )
+        )
 
-    def head_view(self, patterns, tokens_q, tokens_k=None, *, title: str, layer: int = 0, labels=None,
-                  batch: int | None = None) -> Report:
+    def head_view(
+        self, patterns, tokens_q, tokens_k=None, *, title: str, layer: int = 0, labels=None, batch: int | None = None
+    ) -> Report:
         """bertviz's head view: :meth:`token_view` with every head of ``layer`` overlaid,
         one colour per head (pick one head in the page)."""
-        return self.token_view(patterns, tokens_q, tokens_k, title=title, layer=layer, head="all", labels=labels,
-                               batch=batch)
+        return self.token_view(
+            patterns, tokens_q, tokens_k, title=title, layer=layer, head="all", labels=labels, batch=batch
+        )
 
     # -- plots -------------------------------------------------------------------------
-    def line_plot(self, series, *, title: str, x_label: str, y_label: str, log_y: bool = False, x=None,
-                  log_x: bool = False) -> Report:
+    def line_plot(
+        self, series, *, title: str, x_label: str, y_label: str, log_y: bool = False, x=None, log_x: bool = False
+    ) -> Report:
         """An SVG line plot.
 
         ``series``: ``{name: ys}`` (x = ``x`` if given, else 0, 1, …) or ``{name: (xs, ys)}``;
         a bare 1-D sequence is one unnamed series.  NaN in ``ys`` leaves a gap.  ``log_y`` /
         ``log_x`` need positive values.
         """
-        return self._add(self._figure(title, line_plot_svg(series, title=title, x_label=x_label,
-                                                           y_label=y_label, log_y=log_y, x=x, log_x=log_x)))
+        return self._add(
+            self._figure(
+                title,
+                line_plot_svg(series, title=title, x_label=x_label, y_label=y_label, log_y=log_y, x=x, log_x=log_x),
+            )
+        )
 
     def bar_plot(self, values, *, title: str, x_label: str, y_label: str, labels=None, log_y: bool = False) -> Report:
         """An SVG bar plot: ``values`` is one 1-D sequence, or ``{series: values}`` for grouped bars.
@@ -176,8 +243,11 @@ class Report:
         ``labels`` names the bars (default 0, 1, …), e.g. the singular values of a circuit
         per head: ``r.bar_plot({"L1H6": s1, "L5H1": s2}, labels=range(1, 9), ...)``.
         """
-        return self._add(self._figure(title, bar_plot_svg(values, title=title, labels=labels, x_label=x_label,
-                                                          y_label=y_label, log_y=log_y)))
+        return self._add(
+            self._figure(
+                title, bar_plot_svg(values, title=title, labels=labels, x_label=x_label, y_label=y_label, log_y=log_y)
+            )
+        )
 
     def _figure(self, title: str, svg: str) -> str:
         fid = self._fig_id(_title(title, "title"))
@@ -188,17 +258,26 @@ class Report:
         """The whole page as a string."""
         from attnlab import __version__
 
-        body = ['<section class="al-section al-intro">\n' + "\n".join(self._root) + "\n</section>"] if self._root else []
+        body = (
+            ['<section class="al-section al-intro">\n' + "\n".join(self._root) + "\n</section>"] if self._root else []
+        )
         for sid, title, blocks in self._sections:
-            body.append(f'<section class="al-section" id="{sid}"><h2>{esc(title)}</h2>\n' + "\n".join(blocks)
-                        + "\n</section>")
+            body.append(
+                f'<section class="al-section" id="{sid}"><h2>{esc(title)}</h2>\n' + "\n".join(blocks) + "\n</section>"
+            )
         toc = ""
         if len(self._sections) >= 2:
             links = "".join(f'<li><a href="#{sid}">{esc(t)}</a></li>' for sid, t, _ in self._sections)
             toc = f'<nav class="al-toc" aria-label="Contents"><ol>{links}</ol></nav>\n'
-        return page(title=self.title, subtitle=self.subtitle, toc=toc, body="\n".join(body), css=CSS,
-                    scripts=([HEATMAP_JS] if self._has_heatmap else []) + ([TOKEN_VIEW_JS] if self._has_token_view else []),
-                    generator=f"attnlab {__version__}")
+        return page(
+            title=self.title,
+            subtitle=self.subtitle,
+            toc=toc,
+            body="\n".join(body),
+            css=CSS,
+            scripts=([HEATMAP_JS] if self._has_heatmap else []) + ([TOKEN_VIEW_JS] if self._has_token_view else []),
+            generator=f"attnlab {__version__}",
+        )
 
     def write(self, path: str | os.PathLike) -> Path:
         """Write the page to ``path`` (UTF-8; parent folders are created) and return the path."""
@@ -211,5 +290,7 @@ class Report:
 
     def _repr_html_(self) -> str:  # notebooks: show an iframe-free summary, not the full page
         n = sum(len(b) for _, _, b in self._sections) + len(self._root)
-        return f"<p>attnlab Report <strong>{esc(self.title)}</strong>: {len(self._sections)} sections, {n} blocks; " \
-               "call <code>.write('report.html')</code> and open the file.</p>"
+        return (
+            f"<p>attnlab Report <strong>{esc(self.title)}</strong>: {len(self._sections)} sections, {n} blocks; "
+            "call <code>.write('report.html')</code> and open the file.</p>"
+        )

@@ -108,9 +108,13 @@ def _png_palette(idx: np.ndarray, palette: list[tuple[int, int, int]]) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
     raw = b"".join(b"\x00" + row.tobytes() for row in np.ascontiguousarray(idx, dtype=np.uint8))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 3, 0, 0, 0))
-            + chunk(b"PLTE", bytes(c for rgb in palette for c in rgb))
-            + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 3, 0, 0, 0))
+        + chunk(b"PLTE", bytes(c for rgb in palette for c in rgb))
+        + chunk(b"IDAT", zlib.compress(raw, 9))
+        + chunk(b"IEND", b"")
+    )
 
 
 def _as_array(x, name: str) -> np.ndarray:
@@ -123,7 +127,11 @@ def _as_array(x, name: str) -> np.ndarray:
             x = x.float()
         return x.numpy()
     a = to_numpy(x, name)
-    if a.dtype == object or a.dtype == bool or not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)):
+    if (
+        a.dtype == object
+        or a.dtype == bool
+        or not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating))
+    ):
         raise ValueError(f"{name}: expected real numbers, got an array of dtype {a.dtype}")
     return a
 
@@ -139,8 +147,9 @@ def normalize_patterns(patterns) -> list[np.ndarray]:
             for i, p in enumerate(layers):
                 if p.ndim != 3:
                     hint = " (a batch dimension? pass p[0] for one sequence)" if p.ndim == 4 else ""
-                    raise ValueError(f"patterns[{i}]: expected a [H, Nq, Nk] tensor per layer, got shape "
-                                     f"{tuple(p.shape)}{hint}")
+                    raise ValueError(
+                        f"patterns[{i}]: expected a [H, Nq, Nk] tensor per layer, got shape {tuple(p.shape)}{hint}"
+                    )
             return _check(layers)
     else:
         layers = [_as_array(patterns, "patterns")]
@@ -151,16 +160,20 @@ def normalize_patterns(patterns) -> list[np.ndarray]:
         return _check([t])
     if t.ndim == 2:
         return _check([t[None]])
-    raise ValueError(f"patterns: expected [L, H, Nq, Nk] (or [H, Nq, Nk], [Nq, Nk], or a list of [H, Nq, Nk]), "
-                     f"got shape {tuple(t.shape)}")
+    raise ValueError(
+        f"patterns: expected [L, H, Nq, Nk] (or [H, Nq, Nk], [Nq, Nk], or a list of [H, Nq, Nk]), "
+        f"got shape {tuple(t.shape)}"
+    )
 
 
 def _check(layers: list[np.ndarray]) -> list[np.ndarray]:
     nq, nk = layers[0].shape[-2:]
     for i, p in enumerate(layers):
         if tuple(p.shape[-2:]) != (nq, nk):
-            raise ValueError(f"patterns: layer {i} has Nq×Nk = {tuple(p.shape[-2:])}, layer 0 has {(nq, nk)}; "
-                             "all layers must share one sequence")
+            raise ValueError(
+                f"patterns: layer {i} has Nq×Nk = {tuple(p.shape[-2:])}, layer 0 has {(nq, nk)}; "
+                "all layers must share one sequence"
+            )
         if p.shape[0] == 0 or nq == 0 or nk == 0:
             raise ValueError(f"patterns: layer {i} has an empty dimension, shape {tuple(p.shape)}")
         for h, x in enumerate(p):  # per head: no layer-sized temporaries
@@ -170,8 +183,10 @@ def _check(layers: list[np.ndarray]) -> list[np.ndarray]:
                     raise ValueError(f"patterns: layer {i} head {h} has {bad} NaN/infinite weights")
             lo = x.min()
             if lo < 0:
-                raise ValueError(f"patterns: layer {i} head {h} has {int(np.count_nonzero(x < 0))} negative weights "
-                                 f"(min {float(lo):.4g}); attention heatmaps show non-negative weights")
+                raise ValueError(
+                    f"patterns: layer {i} head {h} has {int(np.count_nonzero(x < 0))} negative weights "
+                    f"(min {float(lo):.4g}); attention heatmaps show non-negative weights"
+                )
     return layers
 
 
@@ -191,18 +206,34 @@ def head_labels(labels, shape: list[int]) -> list[list[str]]:
         return out
     if isinstance(labels, Mapping):
         for key, text in labels.items():
-            if not (isinstance(key, tuple) and len(key) == 2 and 0 <= key[0] < len(shape) and 0 <= key[1] < shape[key[0]]):
-                raise ValueError(f"labels: key {key!r} is not a (layer, head) pair inside {len(shape)} layers "
-                                 f"× {shape} heads")
+            if not (
+                isinstance(key, tuple) and len(key) == 2 and 0 <= key[0] < len(shape) and 0 <= key[1] < shape[key[0]]
+            ):
+                raise ValueError(
+                    f"labels: key {key!r} is not a (layer, head) pair inside {len(shape)} layers × {shape} heads"
+                )
             out[key[0]][key[1]] = str(text)
         return out
     if len(labels) != len(shape) or any(len(row) != h for row, h in zip(labels, shape, strict=True)):
-        raise ValueError(f"labels: expected {len(shape)} rows of {shape} head labels (or a {{(layer, head): text}} dict)")
+        raise ValueError(
+            f"labels: expected {len(shape)} rows of {shape} head labels (or a {{(layer, head): text}} dict)"
+        )
     return [[str(s) for s in row] for row in labels]
 
 
-def heatmap_html(patterns, tokens_q=None, tokens_k=None, *, title: str, labels=None, floor: float = 1e-5,
-                 color: str = "sqrt", pool: str = "max", fig_id: str, level: int = 6) -> str:
+def heatmap_html(
+    patterns,
+    tokens_q=None,
+    tokens_k=None,
+    *,
+    title: str,
+    labels=None,
+    floor: float = 1e-5,
+    color: str = "sqrt",
+    pool: str = "max",
+    fig_id: str,
+    level: int = 6,
+) -> str:
     """The figure for :meth:`attnlab.report.Report.heatmaps`."""
     if not (isinstance(floor, (int, float)) and 0 < floor < 1):
         raise ValueError(f"floor: expected a number in (0, 1), got {floor!r}")
@@ -226,17 +257,32 @@ def heatmap_html(patterns, tokens_q=None, tokens_k=None, *, title: str, labels=N
             codes, top = quantize_log(p[hi], floor)
             b64 = encode_head(codes, level)
             heads.append({"l": li, "h": hi, "top": top, "label": names[li][hi], "n": len(b64)})
-            blocks.append(f'<script type="application/octet-stream" class="al-b64" data-i="{len(blocks)}">{b64}</script>')
+            blocks.append(
+                f'<script type="application/octet-stream" class="al-b64" data-i="{len(blocks)}">{b64}</script>'
+            )
             if not fallback:
                 fallback = _fallback_img(codes, color, floor, title)
-    cfg = {"nq": nq, "nk": nk, "floor": floor, "color": color, "pool": pool, "anchors": SEQUENTIAL,
-           "layers": shape, "heads": heads, "tq": tq, "tk": tk}
-    return (f'<figure class="al-fig al-heat" id="{fig_id}" data-ready="0"><figcaption>{esc(title)}</figcaption>'
-            f'<div class="al-heat-app"></div>'
-            f'<noscript><p class="al-note">The interactive view needs JavaScript; below: layer 0, head 0, '
-            f"max-pooled, no tokens.</p>{fallback}</noscript>"
-            f'<script type="application/json" class="al-config">{json_for_script(cfg)}</script>'
-            + "".join(blocks) + "</figure>")
+    cfg = {
+        "nq": nq,
+        "nk": nk,
+        "floor": floor,
+        "color": color,
+        "pool": pool,
+        "anchors": SEQUENTIAL,
+        "layers": shape,
+        "heads": heads,
+        "tq": tq,
+        "tk": tk,
+    }
+    return (
+        f'<figure class="al-fig al-heat" id="{fig_id}" data-ready="0"><figcaption>{esc(title)}</figcaption>'
+        f'<div class="al-heat-app"></div>'
+        f'<noscript><p class="al-note">The interactive view needs JavaScript; below: layer 0, head 0, '
+        f"max-pooled, no tokens.</p>{fallback}</noscript>"
+        f'<script type="application/json" class="al-config">{json_for_script(cfg)}</script>'
+        + "".join(blocks)
+        + "</figure>"
+    )
 
 
 def _fallback_img(codes: np.ndarray, color: str, floor: float, title: str, side: int = 256) -> str:

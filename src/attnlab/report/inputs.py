@@ -45,8 +45,10 @@ def _pick(x, batch, what):
     B = x.shape[0]
     if batch is None:
         if B != 1:
-            raise ValueError(f"batch: {what} holds a batch of {B} sequences; pass batch= (an int in [-{B}, {B})) "
-                             "to choose the one to show")
+            raise ValueError(
+                f"batch: {what} holds a batch of {B} sequences; pass batch= (an int in [-{B}, {B})) "
+                "to choose the one to show"
+            )
         return x[0]
     if isinstance(batch, bool) or not isinstance(batch, int) or not -B <= batch < B:
         raise ValueError(f"batch: expected an int in [-{B}, {B}) for {what} with B={B}, got {batch!r}")
@@ -60,8 +62,10 @@ def _cache_patterns(cache):
         return None
     found = sorted((int(m.group(1)), k) for k in keys() if isinstance(k, str) and (m := _PATTERN.match(k)))
     if not found:
-        raise ValueError("patterns: the activation cache holds no blocks.{l}.attn.hook_pattern; run "
-                         "run_with_cache with names_filter including the patterns")
+        raise ValueError(
+            "patterns: the activation cache holds no blocks.{l}.attn.hook_pattern; run "
+            "run_with_cache with names_filter including the patterns"
+        )
     return [cache[k] for _, k in found]
 
 
@@ -69,20 +73,29 @@ def as_patterns(patterns, batch: int | None = None):
     """``patterns`` in a form :func:`attnlab.report.heatmap.normalize_patterns` reads
     (``[L, H, Nq, Nk]`` or a list of per-layer ``[H, Nq, Nk]``); see the module docstring."""
     if hasattr(patterns, "patterns") and callable(patterns.patterns) and hasattr(patterns, "layers"):
-        patterns = patterns.patterns()                                  # a Capture: (L, B, H, N, N)
+        patterns = patterns.patterns()  # a Capture: (L, B, H, N, N)
     per_layer = _cache_patterns(patterns)
     if per_layer is not None:
         return [_pick(p, batch, "the cache's patterns") for p in per_layer]
-    if isinstance(patterns, (list, tuple)) and patterns and hasattr(patterns[0], "shape") \
-            and len(patterns[0].shape) == 4:
+    if (
+        isinstance(patterns, (list, tuple))
+        and patterns
+        and hasattr(patterns[0], "shape")
+        and len(patterns[0].shape) == 4
+    ):
         return [_pick(p, batch, f"patterns[{i}]") for i, p in enumerate(patterns)]
     if hasattr(patterns, "shape") and len(patterns.shape) == 5:
-        return _pick(patterns.transpose(0, 1) if isinstance(patterns, torch.Tensor)
-                     else np.swapaxes(np.asarray(patterns), 0, 1), batch, "patterns (L, B, H, Nq, Nk)")
+        return _pick(
+            patterns.transpose(0, 1) if isinstance(patterns, torch.Tensor) else np.swapaxes(np.asarray(patterns), 0, 1),
+            batch,
+            "patterns (L, B, H, Nq, Nk)",
+        )
     if batch is not None:
         shape = tuple(getattr(patterns, "shape", ()))
-        raise ValueError(f"batch: patterns of shape {shape} have no batch axis (a 4-D tensor is [L, H, Nq, Nk]); "
-                         "pass (L, B, H, Nq, Nk), a list of per-layer (B, H, Nq, Nk), a Capture or a cache")
+        raise ValueError(
+            f"batch: patterns of shape {shape} have no batch axis (a 4-D tensor is [L, H, Nq, Nk]); "
+            "pass (L, B, H, Nq, Nk), a list of per-layer (B, H, Nq, Nk), a Capture or a cache"
+        )
     return patterns
 
 
@@ -91,8 +104,10 @@ def as_scores(scores):
     if hasattr(scores, "values") and hasattr(scores, "axes") and not isinstance(scores, dict):
         axes = tuple(scores.axes)
         if len(axes) != 2:
-            raise ValueError(f"scores: a result with axes {axes} is not a 2-D [layer, head] table; select one "
-                             "index of the other axes first")
+            raise ValueError(
+                f"scores: a result with axes {axes} is not a 2-D [layer, head] table; select one "
+                "index of the other axes first"
+            )
         return to_numpy(scores.values, "scores")
     if hasattr(scores, "scores") and hasattr(scores, "layers"):
         return to_numpy(scores.scores, "scores")

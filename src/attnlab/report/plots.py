@@ -74,7 +74,7 @@ def linear_ticks(lo: float, hi: float, n: int = 6) -> tuple[float, float, list[f
 
 def _pow10(e: int, mult: int = 1) -> str:
     if -3 <= e <= 3:
-        v = mult * 10.0 ** e
+        v = mult * 10.0**e
         return f"{v:.{max(0, -e)}f}"
     return (f"{mult}×" if mult != 1 else "") + "10" + str(e).translate(_SUP)
 
@@ -98,15 +98,15 @@ def log_ticks(lo: float, hi: float) -> tuple[float, float, list[float], list[str
     ticks, labels = [], []
     for e in range(e0, e1 + 1):
         if (e - e0) % stride == 0:
-            ticks.append(10.0 ** e)
+            ticks.append(10.0**e)
             labels.append(_pow10(e))
         if span <= 2 and e < e1:
             for m in (2, 5):
-                ticks.append(m * 10.0 ** e)
+                ticks.append(m * 10.0**e)
                 labels.append(_pow10(e, m))
-    minor = [m * 10.0 ** e for e in range(e0, e1) for m in range(2, 10)] if span <= 6 else []
+    minor = [m * 10.0**e for e in range(e0, e1) for m in range(2, 10)] if span <= 6 else []
     order = sorted(range(len(ticks)), key=ticks.__getitem__)
-    return 10.0 ** e0, 10.0 ** e1, [ticks[i] for i in order], [labels[i] for i in order], minor
+    return 10.0**e0, 10.0**e1, [ticks[i] for i in order], [labels[i] for i in order], minor
 
 
 class _Axis:
@@ -145,8 +145,10 @@ def _marker(kind: int, x: float, y: float, color: str, tip: str) -> str:
     elif kind == 3:
         pts = f"{_n(x)},{_n(y - r * 1.3)} {_n(x + r * 1.1)},{_n(y)} {_n(x)},{_n(y + r * 1.3)} {_n(x - r * 1.1)},{_n(y)}"
     else:
-        return (f'<path d="M{_n(x - r)} {_n(y - r)}L{_n(x + r)} {_n(y + r)}M{_n(x - r)} {_n(y + r)}L{_n(x + r)} '
-                f'{_n(y - r)}" stroke="{color}" stroke-width="2">{t}</path>')
+        return (
+            f'<path d="M{_n(x - r)} {_n(y - r)}L{_n(x + r)} {_n(y + r)}M{_n(x - r)} {_n(y + r)}L{_n(x + r)} '
+            f'{_n(y - r)}" stroke="{color}" stroke-width="2">{t}</path>'
+        )
     return f'<polygon points="{pts}" fill="{color}">{t}</polygon>'
 
 
@@ -173,19 +175,27 @@ def _frame(xa: _Axis, ya: _Axis, x_label, y_label, title, *, x_cat=None, vgrid=T
     o.append(f'<path class="al-axis" d="M{_n(L)} {_n(T)}V{_n(B)}H{_n(R)}"/>')
     for v, s in zip(ya.ticks, ya.labels, strict=True):
         y = ya(v)
-        o.append(f'<line class="al-axis" x1="{_n(L - 5)}" x2="{_n(L)}" y1="{_n(y)}" y2="{_n(y)}"/>'
-                 f'<text x="{_n(L - 8)}" y="{_n(y + 4)}" text-anchor="end">{esc(s)}</text>')
+        o.append(
+            f'<line class="al-axis" x1="{_n(L - 5)}" x2="{_n(L)}" y1="{_n(y)}" y2="{_n(y)}"/>'
+            f'<text x="{_n(L - 8)}" y="{_n(y + 4)}" text-anchor="end">{esc(s)}</text>'
+        )
     if x_cat is None:
         for v, s in zip(xa.ticks, xa.labels, strict=True):
             x = xa(v)
-            o.append(f'<line class="al-axis" x1="{_n(x)}" x2="{_n(x)}" y1="{_n(B)}" y2="{_n(B + 5)}"/>'
-                     f'<text x="{_n(x)}" y="{_n(B + 19)}" text-anchor="middle">{esc(s)}</text>')
+            o.append(
+                f'<line class="al-axis" x1="{_n(x)}" x2="{_n(x)}" y1="{_n(B)}" y2="{_n(B + 5)}"/>'
+                f'<text x="{_n(x)}" y="{_n(B + 19)}" text-anchor="middle">{esc(s)}</text>'
+            )
     ylw = max((_tw(s) for s in ya.labels), default=0)
-    o.append(f'<text class="al-axis-label" x="{_n((L + R) / 2)}" y="{_n(xlabel_y or B + 40)}" '
-             f'text-anchor="middle">{esc(x_label)}</text>')
+    o.append(
+        f'<text class="al-axis-label" x="{_n((L + R) / 2)}" y="{_n(xlabel_y or B + 40)}" '
+        f'text-anchor="middle">{esc(x_label)}</text>'
+    )
     yx = max(14.0, L - ylw - 22)
-    o.append(f'<text class="al-axis-label" transform="translate({_n(yx)} {_n((T + B) / 2)}) rotate(-90)" '
-             f'text-anchor="middle">{esc(y_label)}</text>')
+    o.append(
+        f'<text class="al-axis-label" transform="translate({_n(yx)} {_n((T + B) / 2)}) rotate(-90)" '
+        f'text-anchor="middle">{esc(y_label)}</text>'
+    )
     return o
 
 
@@ -195,7 +205,7 @@ def _legend(names: list[str], x: float, y: float, line: bool, markers: bool) -> 
         yy = y + i * 20
         short = name if len(name) <= 28 else name[:27] + "…"
         sw = _legend_swatch(i, x, yy, series_color(i), line, markers)
-        o.append(f"{sw}<text x=\"{_n(x + 28)}\" y=\"{_n(yy + 4)}\"><title>{esc(name)}</title>{esc(short)}</text>")
+        o.append(f'{sw}<text x="{_n(x + 28)}" y="{_n(yy + 4)}"><title>{esc(name)}</title>{esc(short)}</text>')
     o.append("</g>")
     return o
 
@@ -227,8 +237,10 @@ def _series(series, x, log_y: bool, log_x: bool) -> list[tuple[str, np.ndarray, 
             raise ValueError(f"{what}: contains infinities (or NaN x); NaN y values are allowed and leave a gap")
         ok = ~np.isnan(ys)
         if log_y and (ys[ok] <= 0).any():
-            raise ValueError(f"{what}: log_y=True needs positive y values, got min {ys[ok].min():.4g}; "
-                             "drop or clip the non-positive values first")
+            raise ValueError(
+                f"{what}: log_y=True needs positive y values, got min {ys[ok].min():.4g}; "
+                "drop or clip the non-positive values first"
+            )
         if log_x and (xs <= 0).any():
             raise ValueError(f"{what}: log_x=True needs positive x values, got min {xs.min():.4g}")
         out.append((str(name), xs, ys))
@@ -359,15 +371,19 @@ def bar_plot_svg(values, *, title, labels=None, x_label, y_label, log_y=False) -
         for j, (name, v) in enumerate(data):
             y = ya(float(v[i]))
             tip = (f"{name} · " if name else "") + f"{labels[i]}: {_g(float(v[i]))}"
-            o.append(f'<rect x="{_n(x0 + j * bw)}" y="{_n(min(y, base))}" width="{_n(max(bw - (1 if bw > 4 else 0), 0.5))}" '
-                     f'height="{_n(max(abs(base - y), 0.5))}" fill="{series_color(j)}"><title>{esc(tip)}</title></rect>')
+            o.append(
+                f'<rect x="{_n(x0 + j * bw)}" y="{_n(min(y, base))}" width="{_n(max(bw - (1 if bw > 4 else 0), 0.5))}" '
+                f'height="{_n(max(abs(base - y), 0.5))}" fill="{series_color(j)}"><title>{esc(tip)}</title></rect>'
+            )
         if i % every == 0:
             cx = left + (i + 0.5) * band
             o.append(f'<line class="al-axis" x1="{_n(cx)}" x2="{_n(cx)}" y1="{_n(bottom)}" y2="{_n(bottom + 4)}"/>')
             short = labels[i] if len(labels[i]) <= 18 else labels[i][:17] + "…"
             if rotate:
-                o.append(f'<text transform="translate({_n(cx + 4)} {_n(bottom + 14)}) rotate(-40)" text-anchor="end">'
-                         f"{esc(short)}</text>")
+                o.append(
+                    f'<text transform="translate({_n(cx + 4)} {_n(bottom + 14)}) rotate(-40)" text-anchor="end">'
+                    f"{esc(short)}</text>"
+                )
             else:
                 o.append(f'<text x="{_n(cx)}" y="{_n(bottom + 19)}" text-anchor="middle">{esc(short)}</text>')
     if n * m <= 12 and bw >= 30:
@@ -376,7 +392,9 @@ def bar_plot_svg(values, *, title, labels=None, x_label, y_label, log_y=False) -
                 cx = left + i * band + (band - gw) / 2 + (j + 0.5) * bw
                 y = ya(float(v[i]))
                 ty = min(y, base) - 5 if v[i] >= 0 or log_y else max(y, base) + 14
-                o.append(f'<text class="al-value" x="{_n(cx)}" y="{_n(ty)}" text-anchor="middle">{esc(_g(float(v[i])))}</text>')
+                o.append(
+                    f'<text class="al-value" x="{_n(cx)}" y="{_n(ty)}" text-anchor="middle">{esc(_g(float(v[i])))}</text>'
+                )
     if log_y is False and ya.d0 < 0 < ya.d1:
         o.append(f'<line class="al-zero" x1="{_n(left)}" x2="{_n(right)}" y1="{_n(ya(0.0))}" y2="{_n(ya(0.0))}"/>')
     if show_legend:

@@ -164,17 +164,22 @@ def table_html(columns, rows, *, caption=None, highlight=None, fmt=None) -> str:
                 raise ValueError(f"highlight: column {columns[j]!r} has no numbers to colour")
             scales[j] = Scale(nums)
     numeric = [bool(c) and all(_is_num(scalar(v)) or v is None for v in c) for c in cols]
-    head = "".join(f'<th scope="col"{" class=al-num" if numeric[j] else ""}>{esc(c)}</th>' for j, c in enumerate(columns))
+    head = "".join(
+        f'<th scope="col"{" class=al-num" if numeric[j] else ""}>{esc(c)}</th>' for j, c in enumerate(columns)
+    )
     body = "\n".join(
         "<tr>" + "".join(_cell(v, formatters[j], scales.get(j)) for j, v in enumerate(r)) + "</tr>" for r in rows
     )
     cap = f"<caption>{esc(caption)}</caption>" if caption else ""
-    return (f'<div class="al-table-wrap"><table class="al-table">{cap}<thead><tr>{head}</tr></thead>'
-            f"<tbody>\n{body}\n</tbody></table></div>")
+    return (
+        f'<div class="al-table-wrap"><table class="al-table">{cap}<thead><tr>{head}</tr></thead>'
+        f"<tbody>\n{body}\n</tbody></table></div>"
+    )
 
 
-def head_grid_html(scores, *, title, row_label="layer", col_label="head", fmt=".2f", vmin=None, vmax=None,
-                   fig_id: str) -> str:
+def head_grid_html(
+    scores, *, title, row_label="layer", col_label="head", fmt=".2f", vmin=None, vmax=None, fig_id: str
+) -> str:
     """A coloured [rows, cols] grid of numbers; see :meth:`attnlab.report.Report.head_grid`."""
     a = to_float_array(scores, "scores", 2)
     if a.size == 0:
@@ -196,12 +201,18 @@ def head_grid_html(scores, *, title, row_label="layer", col_label="head", fmt=".
             if rgb is None:
                 cells.append(f'<td class="al-nan" title="{tip}">{_nonfinite(v)}</td>')
             else:
-                cells.append(f'<td style="background:{css_rgb(rgb)};color:{text_on(rgb)}" title="{tip}">'
-                             f"{esc(format(v, fmt))}</td>")
+                cells.append(
+                    f'<td style="background:{css_rgb(rgb)};color:{text_on(rgb)}" title="{tip}">'
+                    f"{esc(format(v, fmt))}</td>"
+                )
         rows.append(f'<tr><th scope="row">{esc(row_label)} {i}</th>{"".join(cells)}</tr>')
     lo, hi = format(scale.vmin, fmt), format(scale.vmax, fmt)
-    legend = (f'<div class="al-legend-bar"><span>{esc(lo)}</span><span class="al-bar" '
-              f'style="background:{scale.gradient_css()}"></span><span>{esc(hi)}</span></div>')
-    return (f'<figure class="al-fig al-grid-fig" id="{fig_id}"><figcaption>{esc(title)}</figcaption>'
-            f'<div class="al-table-wrap"><table class="al-grid"><thead><tr><th></th>{head}</tr></thead>'
-            f"<tbody>{''.join(rows)}</tbody></table></div>{legend}</figure>")
+    legend = (
+        f'<div class="al-legend-bar"><span>{esc(lo)}</span><span class="al-bar" '
+        f'style="background:{scale.gradient_css()}"></span><span>{esc(hi)}</span></div>'
+    )
+    return (
+        f'<figure class="al-fig al-grid-fig" id="{fig_id}"><figcaption>{esc(title)}</figcaption>'
+        f'<div class="al-table-wrap"><table class="al-grid"><thead><tr><th></th>{head}</tr></thead>'
+        f"<tbody>{''.join(rows)}</tbody></table></div>{legend}</figure>"
+    )

@@ -8,6 +8,19 @@ from attnlab.train.data import TokenStream, associative_recall, repeated_sequenc
 from attnlab.train.loop import TrainConfig, TrainResult, evaluate, lr_at, train
 from attnlab.train.tokenizer import ByteBPE, ByteTokenizer, stdlib_corpus
 
-__all__ = ["ByteBPE", "ByteTokenizer", "stdlib_corpus", "TokenStream", "repeated_sequences", "associative_recall",
-           "TrainConfig", "TrainResult", "train", "evaluate", "lr_at", "save_checkpoint", "load_checkpoint",
-           "latest_checkpoint"]
+__all__ = [
+    "ByteBPE",
+    "ByteTokenizer",
+    "stdlib_corpus",
+    "TokenStream",
+    "repeated_sequences",
+    "associative_recall",
+    "TrainConfig",
+    "TrainResult",
+    "train",
+    "evaluate",
+    "lr_at",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+]

@@ -106,7 +106,7 @@ def recover(dst, marker: str | None = None) -> Path:
         return dst
     try:
         os.replace(bak, dst)
-    except FileNotFoundError:            # another process recovered it first
+    except FileNotFoundError:  # another process recovered it first
         return dst
     except OSError:
         return bak if _is_complete(bak, marker) else dst
@@ -115,7 +115,7 @@ def recover(dst, marker: str | None = None) -> Path:
 
 
 def _pid_alive(pid: int) -> bool:
-    if os.name == "nt":          # os.kill(pid, 0) would send CTRL_C_EVENT there: assume alive
+    if os.name == "nt":  # os.kill(pid, 0) would send CTRL_C_EVENT there: assume alive
         return True
     try:
         os.kill(pid, 0)
@@ -171,17 +171,17 @@ def replace_folder(dst, write: Callable[[Path], None], *, marker: str | None = N
         _fsync_tree(tmp)
         bak = backup_path(dst)
         if os.path.lexists(bak):
-            if not os.path.lexists(dst) and _is_complete(bak, marker):   # recover() could not rename it
+            if not os.path.lexists(dst) and _is_complete(bak, marker):  # recover() could not rename it
                 raise OSError(f"{dst}: missing, and its backup {bak} cannot be restored")
-            _discard(bak, dst.name)      # stale (dst is complete), or the backup of an empty folder
+            _discard(bak, dst.name)  # stale (dst is complete), or the backup of an empty folder
         had_old = os.path.lexists(dst)
         if had_old:
-            os.replace(dst, bak)     # same folder as the next rename: one fsync makes both durable
+            os.replace(dst, bak)  # same folder as the next rename: one fsync makes both durable
         os.replace(tmp, dst)
         fsync_dir(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        recover(dst, marker)             # interrupted between 3 and 4: put the old folder back now
+        recover(dst, marker)  # interrupted between 3 and 4: put the old folder back now
         raise
     if had_old:
         _discard(bak, dst.name)

@@ -65,15 +65,26 @@ from attnlab.train.atomic import recover, replace_folder, write_bytes
 from attnlab.train.optim_state import check_optimizer_state
 from attnlab.train.tensor_files import read_tensors, safetensors_module, write_tensors
 
-__all__ = ["CheckpointError", "CheckpointInfo", "PendingLoad", "save_checkpoint", "prepare_load", "load_checkpoint",
-           "latest_checkpoint", "MODEL_FILE", "OPTIMIZER_FILE", "TRAINER_FILE", "TRAINER_JSON"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "PendingLoad",
+    "save_checkpoint",
+    "prepare_load",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "MODEL_FILE",
+    "OPTIMIZER_FILE",
+    "TRAINER_FILE",
+    "TRAINER_JSON",
+]
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 TRAINER_FILE = "trainer.safetensors"
 TRAINER_JSON = "trainer.json"
 FORMAT = "attnlab.train.checkpoint"
-VERSION = 2                 # 2: trainer.json's CRC-32 in trainer.safetensors (1 still loads)
+VERSION = 2  # 2: trainer.json's CRC-32 in trainer.safetensors (1 still loads)
 VERSIONS = (1, 2)
 _ALIAS_KEY = "attnlab.aliases"
 _RNG = "rng.torch_cpu"
@@ -86,6 +97,7 @@ class CheckpointInfo:
 
     ``rng_state`` is torch's CPU RNG state at save time (a uint8 tensor for
     ``torch.set_rng_state``); ``meta`` is the whole of ``trainer.json``."""
+
     path: Path
     step: int
     extra: dict
@@ -94,6 +106,7 @@ class CheckpointInfo:
 
 
 # -- small helpers ------------------------------------------------------------------
+
 
 def _storage_key(t: torch.Tensor):
     ptr = t.untyped_storage().data_ptr()
@@ -114,8 +127,10 @@ def _to_json(v, where: str):
         if not all(isinstance(k, str) for k in v):
             raise TypeError(f"{where}: dict keys must be str to go into {TRAINER_JSON}")
         return {k: _to_json(x, f"{where}.{k}") for k, x in v.items()}
-    raise TypeError(f"{where}: a {type(v).__name__} cannot be stored in {TRAINER_JSON} (tensors go into "
-                    f"the safetensors files; other values must be JSON: None, bool, int, float, str, list, dict)")
+    raise TypeError(
+        f"{where}: a {type(v).__name__} cannot be stored in {TRAINER_JSON} (tensors go into "
+        f"the safetensors files; other values must be JSON: None, bool, int, float, str, list, dict)"
+    )
 
 
 def _from_json(v):
@@ -133,8 +148,9 @@ def _param_names(model: nn.Module | None, optimizer: torch.optim.Optimizer) -> l
     if model is not None:
         for n, p in model.named_parameters(remove_duplicate=True):
             names.setdefault(id(p), n)
-    return [names.get(id(p), f"<param {i}>")
-            for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])]
+    return [
+        names.get(id(p), f"<param {i}>") for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
+    ]
 
 
 def _model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -155,8 +171,10 @@ def _model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
 
 # -- saving ------------------------------------------------------------------------
 
-def save_checkpoint(path_dir, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
-                    extra: dict | None = None) -> Path:
+
+def save_checkpoint(
+    path_dir, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int, extra: dict | None = None
+) -> Path:
     """Write a checkpoint folder at ``path_dir`` (atomically) and return its path.
 
     Args:
@@ -188,9 +206,15 @@ def save_checkpoint(path_dir, model: nn.Module, optimizer: torch.optim.Optimizer
         raise TypeError(f"extra: must be JSON-serialisable ({e})") from None
 
     model_tensors, aliases = _model_tensors(model)
-    meta: dict = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra_json,
-                  "model": {"file": MODEL_FILE, "aliases": aliases}, "optimizer": None,
-                  "rng": {"torch_cpu": _RNG}}
+    meta: dict = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "extra": extra_json,
+        "model": {"file": MODEL_FILE, "aliases": aliases},
+        "optimizer": None,
+        "rng": {"torch_cpu": _RNG},
+    }
     opt_tensors: dict[str, torch.Tensor] = {}
     if optimizer is not None:
         sd = optimizer.state_dict()
@@ -211,8 +235,13 @@ def save_checkpoint(path_dir, model: nn.Module, optimizer: torch.optim.Optimizer
                 else:
                     enc[k] = _to_json(v, f"optimizer param_groups[{g}].{k}")
             groups.append(enc)
-        meta["optimizer"] = {"file": OPTIMIZER_FILE, "class": type(optimizer).__name__, "param_groups": groups,
-                             "state": nontensor, "param_names": _param_names(model, optimizer)}
+        meta["optimizer"] = {
+            "file": OPTIMIZER_FILE,
+            "class": type(optimizer).__name__,
+            "param_groups": groups,
+            "state": nontensor,
+            "param_names": _param_names(model, optimizer),
+        }
     meta_bytes = json.dumps(meta, indent=1, sort_keys=True).encode()
     rng = torch.get_rng_state()
 
@@ -228,12 +257,13 @@ def save_checkpoint(path_dir, model: nn.Module, optimizer: torch.optim.Optimizer
         if optimizer is not None:
             write_tensors(st, tmp / OPTIMIZER_FILE, opt_tensors)
         write_tensors(st, tmp / TRAINER_FILE, {_RNG: rng}, {_JSON_CRC_KEY: str(zlib.crc32(meta_bytes))})
-        write_bytes(tmp / TRAINER_JSON, meta_bytes)          # last: the marker of a complete folder
+        write_bytes(tmp / TRAINER_JSON, meta_bytes)  # last: the marker of a complete folder
 
     return replace_folder(path, write, marker=TRAINER_JSON)
 
 
 # -- trainer.json ------------------------------------------------------------------
+
 
 def _bad(p, field_name: str, got, want: str) -> CheckpointError:
     shown = repr(got) if len(repr(got)) < 60 else f"a {type(got).__name__}"
@@ -248,11 +278,14 @@ def _check_keys(p, d: dict, where: str, required: set, optional: set | frozenset
     missing = sorted(required - set(d))
     unknown = sorted(set(d) - required - set(optional))
     if missing:
-        raise CheckpointError(f"{p}: {where} lacks the field {missing[0]!r}" if where else
-                              f"{p}: missing the field {missing[0]!r}")
+        raise CheckpointError(
+            f"{p}: {where} lacks the field {missing[0]!r}" if where else f"{p}: missing the field {missing[0]!r}"
+        )
     if unknown:
-        raise CheckpointError(f"{p}: unknown field {(where + '.' if where else '') + unknown[0]!r} "
-                              f"(expected {sorted(required | set(optional))})")
+        raise CheckpointError(
+            f"{p}: unknown field {(where + '.' if where else '') + unknown[0]!r} "
+            f"(expected {sorted(required | set(optional))})"
+        )
 
 
 def _check_meta(p: Path, meta) -> dict:
@@ -275,8 +308,9 @@ def _check_meta(p: Path, meta) -> dict:
     _check_keys(p, mm, "model", {"file", "aliases"})
     if mm["file"] != MODEL_FILE:
         raise _bad(p, "model.file", mm["file"], repr(MODEL_FILE))
-    if not isinstance(mm["aliases"], dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                      for k, v in mm["aliases"].items()):
+    if not isinstance(mm["aliases"], dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in mm["aliases"].items()
+    ):
         raise _bad(p, "model.aliases", mm["aliases"], "an object of str -> str")
     if meta["rng"] != {"torch_cpu": _RNG}:
         raise _bad(p, "rng", meta["rng"], repr({"torch_cpu": _RNG}))
@@ -300,8 +334,9 @@ def _check_meta(p: Path, meta) -> dict:
         if not isinstance(ids, list) or not all(_nonneg_int(i) for i in ids):
             raise _bad(p, f"optimizer.param_groups[{g}].params", ids, "a list of ints >= 0")
     state = om["state"]
-    if not isinstance(state, dict) or not all(re.fullmatch(r"0|[1-9][0-9]*", k) and isinstance(v, dict)
-                                              for k, v in state.items()):
+    if not isinstance(state, dict) or not all(
+        re.fullmatch(r"0|[1-9][0-9]*", k) and isinstance(v, dict) for k, v in state.items()
+    ):
         raise _bad(p, "optimizer.state", state, "an object {parameter index: {key: value}}")
     return meta
 
@@ -316,16 +351,18 @@ def _read_meta(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     tensors, tmeta = read_tensors(path / TRAINER_FILE)
     crc = tmeta.get(_JSON_CRC_KEY)
     if crc is not None and (not crc.isdigit() or int(crc) != zlib.crc32(raw)):
-        raise CheckpointError(f"{p}: fails its CRC-32 check (recorded in {TRAINER_FILE}; the file is corrupted "
-                              "or was edited)")
+        raise CheckpointError(
+            f"{p}: fails its CRC-32 check (recorded in {TRAINER_FILE}; the file is corrupted or was edited)"
+        )
     try:
         meta = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{p}: not valid JSON ({e})") from None
     meta = _check_meta(p, meta)
     if crc is None and meta["version"] >= 2:
-        raise CheckpointError(f"{path / TRAINER_FILE}: metadata {_JSON_CRC_KEY!r} (the CRC-32 of {TRAINER_JSON}) "
-                              "is missing")
+        raise CheckpointError(
+            f"{path / TRAINER_FILE}: metadata {_JSON_CRC_KEY!r} (the CRC-32 of {TRAINER_JSON}) is missing"
+        )
     unknown = sorted(set(tensors) - {_RNG})
     if unknown:
         raise CheckpointError(f"{path / TRAINER_FILE}: unexpected tensor {unknown[0]!r} (expected only {_RNG!r})")
@@ -339,8 +376,10 @@ def _check_rng(path: Path, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         raise CheckpointError(f"{where}: no tensor {_RNG!r} (the RNG state)")
     want = torch.get_rng_state()
     if rng.dtype != torch.uint8 or rng.dim() != 1 or rng.numel() != want.numel():
-        raise CheckpointError(f"{where}: tensor {_RNG!r} is {rng.dtype} of shape {tuple(rng.shape)}, expected "
-                              f"uint8 of shape {tuple(want.shape)} (torch's CPU generator state)")
+        raise CheckpointError(
+            f"{where}: tensor {_RNG!r} is {rng.dtype} of shape {tuple(rng.shape)}, expected "
+            f"uint8 of shape {tuple(want.shape)} (torch's CPU generator state)"
+        )
     try:
         torch.Generator().set_state(rng)
     except RuntimeError as e:
@@ -350,10 +389,12 @@ def _check_rng(path: Path, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
 
 # -- loading -----------------------------------------------------------------------
 
+
 def _check_copy(name: str, src: torch.Tensor, dst: torch.Tensor, where: str) -> None:
     if tuple(src.shape) != tuple(dst.shape):
-        raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(src.shape)} in the checkpoint, "
-                              f"expected {tuple(dst.shape)}")
+        raise CheckpointError(
+            f"{where}: tensor {name!r} has shape {tuple(src.shape)} in the checkpoint, expected {tuple(dst.shape)}"
+        )
     if src.dtype != dst.dtype and not (src.dtype.is_floating_point and dst.dtype.is_floating_point):
         raise CheckpointError(f"{where}: tensor {name!r} has dtype {src.dtype} in the checkpoint, expected {dst.dtype}")
 
@@ -369,17 +410,23 @@ def _plan_model(path: Path, model: nn.Module, meta: dict) -> list[tuple[torch.Te
     if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
         raise CheckpointError(f"{where}: metadata {_ALIAS_KEY!r} must be an object of str -> str")
     if aliases != meta["model"]["aliases"]:
-        raise CheckpointError(f"{path}: {TRAINER_JSON} field 'model.aliases' {meta['model']['aliases']} differs from "
-                              f"{MODEL_FILE}'s metadata {aliases}")
+        raise CheckpointError(
+            f"{path}: {TRAINER_JSON} field 'model.aliases' {meta['model']['aliases']} differs from "
+            f"{MODEL_FILE}'s metadata {aliases}"
+        )
     expected = model.state_dict()
     missing = [n for n in expected if n not in tensors and aliases.get(n) not in tensors]
     if missing:
-        raise CheckpointError(f"{where}: missing tensor {missing[0]!r}" +
-                              (f" (and {len(missing) - 1} more: {missing[1:4]})" if len(missing) > 1 else ""))
+        raise CheckpointError(
+            f"{where}: missing tensor {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more: {missing[1:4]})" if len(missing) > 1 else "")
+        )
     unexpected = [n for n in tensors if n not in expected]
     if unexpected:
-        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r} (the model has no such entry)" +
-                              (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+        raise CheckpointError(
+            f"{where}: unexpected tensor {unexpected[0]!r} (the model has no such entry)"
+            + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+        )
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     source_of: dict[tuple, tuple[str, str]] = {}
     for n, dst in expected.items():
@@ -389,8 +436,9 @@ def _plan_model(path: Path, model: nn.Module, meta: dict) -> list[tuple[torch.Te
         if key is not None:
             other = source_of.setdefault(key, (n, src_name))
             if other[1] != src_name and not torch.equal(tensors[other[1]], tensors[src_name]):
-                raise CheckpointError(f"{where}: tensors {other[0]!r} and {n!r} are tied in the model but differ "
-                                      "in the checkpoint")
+                raise CheckpointError(
+                    f"{where}: tensors {other[0]!r} and {n!r} are tied in the model but differ in the checkpoint"
+                )
         pairs.append((dst, tensors[src_name]))
     return pairs
 
@@ -400,18 +448,23 @@ def _plan_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     where = str(path / OPTIMIZER_FILE)
     om = meta["optimizer"]
     if om is None:
-        raise CheckpointError(f"{path}: the checkpoint has no optimizer state, but an optimizer was given "
-                              "(pass optimizer=None to load the model only)")
+        raise CheckpointError(
+            f"{path}: the checkpoint has no optimizer state, but an optimizer was given "
+            "(pass optimizer=None to load the model only)"
+        )
     if om["class"] != type(optimizer).__name__:
-        raise CheckpointError(f"{path}: optimizer class is {om['class']!r} in the checkpoint, "
-                              f"got a {type(optimizer).__name__}")
+        raise CheckpointError(
+            f"{path}: optimizer class is {om['class']!r} in the checkpoint, got a {type(optimizer).__name__}"
+        )
     tensors, _ = read_tensors(path / OPTIMIZER_FILE)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     names = _param_names(model, optimizer)
     saved_names = om["param_names"]
     if len(saved_names) != len(names):
-        raise CheckpointError(f"{path}: {TRAINER_JSON} field 'optimizer.param_names' lists {len(saved_names)} "
-                              f"parameters, the optimizer has {len(names)}")
+        raise CheckpointError(
+            f"{path}: {TRAINER_JSON} field 'optimizer.param_names' lists {len(saved_names)} "
+            f"parameters, the optimizer has {len(names)}"
+        )
     for i, (a, b) in enumerate(zip(saved_names, names, strict=True)):
         if a != b:
             raise CheckpointError(f"{path}: optimizer parameter {i} is {b!r} in the model but {a!r} in the checkpoint")
@@ -428,14 +481,17 @@ def _plan_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             raise CheckpointError(f"{where}: tensor {name!r} refers to parameter {i}, the optimizer has {len(params)}")
         p = params[i]
         if t.dim() > 0 and tuple(t.shape) != tuple(p.shape):
-            raise CheckpointError(f"{where}: tensor {name!r} ({names[i]}) has shape {tuple(t.shape)} in the "
-                                  f"checkpoint, the parameter has {tuple(p.shape)}")
+            raise CheckpointError(
+                f"{where}: tensor {name!r} ({names[i]}) has shape {tuple(t.shape)} in the "
+                f"checkpoint, the parameter has {tuple(p.shape)}"
+            )
         state.setdefault(i, {})[parts[2]] = t
         used.add(name)
     for i, kv in om["state"].items():
         if int(i) >= len(params):
-            raise CheckpointError(f"{path}: optimizer non-tensor state for parameter {i!r} out of range "
-                                  f"(the optimizer has {len(params)})")
+            raise CheckpointError(
+                f"{path}: optimizer non-tensor state for parameter {i!r} out of range (the optimizer has {len(params)})"
+            )
         dup = sorted(set(kv) & set(state.get(int(i), {})))
         if dup:
             raise CheckpointError(f"{path}: optimizer state {i}.{dup[0]} is both a tensor and a {TRAINER_JSON} value")
@@ -464,6 +520,7 @@ def _plan_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 class PendingLoad:
     """A checkpoint read and checked against a model (and optimizer) by
     :func:`prepare_load`; nothing is modified until :meth:`apply`."""
+
     info: CheckpointInfo
     model: nn.Module = field(repr=False)
     optimizer: torch.optim.Optimizer | None = field(repr=False)
@@ -473,7 +530,7 @@ class PendingLoad:
     def apply(self, *, restore_rng: bool = False) -> CheckpointInfo:
         """Copy the weights into the model, load the optimizer state, and with
         ``restore_rng=True`` set torch's CPU RNG state; return the :class:`CheckpointInfo`."""
-        opt = self.optimizer         # prepare_load plans an optimizer state exactly when given one
+        opt = self.optimizer  # prepare_load plans an optimizer state exactly when given one
         before = None
         if opt is not None and self._opt_sd is not None:
             before = opt.state_dict()
@@ -483,7 +540,7 @@ class PendingLoad:
                 for dst, src in self._pairs:
                     dst.copy_(src)
         except BaseException:
-            if opt is not None and before is not None:       # keep the optimizer consistent with the model
+            if opt is not None and before is not None:  # keep the optimizer consistent with the model
                 opt.load_state_dict(before)
             raise
         if restore_rng:
@@ -519,8 +576,9 @@ def prepare_load(path_dir, model: nn.Module, optimizer: torch.optim.Optimizer | 
     return PendingLoad(info, model, optimizer, pairs, opt_sd)
 
 
-def load_checkpoint(path_dir, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                    restore_rng: bool = False) -> CheckpointInfo:
+def load_checkpoint(
+    path_dir, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = False
+) -> CheckpointInfo:
     """Restore ``model`` (and ``optimizer``) from a folder written by :func:`save_checkpoint`.
 
     Everything is read and checked first (:func:`prepare_load` says what); any problem

@@ -183,8 +183,9 @@ class TokenStream:
         return gen()
 
 
-def repeated_sequences(vocab_size: int, batch_size: int, seq_len: int, *, seed: int,
-                       prefix_len: int | None = None, distinct: bool = True) -> Iterator[Batch]:
+def repeated_sequences(
+    vocab_size: int, batch_size: int, seq_len: int, *, seed: int, prefix_len: int | None = None, distinct: bool = True
+) -> Iterator[Batch]:
     """The induction-head task: a random segment of ``P = prefix_len`` tokens, repeated.
 
     Row ``b`` of the underlying sequence is ``s[t] = r[t mod P]`` for ``t`` in
@@ -226,8 +227,7 @@ def repeated_sequences(vocab_size: int, batch_size: int, seq_len: int, *, seed: 
     return _repeated(vocab_size, batch_size, seq_len, seed, P, bool(distinct))
 
 
-def _repeated(vocab_size: int, batch_size: int, seq_len: int, seed: int, P: int,
-              distinct: bool) -> Iterator[Batch]:
+def _repeated(vocab_size: int, batch_size: int, seq_len: int, seed: int, P: int, distinct: bool) -> Iterator[Batch]:
     g = _generator(seed)
     cycle = torch.arange(seq_len + 1) % P
     while True:
@@ -290,8 +290,8 @@ def _recall(vocab_size: int, batch_size: int, n: int, seed: int, K: int) -> Iter
         values = torch.randint(K, K + n_values, (batch_size, n), generator=g)
         which = torch.randint(0, n, (batch_size,), generator=g)
         s = torch.empty(batch_size, 2 * n + 3, dtype=torch.long)
-        s[:, 0:2 * n:2] = keys
-        s[:, 1:2 * n:2] = values
+        s[:, 0 : 2 * n : 2] = keys
+        s[:, 1 : 2 * n : 2] = values
         s[:, 2 * n] = query
         s[:, 2 * n + 1] = keys[rows, which]
         s[:, 2 * n + 2] = values[rows, which]
@@ -299,4 +299,3 @@ def _recall(vocab_size: int, batch_size: int, n: int, seed: int, K: int) -> Iter
         targets = torch.full_like(inputs, IGNORE_INDEX)
         targets[:, -1] = s[:, -1]
         yield inputs, targets
-

@@ -64,8 +64,17 @@ from tqdm import tqdm
 from attnlab.train.atomic import check_writable_folder
 from attnlab.train.checkpoint import CheckpointError, latest_checkpoint, prepare_load, save_checkpoint
 
-__all__ = ["IGNORE_INDEX", "TrainConfig", "TrainResult", "StepInfo", "lr_at", "configure_optimizer", "train",
-           "evaluate", "lm_loss"]
+__all__ = [
+    "IGNORE_INDEX",
+    "TrainConfig",
+    "TrainResult",
+    "StepInfo",
+    "lr_at",
+    "configure_optimizer",
+    "train",
+    "evaluate",
+    "lm_loss",
+]
 
 IGNORE_INDEX = -100
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -116,6 +125,7 @@ class TrainConfig:
     ...
     ValueError: TrainConfig.warmup_steps: expected an int in [0, steps=10], got 20
     """
+
     steps: int
     batch_size: int
     seq_len: int
@@ -139,10 +149,14 @@ class TrainConfig:
         self.seq_len = _int(self.seq_len, "seq_len", 1)
         self.lr = _float(self.lr, "lr")
         self.min_lr_ratio = _float(self.min_lr_ratio, "min_lr_ratio", lo_open=False, hi=1.0, hi_open=False)
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, numbers.Integral) \
-                or not 0 <= self.warmup_steps <= self.steps:
-            raise ValueError(f"TrainConfig.warmup_steps: expected an int in [0, steps={self.steps}], "
-                             f"got {self.warmup_steps!r}")
+        if (
+            isinstance(self.warmup_steps, bool)
+            or not isinstance(self.warmup_steps, numbers.Integral)
+            or not 0 <= self.warmup_steps <= self.steps
+        ):
+            raise ValueError(
+                f"TrainConfig.warmup_steps: expected an int in [0, steps={self.steps}], got {self.warmup_steps!r}"
+            )
         self.warmup_steps = int(self.warmup_steps)
         self.weight_decay = _float(self.weight_decay, "weight_decay", lo_open=False)
         try:
@@ -166,8 +180,10 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.checkpoint_dir: expected None or a path, got {self.checkpoint_dir!r}")
             self.checkpoint_dir = os.fspath(self.checkpoint_dir)
         elif self.checkpoint_every is not None:
-            raise ValueError(f"TrainConfig.checkpoint_dir: checkpoint_every={self.checkpoint_every} needs a "
-                             "checkpoint_dir to write to")
+            raise ValueError(
+                f"TrainConfig.checkpoint_dir: checkpoint_every={self.checkpoint_every} needs a "
+                "checkpoint_dir to write to"
+            )
         names = {v: k for k, v in DTYPES.items()}
         if isinstance(self.dtype, torch.dtype) and self.dtype in names:
             self.dtype = names[self.dtype]
@@ -231,16 +247,20 @@ def configure_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW
             (decay if p.dim() >= 2 else no_decay).append(p)
     if not decay and not no_decay:
         raise ValueError("model: has no trainable parameters")
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+    )
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross entropy of ``logits (B, N, V)`` against ``targets (B, N)`` in float32,
     skipping targets equal to ``-100``."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction=reduction)
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction
+    )
 
 
 @dataclass
@@ -250,6 +270,7 @@ class StepInfo:
     evaluated.  At this point ``p.grad`` holds the gradients the step used (after clipping).
     Return ``True`` from the callback to stop after this step (a checkpoint is written
     first if ``checkpoint_dir`` is set)."""
+
     step: int
     loss: float
     lr: float
@@ -267,6 +288,7 @@ class TrainResult:
     ``grad_norms`` are global L2 norms *before* clipping; ``tokens_per_s`` counts input
     tokens (``B·N``) over each step's wall time, data fetch included; ``eval_losses`` are
     ``(completed_steps, loss)`` pairs; ``checkpoints`` the folders written."""
+
     losses: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
@@ -314,8 +336,10 @@ def _check_batch(batch, step: int, cfg: TrainConfig | None, device) -> tuple[tor
     if inputs.shape != targets.shape:
         raise ValueError(f"{where}: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} differ in shape")
     if cfg is not None and tuple(inputs.shape) != (cfg.batch_size, cfg.seq_len):
-        raise ValueError(f"{where}: shape {tuple(inputs.shape)}, but TrainConfig says (batch_size={cfg.batch_size}, "
-                         f"seq_len={cfg.seq_len})")
+        raise ValueError(
+            f"{where}: shape {tuple(inputs.shape)}, but TrainConfig says (batch_size={cfg.batch_size}, "
+            f"seq_len={cfg.seq_len})"
+        )
     return inputs.to(device, torch.long), targets.to(device, torch.long)
 
 
@@ -338,11 +362,15 @@ def _eval_source(eval_batches) -> Callable[[], Iterable] | None:
     try:
         it = iter(eval_batches)
     except TypeError:
-        raise TypeError(f"eval_batches: expected a list of batches or a callable returning an iterator, "
-                        f"got {type(eval_batches).__name__}") from None
+        raise TypeError(
+            f"eval_batches: expected a list of batches or a callable returning an iterator, "
+            f"got {type(eval_batches).__name__}"
+        ) from None
     if it is eval_batches:
-        raise TypeError("eval_batches: a one-shot iterator can be evaluated only once; pass a list of batches or "
-                        "a zero-argument callable that returns a fresh iterator (e.g. lambda: val.eval_batches(8, 64))")
+        raise TypeError(
+            "eval_batches: a one-shot iterator can be evaluated only once; pass a list of batches or "
+            "a zero-argument callable that returns a fresh iterator (e.g. lambda: val.eval_batches(8, 64))"
+        )
     return lambda: eval_batches
 
 
@@ -410,8 +438,10 @@ def _resume_fields(info, path: Path) -> tuple[dict | None, int]:
     if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
         raise CheckpointError(f"{where} 'extra.data.batches_consumed' is {consumed!r}, expected an int >= 0")
     if consumed != info.step:
-        raise CheckpointError(f"{where} 'extra.data.batches_consumed' is {consumed}, but the checkpoint is at step "
-                              f"{info.step} and the loop consumes one batch per step")
+        raise CheckpointError(
+            f"{where} 'extra.data.batches_consumed' is {consumed}, but the checkpoint is at step "
+            f"{info.step} and the loop consumes one batch per step"
+        )
     return saved_cfg, consumed
 
 
@@ -421,13 +451,24 @@ def _compare_configs(saved: dict | None, cfg: TrainConfig, where: Path) -> None:
     now = cfg.to_dict()
     diff = [k for k in now if k not in _BOOKKEEPING and k in saved and saved[k] != now[k]]
     if diff:
-        warnings.warn(f"resume: {where} was trained with different {', '.join(diff)} "
-                      f"({', '.join(f'{k}={saved[k]!r}' for k in diff)}); the resumed run will not match "
-                      "an uninterrupted one", stacklevel=3)
+        warnings.warn(
+            f"resume: {where} was trained with different {', '.join(diff)} "
+            f"({', '.join(f'{k}={saved[k]!r}' for k in diff)}); the resumed run will not match "
+            "an uninterrupted one",
+            stacklevel=3,
+        )
 
 
-def train(model: nn.Module, batches: Iterable, cfg: TrainConfig, *, eval_batches=None,
-          callback: Callable[[StepInfo], Any] | None = None, resume=None, progress=True) -> TrainResult:
+def train(
+    model: nn.Module,
+    batches: Iterable,
+    cfg: TrainConfig,
+    *,
+    eval_batches=None,
+    callback: Callable[[StepInfo], Any] | None = None,
+    resume=None,
+    progress=True,
+) -> TrainResult:
     """Train ``model`` for ``cfg.steps`` steps on ``batches``; return a :class:`TrainResult`.
 
     Args:
@@ -460,7 +501,7 @@ def train(model: nn.Module, batches: Iterable, cfg: TrainConfig, *, eval_batches
         raise TypeError(f"cfg: expected a TrainConfig, got {type(cfg).__name__}")
     if callback is not None and not callable(callback):
         raise TypeError(f"callback: expected a callable, got {type(callback).__name__}")
-    if cfg.checkpoint_dir is not None:   # fail now, not at the first save after training ran
+    if cfg.checkpoint_dir is not None:  # fail now, not at the first save after training ran
         check_writable_folder(cfg.checkpoint_dir, "TrainConfig.checkpoint_dir")
     it: Iterator = iter(batches)
     eval_source = _eval_source(eval_batches)
@@ -475,7 +516,7 @@ def train(model: nn.Module, batches: Iterable, cfg: TrainConfig, *, eval_batches
         step, consumed = 0, 0
         if resume is not None:
             path = _resume_path(resume)
-            pending = prepare_load(path, model, optimizer)       # everything checked; nothing modified yet
+            pending = prepare_load(path, model, optimizer)  # everything checked; nothing modified yet
             info = pending.info
             saved_cfg, consumed = _resume_fields(info, path)
             _compare_configs(saved_cfg, cfg, path)
@@ -488,8 +529,10 @@ def train(model: nn.Module, batches: Iterable, cfg: TrainConfig, *, eval_batches
                 try:
                     next(it)
                 except StopIteration:
-                    raise ValueError(f"resume: batches ran out after {k} batches while skipping the {consumed} "
-                                     "the checkpointed run consumed") from None
+                    raise ValueError(
+                        f"resume: batches ran out after {k} batches while skipping the {consumed} "
+                        "the checkpointed run consumed"
+                    ) from None
             pending.apply()
             torch.set_rng_state(info.rng_state)  # after skipping, in case the data touched the global RNG
         res.start_step = res.final_step = step
@@ -502,8 +545,10 @@ def train(model: nn.Module, batches: Iterable, cfg: TrainConfig, *, eval_batches
                 try:
                     batch = next(it)
                 except StopIteration:
-                    warnings.warn(f"batches: ran out after {consumed} batches, at step {step} of {cfg.steps}; "
-                                  "stopping early", stacklevel=2)
+                    warnings.warn(
+                        f"batches: ran out after {consumed} batches, at step {step} of {cfg.steps}; stopping early",
+                        stacklevel=2,
+                    )
                     res.stopped_early = True
                     break
                 consumed += 1
@@ -525,8 +570,9 @@ def train(model: nn.Module, batches: Iterable, cfg: TrainConfig, *, eval_batches
                 optimizer.step()
                 loss_v = float(loss.detach())
                 if not math.isfinite(loss_v):
-                    raise FloatingPointError(f"loss is {loss_v} at step {step} (lr={lr:.3g}, "
-                                             f"grad norm={float(norm):.3g})")
+                    raise FloatingPointError(
+                        f"loss is {loss_v} at step {step} (lr={lr:.3g}, grad norm={float(norm):.3g})"
+                    )
                 dt = time.perf_counter() - t0
                 tokens = inputs.numel()
                 tps = tokens / dt if dt > 0 else float("inf")
@@ -545,14 +591,20 @@ def train(model: nn.Module, batches: Iterable, cfg: TrainConfig, *, eval_batches
                     res.eval_losses.append((step, eval_loss))
                 stop = False
                 if callback is not None:
-                    stop = callback(StepInfo(step - 1, loss_v, lr, float(norm), tps, eval_loss, model,
-                                             optimizer)) is True
-                if cfg.checkpoint_dir is not None and (last or stop or (cfg.checkpoint_every
-                                                                       and step % cfg.checkpoint_every == 0)):
-                    extra = {"train_config": cfg.to_dict(), "data": {"batches_consumed": consumed},
-                             "model_config": _model_config(model)}
-                    res.checkpoints.append(save_checkpoint(Path(cfg.checkpoint_dir) / f"step-{step:07d}", model,
-                                                           optimizer, step, extra))
+                    stop = (
+                        callback(StepInfo(step - 1, loss_v, lr, float(norm), tps, eval_loss, model, optimizer)) is True
+                    )
+                if cfg.checkpoint_dir is not None and (
+                    last or stop or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+                ):
+                    extra = {
+                        "train_config": cfg.to_dict(),
+                        "data": {"batches_consumed": consumed},
+                        "model_config": _model_config(model),
+                    }
+                    res.checkpoints.append(
+                        save_checkpoint(Path(cfg.checkpoint_dir) / f"step-{step:07d}", model, optimizer, step, extra)
+                    )
                 if last or stop or step % cfg.log_every == 0 or eval_loss is not None:
                     post = f"loss={loss_v:.4f}, tok/s={win_tokens / win_time if win_time else 0:,.0f}, lr={lr:.2e}"
                     if res.eval_losses:

@@ -65,8 +65,9 @@ def _check_hyper(saved, current, where: str) -> None:
         want = "a finite number"
     elif isinstance(current, (tuple, list)):
         if not isinstance(saved, (tuple, list)) or len(saved) != len(current):
-            raise CheckpointError(f"{where}: is {_kind(saved)} in the checkpoint, expected a sequence of "
-                                  f"{len(current)} like {current!r}")
+            raise CheckpointError(
+                f"{where}: is {_kind(saved)} in the checkpoint, expected a sequence of {len(current)} like {current!r}"
+            )
         for i, (s, c) in enumerate(zip(saved, current, strict=True)):
             _check_hyper(s, c, f"{where}[{i}]")
         return
@@ -94,7 +95,7 @@ def _schema(optimizer, hyper: dict, param: torch.Tensor, where: str) -> dict | N
     dummy = torch.zeros((1,) * param.dim(), dtype=param.dtype, device=param.device, requires_grad=True)
     try:
         shadow = cls([{"params": [dummy], **hyper}], **_ctor_kwargs(cls, hyper))
-    except ValueError as e:   # the class's own range checks on the saved hyperparameters
+    except ValueError as e:  # the class's own range checks on the saved hyperparameters
         raise CheckpointError(f"{where}: {cls.__name__} refuses the checkpoint's hyperparameters ({e})") from None
     except Exception:  # noqa: BLE001 - a constructor this generic call does not fit
         return None
@@ -158,9 +159,11 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict, names: lis
         gw = f"{where}: optimizer param_groups[{g}]"
         if list(sg.get("params", ())) != list(cg["params"]):
             ids = sg.get("params")
-            raise CheckpointError(f"{gw}.params is {ids if isinstance(ids, list) and len(ids) < 9 else _kind(ids)} "
-                                  f"in the checkpoint, the optimizer's are {cg['params'][:8]}"
-                                  f"{'...' if len(cg['params']) > 8 else ''} ({len(cg['params'])} parameters)")
+            raise CheckpointError(
+                f"{gw}.params is {ids if isinstance(ids, list) and len(ids) < 9 else _kind(ids)} "
+                f"in the checkpoint, the optimizer's are {cg['params'][:8]}"
+                f"{'...' if len(cg['params']) > 8 else ''} ({len(cg['params'])} parameters)"
+            )
         for i in cg["params"]:
             group_of[i] = g
         missing = sorted(set(cg) - set(sg))
@@ -175,8 +178,9 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict, names: lis
     for i in sorted(sd["state"]):
         state = sd["state"][i]
         if not isinstance(i, int) or i not in group_of:
-            raise CheckpointError(f"{where}: optimizer state for parameter {i!r}, the optimizer has ids "
-                                  f"0..{len(params) - 1}")
+            raise CheckpointError(
+                f"{where}: optimizer state for parameter {i!r}, the optimizer has ids 0..{len(params) - 1}"
+            )
         p, g = params[i], group_of[i]
         pw = f"{where}: optimizer state of parameter {i} ({names[i]})"
         key = (g, p.dim(), p.dtype, p.device)

@@ -30,8 +30,10 @@ def build(task: str, *, vocab: int, seq_len: int, batch: int, seed: int, corpus_
         tok = ByteBPE.train(texts, vocab)
         stream = TokenStream.from_texts(texts, tok)
         tr, va = stream.split(0.95)
-        print(f"tokenizer: {tok.vocab_size} tokens trained on {sum(map(len, texts)) / 1e6:.1f} MB of stdlib "
-              f"source in {time.perf_counter() - t0:.1f} s; {len(stream)} tokens")
+        print(
+            f"tokenizer: {tok.vocab_size} tokens trained on {sum(map(len, texts)) / 1e6:.1f} MB of stdlib "
+            f"source in {time.perf_counter() - t0:.1f} s; {len(stream)} tokens"
+        )
         evals = list(va.eval_batches(batch, seq_len))[:8]
         return tr.batches(batch, seq_len, seed=seed), evals, tok.vocab_size, tok
     if task == "induction":
@@ -44,32 +46,73 @@ def build(task: str, *, vocab: int, seq_len: int, batch: int, seed: int, corpus_
     raise ValueError(f"task: expected one of {TASKS}, got {task!r}")
 
 
-def main(task="induction", steps=300, layers=2, d_model=128, heads=4, positions="rope", seq_len=64, batch=16,
-         lr=3e-3, vocab=None, seed=0, out=None, resume=False, attn_only=False) -> dict:
+def main(
+    task="induction",
+    steps=300,
+    layers=2,
+    d_model=128,
+    heads=4,
+    positions="rope",
+    seq_len=64,
+    batch=16,
+    lr=3e-3,
+    vocab=None,
+    seed=0,
+    out=None,
+    resume=False,
+    attn_only=False,
+) -> dict:
     if resume and not out:
-        raise ValueError("--resume (resume=True) needs --out DIR (out=...): the folder whose latest checkpoint to "
-                         "continue from")
-    if out:   # before the tokenizer and the training run, not at the first save
+        raise ValueError(
+            "--resume (resume=True) needs --out DIR (out=...): the folder whose latest checkpoint to continue from"
+        )
+    if out:  # before the tokenizer and the training run, not at the first save
         check_writable_folder(out, "--out")
     vocab = vocab or (512 if task == "text" else 64)
     batches, evals, V, tok = build(task, vocab=vocab, seq_len=seq_len, batch=batch, seed=seed)
     if task == "recall":
         seq_len = next(iter(evals))[0].shape[1]
-    cfg = DecoderConfig(vocab_size=V, d_model=d_model, n_layers=layers, n_heads=heads, positions=positions,
-                        max_positions=max(1024, seq_len), attn_only=attn_only)
+    cfg = DecoderConfig(
+        vocab_size=V,
+        d_model=d_model,
+        n_layers=layers,
+        n_heads=heads,
+        positions=positions,
+        max_positions=max(1024, seq_len),
+        attn_only=attn_only,
+    )
     torch.manual_seed(seed)
     model = Decoder(cfg)
-    tcfg = TrainConfig(steps=steps, batch_size=batch, seq_len=seq_len, lr=lr, warmup_steps=max(1, steps // 20),
-                       seed=seed, eval_every=max(1, steps // 5), checkpoint_dir=out,
-                       checkpoint_every=max(1, steps // 5) if out else None)
+    tcfg = TrainConfig(
+        steps=steps,
+        batch_size=batch,
+        seq_len=seq_len,
+        lr=lr,
+        warmup_steps=max(1, steps // 20),
+        seed=seed,
+        eval_every=max(1, steps // 5),
+        checkpoint_dir=out,
+        checkpoint_every=max(1, steps // 5) if out else None,
+    )
     res = train(model, batches, tcfg, eval_batches=evals, resume=out if resume else None)
     first = sum(res.losses[:10]) / max(1, len(res.losses[:10]))
     last = sum(res.losses[-10:]) / max(1, len(res.losses[-10:]))
-    summary = {"task": task, "steps": res.final_step, "params": sum(p.numel() for p in model.parameters()),
-               "loss_first10": first, "loss_last10": last, "eval": res.eval_losses[-1:] or None,
-               "tokens_per_s": res.tokens_per_second, "uniform_loss": math.log(V)}
-    print(f"{task}: {summary['params']:,} parameters, loss {first:.3f} -> {last:.3f} (uniform {math.log(V):.3f}), "
-          f"eval {res.eval_losses[-1][1]:.3f}, {res.tokens_per_second:,.0f} tokens/s" if res.eval_losses else "")
+    summary = {
+        "task": task,
+        "steps": res.final_step,
+        "params": sum(p.numel() for p in model.parameters()),
+        "loss_first10": first,
+        "loss_last10": last,
+        "eval": res.eval_losses[-1:] or None,
+        "tokens_per_s": res.tokens_per_second,
+        "uniform_loss": math.log(V),
+    }
+    print(
+        f"{task}: {summary['params']:,} parameters, loss {first:.3f} -> {last:.3f} (uniform {math.log(V):.3f}), "
+        f"eval {res.eval_losses[-1][1]:.3f}, {res.tokens_per_second:,.0f} tokens/s"
+        if res.eval_losses
+        else ""
+    )
     if tok is not None:
         model.eval()
         ids = torch.tensor([tok.encode("def ")])

@@ -44,7 +44,7 @@ def write_tensors(st, path: Path, tensors: dict[str, torch.Tensor], metadata: di
     for name, t in tensors.items():
         t = t.detach().cpu()
         if ptrs[t.untyped_storage().data_ptr()] > 1 or not t.is_contiguous():
-            t = t.clone(memory_format=torch.contiguous_format)   # safetensors refuses shared storage
+            t = t.clone(memory_format=torch.contiguous_format)  # safetensors refuses shared storage
         out[name] = t
     meta = dict(metadata or {})
     meta["format"] = "pt"
@@ -56,6 +56,7 @@ def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """All tensors and the metadata of one file; checksums verified.  Errors name the file
     (unreadable) or the tensor (checksum)."""
     from safetensors import safe_open
+
     if not path.is_file():
         raise CheckpointError(f"{path}: file not found")
     try:
@@ -72,8 +73,9 @@ def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         raise
     except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, ...
         size = path.stat().st_size
-        raise CheckpointError(f"{path} ({size} bytes): not a readable safetensors file, corrupt or truncated? "
-                              f"({type(e).__name__}: {e})") from None
+        raise CheckpointError(
+            f"{path} ({size} bytes): not a readable safetensors file, corrupt or truncated? ({type(e).__name__}: {e})"
+        ) from None
     crcs = meta.get(CRC_KEY)
     if crcs is not None:
         try:

@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from attnlab.nn import Decoder, DecoderConfig
 
 SEQ = 128
-SPECS = {
+SPECS: dict[str, dict[str, Any]] = {
     "target": dict(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, steps=600, lr=3e-3),
     "draft": dict(d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, steps=300, lr=3e-3),
 }
@@ -35,18 +36,30 @@ class TextModels:
     tokenizer: object
     target: Decoder
     draft: Decoder
-    heldout: torch.Tensor   # 1-D token ids never trained on
+    heldout: torch.Tensor  # 1-D token ids never trained on
     train_seconds: float
 
 
 def _cfg(spec):
-    return DecoderConfig(vocab_size=VOCAB, d_model=spec["d_model"], n_layers=spec["n_layers"],
-                         n_heads=spec["n_heads"], n_kv_heads=spec["n_kv_heads"], positions="rope", norm="rmsnorm",
-                         mlp="swiglu", act="silu", bias=False, max_positions=SEQ, d_mlp=3 * spec["d_model"])
+    return DecoderConfig(
+        vocab_size=VOCAB,
+        d_model=spec["d_model"],
+        n_layers=spec["n_layers"],
+        n_heads=spec["n_heads"],
+        n_kv_heads=spec["n_kv_heads"],
+        positions="rope",
+        norm="rmsnorm",
+        mlp="swiglu",
+        act="silu",
+        bias=False,
+        max_positions=SEQ,
+        d_mlp=3 * spec["d_model"],
+    )
 
 
 def load_or_train(folder="out/bench-cache/text-models", progress: bool = True) -> TextModels:
     from attnlab.train import ByteBPE, TokenStream, TrainConfig, load_checkpoint, save_checkpoint, stdlib_corpus, train
+
     folder = Path(folder)
     key = json.dumps({"specs": SPECS, "seq": SEQ, "bytes": CORPUS_BYTES, "vocab": VOCAB, "v": 3}, sort_keys=True)
     texts = stdlib_corpus(CORPUS_BYTES, seed=0)
@@ -65,8 +78,9 @@ def load_or_train(folder="out/bench-cache/text-models", progress: bool = True) -
         if not fresh and ck.is_dir():
             load_checkpoint(ck, model)
         else:
-            cfg = TrainConfig(steps=spec["steps"], batch_size=16, seq_len=SEQ, lr=spec["lr"],
-                              warmup_steps=spec["steps"] // 20, seed=0)
+            cfg = TrainConfig(
+                steps=spec["steps"], batch_size=16, seq_len=SEQ, lr=spec["lr"], warmup_steps=spec["steps"] // 20, seed=0
+            )
             res = train(model, document_batches(tr.tokens, tok.eot_id, 16, SEQ, seed=0), cfg, progress=progress)
             seconds += res.elapsed_s
             save_checkpoint(ck, model, None, spec["steps"], {"final_loss": res.losses[-1]})

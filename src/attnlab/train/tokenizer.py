@@ -112,7 +112,7 @@ def _chunks(pat: re.Pattern, text: str) -> list[str]:
     out, pos = [], 0
     for m in pat.finditer(text):
         if m.start() > pos:
-            out.append(text[pos:m.start()])
+            out.append(text[pos : m.start()])
         if m.end() > m.start():
             out.append(m.group())
         pos = m.end()
@@ -260,8 +260,11 @@ class ByteBPE(_Base):
         ranks: dict[tuple[int, int], int] = {}
         table = [bytes([i]) for i in range(256)]
         for r, pair in enumerate(merges):
-            if (not isinstance(pair, (tuple, list)) or len(pair) != 2
-                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)):
+            if (
+                not isinstance(pair, (tuple, list))
+                or len(pair) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)
+            ):
                 raise ValueError(f"merges[{r}] must be a pair of ints, got {pair!r}")
             a, b = pair
             new = 256 + r
@@ -288,8 +291,7 @@ class ByteBPE(_Base):
 
     # -- training ------------------------------------------------------------------
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, *, progress: bool = False,
-              pattern: str = PATTERN) -> ByteBPE:
+    def train(cls, texts: Iterable[str], vocab_size: int, *, progress: bool = False, pattern: str = PATTERN) -> ByteBPE:
         """Learn ``vocab_size - 257`` merges from ``texts``.
 
         ``vocab_size`` counts the 256 bytes, the merges and ``<|endoftext|>`` (the last id).
@@ -304,9 +306,7 @@ class ByteBPE(_Base):
         if isinstance(texts, str):
             raise TypeError("texts must be an iterable of str (documents), not a single str; wrap it in a list")
         if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 257:
-            raise ValueError(
-                f"vocab_size must be an int >= 257 (256 bytes + <|endoftext|>), got {vocab_size!r}"
-            )
+            raise ValueError(f"vocab_size must be an int >= 257 (256 bytes + <|endoftext|>), got {vocab_size!r}")
         pat = cls([], pattern=pattern)._pat  # validates the pattern
         counts: Counter[str] = Counter()
         for i, t in enumerate(texts):
@@ -417,11 +417,12 @@ class ByteBPE(_Base):
             raise bad(f"field {e!s}") from None
         specials = d["special_tokens"]
         if specials != {EOT: tok.eot_id}:
-            raise bad(f"field 'special_tokens' is {specials!r}, expected {{{EOT!r}: {tok.eot_id}}} "
-                      f"(the id after the {len(merges)} merges)")
+            raise bad(
+                f"field 'special_tokens' is {specials!r}, expected {{{EOT!r}: {tok.eot_id}}} "
+                f"(the id after the {len(merges)} merges)"
+            )
         if "vocab_size" in d and d["vocab_size"] != tok.vocab_size:
-            raise bad(f"field 'vocab_size' is {d['vocab_size']!r} but {len(merges)} merges give "
-                      f"{tok.vocab_size}")
+            raise bad(f"field 'vocab_size' is {d['vocab_size']!r} but {len(merges)} merges give {tok.vocab_size}")
         return tok
 
     @classmethod

@@ -18,11 +18,11 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before attnlab.ops.triton's kernels are first imported
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from attnlab.ops.triton import available  # noqa: E402
-from tests.ops.conftest import compare_backend  # noqa: E402
+from attnlab.ops.triton import available
+from tests.ops.conftest import compare_backend
 
 TRITON = pytest.mark.skipif(not available(), reason="triton is not installed (pip install 'attnlab[triton]')")
 
@@ -30,6 +30,7 @@ TRITON = pytest.mark.skipif(not available(), reason="triton is not installed (pi
 @pytest.fixture
 def tiles16(monkeypatch):
     from attnlab.ops.triton import config
+
     monkeypatch.setattr(config, "INTERPRET_TILES", (16, 16))
     return (16, 16)
 

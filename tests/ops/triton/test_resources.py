@@ -27,8 +27,13 @@ import pytest
 from attnlab.ops.triton import config, resources
 from tests.ops.triton.conftest import TRITON
 
-pytestmark = [TRITON, pytest.mark.skipif(resources.tool("cuobjdump") is None,
-                                         reason="cuobjdump not found in the triton package (triton/backends/nvidia/bin)")]
+pytestmark = [
+    TRITON,
+    pytest.mark.skipif(
+        resources.tool("cuobjdump") is None,
+        reason="cuobjdump not found in the triton package (triton/backends/nvidia/bin)",
+    ),
+]
 ROOT = Path(__file__).resolve().parents[3]
 HEAD_DIMS = (64, 128)
 CASES = [(k, a, d) for k in resources.KERNELS for a in resources.ARCHS for d in HEAD_DIMS]
@@ -39,9 +44,15 @@ def _compile(*args) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, stated (silences its warning)
-    r = subprocess.run([sys.executable, "-m", "attnlab.ops.triton.resources", "--json", "-", *args],
-                       check=False, capture_output=True, text=True, env=env, cwd=str(ROOT),
-                       timeout=COMPILE_TIMEOUT_S)
+    r = subprocess.run(
+        [sys.executable, "-m", "attnlab.ops.triton.resources", "--json", "-", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(ROOT),
+        timeout=COMPILE_TIMEOUT_S,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)
 
@@ -71,8 +82,25 @@ def test_shipped_config_compiles_spill_free(defaults, kernel, arch, D):
 
 def test_a_spilling_config_is_reported():
     """The old dK/dV default at D = 128 (32×128, 4 warps) spills on sm_90: the reader sees it."""
-    (r,) = _compile("--kernel", "dkdv", "--arch", "90", "--dtype", "bfloat16", "--head-dim", "128",
-                    "--mask", "causal", "--tile", "32", "128", "--warps", "4", "--stages", "2")
+    (r,) = _compile(
+        "--kernel",
+        "dkdv",
+        "--arch",
+        "90",
+        "--dtype",
+        "bfloat16",
+        "--head-dim",
+        "128",
+        "--mask",
+        "causal",
+        "--tile",
+        "32",
+        "128",
+        "--warps",
+        "4",
+        "--stages",
+        "2",
+    )
     assert r["registers"] == resources.REG_LIMIT and r["stack"] > 0 and r["spill_stores"] > 0 and r["spill_loads"] > 0
     assert not r["spill_free"]
 

@@ -16,7 +16,7 @@ import torch
 
 import attnlab
 from attnlab import masks, scores
-from tests.ops.conftest import FLOOR, DTYPE_IDS, dense_allowed, gen, loss_weights, make_qkv, max_err, randn, run_case
+from tests.ops.conftest import DTYPE_IDS, FLOOR, dense_allowed, gen, loss_weights, make_qkv, max_err, randn, run_case
 from tests.ops.triton.conftest import BF16, F16, F32, TRITON, compare_triton
 
 pytestmark = TRITON
@@ -32,8 +32,13 @@ SHAPES = {
     "tiny-1x1-d32-dv16": (2, 2, 2, 1, 1, 32, 16),
     "d256-17x20": (1, 2, 1, 17, 20, 256, 256),
 }
-CASES = [(s, m, d) for s in SHAPES for m in ("none", "causal") for d in (F32, BF16)
-         if not (s.startswith("tiny") and m == "causal") and not (s.startswith("d256") and d == BF16)]
+CASES = [
+    (s, m, d)
+    for s in SHAPES
+    for m in ("none", "causal")
+    for d in (F32, BF16)
+    if not (s.startswith("tiny") and m == "causal") and not (s.startswith("d256") and d == BF16)
+]
 CASES += [("gqa-17x97-d40", "causal", F16), ("mha-97x97-d64", "none", F16)]
 
 
@@ -67,9 +72,11 @@ def _check_degenerate_grads(fast, ref, oracle, q, k, v, dtype, what):
     Hkv, Dv = k.shape[1], v.shape[-1]
     G = H // Hkv
     w, _ = loss_weights(B, H, Nq, Dv)
-    A = CANCEL_ULPS * eps * torch.einsum("bhqd,bhkd->bhqk", w.abs(), v.double().abs().repeat_interleave(G, 1)) / D ** 0.5
-    slack = {"dq": torch.einsum("bhqk,bhkd->bhqd", A, k.double().abs().repeat_interleave(G, 1)).max().item(),
-             "dk": torch.einsum("bhqk,bhqd->bhkd", A, q.double().abs()).max().item() * G}
+    A = CANCEL_ULPS * eps * torch.einsum("bhqd,bhkd->bhqk", w.abs(), v.double().abs().repeat_interleave(G, 1)) / D**0.5
+    slack = {
+        "dq": torch.einsum("bhqk,bhkd->bhqd", A, k.double().abs().repeat_interleave(G, 1)).max().item(),
+        "dk": torch.einsum("bhqk,bhqd->bhkd", A, q.double().abs()).max().item() * G,
+    }
     for key in ("dq", "dk"):
         e_fast, e_ref = max_err(fast[key], oracle[key]), max_err(ref[key], oracle[key])
         bound = 3 * e_ref + FLOOR[dtype] + slack[key]
@@ -81,7 +88,7 @@ def test_noncausal_backward_is_right(Nq, Nk, tiles16):
     """The widely copied tutorial kernel bounds the dK/dV loop to the causal triangle, so
     its non-causal gradients are wrong; every q-block must reach every kv-block here."""
     q, k, v = make_qkv(1, 2, 1, Nq, Nk, 32, 16, dtype=F32, seed=3)
-    fast, _, oracle = compare_triton(q, k, v, what=f"dense {Nq}x{Nk}")
+    fast, _, _oracle = compare_triton(q, k, v, what=f"dense {Nq}x{Nk}")
     for key in ("dk", "dv"):  # every key gets gradient from every query
         assert (fast[key].abs().amax(-1) > 0).all(), f"{key}: some key got no gradient"
 
@@ -106,8 +113,10 @@ MASKS = {  # name -> (factory, lowered kind or "table")
     "document-kv-ids": (lambda: masks.document(IDS, KV_IDS), "doc"),
     "document&causal": (lambda: masks.document(IDS) & masks.causal(), "band+doc"),
     "padding": (lambda: masks.padding([50, 97]), "keep"),
-    "key_padding&window": (lambda: masks.key_padding(torch.arange(97).view(1, -1).expand(2, -1) % 5 != 1)
-                           & masks.sliding_window(30), "band+keep"),
+    "key_padding&window": (
+        lambda: masks.key_padding(torch.arange(97).view(1, -1).expand(2, -1) % 5 != 1) & masks.sliding_window(30),
+        "band+keep",
+    ),
     "band(5,3)": (lambda: masks.band(5, 3), "band"),  # a right extent: compiled in from the structure
     "tree": (lambda: masks.tree(PARENTS, prefix_len=87), "table"),
     "custom-head": (lambda: masks.custom(_headmod), "table"),
@@ -119,8 +128,9 @@ MASKS = {  # name -> (factory, lowered kind or "table")
 # (a BlockMask built at those tiles sets the kernels' tiling): more tiles, more partial ones.
 SLOW = pytest.mark.slow
 MASK_CASES = [(m, F32, None) for m in MASKS]
-MASK_CASES += [pytest.param(m, BF16, (16, 32), marks=SLOW) for m in ("causal", "document&causal", "tree",
-                                                                     "custom-head", "padding")]
+MASK_CASES += [
+    pytest.param(m, BF16, (16, 32), marks=SLOW) for m in ("causal", "document&causal", "tree", "custom-head", "padding")
+]
 MASK_CASES += [pytest.param(m, F32, (16, 16), marks=SLOW) for m in ("sliding_window", "sink_window", "window|prefix")]
 
 
@@ -129,9 +139,11 @@ def test_masks(maskname, dtype, block):
     B, H, Hkv, Nq, Nk, D, Dv = 2, 2, 1, 70, 97, 40, 24
     q, k, v = make_qkv(B, H, Hkv, Nq, Nk, D, Dv, dtype=dtype, seed=1)
     factory, kind = MASKS[maskname]
-    compare_triton(q, k, v, mask=factory(), block=block, cache_key=("tmask", maskname, dtype),
-                   what=f"{maskname}/{block}")
+    compare_triton(
+        q, k, v, mask=factory(), block=block, cache_key=("tmask", maskname, dtype), what=f"{maskname}/{block}"
+    )
     from attnlab.ops.triton.masking import lower_mask
+
     spec = lower_mask(factory(), B, Nq, Nk, Nk - Nq, 0, "cpu")
     assert (spec.kind if spec is not None else "table") == kind
 
@@ -139,15 +151,28 @@ def test_masks(maskname, dtype, block):
 @pytest.mark.parametrize("case", ["q0-kvoff", "q-after", "qlong", "kvoff-default"])
 def test_offsets(case):
     """Explicit q_offset / kv_offset with Nq != Nk: masks and ALiBi see absolute positions."""
-    Nq, Nk, q_offset, kv_offset = {"q0-kvoff": (40, 97, 0, 5), "q-after": (33, 60, 70, 3),
-                                   "qlong": (97, 40, 0, 0), "kvoff-default": (40, 97, None, 17)}[case]
+    Nq, Nk, q_offset, kv_offset = {
+        "q0-kvoff": (40, 97, 0, 5),
+        "q-after": (33, 60, 70, 3),
+        "qlong": (97, 40, 0, 0),
+        "kvoff-default": (40, 97, None, 17),
+    }[case]
     q, k, v = make_qkv(1, 2, 1, Nq, Nk, 40, 24, dtype=F32, seed=4)
     for mask in (masks.sliding_window(9), masks.causal() & ~masks.sliding_window(4)):
         compare_triton(q, k, v, mask=mask, q_offset=q_offset, kv_offset=kv_offset, what=f"{case}/{mask!r}")
     slopes = torch.rand(2, generator=gen(5), dtype=torch.float64) * 0.2
-    fast, ref, oracle = compare_triton(q, k, v, mask=masks.causal(), q_offset=q_offset, kv_offset=kv_offset,
-                                       mod_factory=lambda p: scores.alibi(p), param=slopes, skip=("dparam",),
-                                       what=f"{case}/alibi")
+    fast, ref, oracle = compare_triton(
+        q,
+        k,
+        v,
+        mask=masks.causal(),
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mod_factory=lambda p: scores.alibi(p),
+        param=slopes,
+        skip=("dparam",),
+        what=f"{case}/alibi",
+    )
     qo = kv_offset + Nk - Nq if q_offset is None else q_offset
     slack = _alibi_row_slack(q, k, masks.causal(), slopes, qo, kv_offset, oracle["out"], F32)
     e_fast, e_ref = max_err(fast["dparam"], oracle["dparam"]), max_err(ref["dparam"], oracle["dparam"])
@@ -167,8 +192,9 @@ def _alibi_row_slack(q, k, mask, slopes, q_offset, kv_offset, out64, dtype):
     positions (an off-by-one moves it by O(max|dparam|) ~ 300), not the last bits."""
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
-    P = attnlab.attention_probs(q.double(), k.double(), mask=mask, score_mod=scores.alibi(slopes),
-                                q_offset=q_offset, kv_offset=kv_offset)
+    P = attnlab.attention_probs(
+        q.double(), k.double(), mask=mask, score_mod=scores.alibi(slopes), q_offset=q_offset, kv_offset=kv_offset
+    )
     dist = (torch.arange(Nk) + kv_offset).view(1, -1) - (torch.arange(Nq) + q_offset).view(-1, 1)
     w, _ = loss_weights(B, H, Nq, out64.shape[-1])
     row = (w.abs() * out64.double().abs()).sum(-1) * (P * dist).sum(-1).abs()  # (B, H, Nq)
@@ -190,13 +216,17 @@ def _mod(name, H):
     if name == "bias-then-softcap":
         return (lambda p: scores.compose(scores.relative_bias(p), scores.softcap(3.0))), randn((H, 5), torch.float64, g)
     if name == "softcap-then-alibi":
-        return (lambda p: scores.compose(scores.softcap(1.5), scores.alibi(p))), \
-            torch.rand(H, generator=g, dtype=torch.float64) * 0.3
+        return (lambda p: scores.compose(scores.softcap(1.5), scores.alibi(p))), torch.rand(
+            H, generator=g, dtype=torch.float64
+        ) * 0.3
     raise KeyError(name)
 
 
-MOD_CASES = [(m, mk, F32) for m in ("relative_bias", "alibi", "alibi-symmetric", "softcap", "bias-then-softcap",
-                                     "softcap-then-alibi") for mk in ("none", "causal")]
+MOD_CASES = [
+    (m, mk, F32)
+    for m in ("relative_bias", "alibi", "alibi-symmetric", "softcap", "bias-then-softcap", "softcap-then-alibi")
+    for mk in ("none", "causal")
+]
 MOD_CASES += [(m, "sliding_window", BF16) for m in ("relative_bias", "alibi", "softcap")]
 
 
@@ -206,8 +236,7 @@ def test_score_mods(modname, maskname, dtype):
     q, k, v = make_qkv(B, H, Hkv, Nq, Nk, D, Dv, dtype=dtype, seed=6)
     factory, param = _mod(modname, H)
     mask = {"none": None, "causal": masks.causal(), "sliding_window": masks.sliding_window(13)}[maskname]
-    fast, _, oracle = compare_triton(q, k, v, mask=mask, mod_factory=factory, param=param,
-                                     what=f"{modname}/{maskname}")
+    fast, _, oracle = compare_triton(q, k, v, mask=mask, mod_factory=factory, param=param, what=f"{modname}/{maskname}")
     if param is not None:
         assert oracle["dparam"].abs().max() > 0, "the parameter gradient must not vanish in this problem"
         assert fast["dparam"].shape == param.shape
@@ -215,10 +244,14 @@ def test_score_mods(modname, maskname, dtype):
 
 def test_score_mod_rejections_are_clear():
     q = k = v = torch.randn(1, 2, 8, 16)
-    for mod, what in ((scores.custom(lambda s, b, h, qp, kp: s * 2), "no Triton lowering"),
-                      (scores.compose(scores.softcap(2.0), scores.softcap(3.0)), "two softcaps"),
-                      (scores.compose(scores.alibi(torch.ones(2)), scores.softcap(2.0), scores.alibi(torch.ones(2))),
-                       "after a softcap")):
+    for mod, what in (
+        (scores.custom(lambda s, b, h, qp, kp: s * 2), "no Triton lowering"),
+        (scores.compose(scores.softcap(2.0), scores.softcap(3.0)), "two softcaps"),
+        (
+            scores.compose(scores.alibi(torch.ones(2)), scores.softcap(2.0), scores.alibi(torch.ones(2))),
+            "after a softcap",
+        ),
+    ):
         with pytest.raises(ValueError, match=f"backend='triton'.*{what}.*backend='flash'"):
             attnlab.attention(q, k, v, score_mod=mod, backend="triton")
 
@@ -247,12 +280,20 @@ def _masked_case(name):
 
 
 # the raw -inf LSE in the loss (its gradient reaches the kernel as dLSE) in float32 only
-MASKED_CASES = [(n, d, raw) for n in ("padding-zero", "causal-nq>nk", "window-kvoff", "custom-head")
-                for d in (F32, BF16) for raw in (False, True) if not (raw and d == BF16)]
+MASKED_CASES = [
+    (n, d, raw)
+    for n in ("padding-zero", "causal-nq>nk", "window-kvoff", "custom-head")
+    for d in (F32, BF16)
+    for raw in (False, True)
+    if not (raw and d == BF16)
+]
 
 
-@pytest.mark.parametrize("name, dtype, raw_lse", MASKED_CASES,
-                         ids=lambda x: DTYPE_IDS.get(x, {True: "raw-lse-loss", False: "lse-finite-loss"}.get(x, x)))
+@pytest.mark.parametrize(
+    "name, dtype, raw_lse",
+    MASKED_CASES,
+    ids=lambda x: DTYPE_IDS.get(x, {True: "raw-lse-loss", False: "lse-finite-loss"}.get(x, x)),
+)
 def test_fully_masked_rows(name, dtype, raw_lse):
     (B, H, Hkv, Nq, Nk), mask, (qo, ko), rows = _masked_case(name)
     q, k, v = make_qkv(B, H, Hkv, Nq, Nk, 24, dtype=dtype, seed=12)
@@ -280,10 +321,17 @@ def test_empty_tiles_are_never_read(tiles16):
     k[:, :, :16], v[:, :, :16] = float("nan"), float("nan")  # kv-block 0 ...
     mask = masks.sliding_window(16)  # ... is EMPTY for q-blocks 2 and 3 (positions >= 32)
     q = q[:, :, 32:]
-    out, lse = attnlab.attention(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), mask=mask,
-                                 q_offset=32, return_lse=True, backend="triton")
+    out, lse = attnlab.attention(
+        q.requires_grad_(),
+        k.requires_grad_(),
+        v.requires_grad_(),
+        mask=mask,
+        q_offset=32,
+        return_lse=True,
+        backend="triton",
+    )
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    dq, = torch.autograd.grad(out.sum(), q)
+    (dq,) = torch.autograd.grad(out.sum(), q)
     assert torch.isfinite(dq).all()
 
 
@@ -319,5 +367,11 @@ def test_large_scores_stay_accurate():
     """Scores ~100 across tiles, and ALiBi pushing far keys to about -400."""
     q, k, v = make_qkv(1, 2, 1, 45, 97, 64, dtype=F32, seed=3, qk_scale=4.0)
     compare_triton(q, k, v, mask=masks.causal(), what="qk_scale=4")
-    compare_triton(q, k, v, mod_factory=lambda p: scores.alibi(p, symmetric=True), param=torch.full((2,), 4.0,
-                   dtype=torch.float64), what="steep alibi")
+    compare_triton(
+        q,
+        k,
+        v,
+        mod_factory=lambda p: scores.alibi(p, symmetric=True),
+        param=torch.full((2,), 4.0, dtype=torch.float64),
+        what="steep alibi",
+    )

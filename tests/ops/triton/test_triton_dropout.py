@@ -9,9 +9,9 @@ import torch
 
 import attnlab
 from attnlab import masks, scores
+from tests.helpers import assert_close_rule
 from tests.ops.conftest import loss_weights, make_qkv
 from tests.ops.triton.conftest import BF16, F32, TRITON
-from tests.helpers import assert_close_rule
 
 pytestmark = TRITON
 
@@ -21,8 +21,13 @@ def _run(q, k, v, backend, **kw):
     out, lse = attnlab.attention(q, k, v, return_lse=True, backend=backend, **kw)
     w, c = loss_weights(*out.shape)
     loss = (out.double() * w).sum() + (torch.where(torch.isinf(lse), 0, lse).double() * c).sum()
-    return dict(zip(("out", "lse", "dq", "dk", "dv"), (out.detach(), lse.detach(),
-                                                       *torch.autograd.grad(loss, (q, k, v)))))
+    return dict(
+        zip(
+            ("out", "lse", "dq", "dk", "dv"),
+            (out.detach(), lse.detach(), *torch.autograd.grad(loss, (q, k, v))),
+            strict=True,
+        )
+    )
 
 
 CASES = {  # (B, H, Hkv, Nq, Nk, D, Dv), mask, score mod
@@ -46,8 +51,9 @@ def test_triton_dropout_meets_the_rule_with_the_same_seed(case, tiles, request):
     ref = _run(q, k, v, "reference", **kw)
     fast = _run(q, k, v, "triton", **kw)
     for key in fast:
-        assert_close_rule(fast[key], ref[key], oracle[key], F32, factor=2.0 if key in ("out", "lse") else 3.0,
-                          what=f"{case} {key}")
+        assert_close_rule(
+            fast[key], ref[key], oracle[key], F32, factor=2.0 if key in ("out", "lse") else 3.0, what=f"{case} {key}"
+        )
 
 
 def test_triton_dropout_bf16_and_reproducible():
@@ -57,6 +63,7 @@ def test_triton_dropout_bf16_and_reproducible():
     ref = _run(q, k, v, "reference", **kw)
     fast = _run(q, k, v, "triton", **kw)
     for key in fast:
-        assert_close_rule(fast[key], ref[key], oracle[key], BF16, factor=2.0 if key in ("out", "lse") else 3.0,
-                          what=key)
+        assert_close_rule(
+            fast[key], ref[key], oracle[key], BF16, factor=2.0 if key in ("out", "lse") else 3.0, what=key
+        )
     assert torch.equal(fast["out"], attnlab.attention(q, k, v, backend="triton", **kw))

@@ -36,6 +36,7 @@ def qkv():
 def _loss(mask):
     def loss(q, k, v):
         return (attnlab.attention(q, k, v, mask=MASKS[mask](), backend="triton") ** 2).sum()
+
     return loss
 
 
@@ -61,7 +62,7 @@ def test_grad_and_vmap_of_grad_equal_eager_autograd_on_triton(qkv, mask):
     loss = _loss(mask)
     want = [_eager_grads(loss, q[i], k[i], v[i]) for i in range(2)]
     got = grad(loss, argnums=(0, 1, 2))(q[0], k[0], v[0])
-    for a, b in zip(got, want[0]):
+    for a, b in zip(got, want[0], strict=True):
         torch.testing.assert_close(a, b, **SAME_KERNEL)
     vg = vmap(grad(loss, argnums=(0, 1, 2)))(q, k, v)
     for j in range(3):
@@ -76,7 +77,7 @@ def test_torch_func_grad_reaches_learnable_alibi_slopes_on_triton(qkv):
         return attnlab.attention(q, k, v, mask=masks.causal(), score_mod=scores.alibi(s), backend="triton").sum()
 
     s = slopes.clone().requires_grad_()
-    want, = torch.autograd.grad(loss(s), s)
+    (want,) = torch.autograd.grad(loss(s), s)
     assert want.abs().sum() > 0
     torch.testing.assert_close(grad(loss)(slopes), want, **SAME_KERNEL)
 

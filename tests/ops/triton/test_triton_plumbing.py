@@ -39,22 +39,29 @@ def test_block_lists_are_partial_then_full_and_skip_empty():
     for idx in torch.cartesian_prod(torch.arange(2), torch.arange(3), torch.arange(5)).tolist():
         s, row = states[tuple(idx)], lists[tuple(idx)].tolist()
         n_part, n_full = row[0], row[1]
-        part, full = row[2:2 + n_part], row[2 + n_part:2 + n_part + n_full]
+        part, full = row[2 : 2 + n_part], row[2 + n_part : 2 + n_part + n_full]
         assert part == torch.nonzero(s == PARTIAL).flatten().tolist()
         assert full == torch.nonzero(s == FULL).flatten().tolist()
         assert n_part + n_full == int((s != EMPTY).sum())
 
 
 LOWERED = [
-    (masks.causal(), "band"), (masks.sliding_window(5), "band"), (masks.prefix_lm(3), "band"),
-    (masks.sink_window(2, 4), "band"), (masks.document(torch.tensor([0] * 9 + [1] * 14)), "doc"),
-    (masks.padding([7, 23]), "keep"), (masks.key_padding(torch.arange(23).view(1, -1).expand(2, -1) % 4 > 0), "keep"),
-    (masks.causal() & masks.sliding_window(6), "band"), (masks.padding([9, 20]) & masks.key_padding(
-        torch.arange(23).view(1, -1).expand(2, -1) % 3 > 0), "keep"),
+    (masks.causal(), "band"),
+    (masks.sliding_window(5), "band"),
+    (masks.prefix_lm(3), "band"),
+    (masks.sink_window(2, 4), "band"),
+    (masks.document(torch.tensor([0] * 9 + [1] * 14)), "doc"),
+    (masks.padding([7, 23]), "keep"),
+    (masks.key_padding(torch.arange(23).view(1, -1).expand(2, -1) % 4 > 0), "keep"),
+    (masks.causal() & masks.sliding_window(6), "band"),
+    (masks.padding([9, 20]) & masks.key_padding(torch.arange(23).view(1, -1).expand(2, -1) % 3 > 0), "keep"),
     (masks.document(torch.tensor([0] * 9 + [1] * 14)) & masks.causal() & masks.padding([20, 15]), "band+doc+keep"),
-    (masks.band(3, 2), "band"), (masks.band(None, 2) & masks.prefix_lm(3), "band"),  # read from the structure
-    (masks.prefix_lm(3) & masks.sliding_window(4), None), (masks.causal() | masks.prefix_lm(3), None),
-    (~masks.causal(), None), (masks.tree(torch.tensor([-1, 0, 0, 1]), prefix_len=19), None),
+    (masks.band(3, 2), "band"),
+    (masks.band(None, 2) & masks.prefix_lm(3), "band"),  # read from the structure
+    (masks.prefix_lm(3) & masks.sliding_window(4), None),
+    (masks.causal() | masks.prefix_lm(3), None),
+    (~masks.causal(), None),
+    (masks.tree(torch.tensor([-1, 0, 0, 1]), prefix_len=19), None),
     (masks.custom(lambda b, h, q, kv: (q + kv) % 2 == 0), None),
 ]
 
@@ -89,8 +96,8 @@ def test_lowering_and_table_match_the_predicate(mask, kind):
     for i, j in torch.nonzero(partial).tolist():
         words = tab.table[int(tab.tile_id[i, j])]  # (Bp, Hp, 16, 1)
         bits = ((words.to(torch.int64) & 0xFFFFFFFF) >> torch.arange(16)) & 1
-        got = bits.bool().expand(B, H, 16, 16)[:, :, :min(16, Nq - 16 * i), :min(16, Nk - 16 * j)]
-        assert torch.equal(got, dense[:, :, 16 * i:16 * i + 16, 16 * j:16 * j + 16]), (i, j)
+        got = bits.bool().expand(B, H, 16, 16)[:, :, : min(16, Nq - 16 * i), : min(16, Nk - 16 * j)]
+        assert torch.equal(got, dense[:, :, 16 * i : 16 * i + 16, 16 * j : 16 * j + 16]), (i, j)
 
 
 def test_plans_are_cached_on_the_blockmask():
@@ -112,6 +119,7 @@ def test_blockmask_at_triton_tiles_sets_the_tiling_and_others_work_too():
         out = attnlab.attention(q, k, v, mask=bm, backend="triton")
         assert (out - want).abs().max() < 1e-5, block
     from attnlab.ops.triton.autograd import _Problem
+
     pb = _Problem(q, k, v, mask.block_mask(1, 2, 40, 70, block=(16, 64)), lower_score_mod(None), 0.1, 30, 0, None)
     assert set(pb.tiles.values()) == {(16, 64)}
     pb = _Problem(q, k, v, mask.block_mask(1, 2, 40, 70, block=(128, 512)), lower_score_mod(None), 0.1, 30, 0, None)
@@ -149,9 +157,15 @@ def test_backend_is_registered_and_matches_flash():
     assert (a - b).abs().max() < 1e-5 and (la - lb).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("case, match", [
-    ("float64", "float64|dtype"), ("d300", "head dims up to 256"), ("custom-mod", "no Triton lowering"),
-    ("offset", "2\\^30")])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("float64", "float64|dtype"),
+        ("d300", "head dims up to 256"),
+        ("custom-mod", "no Triton lowering"),
+        ("offset", "2\\^30"),
+    ],
+)
 def test_clear_errors(case, match):
     D, dtype, kw = 16, torch.float32, {}
     if case == "float64":
@@ -169,8 +183,11 @@ def test_clear_errors(case, match):
 
 def test_auto_never_picks_triton_on_cpu():
     q, k = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
-    for mask, mod, lse in ((None, None, False), (masks.sliding_window(3), None, True),
-                           (masks.causal(), scores.softcap(5.0), True)):
+    for mask, mod, lse in (
+        (None, None, False),
+        (masks.sliding_window(3), None, True),
+        (masks.causal(), scores.softcap(5.0), True),
+    ):
         assert _auto(q, k, mask, mod, 0, 0, lse, v=k) in ("flash", "sdpa")
 
 
@@ -210,8 +227,9 @@ def test_without_triton_or_interpreter(mode):
     with triton but no TRITON_INTERPRET, CPU tensors get a clear error (not a crash)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
-    r = subprocess.run([sys.executable, "-c", _SUBPROCESS, mode], capture_output=True, text=True, env=env,
-                       cwd=str(ROOT), timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", _SUBPROCESS, mode], capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=120
+    )
     assert r.returncode == 0, r.stderr
     if mode == "absent":
         assert "triton package is not installed" in r.stdout and "AVAILABLE False" in r.stdout
@@ -223,9 +241,17 @@ def test_gpu_benchmark_script_runs_its_checks_here():
     """The benchmark needs a GPU for timing; its correctness grid, verdict and table run
     on the interpreter here with small cases, so the script does not rot untested."""
     from attnlab.bench import triton as bench
-    cases = [("causal gqa", (1, 4, 2, 20, 33, 40, 24), torch.bfloat16, masks.causal(), None),
-             ("alibi table", (1, 2, 2, 17, 17, 16, 16), torch.float32, masks.custom(lambda b, h, q, kv: kv <= q),
-              (lambda p: scores.alibi(p), torch.tensor([0.1, 0.2])))]
+
+    cases = [
+        ("causal gqa", (1, 4, 2, 20, 33, 40, 24), torch.bfloat16, masks.causal(), None),
+        (
+            "alibi table",
+            (1, 2, 2, 17, 17, 16, 16),
+            torch.float32,
+            masks.custom(lambda b, h, q, kv: kv <= q),
+            (lambda p: scores.alibi(p), torch.tensor([0.1, 0.2])),
+        ),
+    ]
     rows, ok = bench.check_correctness(cases, device="cpu")
     assert ok and [r[3] for r in rows] == ["ok", "ok"]
     table = [(128, 8192, "causal", "attnlab-triton", 300.0, 250.0), (128, 8192, "causal", "sdpa-flash", 320.0, 280.0)]

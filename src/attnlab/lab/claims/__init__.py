@@ -25,9 +25,28 @@ calling :func:`run_claims`)::
 ('002_83a9a7f90d84fd2e.txt', 'attnlab.lab.claims.positions')
 """
 
-from attnlab.lab.claims.registry import (SEED_000, SEED_002, REGISTRY, Claim, ClaimResult, Outcome, Registry,
-                                         Verdict, all_claims, as_document, claim, format_claim, format_list,
-                                         format_table, quote_found, register, run_claims, seed_path, select, to_json)
+from attnlab.lab.claims.registry import (
+    REGISTRY,
+    SEED_000,
+    SEED_002,
+    Claim,
+    ClaimResult,
+    Outcome,
+    Registry,
+    Verdict,
+    all_claims,
+    as_document,
+    claim,
+    format_claim,
+    format_list,
+    format_table,
+    quote_found,
+    register,
+    run_claims,
+    seed_path,
+    select,
+    to_json,
+)
 
 #: Modules whose import registers claims; :func:`run_claims` imports them in this order.
 #: Other parts of the lab add their own module here.
@@ -43,6 +62,26 @@ CLAIM_MODULES = [
     "attnlab.lab.claims.alternatives",
 ]
 
-__all__ = ["CLAIM_MODULES", "SEED_000", "SEED_002", "REGISTRY", "Claim", "ClaimResult", "Outcome", "Registry",
-           "Verdict", "all_claims", "as_document", "claim", "format_claim", "format_list", "format_table",
-           "quote_found", "register", "run_claims", "seed_path", "select", "to_json"]
+__all__ = [
+    "CLAIM_MODULES",
+    "SEED_000",
+    "SEED_002",
+    "REGISTRY",
+    "Claim",
+    "ClaimResult",
+    "Outcome",
+    "Registry",
+    "Verdict",
+    "all_claims",
+    "as_document",
+    "claim",
+    "format_claim",
+    "format_list",
+    "format_table",
+    "quote_found",
+    "register",
+    "run_claims",
+    "seed_path",
+    "select",
+    "to_json",
+]

@@ -4,6 +4,7 @@ where position information enters."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -19,12 +20,16 @@ def _mha(*args, seed=0, **kw) -> MultiHeadAttention:
         return MultiHeadAttention(*args, **kw).double()
 
 
-@claim("permutation-equivariance",
-       title="attention without positions is permutation-equivariant; positions (RoPE, sinusoidal) break it",
-       seed=SEED_002,
-       quote=("Raw attention is permutation-equivariant: permute the input rows and the output permutes identically — "
-              "$QK^\\top$ depends only on content, not order.",
-              "Pure attention literally cannot tell “dog bites man” from “man bites dog.” Position must be injected:"))
+@claim(
+    "permutation-equivariance",
+    title="attention without positions is permutation-equivariant; positions (RoPE, sinusoidal) break it",
+    seed=SEED_002,
+    quote=(
+        "Raw attention is permutation-equivariant: permute the input rows and the output permutes identically — "
+        "$QK^\\top$ depends only on content, not order.",
+        "Pure attention literally cannot tell “dog bites man” from “man bites dog.” Position must be injected:",
+    ),
+)
 def _perm() -> Outcome:
     g = gen(400)
     N, d = 16, 32
@@ -44,32 +49,41 @@ def _perm() -> Outcome:
     sin = err(_mha(d, 4), pe)
     with seeded(401):
         table = LearnedEmbedding(N, d).double()
-        torch.nn.init.normal_(table.weight)                    # a trained-scale table, not the 0.02 init
+        torch.nn.init.normal_(table.weight)  # a trained-scale table, not the 0.02 init
     with torch.no_grad():
         learned = err(_mha(d, 4), table(torch.arange(N)))
     ok = plain < 1e-12 and min(rope, sin, learned) > 1e-2
-    return Outcome.judge(ok, evidence={"rel. |MHA(x)[π] − MHA(x[π])|, no positions": plain,
-                                       "same, RoPE": rope, "same, sinusoidal added to x": sin,
-                                       "same, learned embedding added to x": learned},
-                         explanation="permuting the tokens permutes attnlab's output exactly without positions; with "
-                                     "RoPE, sinusoidal or learned embeddings the output depends on the order",
-                         key_figure=f"no pos. {plain:.0e}; RoPE {rope:.2f}; sinusoidal {sin:.2f}; "
-                                    f"learned {learned:.2f}")
+    return Outcome.judge(
+        ok,
+        evidence={
+            "rel. |MHA(x)[π] − MHA(x[π])|, no positions": plain,
+            "same, RoPE": rope,
+            "same, sinusoidal added to x": sin,
+            "same, learned embedding added to x": learned,
+        },
+        explanation="permuting the tokens permutes attnlab's output exactly without positions; with "
+        "RoPE, sinusoidal or learned embeddings the output depends on the order",
+        key_figure=f"no pos. {plain:.0e}; RoPE {rope:.2f}; sinusoidal {sin:.2f}; learned {learned:.2f}",
+    )
 
 
 def _rope_scores(rope: RoPE, q: torch.Tensor, k: torch.Tensor, i, j) -> torch.Tensor:
     """``⟨R_i q, R_j k⟩`` for vectors ``q, k (P, D)`` at positions ``i, j`` (LongTensors ``(P,)``)."""
-    rq = rope(q[:, None, None, :], i[:, None])[:, 0, 0]     # each pair is its own batch row, at its own position
+    rq = rope(q[:, None, None, :], i[:, None])[:, 0, 0]  # each pair is its own batch row, at its own position
     rk = rope(k[:, None, None, :], j[:, None])[:, 0, 0]
     return (rq * rk).sum(-1)
 
 
-@claim("rope-relative-offset",
-       title="with RoPE, ⟨R_i q, R_j k⟩ = ⟨q, R_{j−i} k⟩: scores depend on the offset j − i only",
-       seed=SEED_002,
-       quote=("$$\\langle R(i\\theta)q_i,; R(j\\theta)k_j\\rangle = \\langle q_i,; R((j-i)\\theta)k_j\\rangle$$",
-              "The score depends only on the relative offset $j-i$, not absolute positions",
-              "Different dimension pairs use geometrically spaced $\\theta_c$ (a la $10000^{-2c/d}$)"))
+@claim(
+    "rope-relative-offset",
+    title="with RoPE, ⟨R_i q, R_j k⟩ = ⟨q, R_{j−i} k⟩: scores depend on the offset j − i only",
+    seed=SEED_002,
+    quote=(
+        "$$\\langle R(i\\theta)q_i,; R(j\\theta)k_j\\rangle = \\langle q_i,; R((j-i)\\theta)k_j\\rangle$$",
+        "The score depends only on the relative offset $j-i$, not absolute positions",
+        "Different dimension pairs use geometrically spaced $\\theta_c$ (a la $10000^{-2c/d}$)",
+    ),
+)
 def _rope_relative() -> Outcome:
     g = gen(401)
     D, P = 16, 64
@@ -77,7 +91,8 @@ def _rope_relative() -> Outcome:
     k = torch.randn(P, D, generator=g, dtype=torch.float64)
     i = torch.randint(0, 2000, (P,), generator=g)
     j = torch.randint(0, 2000, (P,), generator=g)
-    ev, worst = {}, 0.0
+    ev: dict[str, Any] = {}
+    worst = 0.0
     for inter in (False, True):
         rope = RoPE(D, interleaved=inter).double()
         base = _rope_scores(rope, q, k, i, j)
@@ -102,17 +117,21 @@ def _rope_relative() -> Outcome:
     ev["max |θ_{c+1}/θ_c − 10000^(−2/d)|"] = geo
     ev["wavelengths 2π/θ (shortest, longest)"] = [2 * math.pi / float(f[0]), 2 * math.pi / float(f[-1])]
     ok = worst < 1e-9 and op < 1e-9 and geo < 1e-6
-    return Outcome.judge(ok, evidence=ev,
-                         explanation="attnlab's RoPE (both pairings) satisfies the identity and is invariant to "
-                                     "shifting both positions, through the attention op too; θ_c are geometric",
-                         key_figure=f"identity/shift error {max(worst, op):.0e}")
+    return Outcome.judge(
+        ok,
+        evidence=ev,
+        explanation="attnlab's RoPE (both pairings) satisfies the identity and is invariant to "
+        "shifting both positions, through the attention op too; θ_c are geometric",
+        key_figure=f"identity/shift error {max(worst, op):.0e}",
+    )
 
 
-@claim("positions-only-change-qkv-input",
-       title="swapping position schemes (RoPE, ALiBi, absolute) only changes the input to the QKV projections",
-       seed=SEED_002,
-       quote="Swapping them only changes the input to the QKV projections, leaving the core attention mechanism "
-             "intact.")
+@claim(
+    "positions-only-change-qkv-input",
+    title="swapping position schemes (RoPE, ALiBi, absolute) only changes the input to the QKV projections",
+    seed=SEED_002,
+    quote="Swapping them only changes the input to the QKV projections, leaving the core attention mechanism intact.",
+)
 def _surface() -> Outcome:
     """Test with a uniform pattern (W_Q = W_K = 0): the output is then the mean of the values, so
     it moves with positions exactly when position reaches the *values* or the *scores*."""
@@ -139,17 +158,21 @@ def _surface() -> Outcome:
         m = silence_qk(_mha(d, h, positions=ALiBi(h)))
         plain = silence_qk(_mha(d, h))
         alibi_delta = float((m(x) - plain(x)).abs().max())
-    ev = {"output change from positions, RoPE (uniform pattern)": rope_delta,
-          "output change from positions, absolute sinusoidal": abs_delta,
-          "output change, ALiBi vs none (same q, k, v)": alibi_delta}
+    ev = {
+        "output change from positions, RoPE (uniform pattern)": rope_delta,
+        "output change from positions, absolute sinusoidal": abs_delta,
+        "output change, ALiBi vs none (same q, k, v)": alibi_delta,
+    }
     if rope_delta > 1e-9 and alibi_delta < 1e-9:
         return Outcome(Verdict.HOLDS, ev, "every scheme acts through the projections' input")
     if abs_delta > 1e-6:
-        return Outcome(Verdict.HOLDS_UNDER_CONDITIONS, ev,
-                       "an absolute embedding moves the values (it enters X), RoPE leaves them untouched and ALiBi "
-                       "changes the pattern with the same q, k, v: both act inside attention",
-                       conditions="absolute (sinusoidal or learned) embeddings added to X only; RoPE rotates q and k "
-                                  "after the projections and ALiBi adds a bias to the scores",
-                       key_figure=f"Δ with uniform pattern: abs {abs_delta:.2f}, RoPE {rope_delta:.0e}; "
-                                  f"ALiBi {alibi_delta:.2f}")
+        return Outcome(
+            Verdict.HOLDS_UNDER_CONDITIONS,
+            ev,
+            "an absolute embedding moves the values (it enters X), RoPE leaves them untouched and ALiBi "
+            "changes the pattern with the same q, k, v: both act inside attention",
+            conditions="absolute (sinusoidal or learned) embeddings added to X only; RoPE rotates q and k "
+            "after the projections and ALiBi adds a bias to the scores",
+            key_figure=f"Δ with uniform pattern: abs {abs_delta:.2f}, RoPE {rope_delta:.0e}; ALiBi {alibi_delta:.2f}",
+        )
     return Outcome(Verdict.DOES_NOT_HOLD, ev, "no scheme acts through the projections' input")

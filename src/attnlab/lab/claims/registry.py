@@ -40,15 +40,34 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
-__all__ = ["Verdict", "Outcome", "Claim", "ClaimResult", "Registry", "REGISTRY", "claim", "register",
-           "all_claims", "select", "run_claims", "format_table", "format_list", "format_claim", "as_document",
-           "to_json", "seed_path",
-           "normalize", "quote_found", "SEED_000", "SEED_002"]
+__all__ = [
+    "Verdict",
+    "Outcome",
+    "Claim",
+    "ClaimResult",
+    "Registry",
+    "REGISTRY",
+    "claim",
+    "register",
+    "all_claims",
+    "select",
+    "run_claims",
+    "format_table",
+    "format_list",
+    "format_claim",
+    "as_document",
+    "to_json",
+    "seed_path",
+    "normalize",
+    "quote_found",
+    "SEED_000",
+    "SEED_002",
+]
 
 SEED_000 = "000_54200aed1688a4a7.txt"
 SEED_002 = "002_83a9a7f90d84fd2e.txt"
@@ -104,13 +123,23 @@ class Outcome:
         if not isinstance(self.explanation, str) or not self.explanation.strip() or "\n" in self.explanation:
             raise ValueError("Outcome.explanation: expected a one-line, non-empty string")
         if (v is Verdict.HOLDS_UNDER_CONDITIONS) != bool(self.conditions):
-            raise ValueError("Outcome.conditions: state the conditions exactly when the verdict is "
-                             f"'holds under conditions' (verdict {v.value!r}, conditions {self.conditions!r})")
+            raise ValueError(
+                "Outcome.conditions: state the conditions exactly when the verdict is "
+                f"'holds under conditions' (verdict {v.value!r}, conditions {self.conditions!r})"
+            )
         object.__setattr__(self, "evidence", _jsonable(self.evidence))
 
     @classmethod
-    def judge(cls, ok: bool, *, evidence: dict, explanation: str, key_figure: str = "",
-              conditions: str | None = None, otherwise: Verdict = Verdict.DOES_NOT_HOLD) -> "Outcome":
+    def judge(
+        cls,
+        ok: bool,
+        *,
+        evidence: dict,
+        explanation: str,
+        key_figure: str = "",
+        conditions: str | None = None,
+        otherwise: Verdict = Verdict.DOES_NOT_HOLD,
+    ) -> Outcome:
         """``HOLDS`` (or ``HOLDS_UNDER_CONDITIONS`` when ``conditions`` is given) if ``ok``,
         else ``otherwise`` (default ``DOES_NOT_HOLD``, whose conditions are dropped)."""
         if ok:
@@ -126,8 +155,8 @@ class Claim:
 
     id: str
     title: str
-    seed: str                      # file name under the seeds folder, e.g. SEED_002
-    quotes: tuple[str, ...]        # exact sentence(s) from the seed
+    seed: str  # file name under the seeds folder, e.g. SEED_002
+    quotes: tuple[str, ...]  # exact sentence(s) from the seed
     experiment: Callable[[], Outcome] = field(repr=False, compare=False)
     module: str = ""
     tags: tuple[str, ...] = ()
@@ -157,10 +186,21 @@ class ClaimResult:
 
     def as_dict(self) -> dict:
         c = self.claim
-        return {"id": c.id, "title": c.title, "seed": c.seed, "quotes": list(c.quotes), "module": c.module,
-                "tags": list(c.tags), "verdict": None if self.verdict is None else self.verdict.value,
-                "conditions": self.conditions, "key_figure": self.key_figure, "evidence": self.evidence,
-                "explanation": self.explanation, "seconds": round(self.seconds, 3), "error": self.error}
+        return {
+            "id": c.id,
+            "title": c.title,
+            "seed": c.seed,
+            "quotes": list(c.quotes),
+            "module": c.module,
+            "tags": list(c.tags),
+            "verdict": None if self.verdict is None else self.verdict.value,
+            "conditions": self.conditions,
+            "key_figure": self.key_figure,
+            "evidence": self.evidence,
+            "explanation": self.explanation,
+            "seconds": round(self.seconds, 3),
+            "error": self.error,
+        }
 
 
 def _seed_name(seed: str) -> str:
@@ -182,8 +222,10 @@ class Registry:
         if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", c.id):
             raise ValueError(f"claim id {c.id!r}: use lowercase letters, digits and '-'")
         old = self._claims.get(c.id)
-        if old is not None and (old.module, getattr(old.experiment, "__qualname__", None)) != \
-                (c.module, getattr(c.experiment, "__qualname__", None)):
+        if old is not None and (old.module, getattr(old.experiment, "__qualname__", None)) != (
+            c.module,
+            getattr(c.experiment, "__qualname__", None),
+        ):
             raise ValueError(f"claim id {c.id!r} is already registered by {old.module}")
         self._claims[c.id] = c
         return c
@@ -197,6 +239,7 @@ class Registry:
         def deco(fn: Callable[[], Outcome]) -> Callable[[], Outcome]:
             self.register(Claim(id, title, seed, quotes, fn, getattr(fn, "__module__", ""), tuple(tags)))
             return fn
+
         return deco
 
     def __iter__(self):
@@ -222,16 +265,19 @@ class Registry:
             hits = exact or [c for c in claims if s in c.id] or [c for c in claims if _seed_matches(c.seed, s)]
             if not hits:
                 seeds = sorted({_seed_name(c.seed) for c in claims})
-                raise ValueError(f"no claim matches {s!r} (not an id, a part of one, or a seed: "
-                                 f"{', '.join(seeds)}); `attnlab claims --list` lists them")
+                raise ValueError(
+                    f"no claim matches {s!r} (not an id, a part of one, or a seed: "
+                    f"{', '.join(seeds)}); `attnlab claims --list` lists them"
+                )
             for c in hits:
                 if c.id not in seen:
                     seen.add(c.id)
                     out.append(c)
         return out
 
-    def run(self, ids: Iterable[str] | None = None, *, progress: bool = True,
-            threads: int | None = 1) -> list[ClaimResult]:
+    def run(
+        self, ids: Iterable[str] | None = None, *, progress: bool = True, threads: int | None = 1
+    ) -> list[ClaimResult]:
         """Run the selected claims' experiments, in registration order, with torch limited
         to ``threads`` intra-op threads (restored afterwards; None leaves it alone): the
         experiments are small, and extra threads only oversubscribe a busy machine."""
@@ -243,6 +289,7 @@ class Registry:
 @contextlib.contextmanager
 def _threads(n: int | None):
     import torch
+
     old = torch.get_num_threads()
     if n is not None:
         torch.set_num_threads(n)
@@ -256,12 +303,14 @@ def _progress(claims: list[Claim], progress: bool):
     if not progress:
         return claims
     from tqdm.auto import tqdm
+
     bar = tqdm(claims, desc="claims", unit="claim", file=sys.stderr, leave=False)
 
     def it():
         for c in bar:
             bar.set_postfix_str(c.id)
             yield c
+
     return it()
 
 
@@ -271,11 +320,18 @@ def _run_one(c: Claim) -> ClaimResult:
         out = c.experiment()
         if not isinstance(out, Outcome):
             raise TypeError(f"experiment of {c.id!r} returned {type(out).__name__}, expected an Outcome")
-    except Exception as e:  # a failing experiment is reported, not a verdict
+    except Exception as e:  # noqa: BLE001 - a failing experiment is reported, not a verdict
         tb = traceback.format_exception_only(type(e), e)[-1].strip()
         return ClaimResult(c, None, {}, "", None, "", time.perf_counter() - t0, error=tb)
-    return ClaimResult(c, out.verdict, out.evidence, out.explanation, out.conditions,
-                       out.key_figure or _first_figure(out.evidence), time.perf_counter() - t0)
+    return ClaimResult(
+        c,
+        out.verdict,
+        out.evidence,
+        out.explanation,
+        out.conditions,
+        out.key_figure or _first_figure(out.evidence),
+        time.perf_counter() - t0,
+    )
 
 
 def _first_figure(evidence: dict) -> str:
@@ -290,6 +346,7 @@ register = REGISTRY.claim  # the name other modules use: ``@register("my-claim",
 
 def _load_modules() -> None:
     from attnlab.lab import claims as pkg
+
     for name in pkg.CLAIM_MODULES:
         importlib.import_module(name)
 
@@ -306,8 +363,9 @@ def select(ids: Iterable[str] | None = None) -> list[Claim]:
     return REGISTRY.select(ids)
 
 
-def run_claims(ids: Iterable[str] | None = None, *, progress: bool = True,
-               threads: int | None = 1) -> list[ClaimResult]:
+def run_claims(
+    ids: Iterable[str] | None = None, *, progress: bool = True, threads: int | None = 1
+) -> list[ClaimResult]:
     """Run the experiments of the claims matching ``ids`` (ids or substrings; all when
     None), with a tqdm bar on stderr when ``progress``, torch limited to ``threads``
     threads meanwhile.  An experiment that raises gives a result with ``verdict=None``
@@ -320,6 +378,7 @@ def run_claims(ids: Iterable[str] | None = None, *, progress: bool = True,
 def _wrap(text: str, width: int) -> list[str]:
     """``text`` in lines of at most ``width`` characters (words longer than that are split)."""
     import textwrap
+
     return textwrap.wrap(text, width, break_long_words=True, break_on_hyphens=False) or [""]
 
 
@@ -338,11 +397,12 @@ def format_table(results: Sequence[ClaimResult], *, width: int = 56) -> str:
 
     def line(cells):
         return "  ".join(cell.ljust(w[i]) for i, cell in enumerate(cells)).rstrip()
+
     lines = [line(head), "  ".join("-" * x for x in w)]
-    for cid, verdict, fig, seed in rows:
-        lines.append(line((cid, verdict, fig[0], seed)))
-        lines += [line(("", "", more, "")) for more in fig[1:]]
-    counts = {}
+    for cid, verdict, figs, seed in rows:
+        lines.append(line((cid, verdict, figs[0], seed)))
+        lines += [line(("", "", more, "")) for more in figs[1:]]
+    counts: dict[str, int] = {}
     for r in results:
         k = "error" if r.verdict is None else r.verdict.value
         counts[k] = counts.get(k, 0) + 1
@@ -375,10 +435,17 @@ def format_claim(r: ClaimResult, *, width: int = 88) -> str:
     out += ["", "measured:"]
     kw = max(len(str(k)) for k in r.evidence) if r.evidence else 0
     for k, v in r.evidence.items():
-        text = f"{v:.4g}" if isinstance(v, float) else json.dumps(v, ensure_ascii=False) if isinstance(v, (list, dict)) \
+        text = (
+            f"{v:.4g}"
+            if isinstance(v, float)
+            else json.dumps(v, ensure_ascii=False)
+            if isinstance(v, (list, dict))
             else str(v)
-        out += [f"  {str(k).ljust(kw)}  {x}" if i == 0 else f"  {'':{kw}}  {x}"
-                for i, x in enumerate(_wrap(text, max(20, width - kw - 4)))]
+        )
+        out += [
+            f"  {str(k).ljust(kw)}  {x}" if i == 0 else f"  {'':{kw}}  {x}"
+            for i, x in enumerate(_wrap(text, max(20, width - kw - 4)))
+        ]
     out += ["", f"key figure: {r.key_figure}", f"({r.seconds:.1f} s; experiment in {c.module})"]
     return "\n".join(out)
 

@@ -30,18 +30,20 @@ from __future__ import annotations
 from attnlab.ops.triton.support import available, unsupported
 
 
-def triton_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, block=None,
-                     dropout=None):
+def triton_attention(q, k, v, *, mask=None, score_mod=None, scale, q_offset, kv_offset=0, block=None, dropout=None):
     """Run the Triton kernels (see :func:`attnlab.ops.triton.autograd.triton_attention`)."""
     from attnlab.ops.triton.autograd import triton_attention as run
+
     kw = {} if dropout is None else {"dropout": dropout}
-    return run(q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset,
-               block=block, **kw)
+    return run(
+        q, k, v, mask=mask, score_mod=score_mod, scale=scale, q_offset=q_offset, kv_offset=kv_offset, block=block, **kw
+    )
 
 
 def interpreting() -> bool:
     """True when the kernels run under the Triton interpreter (imports triton)."""
     from attnlab.ops.triton.support import interpreting as f
+
     return f()
 
 

@@ -37,18 +37,9 @@ GPU_TILES = {
 # bfloat16 candidates are spill-free but dQ's (4, 1) fallback (8 bytes on sm_90).
 # float32 is not spill-free at any head dim (docs/triton.md).
 AUTOTUNE = {
-    64: {"fwd": [(4, 3), (8, 3), (8, 2)],
-         "dq": [(8, 2), (8, 3)],
-         "dkdv": [(4, 2), (8, 2), (4, 3)],
-         "delta": [(4, 1)]},
-    128: {"fwd": [(8, 2), (8, 3)],
-          "dq": [(8, 2), (8, 3)],
-          "dkdv": [(8, 2), (8, 3)],
-          "delta": [(4, 1)]},
-    256: {"fwd": [(4, 3), (8, 2), (4, 1)],
-          "dq": [(8, 2), (4, 1)],
-          "dkdv": [(8, 2), (8, 1)],
-          "delta": [(4, 1)]},
+    64: {"fwd": [(4, 3), (8, 3), (8, 2)], "dq": [(8, 2), (8, 3)], "dkdv": [(4, 2), (8, 2), (4, 3)], "delta": [(4, 1)]},
+    128: {"fwd": [(8, 2), (8, 3)], "dq": [(8, 2), (8, 3)], "dkdv": [(8, 2), (8, 3)], "delta": [(4, 1)]},
+    256: {"fwd": [(4, 3), (8, 2), (4, 1)], "dq": [(8, 2), (4, 1)], "dkdv": [(8, 2), (8, 1)], "delta": [(4, 1)]},
 }
 
 #: (kernel, autotune key) -> the config triton.autotune picked, filled as kernels run on a GPU

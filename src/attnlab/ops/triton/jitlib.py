@@ -47,6 +47,7 @@ if triton.knobs.runtime.interpret:
     def total(x):
         return tl.reduce(x, 0, tl.standard._sum_combine)
 else:
+
     @triton.jit
     def rowmax(x):
         return tl.max(x, 1)
@@ -84,8 +85,10 @@ def tanh(x):
     # alike (libdevice's tanh does not run in the interpreter).
     a = tl.abs(x)
     z = x * x
-    small = ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z
-              + 1.33314422036e-1) * z - 3.33332819422e-1) * z * x + x
+    small = (
+        (((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1) * z
+        - 3.33332819422e-1
+    ) * z * x + x
     e = tl.exp(2.0 * tl.minimum(a, 20.0))
     big = 1.0 - 2.0 / (e + 1.0)
     big = tl.where(x < 0, -big, big)
@@ -93,11 +96,42 @@ def tanh(x):
 
 
 @device
-def allowed(b, h, i, j, rows, cols, Nq, Nk, q_offset, kv_offset,
-            band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
-            TID, TAB, s_tab_t, s_tab_b, s_tab_h, n_kv_blocks,
-            BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr,
-            MB: tl.constexpr, MS: tl.constexpr, MD: tl.constexpr, MK: tl.constexpr, MT: tl.constexpr):
+def allowed(
+    b,
+    h,
+    i,
+    j,
+    rows,
+    cols,
+    Nq,
+    Nk,
+    q_offset,
+    kv_offset,
+    band_lo,
+    band_hi,
+    sink_n,
+    sink_lo,
+    QIDS,
+    s_qids,
+    KVIDS,
+    s_kvids,
+    KEEP,
+    s_keep,
+    TID,
+    TAB,
+    s_tab_t,
+    s_tab_b,
+    s_tab_h,
+    n_kv_blocks,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    W: tl.constexpr,
+    MB: tl.constexpr,
+    MS: tl.constexpr,
+    MD: tl.constexpr,
+    MK: tl.constexpr,
+    MT: tl.constexpr,
+):
     """The mask on one tile, True = may attend (see masking.py for the family)."""
     ok = tl.full([BM, BN], 1, tl.int1)
     qpos = rows + q_offset
@@ -124,13 +158,54 @@ def allowed(b, h, i, j, rows, cols, Nq, Nk, q_offset, kv_offset,
 
 
 @device
-def score_tile(qk, b, h, i, j, rows, cols, Nq, Nk, q_offset, kv_offset, scale,
-               band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
-               TID, TAB, s_tab_t, s_tab_b, s_tab_h, n_kv_blocks,
-               SLOPES, RTAB, s_rtab, R, cap,
-               BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, MASKED: tl.constexpr, EVEN_N: tl.constexpr,
-               MB: tl.constexpr, MS: tl.constexpr, MD: tl.constexpr, MK: tl.constexpr, MT: tl.constexpr,
-               ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, RELBIAS: tl.constexpr):
+def score_tile(
+    qk,
+    b,
+    h,
+    i,
+    j,
+    rows,
+    cols,
+    Nq,
+    Nk,
+    q_offset,
+    kv_offset,
+    scale,
+    band_lo,
+    band_hi,
+    sink_n,
+    sink_lo,
+    QIDS,
+    s_qids,
+    KVIDS,
+    s_kvids,
+    KEEP,
+    s_keep,
+    TID,
+    TAB,
+    s_tab_t,
+    s_tab_b,
+    s_tab_h,
+    n_kv_blocks,
+    SLOPES,
+    RTAB,
+    s_rtab,
+    R,
+    cap,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    W: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    MB: tl.constexpr,
+    MS: tl.constexpr,
+    MD: tl.constexpr,
+    MK: tl.constexpr,
+    MT: tl.constexpr,
+    ALIBI: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    RELBIAS: tl.constexpr,
+):
     """``(s, t1, t2)``: the final score tile (natural units, -inf where masked) and the tanh
     values of the softcaps (for the backward)."""
     s = qk * scale
@@ -152,9 +227,42 @@ def score_tile(qk, b, h, i, j, rows, cols, Nq, Nk, q_offset, kv_offset, scale,
         t2 = tanh(s / cap)
         s = cap * t2
     if MASKED:
-        ok = allowed(b, h, i, j, rows, cols, Nq, Nk, q_offset, kv_offset,
-                     band_lo, band_hi, sink_n, sink_lo, QIDS, s_qids, KVIDS, s_kvids, KEEP, s_keep,
-                     TID, TAB, s_tab_t, s_tab_b, s_tab_h, n_kv_blocks, BM, BN, W, MB, MS, MD, MK, MT)
+        ok = allowed(
+            b,
+            h,
+            i,
+            j,
+            rows,
+            cols,
+            Nq,
+            Nk,
+            q_offset,
+            kv_offset,
+            band_lo,
+            band_hi,
+            sink_n,
+            sink_lo,
+            QIDS,
+            s_qids,
+            KVIDS,
+            s_kvids,
+            KEEP,
+            s_keep,
+            TID,
+            TAB,
+            s_tab_t,
+            s_tab_b,
+            s_tab_h,
+            n_kv_blocks,
+            BM,
+            BN,
+            W,
+            MB,
+            MS,
+            MD,
+            MK,
+            MT,
+        )
         s = tl.where(ok, s, float("-inf"))
     if not EVEN_N:
         s = tl.where((cols < Nk)[None, :], s, float("-inf"))
@@ -162,9 +270,26 @@ def score_tile(qk, b, h, i, j, rows, cols, Nq, Nk, q_offset, kv_offset, scale,
 
 
 @device
-def mod_grad(g, t1, t2, h, rows, cols, Nq, Nk, q_offset, kv_offset, DRTAB, s_drtab, R,
-             BM: tl.constexpr, ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
-             ALIBI_GRAD: tl.constexpr, RELBIAS_GRAD: tl.constexpr):
+def mod_grad(
+    g,
+    t1,
+    t2,
+    h,
+    rows,
+    cols,
+    Nq,
+    Nk,
+    q_offset,
+    kv_offset,
+    DRTAB,
+    s_drtab,
+    R,
+    BM: tl.constexpr,
+    ALIBI: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI_GRAD: tl.constexpr,
+    RELBIAS_GRAD: tl.constexpr,
+):
     """dL/d(final score) ``g`` -> dL/d(scaled score); returns it and this tile's per-row
     contribution to dL/d(slopes[h])."""
     if SOFTCAP == 2:

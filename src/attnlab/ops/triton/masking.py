@@ -53,11 +53,11 @@ BlockMask build nothing again.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from attnlab.masks import FULL, PARTIAL, BlockMask, Mask
-from attnlab.masks import cache as mask_cache
+from attnlab.masks import FULL, PARTIAL, BlockMask, Mask, cache as mask_cache
 
 INT_MAX = 2**31 - 1
 INT_MIN = -(2**31)
@@ -80,13 +80,13 @@ def block_lists(states: torch.Tensor) -> torch.Tensor:
 class MaskSpec:
     """What a kernel evaluates on a partial tile.  ``None`` fields are compiled out."""
 
-    band: tuple[int, int] | None = None      # lo <= q_pos - kv_pos <= hi
-    sink: tuple[int, int] | None = None      # | (kv_pos < n & q_pos - kv_pos >= lo); only with band
-    q_ids: torch.Tensor | None = None        # int32 (B' , Nq): document id of each query row
-    kv_ids: torch.Tensor | None = None       # int32 (B'', Nk): document id of each key column
-    keep: torch.Tensor | None = None         # int8 (B', Nk): 1 = key visible
-    table: torch.Tensor | None = None        # int32 (T, Bp, Hp, BM, W) bit-packed partial tiles
-    tile_id: torch.Tensor | None = None      # int32 (nqb, nkb): index into table, -1 = none
+    band: tuple[int, int] | None = None  # lo <= q_pos - kv_pos <= hi
+    sink: tuple[int, int] | None = None  # | (kv_pos < n & q_pos - kv_pos >= lo); only with band
+    q_ids: torch.Tensor | None = None  # int32 (B' , Nq): document id of each query row
+    kv_ids: torch.Tensor | None = None  # int32 (B'', Nk): document id of each key column
+    keep: torch.Tensor | None = None  # int8 (B', Nk): 1 = key visible
+    table: torch.Tensor | None = None  # int32 (T, Bp, Hp, BM, W) bit-packed partial tiles
+    tile_id: torch.Tensor | None = None  # int32 (nqb, nkb): index into table, -1 = none
 
     @property
     def kind(self) -> str:
@@ -110,7 +110,7 @@ def _lower(m):
     s = m.lower() if isinstance(m, Mask) else None
     if s is None or not s.fields() <= LOWERED_FIELDS:
         return None
-    out = {}
+    out: dict[str, Any] = {}
     if s.has_band:  # left/right on q - kv: -right <= q - kv <= left
         out["band"] = (INT_MIN if s.right is None else _int32(-s.right), INT_MAX if s.left is None else _int32(s.left))
         if s.sinks:
@@ -137,22 +137,23 @@ def lower_mask(mask, B, Nq, Nk, q_offset, kv_offset, device) -> MaskSpec | None:
         q_ids, kv_ids = terms["doc"]
         if any(t.numel() and int(t.abs().max()) > INT_MAX for t in (q_ids, kv_ids)):
             return None  # ids beyond int32: the table path compares them exactly
-        spec.q_ids = q_ids[:, q_offset:q_offset + Nq].to(device=device, dtype=torch.int32).contiguous()
-        spec.kv_ids = kv_ids[:, kv_offset:kv_offset + Nk].to(device=device, dtype=torch.int32).contiguous()
+        spec.q_ids = q_ids[:, q_offset : q_offset + Nq].to(device=device, dtype=torch.int32).contiguous()
+        spec.kv_ids = kv_ids[:, kv_offset : kv_offset + Nk].to(device=device, dtype=torch.int32).contiguous()
         if spec.q_ids.shape[-1] != Nq or spec.kv_ids.shape[-1] != Nk:
             return None  # ids do not cover the problem: let the predicate decide (and raise)
     if "keep" in terms:
-        keep = None
+        keep: torch.Tensor | None = None
         kv_pos = torch.arange(Nk, device="cpu") + kv_offset
         for what, t in terms["keep"]:
             if what == "lengths":
                 k = kv_pos.view(1, -1) < t.to("cpu").view(-1, 1)
             else:
-                k = t[:, kv_offset:kv_offset + Nk].to("cpu")
+                k = t[:, kv_offset : kv_offset + Nk].to("cpu")
                 if k.shape[-1] != Nk:
                     return None
             keep = k if keep is None else keep & k
-        spec.keep = keep.to(device=device, dtype=torch.int8).contiguous()
+        if keep is not None:  # terms["keep"] is never empty
+            spec.keep = keep.to(device=device, dtype=torch.int8).contiguous()
     return spec
 
 
@@ -190,8 +191,10 @@ def tile_table(bm, device) -> MaskSpec:
             continue
         rows = (i * BM + torch.arange(BM)).clamp(max=bm.Nq - 1)
         cols = (js.view(-1, 1) * BN + torch.arange(BN).view(1, -1)).clamp(max=bm.Nk - 1).flatten()
-        r = torch.as_tensor(bm.mask(b, h, (rows + bm.q_offset).view(1, 1, BM, 1),
-                                    (cols + bm.kv_offset).view(1, 1, 1, -1)), dtype=torch.bool)
+        r = torch.as_tensor(
+            bm.mask(b, h, (rows + bm.q_offset).view(1, 1, BM, 1), (cols + bm.kv_offset).view(1, 1, 1, -1)),
+            dtype=torch.bool,
+        )
         while r.dim() < 4:
             r = r.unsqueeze(0)
         r = r.expand(r.shape[0], r.shape[1], BM, cols.numel())
@@ -244,8 +247,11 @@ def plan_for(mask, B, H, Nq, Nk, q_offset, kv_offset, tiles, device) -> Plan:
     A BlockMask built at other tile sizes is re-classified from its mask (cached on the
     mask, as every BlockMask is)."""
     if isinstance(mask, BlockMask):
-        bm = mask if (mask.block_q, mask.block_k) == tuple(tiles) else mask.mask.block_mask(
-            B, H, Nq, Nk, q_offset=q_offset, kv_offset=kv_offset, block=tuple(tiles))
+        bm = (
+            mask
+            if (mask.block_q, mask.block_k) == tuple(tiles)
+            else mask.mask.block_mask(B, H, Nq, Nk, q_offset=q_offset, kv_offset=kv_offset, block=tuple(tiles))
+        )
     else:
         bm = mask.block_mask(B, H, Nq, Nk, q_offset=q_offset, kv_offset=kv_offset, block=tuple(tiles))
     key = (id(bm), str(device))  # the Plan holds bm: its id is not reused while cached

@@ -91,10 +91,21 @@ class Usage:
 
     def row(self) -> dict:
         v = self.variant
-        return {"kernel": v.kernel, "arch": f"sm_{v.arch}", "dtype": v.dtype, "D": v.D, "mask": v.mask,
-                "tile": f"{self.tile[0]}x{self.tile[1]}", "warps": v.warps, "stages": v.stages,
-                "registers": self.registers, "spill_stores": self.spill_stores, "spill_loads": self.spill_loads,
-                "stack": self.stack, "shared": self.shared}
+        return {
+            "kernel": v.kernel,
+            "arch": f"sm_{v.arch}",
+            "dtype": v.dtype,
+            "D": v.D,
+            "mask": v.mask,
+            "tile": f"{self.tile[0]}x{self.tile[1]}",
+            "warps": v.warps,
+            "stages": v.stages,
+            "registers": self.registers,
+            "spill_stores": self.spill_stores,
+            "spill_loads": self.spill_loads,
+            "stack": self.stack,
+            "shared": self.shared,
+        }
 
 
 def tool(name: str = "cuobjdump") -> str | None:
@@ -116,6 +127,7 @@ def _fake_plan(mask: str, device):
     """A stand-in for a mask's :class:`~.masking.Plan`: the launch arguments' types are all
     the compiler sees, so the values only need to be plausible."""
     import torch
+
     i32 = torch.int32
     lists = torch.zeros(1, 1, 4, 16, dtype=i32, device=device)
     spec = SimpleNamespace(band=None, sink=None, q_ids=None, kv_ids=None, keep=None, table=None, tile_id=None)
@@ -141,16 +153,18 @@ def launch_kwargs(kernel: str, dtype: str, D: int, mask: str) -> tuple[dict, tup
     from attnlab.ops.triton.scoremods import lower_score_mod
 
     if ag.interpreting():
-        raise RuntimeError("the Triton kernels were defined under TRITON_INTERPRET=1: they cannot be "
-                           "compiled for a GPU in this process (run python -m attnlab.ops.triton.resources)")
+        raise RuntimeError(
+            "the Triton kernels were defined under TRITON_INTERPRET=1: they cannot be "
+            "compiled for a GPU in this process (run python -m attnlab.ops.triton.resources)"
+        )
     dt = getattr(torch, dtype)
     q = torch.zeros(1, 2, _N, D, dtype=dt)
     k = torch.zeros(1, 2, _N, D, dtype=dt)
     v = torch.zeros(1, 2, _N, D, dtype=dt)
-    pb = ag._Problem(q, k, v, None, lower_score_mod(None), D ** -0.5, 0, 0, None)
+    pb = ag._Problem(q, k, v, None, lower_score_mod(None), D**-0.5, 0, 0, None)
     if mask != "none":
         plan = _fake_plan(mask, q.device)
-        pb.plan = lambda name: plan
+        setattr(pb, "plan", lambda name: plan)  # noqa: B010 - mypy refuses a method assignment
     got = {}
 
     def capture(name, grid, **kw):
@@ -223,8 +237,13 @@ def read_cubin(cubin: bytes) -> dict:
     if m is None:
         raise RuntimeError(f"cuobjdump printed no resource line:\n{res}")
     stores, loads = spill_bytes(sass)
-    return {"registers": int(m.group(1)), "stack": int(m.group(2)), "shared": int(m.group(3)),
-            "spill_stores": stores, "spill_loads": loads}
+    return {
+        "registers": int(m.group(1)),
+        "stack": int(m.group(2)),
+        "shared": int(m.group(3)),
+        "spill_stores": stores,
+        "spill_loads": loads,
+    }
 
 
 def spill_bytes(sass: str) -> tuple[int, int]:
@@ -249,11 +268,13 @@ def measure(v: Variant) -> Usage:
 
 
 # ----------------------------------------------------------------------------- the matrix
-def default_variants(archs=ARCHS, kernels=KERNELS, dtypes=DTYPES, head_dims=HEAD_DIMS, masks=DEFAULT_MASKS,
-                     candidates: bool = True) -> list[Variant]:
+def default_variants(
+    archs=ARCHS, kernels=KERNELS, dtypes=DTYPES, head_dims=HEAD_DIMS, masks=DEFAULT_MASKS, candidates: bool = True
+) -> list[Variant]:
     """Every shipped configuration: the tiles of ``config.GPU_TILES`` with every autotune
     candidate of ``config.candidates`` (``config.AUTOTUNE``) (``candidates=False``: the first candidate only)."""
     from attnlab.ops.triton import config
+
     out = []
     for kernel in kernels:
         for arch in archs:
@@ -278,14 +299,36 @@ def run(variants, on_error="record") -> list[dict]:
         except Exception as e:  # the compiler's own errors (e.g. shared memory) are part of the record
             if on_error == "raise":
                 raise
-            rows.append({"kernel": v.kernel, "arch": f"sm_{v.arch}", "dtype": v.dtype, "D": v.D, "mask": v.mask,
-                         "tile": "?", "warps": v.warps, "stages": v.stages,
-                         "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            rows.append(
+                {
+                    "kernel": v.kernel,
+                    "arch": f"sm_{v.arch}",
+                    "dtype": v.dtype,
+                    "D": v.D,
+                    "mask": v.mask,
+                    "tile": "?",
+                    "warps": v.warps,
+                    "stages": v.stages,
+                    "error": f"{type(e).__name__}: {str(e)[:200]}",
+                }
+            )
     return rows
 
 
-_COLS = ("kernel", "arch", "dtype", "D", "mask", "tile", "warps", "stages", "registers", "spill_stores",
-         "spill_loads", "stack")
+_COLS = (
+    "kernel",
+    "arch",
+    "dtype",
+    "D",
+    "mask",
+    "tile",
+    "warps",
+    "stages",
+    "registers",
+    "spill_stores",
+    "spill_loads",
+    "stack",
+)
 
 
 def markdown(rows) -> str:
@@ -309,7 +352,9 @@ def main(argv=None) -> int:
     p.add_argument("--mask", nargs="+", default=list(DEFAULT_MASKS), choices=MASKS)
     p.add_argument("--first-candidate", action="store_true", help="only the first autotune candidate per kernel")
     p.add_argument("--tile", type=int, nargs=2, default=None, help="override (BM, BN) for every kernel")
-    p.add_argument("--warps", type=int, default=None, help="with --stages: one (warps, stages) instead of the candidates")
+    p.add_argument(
+        "--warps", type=int, default=None, help="with --stages: one (warps, stages) instead of the candidates"
+    )
     p.add_argument("--stages", type=int, default=None)
     p.add_argument("--json", default=None, help="write the rows as JSON to this file ('-' = stdout)")
     p.add_argument("--check", action="store_true", help="exit 1 unless every row compiled and is spill-free")
@@ -319,9 +364,14 @@ def main(argv=None) -> int:
         return 2
     vs = default_variants(a.arch, a.kernel, a.dtype, a.head_dim, a.mask, candidates=not a.first_candidate)
     if a.tile is not None or a.warps is not None:
-        vs = list(dict.fromkeys(dataclasses.replace(
-            v, tile=tuple(a.tile) if a.tile else v.tile, warps=a.warps or v.warps, stages=a.stages or v.stages)
-            for v in vs))
+        vs = list(
+            dict.fromkeys(
+                dataclasses.replace(
+                    v, tile=tuple(a.tile) if a.tile else v.tile, warps=a.warps or v.warps, stages=a.stages or v.stages
+                )
+                for v in vs
+            )
+        )
     rows = run(vs)
     if a.json == "-":
         json.dump(rows, sys.stdout)

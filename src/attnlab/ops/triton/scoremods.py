@@ -28,9 +28,9 @@ import torch
 
 @dataclass
 class ModSpec:
-    alibi: int = 0                 # 0 none, 1 slopes·(kv − q), 2 symmetric −slopes·|kv − q|
+    alibi: int = 0  # 0 none, 1 slopes·(kv − q), 2 symmetric −slopes·|kv − q|
     slopes: torch.Tensor | None = None
-    softcap: int = 0               # 0 none, 1 before the biases, 2 after them
+    softcap: int = 0  # 0 none, 1 before the biases, 2 after them
     cap: float = 1.0
     relbias: bool = False
     table: torch.Tensor | None = None
@@ -74,8 +74,10 @@ def lower_score_mod(mod) -> ModSpec | str:
                     return f"two relative_bias mods in {mod!r}"
                 spec.relbias, spec.table = True, m.table
         else:
-            return (f"score_mod {m!r} has no Triton lowering (the kernels compile alibi, softcap, "
-                    "relative_bias and their compose)")
+            return (
+                f"score_mod {m!r} has no Triton lowering (the kernels compile alibi, softcap, "
+                "relative_bias and their compose)"
+            )
     for p in (spec.slopes, spec.table):
         if p is not None and p.requires_grad and not any(p is x for x in spec.params):
             spec.params.append(p)

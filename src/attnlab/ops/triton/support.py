@@ -36,6 +36,7 @@ def available() -> bool:
         if ok:
             try:
                 import triton
+
                 ok = hasattr(triton, "jit")
             except Exception:  # noqa: BLE001 - a broken install (any error) is "not available", with the reason below
                 ok = False
@@ -48,6 +49,7 @@ def interpreting() -> bool:
 
     Imports the kernel modules (and so triton) on first call."""
     from attnlab.ops.triton import forward
+
     return type(forward.attn_fwd).__name__ == "InterpretedFunction"
 
 
@@ -60,11 +62,15 @@ def unsupported(q, k, v, mask, score_mod, q_offset, kv_offset, dropout=None) -> 
     dev = q.device.type
     if dev == "cpu":
         if "attnlab.ops.triton.forward" not in sys.modules and not _env_interpret():
-            return ("q is on the CPU: the Triton kernels need CUDA tensors, or the Triton interpreter "
-                    "(TRITON_INTERPRET=1 set before attnlab's triton kernels are first imported; slow, for tests)")
+            return (
+                "q is on the CPU: the Triton kernels need CUDA tensors, or the Triton interpreter "
+                "(TRITON_INTERPRET=1 set before attnlab's triton kernels are first imported; slow, for tests)"
+            )
         if not interpreting():
-            return ("q is on the CPU but attnlab's triton kernels were compiled for the GPU "
-                    "(TRITON_INTERPRET was not set when they were first imported)")
+            return (
+                "q is on the CPU but attnlab's triton kernels were compiled for the GPU "
+                "(TRITON_INTERPRET was not set when they were first imported)"
+            )
     elif dev != "cuda":
         return f"device {q.device} is not supported (CUDA, or CPU under TRITON_INTERPRET=1)"
     if q.dtype not in DTYPES:
@@ -73,8 +79,12 @@ def unsupported(q, k, v, mask, score_mod, q_offset, kv_offset, dropout=None) -> 
     if D > MAX_HEAD_DIM or Dv > MAX_HEAD_DIM:
         return f"head dims up to {MAX_HEAD_DIM} are supported, got D={D}, Dv={Dv}"
     Nq, Nk = q.shape[2], k.shape[2]
-    if not (-POS_LIMIT <= q_offset and q_offset + Nq <= POS_LIMIT and -POS_LIMIT <= kv_offset
-            and kv_offset + Nk <= POS_LIMIT):
+    if not (
+        -POS_LIMIT <= q_offset
+        and q_offset + Nq <= POS_LIMIT
+        and -POS_LIMIT <= kv_offset
+        and kv_offset + Nk <= POS_LIMIT
+    ):
         return f"absolute positions must stay within ±2^30 (q_offset={q_offset}, kv_offset={kv_offset})"
     mod = lower_score_mod(score_mod)
     if isinstance(mod, str):
@@ -84,4 +94,5 @@ def unsupported(q, k, v, mask, score_mod, q_offset, kv_offset, dropout=None) -> 
 
 def _env_interpret() -> bool:
     import os
+
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
