@@ -38,13 +38,16 @@ def _native_for_flash(want):
     """Where the policy picks the torch-ops flash path, the native CPU kernel replaces it
     when it is built (tests/ops/native/test_native_dispatch.py)."""
     from attnlab.ops.native import build
+
     return "native" if want == "flash" and build.load() is not None else want
 
 
 def test_auto_never_picks_sdpa_when_it_would_mean_something_else():
     q, k = _qk(torch.float32, 16, Nq=3, Nk=8)
-    assert _auto(q, k, masks.causal(), None, 0, 3, False) == _native_for_flash("flash")  # rows before every key: SDPA gives NaN
-    assert _auto(q, k, masks.causal(), None, 5, 0, False) == "sdpa"   # bottom-right chunk: a dense bool mask
+    assert _auto(q, k, masks.causal(), None, 0, 3, False) == _native_for_flash(
+        "flash"
+    )  # rows before every key: SDPA gives NaN
+    assert _auto(q, k, masks.causal(), None, 5, 0, False) == "sdpa"  # bottom-right chunk: a dense bool mask
     assert _auto(q, k, None, scores.softcap(5.0), 5, 0, False) == "flash"
     assert _auto(q, k, None, None, 5, 0, True) == _native_for_flash("flash")  # LSE wanted
 

@@ -39,13 +39,15 @@ class Case:
 
 def cases(quick: bool) -> list[Case]:
     n = 1024 if quick else 4096
-    out = [Case("full fp32", 1, 8, n, 64, torch.float32, "full"),
-           Case("causal fp32", 1, 8, n, 64, torch.float32, "causal"),
-           Case("causal bf16 D64", 1, 8, n, 64, torch.bfloat16, "causal"),
-           Case("causal bf16 D128", 1, 4, n, 128, torch.bfloat16, "causal"),
-           Case("window256 fp32", 1, 8, n, 64, torch.float32, "window256"),
-           Case("fwd+bwd causal fp32", 1, 8, n // 2, 64, torch.float32, "causal", grad=True),
-           Case("fwd+bwd window256 fp32", 1, 8, n, 64, torch.float32, "window256", grad=True)]
+    out = [
+        Case("full fp32", 1, 8, n, 64, torch.float32, "full"),
+        Case("causal fp32", 1, 8, n, 64, torch.float32, "causal"),
+        Case("causal bf16 D64", 1, 8, n, 64, torch.bfloat16, "causal"),
+        Case("causal bf16 D128", 1, 4, n, 128, torch.bfloat16, "causal"),
+        Case("window256 fp32", 1, 8, n, 64, torch.float32, "window256"),
+        Case("fwd+bwd causal fp32", 1, 8, n // 2, 64, torch.float32, "causal", grad=True),
+        Case("fwd+bwd window256 fp32", 1, 8, n, 64, torch.float32, "window256", grad=True),
+    ]
     return out
 
 
@@ -67,15 +69,23 @@ def run_case(c: Case, reps: int) -> dict:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(c.B, c.H, c.N, c.D, generator=g).to(c.dtype).requires_grad_(c.grad) for _ in range(3))
     m = _mask(c)
-    fns = {"sdpa": lambda: _sdpa(c, q, k, v),
-           "flash": lambda: attnlab.attention(q, k, v, mask=m, backend="flash"),
-           "native": lambda: attnlab.attention(q, k, v, mask=m, backend="native")}
-    res = {"case": c.name, "shape": [c.B, c.H, c.N, c.D], "dtype": str(c.dtype).replace("torch.", "")}
+    fns = {
+        "sdpa": lambda: _sdpa(c, q, k, v),
+        "flash": lambda: attnlab.attention(q, k, v, mask=m, backend="flash"),
+        "native": lambda: attnlab.attention(q, k, v, mask=m, backend="native"),
+    }
+    res: dict[str, object] = {
+        "case": c.name,
+        "shape": [c.B, c.H, c.N, c.D],
+        "dtype": str(c.dtype).replace("torch.", ""),
+    }
     for name, fn in fns.items():
         if c.grad:
+
             def step(fn=fn):
                 out = fn()
                 out.backward(torch.ones_like(out))
+
             res[name] = time_call(step, reps=reps)
         else:
             with torch.no_grad():
@@ -90,6 +100,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     from attnlab.ops.native import build
+
     t0 = time.perf_counter()
     build.load()
     load_s = time.perf_counter() - t0
@@ -100,8 +111,11 @@ def main(argv=None) -> dict:
     for c in cases(a.quick):
         r = run_case(c, a.reps)
         rows.append(r)
-        print(f"{r['case']:<26}{r['sdpa']:>9.4f}{r['flash']:>9.4f}{r['native']:>10.4f}"
-              f"{r['sdpa'] / r['flash']:>9.2f}{r['sdpa'] / r['native']:>9.2f}", flush=True)
+        print(
+            f"{r['case']:<26}{r['sdpa']:>9.4f}{r['flash']:>9.4f}{r['native']:>10.4f}"
+            f"{r['sdpa'] / r['flash']:>9.2f}{r['sdpa'] / r['native']:>9.2f}",
+            flush=True,
+        )
     out = {"header": header, "rows": rows}
     if a.json:
         with open(a.json, "w") as f:

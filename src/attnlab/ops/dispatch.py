@@ -219,6 +219,7 @@ def _native(q, k, v, kw):
     """The native C++ CPU kernel (:mod:`attnlab.ops.native`) where it implements the
     problem (its mask's structure, no score mod); the flash path otherwise."""
     from attnlab.ops.native.ops import native_attention, plan
+
     s, _ = plan(q, k, v, kw["mask"], kw["score_mod"], kw["q_offset"], kw["kv_offset"])
     if s is None:
         return _flash(q, k, v, kw)
@@ -340,6 +341,7 @@ def choose_backend(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=Non
     if choice == "flash" and q.device.type == "cpu" and q.shape[2] and k.shape[2]:
         # the native kernel replaces the torch-ops flash path wherever it implements the problem
         from attnlab.ops.native.ops import plan
+
         if plan(q, k, k if v is None else v, mask, score_mod, q_offset, kv_offset)[0] is not None:
             return "native"
     return choice

@@ -24,18 +24,20 @@ MASKS = {
 }
 
 #        B  H  Hkv  Nq    Nk    D    Dv   mask            q_offset kv_offset
-CASES = [(1, 2, 1, 1, 1, 40, 40, "none", None, 0),
-         (1, 2, 2, 97, 97, 59, 59, "causal", None, 0),
-         (2, 4, 2, 97, 97, 64, 32, "window", None, 0),
-         (1, 2, 1, 97, 1025, 111, 111, "causal", None, 0),
-         (1, 1, 1, 1025, 1025, 128, 128, "causal", None, 0),
-         (1, 2, 1, 1, 1025, 64, 64, "sink_window", None, 0),
-         (2, 2, 1, 97, 200, 40, 56, "prefix", None, 0),
-         (2, 2, 2, 97, 97, 59, 59, "padding", None, 0),
-         (2, 4, 1, 33, 97, 64, 64, "causal&padding", None, 0),
-         (1, 2, 2, 40, 97, 64, 64, "band", None, 0),
-         (1, 2, 1, 50, 97, 40, 40, "causal", 10, 20),  # rows at q_pos < 20 see no key
-         (1, 2, 1, 40, 40, 64, 64, "sink_window", 0, 0)]  # queries before the last sink: causal sinks
+CASES = [
+    (1, 2, 1, 1, 1, 40, 40, "none", None, 0),
+    (1, 2, 2, 97, 97, 59, 59, "causal", None, 0),
+    (2, 4, 2, 97, 97, 64, 32, "window", None, 0),
+    (1, 2, 1, 97, 1025, 111, 111, "causal", None, 0),
+    (1, 1, 1, 1025, 1025, 128, 128, "causal", None, 0),
+    (1, 2, 1, 1, 1025, 64, 64, "sink_window", None, 0),
+    (2, 2, 1, 97, 200, 40, 56, "prefix", None, 0),
+    (2, 2, 2, 97, 97, 59, 59, "padding", None, 0),
+    (2, 4, 1, 33, 97, 64, 64, "causal&padding", None, 0),
+    (1, 2, 2, 40, 97, 64, 64, "band", None, 0),
+    (1, 2, 1, 50, 97, 40, 40, "causal", 10, 20),  # rows at q_pos < 20 see no key
+    (1, 2, 1, 40, 40, 64, 64, "sink_window", 0, 0),
+]  # queries before the last sink: causal sinks
 
 
 def _id(c):

@@ -79,11 +79,13 @@ def test_auto_picks_native_where_it_would_pick_flash(native_ext):
 def test_unsupported_problems_fall_back(case, native_ext):
     """backend="native" on a problem the kernel does not implement runs the flash path."""
     q, k, v = make_qkv(1, 2, 1, 12, 12, 8)
-    kw = {"score_mod": {"score_mod": scores.softcap(4.0)},
-          "custom": {"mask": masks.custom(lambda b, h, qp, kp: kp != 3)},
-          "document": {"mask": masks.document(torch.tensor([0] * 6 + [1] * 6))},
-          "float64": {"mask": masks.causal()},
-          "or": {"mask": masks.sliding_window(2) | masks.prefix_lm(3)}}[case]
+    kw = {
+        "score_mod": {"score_mod": scores.softcap(4.0)},
+        "custom": {"mask": masks.custom(lambda b, h, qp, kp: kp != 3)},
+        "document": {"mask": masks.document(torch.tensor([0] * 6 + [1] * 6))},
+        "float64": {"mask": masks.causal()},
+        "or": {"mask": masks.sliding_window(2) | masks.prefix_lm(3)},
+    }[case]
     if case == "float64":
         q, k, v = q.double(), k.double(), v.double()
     qo = kw.get("q_offset", 0)
@@ -100,9 +102,11 @@ def test_sink_window_sinks_are_causal(native_ext):
     assert (s.left, s.right, s.sinks, s.sinks_right) == (1, 0, 4, 0)
     assert plan(q, k, v, masks.prefix_lm(4), None, 0, 0)[0].sinks_right is None
     from attnlab.ops.native.ops import native_attention
+
     out, lse = native_attention(q, k, v, s, scale=0.25, q_offset=0, kv_offset=0)
-    ref, rlse = attnlab.attention(q, k, v, mask=masks.sink_window(4, 2), scale=0.25, q_offset=0, backend="reference",
-                                  return_lse=True)
+    ref, rlse = attnlab.attention(
+        q, k, v, mask=masks.sink_window(4, 2), scale=0.25, q_offset=0, backend="reference", return_lse=True
+    )
     assert (out - ref).abs().max() < 1e-5 and (lse - rlse).abs().max() < 1e-5
     # row 0 sees key 0 only: its output is v[0] exactly
     assert torch.equal(out[0, :, 0], v[0, 0, 0].expand(2, 16))

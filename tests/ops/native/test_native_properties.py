@@ -8,8 +8,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import attnlab
 from attnlab import masks
@@ -62,7 +61,7 @@ def test_hidden_nan_has_no_effect(native_ext):
     k2[0, :, 30:] = float("nan")
     v2[0, :, 30:] = float("inf")
     got = _grads(q, k2, v2, mask=m, backend="native")
-    for name, a, b in zip(("out", "lse", "dq"), got[:3], ref[:3]):
+    for name, a, b in zip(("out", "lse", "dq"), got[:3], ref[:3], strict=True):
         assert torch.equal(a, b), name
     assert torch.equal(got[3][:, :, :30], ref[3][:, :, :30]) and torch.equal(got[4][:, :, :30], ref[4][:, :, :30])
     assert torch.count_nonzero(got[3][0, :, 30:]) == 0 and torch.count_nonzero(got[4][0, :, 30:]) == 0
@@ -76,13 +75,13 @@ def test_strided_inputs_give_the_same_bits(native_ext):
     kb = torch.randn(2, 2, 51, 48, generator=g)
     vt = torch.randn(2, 2, 24, 51, generator=g)
     q = qb.transpose(1, 2)[..., :40]  # (2, 4, 33, 40): a (B, N, H, D) transpose, head dim sliced
-    k = kb[..., 4:44]                 # (2, 2, 51, 40): sliced head dim
-    v = vt.transpose(-1, -2)          # (2, 2, 51, 24) with stride(-1) = 51
+    k = kb[..., 4:44]  # (2, 2, 51, 40): sliced head dim
+    v = vt.transpose(-1, -2)  # (2, 2, 51, 24) with stride(-1) = 51
     assert not q.is_contiguous() and not k.is_contiguous() and v.stride(-1) != 1
     kw = {"mask": masks.causal(), "backend": "native"}
     a = _grads(q, k, v, **kw)
     b = _grads(q.contiguous(), k.contiguous(), v.contiguous(), **kw)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
 
 
@@ -98,22 +97,38 @@ def _eager_bf16(q, k, v, allowed, scale):
 FLEX_BF16_FACTOR = 1.1  # FlexAttention's _check_out fudge factor for bf16 (test_flex_attention.py)
 
 
-@pytest.mark.parametrize("shape,mask", [((1, 2, 1, 97, 97, 64), None), ((1, 2, 2, 128, 256, 128), "causal"),
-                                        ((2, 4, 2, 64, 64, 64), "window")], ids=["full-d64", "causal-d128", "window"])
+@pytest.mark.parametrize(
+    "shape,mask",
+    [((1, 2, 1, 97, 97, 64), None), ((1, 2, 2, 128, 256, 128), "causal"), ((2, 4, 2, 64, 64, 64), "window")],
+    ids=["full-d64", "causal-d128", "window"],
+)
 def test_bf16_meets_flex_rule(shape, mask, native_ext):
     """Mean abs error against float64 at most 1.1x eager bf16's, for out and every gradient."""
     B, H, Hkv, Nq, Nk, D = shape
     m = {None: None, "causal": masks.causal(), "window": masks.sliding_window(16)}[mask]
     q, k, v = make_qkv(B, H, Hkv, Nq, Nk, D, dtype=torch.bfloat16, seed=11)
     qo = Nk - Nq
-    allowed = torch.ones(B, H, Nq, Nk, dtype=torch.bool) if m is None else torch.broadcast_to(
-        m(torch.arange(B).view(-1, 1, 1, 1), torch.arange(H).view(1, -1, 1, 1),
-          (torch.arange(Nq) + qo).view(1, 1, -1, 1), torch.arange(Nk).view(1, 1, 1, -1)), (B, H, Nq, Nk))
+    allowed = (
+        torch.ones(B, H, Nq, Nk, dtype=torch.bool)
+        if m is None
+        else torch.broadcast_to(
+            m(
+                torch.arange(B).view(-1, 1, 1, 1),
+                torch.arange(H).view(1, -1, 1, 1),
+                (torch.arange(Nq) + qo).view(1, 1, -1, 1),
+                torch.arange(Nk).view(1, 1, 1, -1),
+            ),
+            (B, H, Nq, Nk),
+        )
+    )
     scale = 1 / math.sqrt(D)
     gout = torch.randn(B, H, Nq, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     res = {}
-    for name, fn, dt in (("native", None, torch.bfloat16), ("eager", _eager_bf16, torch.bfloat16),
-                         ("gold", _eager_bf16, torch.float64)):
+    for name, fn, dt in (
+        ("native", None, torch.bfloat16),
+        ("eager", _eager_bf16, torch.bfloat16),
+        ("gold", _eager_bf16, torch.float64),
+    ):
         qq, kk, vv = (t.detach().to(dt).requires_grad_() for t in (q, k, v))
         out = attnlab.attention(qq, kk, vv, mask=m, backend="native") if fn is None else fn(qq, kk, vv, allowed, scale)
         grads = torch.autograd.grad(out, (qq, kk, vv), gout.to(dt))
@@ -129,23 +144,38 @@ _KINDS = ["none", "causal", "window", "prefix", "padding", "band"]
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.integers(1, 3), Nq=st.integers(1, 80),
-       Nk=st.integers(1, 150), D=st.integers(1, 72), Dv=st.integers(1, 40), kind=st.sampled_from(_KINDS),
-       w=st.integers(1, 40), seed=st.integers(0, 2**16))
+@given(
+    B=st.integers(1, 2),
+    Hkv=st.integers(1, 2),
+    G=st.integers(1, 3),
+    Nq=st.integers(1, 80),
+    Nk=st.integers(1, 150),
+    D=st.integers(1, 72),
+    Dv=st.integers(1, 40),
+    kind=st.sampled_from(_KINDS),
+    w=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+)
 def test_native_vs_flash_random(B, Hkv, G, Nq, Nk, D, Dv, kind, w, seed, native_ext):
     """Random problems: native's error against the float64 oracle is at most 2x (out, lse)
     / 3x (grads) the torch-ops flash path's, plus FLOOR."""
-    mask = {"none": None, "causal": masks.causal(), "window": masks.sliding_window(w), "prefix": masks.prefix_lm(w),
-            "padding": masks.padding(torch.randint(0, Nk + 1, (B,), generator=torch.Generator().manual_seed(seed))),
-            "band": masks.band(w, w // 3)}[kind]
+    mask = {
+        "none": None,
+        "causal": masks.causal(),
+        "window": masks.sliding_window(w),
+        "prefix": masks.prefix_lm(w),
+        "padding": masks.padding(torch.randint(0, Nk + 1, (B,), generator=torch.Generator().manual_seed(seed))),
+        "band": masks.band(w, w // 3),
+    }[kind]
     q, k, v = make_qkv(B, Hkv * G, Hkv, Nq, Nk, D, Dv, seed=seed)
     assert plan(q, k, v, mask, None, Nk - Nq, 0)[0] is not None
     nat = run_case(q, k, v, backend="native", mask=mask)
     fl = run_case(q, k, v, backend="flash", mask=mask)
     gold = run_case(q.double(), k.double(), v.double(), backend="reference", mask=mask)
     for key in ("out", "lse", "dq", "dk", "dv"):
-        assert_close_rule(nat[key], fl[key], gold[key], torch.float32, factor=2.0 if key in ("out", "lse") else 3.0,
-                          what=key)
+        assert_close_rule(
+            nat[key], fl[key], gold[key], torch.float32, factor=2.0 if key in ("out", "lse") else 3.0, what=key
+        )
 
 
 def test_custom_op_registration(native_ext):
@@ -154,8 +184,9 @@ def test_custom_op_registration(native_ext):
     q, k, v = make_qkv(1, 2, 1, 5, 9, 8)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     args = (q, k, v, torch.tensor([7]), 0.3, 4, 0, [1, 3, 1, 0, 1, 0], 2, blocks(8))
-    torch.library.opcheck(torch.ops.attnlab.native_fwd, args, test_utils=("test_schema", "test_faketensor",
-                                                                          "test_autograd_registration"))
+    torch.library.opcheck(
+        torch.ops.attnlab.native_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration")
+    )
 
 
 def test_compiled_call_runs_the_native_op(native_ext):
@@ -172,7 +203,7 @@ def test_compiled_call_runs_the_native_op(native_ext):
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     grads = torch.autograd.grad(out, (qc, kc, vc), g)
     assert torch.equal(out, eager[0])
-    for a, b in zip(grads, eager[2:]):
+    for a, b in zip(grads, eager[2:], strict=True):
         assert torch.equal(a, b)
 
 
@@ -189,5 +220,5 @@ def test_threads_give_the_same_bits(native_ext):
         two = _grads(q, k, v, **kw)
     finally:
         torch.set_num_threads(n)
-    for a, b in zip(one, two):
+    for a, b in zip(one, two, strict=True):
         assert torch.equal(a, b)

@@ -51,10 +51,9 @@ def variant(flags: frozenset[str] | None = None) -> tuple[str, list[str]]:
     """``(name, compiler flags)`` for a CPU with these ``/proc/cpuinfo`` flags."""
     flags = cpu_flags() if flags is None else flags
     if all(f in flags for f in _AVX512):
-        extra = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma",
-                 "-mprefer-vector-width=512"]
+        extra = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mprefer-vector-width=512"]
         if "avx512_bf16" in flags:
-            return "avx512bf16", extra + ["-mavx512bf16"]
+            return "avx512bf16", [*extra, "-mavx512bf16"]
         return "avx512", extra
     if "avx2" in flags and "fma" in flags:
         return "avx2", ["-mavx2", "-mfma"]
@@ -71,6 +70,7 @@ def _build_root() -> Path:
     if root:
         return Path(root)
     from torch.utils.cpp_extension import get_default_build_root
+
     return Path(get_default_build_root())
 
 
@@ -81,6 +81,7 @@ def _ensure_ninja_on_path() -> None:
         return
     try:
         import ninja
+
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
@@ -93,6 +94,7 @@ def _compile():
     if shutil.which("ninja") is None:
         raise RuntimeError("ninja is not installed (pip install ninja)")
     from torch.utils.cpp_extension import load as cpp_load
+
     here = Path(__file__).resolve().parent
     digest = hashlib.sha1()
     for src in SOURCES:
@@ -106,8 +108,13 @@ def _compile():
     with open(str(build_dir) + ".lock", "w") as lk:
         fcntl.flock(lk, fcntl.LOCK_EX)  # one build per machine; the others wait, then load it
         try:
-            mod = cpp_load(name=ext, sources=[str(here / s) for s in SOURCES], extra_cflags=_BASE_FLAGS + flags,
-                           build_directory=str(build_dir), verbose=False)
+            mod = cpp_load(
+                name=ext,
+                sources=[str(here / s) for s in SOURCES],
+                extra_cflags=_BASE_FLAGS + flags,
+                build_directory=str(build_dir),
+                verbose=False,
+            )
         finally:
             fcntl.flock(lk, fcntl.LOCK_UN)
     _state["seconds"] = time.perf_counter() - t0
@@ -129,8 +136,12 @@ def load():
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
                 _state["module"] = None
                 _state["reason"] = f"build failed: {first}"
-                warnings.warn(f"attnlab: the native CPU attention kernel is unavailable ({first}); using the "
-                              "torch-ops flash path", RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    f"attnlab: the native CPU attention kernel is unavailable ({first}); using the "
+                    "torch-ops flash path",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
     return _state["module"]
 
 
@@ -148,8 +159,9 @@ def status() -> str:
     if mod is None:
         return f"native kernel unavailable ({_state.get('reason')}): torch-ops flash path"
     secs = _state.get("seconds")
-    return (f"native kernel {_state.get('variant')} ({mod.features()})"
-            + (f", loaded in {secs:.1f} s" if secs is not None else ""))
+    return f"native kernel {_state.get('variant')} ({mod.features()})" + (
+        f", loaded in {secs:.1f} s" if secs is not None else ""
+    )
 
 
 __all__ = ["SOURCES", "cpu_flags", "disabled", "load", "status", "variant"]

@@ -39,12 +39,37 @@ def _ext():
 
 
 @torch.library.custom_op("attnlab::native_fwd", mutates_args=())
-def native_fwd(q: Tensor, k: Tensor, v: Tensor, kv_len: Tensor | None, scale: float, q_offset: int, kv_offset: int,
-               band: list[int], sinks: int, block: list[int]) -> tuple[Tensor, Tensor]:
+def native_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_len: Tensor | None,
+    scale: float,
+    q_offset: int,
+    kv_offset: int,
+    band: list[int],
+    sinks: int,
+    block: list[int],
+) -> tuple[Tensor, Tensor]:
     """Forward: ``(out, lse)``."""
-    out, lse = _ext().fwd(q, k, v, float(scale), int(q_offset), int(kv_offset), bool(band[0]), int(band[1]),
-                          bool(band[2]), int(band[3]), int(sinks), bool(band[4]), int(band[5]), kv_len,
-                          int(block[0]), int(block[1]))
+    out, lse = _ext().fwd(
+        q,
+        k,
+        v,
+        float(scale),
+        int(q_offset),
+        int(kv_offset),
+        bool(band[0]),
+        int(band[1]),
+        bool(band[2]),
+        int(band[3]),
+        int(sinks),
+        bool(band[4]),
+        int(band[5]),
+        kv_len,
+        int(block[0]),
+        int(block[1]),
+    )
     return out, lse
 
 
@@ -55,13 +80,45 @@ def _native_fwd_fake(q, k, v, kv_len, scale, q_offset, kv_offset, band, sinks, b
 
 
 @torch.library.custom_op("attnlab::native_bwd", mutates_args=())
-def native_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-               kv_len: Tensor | None, scale: float, q_offset: int, kv_offset: int, band: list[int], sinks: int,
-               block: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+def native_bwd(
+    dout: Tensor,
+    dlse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    kv_len: Tensor | None,
+    scale: float,
+    q_offset: int,
+    kv_offset: int,
+    band: list[int],
+    sinks: int,
+    block: list[int],
+) -> tuple[Tensor, Tensor, Tensor]:
     """Backward: ``(dq, dk, dv)`` (contiguous, the inputs' dtype)."""
-    dq, dk, dv = _ext().bwd(dout, dlse, q, k, v, out, lse, float(scale), int(q_offset), int(kv_offset),
-                            bool(band[0]), int(band[1]), bool(band[2]), int(band[3]), int(sinks), bool(band[4]),
-                            int(band[5]), kv_len, int(block[0]), int(block[1]))
+    dq, dk, dv = _ext().bwd(
+        dout,
+        dlse,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        float(scale),
+        int(q_offset),
+        int(kv_offset),
+        bool(band[0]),
+        int(band[1]),
+        bool(band[2]),
+        int(band[3]),
+        int(sinks),
+        bool(band[4]),
+        int(band[5]),
+        kv_len,
+        int(block[0]),
+        int(block[1]),
+    )
     return dq, dk, dv
 
 
@@ -126,12 +183,18 @@ def native_attention(q, k, v, structure, *, scale, q_offset, kv_offset):
     """``(out, lse)`` through ``torch.ops.attnlab.native_fwd`` for a structure from :func:`plan`."""
     s = structure
     sr = getattr(s, "sinks_right", None)
-    band = [int(s.left is not None), 0 if s.left is None else int(s.left),
-            int(s.right is not None), 0 if s.right is None else int(s.right),
-            int(sr is not None), 0 if sr is None else int(sr)]
+    band = [
+        int(s.left is not None),
+        0 if s.left is None else int(s.left),
+        int(s.right is not None),
+        0 if s.right is None else int(s.right),
+        int(sr is not None),
+        0 if sr is None else int(sr),
+    ]
     kv_len = None if s.kv_len is None else s.kv_len.to(torch.long).contiguous()
-    return torch.ops.attnlab.native_fwd(q, k, v, kv_len, float(scale), int(q_offset), int(kv_offset), band,
-                                        int(s.sinks), blocks(q.shape[-1]))
+    return torch.ops.attnlab.native_fwd(
+        q, k, v, kv_len, float(scale), int(q_offset), int(kv_offset), band, int(s.sinks), blocks(q.shape[-1])
+    )
 
 
 __all__ = ["blocks", "native_attention", "native_bwd", "native_fwd", "plan"]
