@@ -233,11 +233,21 @@ def normalize(norm, x, scale=None):
     return y
 
 
-def edited_norm(norm, x, point):
+def _fused_layer_norm(norm, x):
+    """``(norm(x), scale)`` from one ``torch.native_layer_norm`` call (it returns ``rstd``), for a
+    torch LayerNorm outside autograd (its ``rstd`` output has no gradient); else None."""
+    if not _is_layer_norm(norm) or x.dtype == torch.float64 or torch.is_grad_enabled():
+        return None
+    out, _, rstd = torch.native_layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    return out, rstd.float().reciprocal_()
+
+
+def edited_norm(norm, x, point, fused=None):
     """Run ``point`` (a hook point, or any ``fn(scale) -> scale``) on the scale of ``norm`` at ``x``; returns
     ``None`` when the scale was only read (the module's own output stands, bit for bit), else the norm
-    recomputed from the edited scale (a returned tensor, or the scale written in place)."""
-    scale = norm_scale(norm, x)
+    recomputed from the edited scale (a returned tensor, or the scale written in place).  ``fused``:
+    :func:`_fused_layer_norm`'s result, when the caller has it."""
+    scale = norm_scale(norm, x) if fused is None else fused[1]
     v0 = scale._version
     s2 = point(scale)
     if s2 is scale and scale._version == v0:
@@ -246,6 +256,10 @@ def edited_norm(norm, x, point):
 
 
 def scaled_norm(norm, x, point):
-    """:func:`edited_norm`, or ``norm(x)`` itself when the scale was only read."""
-    r = edited_norm(norm, x, point)
-    return norm(x) if r is None else r
+    """:func:`edited_norm`, or ``norm(x)`` itself when the scale was only read (for a torch LayerNorm
+    outside autograd, the output and the scale come from one fused call: the same kernel as ``norm(x)``)."""
+    fused = _fused_layer_norm(norm, x)
+    r = edited_norm(norm, x, point, fused)
+    if r is not None:
+        return r
+    return norm(x) if fused is None else fused[0]
