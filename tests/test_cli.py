@@ -8,7 +8,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import pkgutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -187,3 +191,37 @@ def test_claims_table_wraps_long_figures_instead_of_cutting_them():
     assert " ".join(table.split()).count("end-of-figure") == 1
     assert all(w in table for w in long_figure.split())
     assert max(len(line) for line in table.splitlines()) < len(long_figure)
+
+
+def test_the_command_turns_huge_page_allocations_on_unless_the_environment_says(monkeypatch):
+    from attnlab import cli
+
+    monkeypatch.delenv(cli.THP_ENV, raising=False)
+    assert cli.main(["--version"]) == 0
+    assert os.environ[cli.THP_ENV] == "1"
+    monkeypatch.setenv(cli.THP_ENV, "0")
+    assert cli.main(["--version"]) == 0
+    assert os.environ[cli.THP_ENV] == "0"  # the user's choice stands
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs Linux /proc")
+def test_with_the_variable_set_kept_tensors_are_backed_by_huge_pages():
+    # What the setting is for: fresh 2 MiB+ tensors come in huge pages (fewer first-touch faults).
+    code = (
+        "import torch\n"
+        "keep = [torch.ones(1 << 20) for _ in range(16)]\n"  # 16 x 4 MiB
+        "print([l.split()[1] for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')][0])\n"
+    )
+    huge = {}
+    for v in ("0", "1"):
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "THP_MEM_ALLOC_ENABLE": v},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        huge[v] = int(out.stdout.split()[-1])
+    if Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().find("[never]") >= 0:
+        pytest.skip("transparent huge pages are disabled on this kernel")
+    assert huge["1"] > huge["0"], huge

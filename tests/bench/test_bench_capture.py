@@ -30,3 +30,12 @@ def test_capture_bench_runs_and_kept_memory_is_the_tensors_bytes():
     assert kept["capture"] == f32 * L * (3 * BN * d + BN * d)
     assert kept["plain"] == 0
     assert "run_with_cache" in bench.summary(res)
+
+
+def test_summary_says_whether_huge_page_allocations_are_on(monkeypatch):
+    res = bench.run(reps=1, memory=False, shape=(1, 16, 2, 1, 8))
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    assert bench.thp_alloc() is False
+    assert "huge-page allocations off" in bench.summary({**res, "thp_alloc": bench.thp_alloc()})
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    assert "huge-page allocations on" in bench.summary({**res, "thp_alloc": bench.thp_alloc()})

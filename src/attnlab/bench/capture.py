@@ -121,6 +121,7 @@ def run(quick: bool = False, reps: int = 5, memory: bool = True, shape=None) -> 
             "batch": ids.shape[0],
             "tokens": ids.shape[1],
         },
+        "thp_alloc": thp_alloc(),
         "seconds": med,
         "ratio_to_plain": {m: med[m] / med["plain"] for m in MODES},
         "kept_mib": {m: kept_bytes(m, _call(m, model, ids)) / 2**20 for m in MODES},
@@ -145,12 +146,19 @@ def run(quick: bool = False, reps: int = 5, memory: bool = True, shape=None) -> 
     return res
 
 
+def thp_alloc() -> bool:
+    """Whether torch's CPU allocator backs large tensors with huge pages in this process
+    (``THP_MEM_ALLOC_ENABLE=1``; see :data:`attnlab.cli.THP_ENV`)."""
+    return os.environ.get("THP_MEM_ALLOC_ENABLE", "0").strip() not in ("", "0")
+
+
 def summary(res: dict) -> str:
     s = res["shape"]
     mem = "peak_extra_mib" in res
+    thp = "on" if res.get("thp_alloc") else "off"
     rows = [
         f"capture overhead: {s['layers']} layers, d_model {s['d_model']}, {s['heads']} heads, "
-        f"batch {s['batch']} x {s['tokens']} tokens",
+        f"batch {s['batch']} x {s['tokens']} tokens; huge-page allocations {thp} (THP_MEM_ALLOC_ENABLE)",
         f"{'contender':<24} {'ms':>9} {'x plain':>8} {'kept MiB':>9}" + (f" {'peak MiB':>9}" if mem else ""),
     ]
     for m in MODES:
