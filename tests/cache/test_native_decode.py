@@ -161,8 +161,10 @@ def test_paged_native_refuses_bad_tables(native_ext):
     bad[-1, 0] = 64
     with pytest.raises(RuntimeError, match="outside the pool's 64 blocks"):
         torch.ops.attnlab.native_paged_decode(q, *args, bad, lens, starts, q_pos, None, 0.25, [0] * 6, 0, 0)
-    with pytest.raises(RuntimeError, match="holds 251 keys but its table has"):
-        torch.ops.attnlab.native_paged_decode(q, *args, tables, lens + 1, starts, q_pos, None, 0.25, [0] * 6, 0, 0)
+    long = lens.clone()
+    long[0] = tables.shape[1] * 16 + 1
+    with pytest.raises(RuntimeError, match=f"row 0 holds {int(long[0])} keys but its table has {tables.shape[1]} blocks"):
+        torch.ops.attnlab.native_paged_decode(q, *args, tables, long, starts, q_pos, None, 0.25, [0] * 6, 0, 0)
     with pytest.raises(RuntimeError, match="not a multiple of kv heads"):
         torch.ops.attnlab.native_paged_decode(q[:, :3], *args, tables, lens, starts, q_pos, None, 0.25, [0] * 6, 0, 0)
 

@@ -69,14 +69,13 @@ def _decode() -> str:
 
 
 def _toolchain() -> str:
+    import importlib.util
     import os
     import shutil
 
-    from attnlab.ops.native import build
-
-    build._ensure_ninja_on_path()
     cxx = os.environ.get("CXX") or "c++"
-    return f"compiler {shutil.which(cxx) or f'{cxx} not found'}, ninja {shutil.which('ninja') or 'not found'}"
+    ninja = shutil.which("ninja") or ("the ninja package" if importlib.util.find_spec("ninja") else "not found")
+    return f"compiler {shutil.which(cxx) or f'{cxx} not found'}, ninja {ninja}"
 
 
 def _triton() -> str:
