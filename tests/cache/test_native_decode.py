@@ -18,7 +18,7 @@ from attnlab.cache.paged import PagedCache
 from attnlab.cache.quantized import QuantizedCache
 from attnlab.ops.dispatch import attention
 from attnlab.ops.native import build, decode_ops
-from tests.helpers import assert_close_rule
+from tests.helpers import EXACT, assert_close_rule
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +152,17 @@ def test_paged_native_falls_back_where_it_does_not_apply(native_ext, calls):
     assert calls["paged"] == 1
 
 
+def test_with_the_extension_disabled_the_caches_take_the_split_kv_path(native_ext, calls, monkeypatch):
+    monkeypatch.setenv("ATTNLAB_NATIVE", "0")
+    _c, seqs, kv = paged(torch.float32, 4, 2, 16, 1)
+    q = rand(len(seqs), 4, 1, 16, seed=3, dtype=torch.float32)
+    torch.testing.assert_close(kv.attend(q, mask=masks.causal()), kv.attend_split(q, mask=masks.causal()), **EXACT)
+    view = quantized(torch.float32, 8, 2, 4, 2, 16, 16, 40, 1)
+    q = rand(2, 4, 1, 16, seed=3, dtype=torch.float32)
+    torch.testing.assert_close(view.attend(q), view.attend_split(q), **EXACT)
+    assert calls == {"paged": 0, "quantized": 0}
+
+
 def test_paged_native_refuses_bad_tables(native_ext):
     c, seqs, kv = paged(torch.float32, 4, 2, 16, 1)
     tables, lens, starts, q_pos = kv.native_args()
@@ -163,7 +174,9 @@ def test_paged_native_refuses_bad_tables(native_ext):
         torch.ops.attnlab.native_paged_decode(q, *args, bad, lens, starts, q_pos, None, 0.25, [0] * 6, 0, 0)
     long = lens.clone()
     long[0] = tables.shape[1] * 16 + 1
-    with pytest.raises(RuntimeError, match=f"row 0 holds {int(long[0])} keys but its table has {tables.shape[1]} blocks"):
+    with pytest.raises(
+        RuntimeError, match=f"row 0 holds {int(long[0])} keys but its table has {tables.shape[1]} blocks"
+    ):
         torch.ops.attnlab.native_paged_decode(q, *args, tables, long, starts, q_pos, None, 0.25, [0] * 6, 0, 0)
     with pytest.raises(RuntimeError, match="not a multiple of kv heads"):
         torch.ops.attnlab.native_paged_decode(q[:, :3], *args, tables, lens, starts, q_pos, None, 0.25, [0] * 6, 0, 0)

@@ -71,7 +71,10 @@ def run(seqs=16, lo=128, hi=4096, heads=8, kv_heads=2, dim=128, reps=5, dtype=to
         vd[b, :, : L + 1] = torch.cat([v[b, :, :L], v_new[b, :, 0:1]], 1)
     # the quantized cache holds every row padded to N+1: row b sees its first L_b + 1 keys (the
     # newest, at L_b, written at that position above), N+1 - L_b - 1 padding keys hidden
-    qkv = QuantizedCache(1, bits=8, group_size=32).update(0, kd, vd)
+    qc = QuantizedCache(1, bits=8, group_size=32)
+    qc.update(0, kd, vd)
+    qkv = qc.view(0)  # the stored state (the view update returns reads this update's tokens in float)
+    assert qkv.n_groups * 32 >= N + 1 - 64, "the int8 cache should hold all but its float window quantized"
     pad = masks.padding(held)
     keep = (torch.arange(N + 1).view(1, N + 1) < held.view(B, 1)).view(B, 1, 1, N + 1)
     sdpa = torch.nn.functional.scaled_dot_product_attention

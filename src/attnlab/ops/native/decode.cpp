@@ -22,8 +22,11 @@
 // are dequantised into float32 tile buffers (never a cache-sized copy); float32 pools are
 // read in place.  Out in q's dtype, lse float32 (natural log); rows that see no key give
 // 0 and -inf.
-#include <torch/extension.h>
+// ATen and the operator registry only (no pybind, no torch/extension.h): a shorter compile
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
