@@ -24,6 +24,10 @@ Per layer the cache holds two parts, in position order::
 groups a run at a time (``piece_tokens`` tokens, dequantized on the fly: the temporary
 memory is one run, never the whole cache), then the float tail, and combines the partial
 results exactly with :func:`attnlab.ops.decode.split_kv_attention` (``merge_states``).
+On CPU with the native extension built (no score mod, a mask the native kernel implements,
+no gradient wanted) ``attend`` is one call of ``attnlab::native_quantized_decode`` instead,
+which dequantises the packed groups into float32 tiles as it reads them (the same math,
+never rounded to the cache's dtype); ``attend_split`` is the pieces path, its reference.
 The tail of the view returned by ``update`` is the float window *as it was before this
 update plus the new tokens*: tokens quantized by this very update are attended in full
 precision one last time (prefill attention is exact, as in KIVI); later views read their
