@@ -81,6 +81,7 @@ def test_the_commands_that_repeat_take_reps():
         "bench capture",
         "bench compile",
         "bench varlen",
+        "bench decode",
         "lab crossover",
     } == set(WITH_REPS)
 

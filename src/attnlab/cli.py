@@ -1,11 +1,12 @@
 """The ``attnlab`` command, built from one table.
 
-    attnlab bench attention|tiles|models|inference|distributed|interp|capture|compile|varlen|triton [options]
+    attnlab bench attention|tiles|models|inference|distributed|interp|capture|compile|varlen|triton|decode [options]
     attnlab train [--task text|induction|recall] [--steps N] [--out DIR [--resume]] ...
     attnlab demo | report [--out PATH] [--quick] [--force] [--no-claims]
     attnlab inspect TEXT [--model minilm|FOLDER] [--out PATH]
     attnlab claims [IDS...] [--json PATH] [--list]
     attnlab lab induction|sinks|recall|hopfield|crossover [options of that experiment]
+    attnlab doctor [--no-build]
     attnlab --version
 
 Each leaf is a module of :mod:`attnlab.commands` with ``HELP``, ``SHARED``,
@@ -33,6 +34,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("bench compile", "bench_compile"),
     ("bench varlen", "bench_varlen"),
     ("bench triton", "bench_triton"),
+    ("bench decode", "bench_decode"),
     ("train", "train"),
     ("demo", "demo"),
     ("report", "report"),
@@ -43,6 +45,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("lab recall", "lab_recall"),
     ("lab hopfield", "lab_hopfield"),
     ("lab crossover", "lab_crossover"),
+    ("doctor", "doctor"),
 )
 
 GROUPS = {

@@ -17,8 +17,13 @@ The block axis comes after the head axis so that a run of physically adjacent bl
 ``pool[:, b:b+m]`` is a *view* ``(Hkv, m·block_size, D)``: the decode attention reads
 each sequence's keys as such runs ("pieces", a single block at worst), attends each with
 ``return_lse=True`` and merges them exactly (:func:`attnlab.ops.decode.split_kv_attention`
-and :func:`attnlab.merge_states`).  The cache is never copied into a dense tensor, except
-by :meth:`PagedKV.dense` (for ``need_weights``) and :meth:`PagedCache.sequence_kv`.
+and :func:`attnlab.merge_states`).  On CPU with the native extension built (no score mod, a
+mask the native kernel implements, no gradient wanted) :meth:`PagedKV.attend` is instead one
+call of ``attnlab::native_paged_decode`` (:mod:`attnlab.ops.native.decode_ops`) that reads
+every row's blocks through the block tables, split over keys with the same LSE merge;
+:meth:`PagedKV.attend_split` is the pieces path, its reference.  The cache is never copied
+into a dense tensor, except by :meth:`PagedKV.dense` (for ``need_weights``) and
+:meth:`PagedCache.sequence_kv`.
 Allocation prefers the block after a sequence's last one, so tables are mostly runs.
 
 Sequences and batch rows.  Sequences have integer ids; ``select([a, b, ...])`` says which

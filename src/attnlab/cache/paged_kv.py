@@ -15,8 +15,10 @@ import torch
 
 from attnlab.cache.base import KV, DenseKV
 from attnlab.masks import EMPTY, FULL, PARTIAL, BlockMask, Mask
+from attnlab.ops.args import scale_arg
 from attnlab.ops.decode import split_kv_attention
 from attnlab.ops.merge import merge_states
+from attnlab.ops.native import decode_ops
 from attnlab.scores import ScoreMod
 
 __all__ = ["PagedKV", "StaleViewError"]
@@ -100,6 +102,7 @@ class PagedKV(KV):
         starts = {start + before for _, start, before, _ in rows}
         self.q_offset = starts.pop() if len(starts) == 1 else None  # None: ragged (see q_offsets)
         self.q_offsets = [start + before for _, start, before, _ in rows]
+        self._native: tuple | None = None
 
     def pieces(self, row: int) -> list:
         """``(k, v, kv_offset)`` per run of adjacent blocks of ``row``: views of the pools,
@@ -135,6 +138,11 @@ class PagedKV(KV):
                 )
 
     def attend(self, q, *, mask=None, score_mod=None, scale=None, backend="auto", return_lse=False):
+        """Attention of ``q (B, H, Nq, D)`` over each row's held keys, its queries at the row's
+        own positions.  On CPU, with the native extension built, no score mod, a mask the
+        native kernel implements and no gradient wanted, one native call reads every row's
+        blocks through the block tables (:mod:`attnlab.ops.native.decode_ops`); otherwise
+        (and as its reference) :meth:`attend_split` walks the pieces row by row."""
         self.check_fresh()
         B = len(self.rows)
         if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != B:
@@ -144,6 +152,53 @@ class PagedKV(KV):
             )
         if isinstance(mask, BlockMask):
             mask = mask.mask  # a BlockMask was built for a dense shape: its predicate is what counts
+        K, V = self.cache.k_pool[self.layer], self.cache.v_pool[self.layer]
+        if q.shape[3] == K.shape[3] and q.shape[1] % K.shape[0] == 0:
+            s, _why = decode_ops.plan(q, K.dtype, mask, score_mod, backend, B, (K, V), scale)
+            if s is not None:
+                out, lse = self._attend_native(q, s, scale_arg(scale, q.shape[3]))
+                return (out, lse) if return_lse else out
+        return self.attend_split(q, mask=mask, score_mod=score_mod, scale=scale, backend=backend, return_lse=return_lse)
+
+    def native_args(self) -> tuple:
+        """``(tables (B, max_blocks) int32, lens, kv_start, q_pos)`` of the selected rows, as the
+        native decode kernel reads them (built once per view)."""
+        if self._native is None:
+            width = max(len(t) for t, _, _, _ in self.rows)
+            tables = torch.zeros(len(self.rows), width, dtype=torch.int32)
+            for r, (t, _, _, _) in enumerate(self.rows):
+                tables[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            lens = torch.tensor([after for _, _, _, after in self.rows], dtype=torch.long)
+            starts = torch.tensor([start for _, start, _, _ in self.rows], dtype=torch.long)
+            self._native = (tables, lens, starts, torch.tensor(self.q_offsets, dtype=torch.long))
+        return self._native
+
+    def _attend_native(self, q, s, scale):
+        K, V = self.cache.k_pool[self.layer], self.cache.v_pool[self.layer]
+        tables, lens, starts, q_pos = self.native_args()
+        kv_len = None if s.kv_len is None else s.kv_len.to(torch.long)
+        return torch.ops.attnlab.native_paged_decode(
+            q,
+            K,
+            V,
+            tables,
+            lens,
+            starts,
+            q_pos,
+            kv_len,
+            scale,
+            decode_ops.band_of(s),
+            int(s.sinks),
+            int(decode_ops.SPLIT),
+        )
+
+    def attend_split(self, q, *, mask=None, score_mod=None, scale=None, backend="auto", return_lse=False):
+        """The split-KV path: each row alone, its pieces attended with :func:`attnlab.attention`
+        and merged (any mask or score mod, autograd; the native path's reference)."""
+        self.check_fresh()
+        B = len(self.rows)
+        if isinstance(mask, BlockMask):
+            mask = mask.mask
         H, Nq, Dv = q.shape[1], q.shape[2], self.cache.v_pool[self.layer].shape[3]
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         outs, lses = [], []

@@ -24,6 +24,10 @@ Per layer the cache holds two parts, in position order::
 groups a run at a time (``piece_tokens`` tokens, dequantized on the fly: the temporary
 memory is one run, never the whole cache), then the float tail, and combines the partial
 results exactly with :func:`attnlab.ops.decode.split_kv_attention` (``merge_states``).
+On CPU with the native extension built (no score mod, a mask the native kernel implements,
+no gradient wanted) ``attend`` is one call of ``attnlab::native_quantized_decode`` instead,
+which dequantises the packed groups into float32 tiles as it reads them (the same math,
+never rounded to the cache's dtype); ``attend_split`` is the pieces path, its reference.
 The tail of the view returned by ``update`` is the float window *as it was before this
 update plus the new tokens*: tokens quantized by this very update are attended in full
 precision one last time (prefill attention is exact, as in KIVI); later views read their
@@ -53,8 +57,10 @@ import torch
 
 from attnlab.cache.base import KV, Cache, DenseKV
 from attnlab.cache.quantize import BITS, SCALE_DTYPES, dequantize, pack, packed_size, quantize, unpack
+from attnlab.ops.args import scale_arg
 from attnlab.ops.decode import split_kv_attention
 from attnlab.ops.dispatch import attention
+from attnlab.ops.native import decode_ops
 from attnlab.validate import integer
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -149,6 +155,57 @@ class QuantizedKV(KV):
         if not isinstance(q, torch.Tensor) or q.dim() != 4:
             raise ValueError(f"attend: expected q (B, H, Nq, D), got {tuple(getattr(q, 'shape', ()))}")
         q_offset = self.length - q.shape[2] if self.q_offset is None else self.q_offset
+        if self.length and q.shape[0] == self.B and q.shape[3] == self.D and q.shape[1] % self.Hkv == 0:
+            s, _why = decode_ops.plan(
+                q, self.dtype, mask, score_mod, backend, self.B, (self.k_tail, self.v_tail), scale
+            )
+            if s is not None:
+                out, lse = self._attend_native(q, s, scale_arg(scale, self.D), q_offset)
+                return (out, lse) if return_lse else out
+        return self.attend_split(
+            q, mask=mask, score_mod=score_mod, scale=scale, backend=backend, return_lse=return_lse, q_offset=q_offset
+        )
+
+    def _attend_native(self, q, s, scale, q_offset):
+        st, B, H = self.st, self.B, self.Hkv
+        if self.n_groups:
+            codes = [st[name] for name in _STORE]
+        else:  # nothing quantized yet: typed placeholders the kernel never reads
+            u8, sd = torch.uint8, torch.float16
+            codes = [
+                torch.empty(B, H, 0, packed_size(self.D, self.bits), dtype=u8),
+                torch.empty(B, H, 0, self.D, dtype=sd),
+                torch.empty(B, H, 0, self.D, dtype=sd),
+                torch.empty(B, H, 0, packed_size(self.Dv, self.bits), dtype=u8),
+                torch.empty(B, H, 0, self.Dv // self.gv, dtype=sd),
+                torch.empty(B, H, 0, self.Dv // self.gv, dtype=sd),
+            ]
+        return torch.ops.attnlab.native_quantized_decode(
+            q,
+            *codes,
+            self.k_tail,
+            self.v_tail,
+            self.n_groups,
+            self.G,
+            self.gv,
+            self.bits,
+            int(q_offset),
+            None if s.kv_len is None else s.kv_len.to(torch.long),
+            scale,
+            decode_ops.band_of(s),
+            int(s.sinks),
+            int(decode_ops.SPLIT),
+        )
+
+    def attend_split(
+        self, q, *, mask=None, score_mod=None, scale=None, backend="auto", return_lse=False, q_offset=None
+    ):
+        """The split-KV path: runs of groups dequantized and attended with :func:`attnlab.attention`,
+        merged exactly (any mask or score mod, autograd; the native path's reference)."""
+        if not isinstance(q, torch.Tensor) or q.dim() != 4:
+            raise ValueError(f"attend: expected q (B, H, Nq, D), got {tuple(getattr(q, 'shape', ()))}")
+        if q_offset is None:
+            q_offset = self.length - q.shape[2] if self.q_offset is None else self.q_offset
         if self.length == 0:  # nothing to split: the op's empty-key semantics (0, -inf)
             return attention(
                 q,

@@ -26,7 +26,7 @@ import time
 import warnings
 from pathlib import Path
 
-SOURCES = ("kernel.cpp",)
+SOURCES = ("kernel.cpp", "decode.cpp")
 _BASE_FLAGS = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-std=c++17"]
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 
