@@ -47,8 +47,18 @@ def induction_models():
 
 @pytest.fixture(scope="session")
 def text_models():
-    """The small text models the streaming claim and ``attnlab bench inference`` read."""
-    from attnlab.train.textmodels import load_or_train
+    """The small text model the streaming claim reads (:func:`attnlab.lab.streaming.text_model`)."""
+    from attnlab.lab.streaming import text_model
     from tests.helpers import lab_lock
-    with lab_lock("text-models"):
-        return load_or_train(progress=False)
+    with lab_lock("text-model"):
+        return text_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def recall_demo():
+    """The associative-recall run ``attnlab demo`` shows and its claim reads (``recall.DEMO``),
+    trained in this process on one torch thread (the workers already hold the cores)."""
+    from attnlab.lab import recall
+    from tests.helpers import lab_lock
+    with lab_lock("recall"):
+        return recall.run(config=recall.DEMO, progress=False, workers=1)
