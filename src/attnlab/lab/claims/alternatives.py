@@ -267,8 +267,8 @@ def _ssm_recall() -> Outcome:
     return Outcome(
         Verdict.HOLDS_UNDER_CONDITIONS,
         ev,
-        "multi-query associative recall with equal-size 2-layer models: the SSM recalls no better than "
-        "softmax attention at any number of pairs, and worse at the most",
+        f"multi-query associative recall with equal-size {r['config']['n_layers']}-layer models: the SSM "
+        "recalls no better than softmax attention at any number of pairs, and worse at the most",
         conditions=f"MQAR, sequence length {r['config']['seq_len']}, up to {last} pairs, d_model "
         f"{r['config']['d_model']}, {r['config']['steps']} steps, one seed, learning rate chosen "
         f"per mixer; at {last} pairs the SSM scores {ssm[last]:.2f} against the no-binding bar's "
