@@ -101,8 +101,8 @@ def _streaming() -> Outcome:
     from attnlab.train.textmodels import LAB
 
     tm = text_model(progress=False)  # the lab's small text model (trained once, then the lab cache)
-    spec = LAB["target"]
-    size = f"{spec['n_layers']}-layer, d_model {spec['d_model']}, {spec['steps']} steps"
+    mc = tm.target.cfg
+    size = f"{mc.n_layers}-layer, d_model {mc.d_model}, {LAB['target']['steps']} steps"
     rows = {r["method"]: r["ppl"] for r in streaming_table(tm, n_tokens=1024)}
     window = rows["window only"]
     sinks = next(v for k, v in rows.items() if k.startswith("sinks"))
