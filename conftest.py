@@ -16,6 +16,8 @@ collect_ignore_glob = ["tests/*conftest.py"]
 collect_ignore = [f"src/attnlab/ops/triton/{name}.py" for name in ("autograd", "backward", "forward", "jitlib")]
 
 
+import contextlib  # noqa: E402
+
 import pytest  # noqa: E402
 
 
@@ -35,20 +37,46 @@ def one_torch_thread():
 # claim).  Each is trained once per run into the lab cache (out/lab-cache, or $ATTNLAB_CACHE); under
 # pytest-xdist a file lock makes one worker train it while the others wait, then read the cache,
 # instead of every worker training its own copy at the same time.
+@contextlib.contextmanager
+def _training_threads():
+    """One torch thread while a lab model trains under pytest-xdist (each worker has a core; a
+    second OpenMP thread would only contend with the other worker), the default otherwise."""
+    import os
+
+    import torch
+    n = torch.get_num_threads()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def induction_models():
     """The lab's 2-layer and 1-layer induction models, ``{n_layers: (model, log)}``."""
     from attnlab.lab import induction as I
     from tests.helpers import lab_lock
     cfg = I.InductionConfig()
-    with lab_lock("induction"):
+    with lab_lock("induction"), _training_threads():
         return {n: I.load_or_train(cfg, n, progress=False) for n in (2, 1)}
 
 
 @pytest.fixture(scope="session")
 def text_models():
-    """The small text models the streaming claim and ``attnlab bench inference`` read."""
-    from attnlab.train.textmodels import load_or_train
+    """The small text model the streaming claim reads (:func:`attnlab.lab.streaming.text_model`)."""
+    from attnlab.lab.streaming import text_model
     from tests.helpers import lab_lock
-    with lab_lock("text-models"):
-        return load_or_train(progress=False)
+    with lab_lock("text-model"), _training_threads():
+        return text_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def recall_demo():
+    """The associative-recall run ``attnlab demo`` shows and its claim reads (``recall.DEMO``),
+    trained in this process on one torch thread (the workers already hold the cores)."""
+    from attnlab.lab import recall
+    from tests.helpers import lab_lock
+    with lab_lock("recall"):
+        return recall.run(config=recall.DEMO, progress=False, workers=1)

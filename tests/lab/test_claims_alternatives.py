@@ -53,43 +53,33 @@ def test_favor_features_without_the_exponential_flip_the_approximation(monkeypat
     assert r.verdict is Verdict.DOES_NOT_HOLD
 
 
-#: The claim's experiment at a size that trains in seconds (the lab's FULL run, which the demo shows,
-#: trains six models for about four minutes of CPU): 2 and 4 pairs in 16 tokens, d_model 32, two
-#: learning rates, softmax attention and the SSM.  Measured: attention 1.00 / 1.00, the SSM
-#: 0.56 / 0.23 (the no-binding bar is 0.75 / 0.52); 45 CPU seconds.  An attention mixer that sees only
-#: its own token (below) drops to chance, under the SSM: the verdict flips.
-SMALL_RECALL = dict(
-    vocab_size=32,
-    seq_len=16,
-    n_pairs=(2, 4),
-    d_model=32,
-    n_heads=2,
-    d_state=4,
-    steps=600,
-    batch_size=32,
-    warmup_steps=100,
-    mixers=("attention", "ssm"),
-)
-
-
+#: The claim reads the demo's run, recall.DEMO (the lab's FULL run trains six models for minutes of
+#: CPU): 2 and 4 pairs in 16 tokens, d_model 32, two learning rates.  Measured: attention 1.00 / 1.00,
+#: the SSM 0.56 / 0.23 (the no-binding bar is 0.75 / 0.52).  An attention mixer that sees only its own
+#: token (below) drops to chance, under the SSM: the verdict flips.
 def _small_recall(monkeypatch):
-    """The claim's ``recall.run()`` trains SMALL_RECALL, in this process (the pytest-xdist
-    workers already hold the cores; the result does not depend on ``workers``)."""
+    """The claim's ``recall.run()`` trains recall.DEMO without the linear mixer, in this process
+    (the pytest-xdist workers already hold the cores; the result does not depend on ``workers``)."""
+    import dataclasses
+
     from attnlab.lab import recall
 
-    cfg = recall.RecallConfig(**SMALL_RECALL)
+    cfg = dataclasses.replace(recall.DEMO, mixers=("attention", "ssm"))
     real = recall.run
     monkeypatch.setattr(recall, "run", lambda **kw: real(**{**kw, "config": cfg, "workers": 1}))
     return recall
 
 
 @pytest.mark.slow
-def test_ssm_recall_claim(monkeypatch):
-    _small_recall(monkeypatch)
-    (r,) = C.run_claims(["ssm-weaker-content-recall"], progress=False)  # trained once, then the lab cache
+def test_ssm_recall_claim(recall_demo):
+    # the demo's run, trained once per test run (root conftest), read back from the lab cache by the claim
+    (r,) = C.run_claims(["ssm-weaker-content-recall"], progress=False)
     assert r.ok, r.error
     assert r.verdict is Verdict.HOLDS_UNDER_CONDITIONS, (r.key_figure, r.evidence)
     assert r.evidence["accuracy attention"][-1] > 0.9  # attention learnt the binding at this size
+    assert r.evidence["accuracy attention"] == [
+        round(recall_demo["models"]["attention"]["accuracy"][n], 4) for n in ("2", "4")
+    ]
 
 
 @pytest.mark.slow

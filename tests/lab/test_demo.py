@@ -48,11 +48,11 @@ def _open_in_chromium(path):
     return console, errors, requests, titles, inked
 
 
-def test_demo_runs_and_its_report_opens(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path / "cache"))
+def test_demo_runs_and_its_report_opens(tmp_path, capsys, induction_models, recall_demo):
     out = tmp_path / "report.html"
-    # claims: their section is tested below on a few claims (the full set retrains the induction models)
-    assert main(["demo", "--quick", "--no-claims", "--out", str(out)]) == 0
+    # the demo itself, on the models this test run trained once (root conftest: the induction pair and
+    # the recall run, in the lab cache); claims: their section is tested below on a few claims
+    assert main(["demo", "--no-claims", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     for part in (
         "== induction heads ==",

@@ -1,6 +1,8 @@
 """The induction experiment: its data, and (slow) the trained result — the 2-layer model
 forms an induction head fed by a previous-token head, the 1-layer control does not."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -33,6 +35,24 @@ def test_cache_roundtrip(tmp_path, monkeypatch):
         assert torch.equal(a, b), k
 
 
+def test_early_stop_on_the_target_loss_and_a_control_trained_as_long(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("ATTNLAB_CACHE", str(tmp_path))
+    cfg = I.InductionConfig(steps=40, eval_every=4, batch=4, target_loss=1e9)  # reached at the first evaluation
+    _, log2 = I.load_or_train(cfg, 2, progress=False)
+    assert log2["steps_trained"] == 4 and log2["step"] == [0, 4] and len(log2["train_loss"]) == 4
+    # the 1-layer control trains exactly as many steps as the cached 2-layer model took (here: as if 6)
+    lpath = I._paths(cfg, 2)[1]
+    lpath.write_text(json.dumps({**log2, "steps_trained": 6}))
+    _, log1 = I.load_or_train(cfg, 1, progress=False)
+    assert log1["steps_trained"] == 6 and log1["step"] == [0, 4, 6]
+    _, full = I.train_one(dataclasses.replace(cfg, target_loss=None), 1, progress=False)  # no target: every step
+    assert full["steps_trained"] == 40 and full["step"][-1] == 40
+    with pytest.raises(ValueError, match="max_steps"):
+        I.train_one(cfg, 1, progress=False, max_steps=0)
+
+
 def test_phase_change_step():
     log = {"step": [0, 10, 20, 30, 40], "induction_max": [0.02, 0.03, 0.05, 0.6, 0.9]}
     assert I.phase_change_step(log) == 30
@@ -54,3 +74,4 @@ def test_two_layers_form_an_induction_head_one_layer_does_not(induction_models):
     pl, ph = f2["prev_token_head"]
     assert f2["ablation"][pl][ph] > 1.0  # removing the previous-token head breaks it
     assert two["log"]["icl"][-1] < one["log"]["icl"][-1]
+    assert one["log"]["steps_trained"] == two["log"]["steps_trained"] <= I.InductionConfig().steps  # trained as long

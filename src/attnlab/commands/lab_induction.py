@@ -1,7 +1,7 @@
 """``attnlab lab induction``: induction heads forming in 2-layer vs 1-layer attention-only models."""
 
 HELP = "induction heads form in a 2-layer attention-only model, not in a 1-layer one (phase change, K-composition)"
-RUNTIME = "about 15 s on quiet cores, minutes on a loaded machine; cached after"
+RUNTIME = "about 10 s on quiet cores (it stops once the task is solved), minutes on a loaded machine; cached after"
 SHARED = {"quick": "600 training steps instead of 2,000 (still shows the phase change)"}
 
 

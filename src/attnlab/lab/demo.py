@@ -72,13 +72,15 @@ def demo(out: str = "out/report.html", *, quick: bool = False, force: bool = Fal
     _say("[4/5] associative recall: softmax vs linear attention vs a state-space model (cached after the first run)")
     from attnlab.lab import hopfield, recall
 
-    rec = recall.run(quick=quick, force=force)
+    rec = recall.run(quick=quick, force=force, config=None if quick else recall.DEMO)  # the claim reads DEMO too
     hop = hopfield.run()
     results = []
     if claims:
-        _say("[5/5] the seeds' claims")
+        _say("[5/5] the seeds' claims (first the small text model the sink-eviction claim reads, cached after)")
         from attnlab.lab.claims import run_claims
+        from attnlab.lab.streaming import text_model
 
+        text_model(progress=True)  # here, on every core: the claims run on one torch thread
         results = run_claims()
     r = Report(
         "attnlab demo",

@@ -42,13 +42,19 @@ from attnlab.lab import cache_dir
 from attnlab.nn import Decoder, DecoderConfig
 
 IGNORE = -100
-VERSION = 1
+VERSION = 2
 
 
 @dataclass
 class InductionConfig:
-    """Sizes chosen by measurement on 2 CPU cores (docs/lab.md): both models train in
-    about a minute together."""
+    """Sizes chosen by measurement on 2 CPU cores (docs/lab.md).
+
+    ``steps`` is the schedule's length and the most a model trains; with ``target_loss``
+    set, the 2-layer model stops at the first evaluation (every ``eval_every`` steps)
+    whose held-out loss is at most ``target_loss`` (the task solved), and the 1-layer
+    control trains exactly as many steps as the 2-layer model did (same schedule, same
+    data), so the comparison stays like for like.  ``None``: every model trains ``steps``.
+    """
 
     vocab: int = 32
     seq_len: int = 48
@@ -62,6 +68,7 @@ class InductionConfig:
     eval_every: int = 50
     positions: str = "learned"
     seed: int = 0
+    target_loss: float | None = 0.05
 
     def key(self, n_layers: int) -> str:
         s = json.dumps({**dataclasses.asdict(self), "n_layers": n_layers, "v": VERSION}, sort_keys=True)
@@ -149,9 +156,17 @@ def eval_data(cfg: InductionConfig):
     return x, y, rep
 
 
-def train_one(cfg: InductionConfig, n_layers: int, *, progress=True) -> tuple[Decoder, dict]:
-    """Train one model; returns it and its log ``{"step": [...], "loss": [...], ...}``."""
+def train_one(
+    cfg: InductionConfig, n_layers: int, *, progress=True, max_steps: int | None = None
+) -> tuple[Decoder, dict]:
+    """Train one model; returns it and its log ``{"step": [...], "loss": [...], ...,
+    "steps_trained": n}``.  It stops at ``max_steps`` when given, else (with
+    ``cfg.target_loss``) at the first evaluation whose loss reaches the target; the
+    learning-rate schedule is always the one of ``cfg.steps``."""
     from attnlab.train import TrainConfig, train
+
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
+        raise ValueError(f"max_steps: expected an int >= 1, got {max_steps!r}")
 
     model = build(cfg, n_layers)
     ev = eval_data(cfg)
@@ -166,8 +181,12 @@ def train_one(cfg: InductionConfig, n_layers: int, *, progress=True) -> tuple[De
 
     def cb(info):
         log["train_loss"].append(info.loss)
-        if (info.step + 1) % cfg.eval_every == 0:
-            record(info.step + 1)
+        done = info.step + 1
+        if done % cfg.eval_every == 0 or done == max_steps:
+            record(done)
+        if max_steps is not None:
+            return done >= max_steps
+        return done % cfg.eval_every == 0 and cfg.target_loss is not None and log["loss"][-1] <= cfg.target_loss
 
     t0 = time.perf_counter()
     tc = TrainConfig(
@@ -183,6 +202,7 @@ def train_one(cfg: InductionConfig, n_layers: int, *, progress=True) -> tuple[De
     bar = progress if progress is not True else True
     train(model, batches(cfg, seed=cfg.seed), tc, callback=cb, progress=bar)
     log["train_seconds"] = time.perf_counter() - t0
+    log["steps_trained"] = len(log["train_loss"])
     model.eval()
     return model, log
 
@@ -194,7 +214,9 @@ def _paths(cfg, n_layers):
 
 
 def load_or_train(cfg: InductionConfig, n_layers: int, *, force=False, progress=True) -> tuple[Decoder, dict]:
-    """The trained model and its log, from the lab cache when present."""
+    """The trained model and its log, from the lab cache when present.  With
+    ``cfg.target_loss`` set, a 1-layer model trains as many steps as the 2-layer one took
+    (which is loaded, or trained first)."""
     from safetensors.torch import load_file, save_file
 
     wpath, lpath = _paths(cfg, n_layers)
@@ -202,7 +224,10 @@ def load_or_train(cfg: InductionConfig, n_layers: int, *, force=False, progress=
         model = build(cfg, n_layers)
         model.load_state_dict(load_file(str(wpath)), strict=False)
         return model.eval(), json.loads(lpath.read_text())
-    model, log = train_one(cfg, n_layers, progress=progress)
+    budget = None
+    if n_layers < 2 and cfg.target_loss is not None:
+        budget = load_or_train(cfg, 2, progress=progress)[1]["steps_trained"]  # cached (or trained) first
+    model, log = train_one(cfg, n_layers, progress=progress, max_steps=budget)
     tmp = wpath.with_suffix(f".tmp{os.getpid()}")  # atomic: concurrent runs never see half a file
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
     os.replace(tmp, wpath)

@@ -1,7 +1,8 @@
 """The StreamingLLM perplexity table: a trained text model reads a long held-out text with
 dense attention over all of it, a window-only cache, a sinks + window cache, and a sliding
 window recomputed for every token.  Used by ``attnlab bench inference`` (with the speeds) and
-by the claim ``evicting-the-sink-collapses-quality``."""
+by the claim ``evicting-the-sink-collapses-quality``, which reads the lab's own smaller text model
+(:func:`text_model`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,15 @@ import math
 import time
 
 import torch
+
+
+def text_model(progress: bool = True):
+    """The small text model of the streaming claim (:data:`attnlab.train.textmodels.LAB`), trained
+    on the first call (with the caller's torch threads) and kept in the lab cache (``text-model``)."""
+    from attnlab.lab import cache_dir
+    from attnlab.train.textmodels import LAB, load_or_train
+
+    return load_or_train(cache_dir("text-model"), progress=progress, specs=LAB)
 
 
 def streaming_table(tm, n_tokens=3072, sinks=4, window=124, bar=None):

@@ -1,6 +1,7 @@
 """Claims measured by the lab's experiments: induction heads need two layers; trained models
-park attention on sinks.  The induction models come from the lab cache
-(:func:`attnlab.lab.induction.load_or_train`: trained on the first call, about a minute)."""
+park attention on sinks; evicting the sink collapses quality.  The induction models and the
+small text model come from the lab cache (:func:`attnlab.lab.induction.load_or_train`,
+:func:`attnlab.lab.streaming.text_model`: trained on the first call, then read back)."""
 
 from __future__ import annotations
 
@@ -96,10 +97,12 @@ def _streaming() -> Outcome:
     import torch
 
     from attnlab.interp.capture import capture
-    from attnlab.lab.streaming import streaming_table
-    from attnlab.train.textmodels import load_or_train
+    from attnlab.lab.streaming import streaming_table, text_model
+    from attnlab.train.textmodels import LAB
 
-    tm = load_or_train(progress=False)  # the 4-layer text model of `attnlab bench inference` (cached)
+    tm = text_model(progress=False)  # the lab's small text model (trained once, then the lab cache)
+    mc = tm.target.cfg
+    size = f"{mc.n_layers}-layer, d_model {mc.d_model}, {LAB['target']['steps']} steps"
     rows = {r["method"]: r["ppl"] for r in streaming_table(tm, n_tokens=1024)}
     window = rows["window only"]
     sinks = next(v for k, v in rows.items() if k.startswith("sinks"))
@@ -124,8 +127,8 @@ def _streaming() -> Outcome:
     return Outcome(
         Verdict.DOES_NOT_HOLD,
         ev,
-        f"in attnlab's 4-layer text model no head parks attention on the first token (at most {first:.2f} "
-        "of its mass), and evicting it costs nothing: the collapse needs a sink, which this small model "
-        "(600 steps) never formed — the seed states it as universal",
+        f"in attnlab's small text model ({size}) no head parks attention on the first token (at most "
+        f"{first:.2f} of its mass), and evicting it costs nothing: the collapse needs a sink, which this "
+        "small model never formed — the seed states it as universal",
         key_figure=f"ppl {window:.2f} (window only) vs {sinks:.2f} (sinks); first-token mass ≤ {first:.2f}",
     )
