@@ -27,8 +27,9 @@ def pytest_configure(config):
 
     torch starts one intra-op thread per core in every process: ``pytest -n 2`` on two cores
     then runs four OpenMP threads on two cores, and on the suite's tiny problems a parallel
-    region waits for a thread the kernel has descheduled (measured on the 2-core machine: a
-    speculative decoding call ran 13x slower on two threads than on one).  One worker's share
+    region waits for a thread the kernel has descheduled (measured on the loaded 2-core machine,
+    one process, two torch threads against one: a speculative decoding call 19x the CPU time,
+    test_decoder_greedy_with_quantized_cache 20x).  One worker's share
     is ``cores // workers`` (at least one); ``OMP_NUM_THREADS`` also reaches the processes the
     tests spawn.  An ``OMP_NUM_THREADS`` set by the caller wins; a test that needs another
     count sets it itself (tests/ops/native/test_native_properties.py runs 1 and 2)."""
