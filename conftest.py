@@ -17,8 +17,31 @@ collect_ignore = [f"src/attnlab/ops/triton/{name}.py" for name in ("autograd", "
 
 
 import contextlib  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, give each worker its share of the cores as torch threads.
+
+    torch starts one intra-op thread per core in every process: ``pytest -n 2`` on two cores
+    then runs four OpenMP threads on two cores, and on the suite's tiny problems a parallel
+    region waits for a thread the kernel has descheduled (measured on the loaded 2-core machine,
+    one process, two torch threads against one: a speculative decoding call 19x the CPU time,
+    test_decoder_greedy_with_quantized_cache 20x).  One worker's share
+    is ``cores // workers`` (at least one); ``OMP_NUM_THREADS`` also reaches the processes the
+    tests spawn.  An ``OMP_NUM_THREADS`` set by the caller wins; a test that needs another
+    count sets it itself (tests/ops/native/test_native_properties.py runs 1 and 2)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if "torch" in sys.modules:  # a plugin imported it first: the variable came too late
+        sys.modules["torch"].set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

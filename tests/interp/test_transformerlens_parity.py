@@ -7,7 +7,6 @@ import re
 import pytest
 import torch
 
-tl_bridge = pytest.importorskip("transformer_lens.model_bridge", reason="needs the interp-parity extra")
 transformers = pytest.importorskip("transformers")
 
 from attnlab.interp import hook_names, run_with_cache, run_with_hooks  # noqa: E402
@@ -60,6 +59,14 @@ def _models(kind, folder):
     return ours, theirs
 
 
+@pytest.fixture(scope="module")
+def tl_bridge():
+    """TransformerLens, imported when a test here runs rather than at collection: it pulls in
+    datasets, pandas and pyarrow, which every pytest-xdist worker would otherwise import just
+    to collect this file."""
+    return pytest.importorskip("transformer_lens.model_bridge", reason="needs the interp-parity extra")
+
+
 @pytest.fixture
 def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -70,7 +77,7 @@ def offline(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_every_shared_hook_name_holds_the_same_activation(kind, tmp_path, offline):
+def test_every_shared_hook_name_holds_the_same_activation(kind, tmp_path, offline, tl_bridge):
     ours, theirs = _models(kind, tmp_path)
     bridge = tl_bridge.TransformerBridge.boot_transformers(str(tmp_path), hf_model=theirs, device="cpu")
     ids = torch.randint(4, 100, (2, 7))
