@@ -27,6 +27,8 @@ import warnings
 from pathlib import Path
 
 SOURCES = ("kernel.cpp",)
+# included by kernel.cpp: part of the build directory's hash, so editing one rebuilds
+HEADERS = ("gemm_bf16.h", "gemm_f32.h", "rowmath.h")
 _BASE_FLAGS = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-std=c++17"]
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 
@@ -97,7 +99,7 @@ def _compile():
 
     here = Path(__file__).resolve().parent
     digest = hashlib.sha1()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         digest.update((here / src).read_bytes())
     digest.update(" ".join(_BASE_FLAGS + flags).encode())
     # one directory per source version and flag set: two checkouts never rebuild each other's
@@ -164,4 +166,4 @@ def status() -> str:
     )
 
 
-__all__ = ["SOURCES", "cpu_flags", "disabled", "load", "status", "variant"]
+__all__ = ["HEADERS", "SOURCES", "cpu_flags", "disabled", "load", "status", "variant"]
