@@ -184,6 +184,10 @@ class Runner:
             "attnlab auto": self._run(lambda: attnlab.attention(q, k, v, mask=mask)),
             "attnlab flash": self._run(lambda: attnlab.attention(q, k, v, mask=mask, backend="flash")),
         }
+        from attnlab.ops.native import build as native_build
+
+        if native_build.load() is not None:  # the C++ CPU kernel, where it builds
+            out["attnlab native"] = self._run(lambda: attnlab.attention(q, k, v, mask=mask, backend="native"))
         if c.mask in ("full", "causal"):
             out["torch sdpa"] = self._run(
                 lambda: F.scaled_dot_product_attention(q, k, v, is_causal=c.mask == "causal", enable_gqa=gqa)

@@ -1,6 +1,6 @@
 """The native CPU kernel beside torch SDPA and the torch-ops flash path, in one run.
 
-``python -m attnlab.bench.native [--quick] [--reps N] [--json PATH]``
+``python -m attnlab.bench.native [--quick] [--reps N] [--json PATH] [--memory]``
 
 Each case times the forward (and forward+backward) of ``attnlab.attention`` with
 ``backend="native"`` and ``backend="flash"``, and of torch's
@@ -8,6 +8,11 @@ Each case times the forward (and forward+backward) of ``attnlab.attention`` with
 ``attn_mask`` for windows): median of ``reps`` after a warm-up.  Ratios are SDPA's time
 over the kernel's (> 1: faster than SDPA).  The header says which kernel variant runs and
 how long the first load (build) took.
+
+``--memory`` adds the peak extra memory of forward+backward, causal float32, one head,
+D = 64, N = 32768, for the native kernel and torch SDPA, each in a fresh child process
+(:mod:`attnlab.bench.memprobe`: tracked allocations as the OS sees them); the target is
+at most 64 MiB for the kernel.
 """
 
 from __future__ import annotations
@@ -93,11 +98,41 @@ def run_case(c: Case, reps: int) -> dict:
     return res
 
 
+MEMORY_LIMIT_MIB = 64.0
+
+
+def memory_rows() -> list[dict]:
+    """Peak extra MiB of forward+backward at (1, 1, 32768, 64), causal float32, per backend."""
+    from dataclasses import asdict
+
+    from attnlab.bench import memprobe
+    from attnlab.bench.attention import Case as ProbeCase
+
+    c = ProbeCase("memory causal float32 (1,1,32768,64)", "causal", 1, 1, 1, 32768, 64, "float32", "fwdbwd", True)
+    rows = []
+    for backend in ("attnlab native", "torch sdpa"):
+        try:
+            mib = memprobe.measure(asdict(c), backend, "fwdbwd", timeout_s=3600.0)
+        except Exception as e:  # noqa: BLE001 - a failed probe is reported, not fatal
+            print(f"memory {backend}: failed ({e})", flush=True)
+            continue
+        rows.append({"case": c.name, "backend": backend, "peak_extra_mib": mib})
+        verdict = (
+            ""
+            if mib is None or backend != "attnlab native"
+            else (f" (limit {MEMORY_LIMIT_MIB:.0f}: {'ok' if mib <= MEMORY_LIMIT_MIB else 'OVER'})")
+        )
+        shown = "n/a" if mib is None else f"{mib:.1f} MiB"
+        print(f"memory fwd+bwd {c.name[7:]} {backend}: {shown}{verdict}", flush=True)
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--memory", action="store_true", help="peak extra MiB of fwd+bwd at N=32768 (child processes)")
     a = ap.parse_args(argv)
     from attnlab.ops.native import build
 
@@ -117,6 +152,9 @@ def main(argv=None) -> dict:
             flush=True,
         )
     out = {"header": header, "rows": rows}
+    if a.memory:
+        out["memory"] = memory_rows()
+
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

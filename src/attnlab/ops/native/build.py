@@ -8,7 +8,8 @@ milliseconds (ninja sees nothing to do).  An ``fcntl`` lock on
 
 The variant, and its compiler flags, come from the CPU's flags in ``/proc/cpuinfo``:
 ``avx512bf16`` / ``avx512`` (``-mavx512f -mavx512bw -mavx512vl -mavx512dq``, plus
-``-mavx512bf16``), ``avx2`` (``-mavx2 -mfma``) or ``portable`` (no ``-m`` flag).
+``-mavx512bf16``), ``avx2`` (``-mavx2 -mfma``) or ``portable`` (no ``-m`` flag);
+``ATTNLAB_NATIVE_VARIANT`` builds a lesser one (tests of the portable path).
 
 ``ATTNLAB_NATIVE=0`` disables the kernel (nothing is built).  No compiler, no ninja or a
 failed build gives one ``RuntimeWarning`` line and :func:`load` returns None: callers
@@ -27,6 +28,8 @@ import warnings
 from pathlib import Path
 
 SOURCES = ("kernel.cpp", "decode.cpp")
+# included by kernel.cpp: part of the build directory's hash, so editing one rebuilds
+HEADERS = ("gemm_bf16.h", "gemm_f32.h", "rowmath.h")
 _BASE_FLAGS = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-std=c++17"]
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 
@@ -60,6 +63,30 @@ def variant(flags: frozenset[str] | None = None) -> tuple[str, list[str]]:
     return "portable", []
 
 
+_RANK = ("portable", "avx2", "avx512", "avx512bf16")
+_FLAGS_OF = {
+    "portable": frozenset(),
+    "avx2": frozenset({"avx2", "fma"}),
+    "avx512": frozenset({"avx2", *_AVX512}),
+    "avx512bf16": frozenset({"avx2", *_AVX512, "avx512_bf16"}),
+}
+
+
+def chosen_variant() -> tuple[str, list[str]]:
+    """The variant to build: the CPU's best (:func:`variant`), or ``ATTNLAB_NATIVE_VARIANT``
+    (``portable`` / ``avx2`` / ``avx512`` / ``avx512bf16``) to build a lesser one, e.g. to
+    test the portable path on an AVX-512 machine.  A variant the CPU cannot run is an error."""
+    best = variant()
+    forced = os.environ.get("ATTNLAB_NATIVE_VARIANT", "").strip().lower()
+    if not forced:
+        return best
+    if forced not in _RANK:
+        raise ValueError(f"ATTNLAB_NATIVE_VARIANT={forced!r}: expected one of {', '.join(_RANK)}")
+    if _RANK.index(forced) > _RANK.index(best[0]):
+        raise RuntimeError(f"ATTNLAB_NATIVE_VARIANT={forced}: this CPU runs at most the {best[0]} variant")
+    return variant(_FLAGS_OF[forced])
+
+
 def disabled() -> bool:
     """``ATTNLAB_NATIVE=0`` (or ``false``/``off``/``no``) turns the kernel off."""
     return os.environ.get("ATTNLAB_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
@@ -88,7 +115,7 @@ def _ensure_ninja_on_path() -> None:
 
 
 def _compile():
-    name, flags = variant()
+    name, flags = chosen_variant()
     _state["variant"] = name
     _ensure_ninja_on_path()
     if shutil.which("ninja") is None:
@@ -97,7 +124,7 @@ def _compile():
 
     here = Path(__file__).resolve().parent
     digest = hashlib.sha1()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         digest.update((here / src).read_bytes())
     digest.update(" ".join(_BASE_FLAGS + flags).encode())
     # one directory per source version and flag set: two checkouts never rebuild each other's
@@ -164,4 +191,4 @@ def status() -> str:
     )
 
 
-__all__ = ["SOURCES", "cpu_flags", "disabled", "load", "status", "variant"]
+__all__ = ["HEADERS", "SOURCES", "chosen_variant", "cpu_flags", "disabled", "load", "status", "variant"]

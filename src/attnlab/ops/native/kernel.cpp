@@ -16,8 +16,9 @@
 // float32 buffers: forward over (b, h, q-block); backward in two atomics-free passes,
 // dK/dV over (b, kv-head, kv-block) and dQ over (b, h, q-block).  Hidden entries
 // (masked) are exact zeros in every product, so a NaN/inf in a key or value a row cannot
-// see has no effect.  The inner loops are unit-stride saxpys the compiler vectorises
-// (the build picks -mavx512* / -mavx2 from the CPU's flags).
+// see has no effect.  The tile products run on a register-blocked GEMM micro-kernel
+// (gemm_f32.h: 8x32 AVX-512, 6x16 AVX2, 6x8 portable; the build picks -mavx512* / -mavx2
+// from the CPU's flags) and the softmax rows on native-width loops (rowmath.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -25,9 +26,15 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#include "gemm_bf16.h"
+#include "gemm_f32.h"
+#include "rowmath.h"
 
 namespace {
 
@@ -158,87 +165,123 @@ void load_kt(float* KT, const View<T>& k, int64_t b, int64_t hk, int64_t c0, int
   }
 }
 
-// ---------------------------------------------------------------- register-blocked micro-kernels
-// GCC vector extensions: 16 floats = one zmm register with -mavx512f, two ymm with -mavx2,
-// four xmm on a portable build (same results: every lane is an independent FMA chain).
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
+// ---------------------------------------------------------------- micro-kernels
+// gemm_f32.h (register-blocked GEMM) and rowmath.h (a tile row's max / exp / sum / dS), both
+// at the build's native vector width.
+// the GEMMs of every tile: gemm_f32.h's register-blocked micro-kernel (native vector width)
+using attnlab_gemm::matmul;
 
-inline v16 ld(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void st(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-inline v16 splat(float x) { return v16{} + x; }
-
-// exp_f on 16 lanes (the same polynomial; x < -87 and -inf give exactly 0)
-inline v16 exp16(v16 x) {
-  const v16 lo = splat(-87.0f), hi = splat(88.0f);
-  v16 xc = x < lo ? lo : x;
-  xc = xc > hi ? hi : xc;
-  const v16 t = xc * 1.44269504088896341f;
-  const v16 n = (t + 12582912.0f) - 12582912.0f;
-  v16 r = xc - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  v16 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  v16 y = p * r * r + r + 1.0f;
-  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-  v16 sc;
-  std::memcpy(&sc, &e, sizeof sc);
-  y = y * sc;
-  return x < lo ? v16{} : y;
-}
-
-inline float hmax(v16 m) {
-  float r = m[0];
-  for (int j = 1; j < 16; ++j) r = std::max(r, m[j]);
-  return r;
-}
-inline float hsum(v16 s) {
-  float r = 0.0f;
-  for (int j = 0; j < 16; ++j) r += s[j];
-  return r;
-}
-
-// C[0:R, 0:16·NC] = A[0:R, 0:K] · B[0:K, 0:16·NC]  (row strides lda, ldb, ldc)
-template <int R, int NC>
-inline void mm_tile(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t K) {
-  v16 acc[R][NC];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NC; ++j) acc[r][j] = v16{};
-  for (int64_t kk = 0; kk < K; ++kk) {
-    v16 bv[NC];
-    for (int j = 0; j < NC; ++j) bv[j] = ld(B + kk * ldb + 16 * j);
-    for (int r = 0; r < R; ++r) {
-      const float a = A[r * lda + kk];
-      for (int j = 0; j < NC; ++j) acc[r][j] += a * bv[j];
+// Xᵀ of a (B, Hkv, N, D) tensor in float32, packed per column block: (B, Hkv, nb, D, bk),
+// columns past N zero.  A tile's K panel (D × bk) is then contiguous: the micro-kernel
+// streams it row by row from L1 (a D × Nk layout puts its rows Nk floats apart, which for
+// Nk = 4096 maps every row to one L1 set).
+template <typename T>
+at::Tensor pack_t_blocked(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, int64_t D, int64_t bk,
+                          const at::TensorOptions& opt) {
+  const int64_t nb = (N + bk - 1) / bk;
+  at::Tensor out = at::empty({B, Hkv, nb, D, bk}, opt.dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, B * Hkv * nb, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t jb = w % nb, h = (w / nb) % Hkv, b = w / (nb * Hkv);
+      const int64_t c0 = jb * bk, m = std::min(N, c0 + bk) - c0;
+      float* panel = o + w * D * bk;
+      if (m < bk) std::fill(panel, panel + D * bk, 0.0f);
+      load_kt(panel, x, b, h, c0, m, D, bk);
     }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NC; ++j) st(C + r * ldc + 16 * j, acc[r][j]);
+  });
+  return out;
 }
 
-template <int R>
-inline void mm_rows(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t N,
-                    int64_t K) {
-  int64_t c = 0;
-  for (; c + 64 <= N; c += 64) mm_tile<R, 4>(A, lda, B + c, ldb, C + c, ldc, K);
-  for (; c + 32 <= N; c += 32) mm_tile<R, 2>(A, lda, B + c, ldb, C + c, ldc, K);
-  for (; c + 16 <= N; c += 16) mm_tile<R, 1>(A, lda, B + c, ldb, C + c, ldc, K);
+// bf16 inputs: the tile GEMMs on bf16 pairs (gemm_bf16.h) or on float32 copies.
+// ATTNLAB_NATIVE_BF16=pairs / f32 forces one; the default is pairs where the build has
+// vdpbf16ps (twice the float32 rate) and f32 elsewhere (the emulated pairs are slower there).
+inline bool bf16_pairs() {
+  const char* e = std::getenv("ATTNLAB_NATIVE_BF16");
+  if (e != nullptr && std::strcmp(e, "pairs") == 0) return true;
+  if (e != nullptr && std::strcmp(e, "f32") == 0) return false;
+  return ATTNLAB_BF16_DP != 0;
 }
 
-// C[0:n, 0:N] = A[0:n, 0:K] · B[0:K, 0:N], N a multiple of 16
-inline void matmul(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t n,
-                   int64_t N, int64_t K) {
-  int64_t r = 0;
-  for (; r + 4 <= n; r += 4) mm_rows<4>(A + r * lda, lda, B, ldb, C + r * ldc, ldc, N, K);
-  for (; r < n; ++r) mm_rows<1>(A + r * lda, lda, B, ldb, C + r * ldc, ldc, N, K);
+template <typename T>
+inline uint16_t bf16_bits(T x) {
+  return attnlab_bf16::to_bf16(to_f(x));
+}
+template <>
+inline uint16_t bf16_bits(c10::BFloat16 x) {
+  return x.x;
+}
+
+// Q (B, H, N, D) as bf16 pairs along D: (B, H, N, Dw) words, Dw = ceil(D / 2), a zero past D
+template <typename T>
+at::Tensor pack_rows_pairs(const View<T>& x, int64_t B, int64_t H, int64_t N, int64_t D,
+                           const at::TensorOptions& opt) {
+  const int64_t Dw = (D + 1) / 2;
+  at::Tensor out = at::empty({B, H, N, Dw}, opt.dtype(at::kInt));
+  uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w)
+      for (int64_t i = 0; i < N; ++i) {
+        const T* src = x.row(w / H, w % H, i);
+        uint32_t* dst = o + (w * N + i) * Dw;
+        for (int64_t p = 0; p < Dw; ++p) {
+          const uint32_t lo16 = bf16_bits(src[2 * p * x.s3]);
+          const uint32_t hi16 = 2 * p + 1 < D ? bf16_bits(src[(2 * p + 1) * x.s3]) : 0u;
+          dst[p] = lo16 | (hi16 << 16);
+        }
+      }
+  });
+  return out;
+}
+
+// Kᵀ per kv block as pairs along D: (B, Hkv, nb, Dw, bk) words, word (p, c) = K[c, 2p..2p+1]
+// (transposed: the B operand of S = Q·Kᵀ); columns past N and the half past D are zero
+template <typename T>
+at::Tensor pack_kt_pairs(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, int64_t D, int64_t bk,
+                         const at::TensorOptions& opt) {
+  const int64_t nb = (N + bk - 1) / bk, Dw = (D + 1) / 2;
+  at::Tensor out = at::zeros({B, Hkv, nb, Dw, bk}, opt.dtype(at::kInt));
+  uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  at::parallel_for(0, B * Hkv * nb, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t jb = w % nb, h = (w / nb) % Hkv, b = w / (nb * Hkv);
+      const int64_t c0 = jb * bk, m = std::min(N, c0 + bk) - c0;
+      uint32_t* panel = o + w * Dw * bk;
+      for (int64_t c = 0; c < m; ++c) {
+        const T* src = x.row(b, h, c0 + c);
+        for (int64_t p = 0; p < Dw; ++p) {
+          const uint32_t lo16 = bf16_bits(src[2 * p * x.s3]);
+          const uint32_t hi16 = 2 * p + 1 < D ? bf16_bits(src[(2 * p + 1) * x.s3]) : 0u;
+          panel[p * bk + c] = lo16 | (hi16 << 16);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// V per kv block as pairs along the keys: (B, Hkv, nb, bk / 2, Dp) words, word (p, e) =
+// V[2p, e] | V[2p + 1, e] << 16 (the B operand of P·V); rows past N and columns past D zero
+template <typename T>
+at::Tensor pack_v_pairs(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, int64_t D, int64_t Dp, int64_t bk,
+                        const at::TensorOptions& opt) {
+  const int64_t nb = (N + bk - 1) / bk;
+  at::Tensor out = at::zeros({B, Hkv, nb, bk / 2, Dp}, opt.dtype(at::kInt));
+  uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  at::parallel_for(0, B * Hkv * nb, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t jb = w % nb, h = (w / nb) % Hkv, b = w / (nb * Hkv);
+      const int64_t c0 = jb * bk, m = std::min(N, c0 + bk) - c0;
+      uint32_t* panel = o + w * (bk / 2) * Dp;
+      for (int64_t c = 0; c < m; ++c) {
+        const T* src = x.row(b, h, c0 + c);
+        uint32_t* dst = panel + (c / 2) * Dp;
+        const int shift = (c % 2) * 16;
+        for (int64_t e = 0; e < D; ++e) dst[e] |= static_cast<uint32_t>(bf16_bits(src[e * x.s3])) << shift;
+      }
+    }
+  });
+  return out;
 }
 
 template <typename T>
@@ -249,17 +292,28 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   float* lp = lse.data_ptr<float>();
   const int64_t nqb = (dm.Nq + dm.bq - 1) / dm.bq, nkb = (dm.Nk + dm.bk - 1) / dm.bk;
   const int64_t items = dm.B * dm.H * nqb;
-  // float32 copies made once per call (O(N·D)): Q, Kᵀ (D × Nk padded to 16) and V (Dv padded
+  // float32 copies made once per call (O(N·D)): Q, Kᵀ (packed per kv block) and V (Dv padded
   // to 16), so the tile loop reads its operands in place instead of converting every tile
-  const int64_t Nkp = (dm.Nk + 15) / 16 * 16, Dvp0 = (dm.Dv + 15) / 16 * 16;
-  const at::Tensor q32 = q.to(at::kFloat).contiguous();
-  at::Tensor kt32 = at::zeros({dm.B, dm.Hkv, dm.D, Nkp}, q.options().dtype(at::kFloat));
-  kt32.narrow(3, 0, dm.Nk).copy_(k.transpose(2, 3));
-  at::Tensor v32 = at::zeros({dm.B, dm.Hkv, dm.Nk, Dvp0}, q.options().dtype(at::kFloat));
-  v32.narrow(3, 0, dm.Dv).copy_(v);
-  const float* q32p = q32.data_ptr<float>();
-  const float* kt32p = kt32.data_ptr<float>();
-  const float* v32p = v32.data_ptr<float>();
+  // (bf16 on the pairs path: Q, Kᵀ and V as bf16 pairs, packed the same way, in words)
+  const int64_t Dvp0 = (dm.Dv + 15) / 16 * 16, Dw = (dm.D + 1) / 2;
+  const bool pairs = std::is_same_v<T, c10::BFloat16> && bf16_pairs();
+  at::Tensor q32, kt32, v32;
+  if (pairs) {
+    q32 = pack_rows_pairs(qv, dm.B, dm.H, dm.Nq, dm.D, q.options());
+    kt32 = pack_kt_pairs(kv, dm.B, dm.Hkv, dm.Nk, dm.D, dm.bk, q.options());
+    v32 = pack_v_pairs(vv, dm.B, dm.Hkv, dm.Nk, dm.Dv, Dvp0, dm.bk, q.options());
+  } else {
+    q32 = q.to(at::kFloat).contiguous();
+    kt32 = pack_t_blocked(kv, dm.B, dm.Hkv, dm.Nk, dm.D, dm.bk, q.options());
+    v32 = at::zeros({dm.B, dm.Hkv, dm.Nk, Dvp0}, q.options().dtype(at::kFloat));
+    v32.narrow(3, 0, dm.Dv).copy_(v);
+  }
+  const float* q32p = pairs ? nullptr : q32.data_ptr<float>();
+  const float* kt32p = pairs ? nullptr : kt32.data_ptr<float>();
+  const float* v32p = pairs ? nullptr : v32.data_ptr<float>();
+  const uint32_t* qhp = pairs ? reinterpret_cast<const uint32_t*>(q32.data_ptr<int32_t>()) : nullptr;
+  const uint32_t* khp = pairs ? reinterpret_cast<const uint32_t*>(kt32.data_ptr<int32_t>()) : nullptr;
+  const uint32_t* vhp = pairs ? reinterpret_cast<const uint32_t*>(v32.data_ptr<int32_t>()) : nullptr;
   std::atomic<int64_t> next{0};  // work items handed out one at a time (a stalled thread holds one)
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     const int64_t D = dm.D, Dv = dm.Dv, bq = dm.bq, bk = dm.bk;
@@ -267,6 +321,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     std::vector<RowMask> rms(bq);
     const int64_t Dvp = (Dv + 15) / 16 * 16;
     std::vector<float> St(bq * bk), accp(bq * Dvp), tmp(bq * Dvp), alph(bq);
+    std::vector<uint32_t> Pw(pairs ? bq * bk / 2 : 0);  // P rounded to bf16 pairs
     // The fast path: S and P·V tiles through the register-blocked matmul.  A hidden entry is
     // P = 0 there, so a NaN/inf in a hidden value would leak (0·NaN): a q block whose result
     // is not finite runs again on the careful path below, where hidden entries are skipped.
@@ -274,9 +329,10 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
       const int64_t hk = h / dm.G;
       const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
-      const float* Qf = q32p + ((b * dm.H + h) * dm.Nq + r0) * D;
-      const float* KTf = kt32p + (b * dm.Hkv + hk) * D * Nkp;
-      const float* Vf = v32p + (b * dm.Hkv + hk) * dm.Nk * Dvp;
+      const int64_t qrow = (b * dm.H + h) * dm.Nq + r0, kvh = b * dm.Hkv + hk;
+      const float* Qf = pairs ? nullptr : q32p + qrow * D;
+      const float* KTf = pairs ? nullptr : kt32p + kvh * nkb * D * bk;  // packed: one D × bk panel per kv block
+      const float* Vf = pairs ? nullptr : v32p + kvh * dm.Nk * Dvp;
       for (int64_t r = 0; r < n; ++r) {
         mk.ranges(b, r0 + r, rms[r].s1, rms[r].b0, rms[r].b1);
         mrow[r] = NEG_INF;
@@ -286,7 +342,10 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       for (int64_t jk = 0; jk < nkb; ++jk) {
         const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0, mp = (m + 15) / 16 * 16;
         if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
-        matmul(Qf, D, KTf + c0, Nkp, St.data(), bk, n, mp, D);
+        if (pairs)
+          attnlab_bf16::matmul(qhp + qrow * Dw, Dw, khp + (kvh * nkb + jk) * Dw * bk, bk, St.data(), bk, n, mp, Dw);
+        else
+          matmul(Qf, D, KTf + jk * D * bk, bk, St.data(), bk, n, mp, D);
         for (int64_t r = 0; r < n; ++r) {
           float* Sr = St.data() + r * bk;
           const RowMask& rm = rms[r];
@@ -295,17 +354,12 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             alph[r] = 1.0f;
             continue;
           }
-          for (int64_t c = 0; c < m; ++c) Sr[c] *= scale;
+          attnlab_rows::row_scale(Sr, m, scale);
           for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
           if (!rm.full(c0, c1))
             for (int64_t c = 0; c < m; ++c)
               if (!rm.visible(c0 + c)) Sr[c] = NEG_INF;
-          v16 vm = ld(Sr);
-          for (int64_t c = 16; c < mp; c += 16) {
-            const v16 y = ld(Sr + c);
-            vm = vm > y ? vm : y;
-          }
-          const float mx = hmax(vm);
+          const float mx = attnlab_rows::row_max(Sr, mp);
           const float m_new = std::isnan(mx) ? mx : std::max(mrow[r], mx);
           if (m_new == NEG_INF) {
             for (int64_t c = 0; c < mp; ++c) Sr[c] = 0.0f;
@@ -313,22 +367,18 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             continue;
           }
           alph[r] = exp_f(mrow[r] - m_new);
-          v16 vs = v16{};
-          for (int64_t c = 0; c < mp; c += 16) {
-            const v16 p = exp16(ld(Sr + c) - m_new);
-            st(Sr + c, p);
-            vs += p;
-          }
-          lrow[r] = lrow[r] * alph[r] + hsum(vs);
+          lrow[r] = lrow[r] * alph[r] + attnlab_rows::row_exp(Sr, Sr, mp, m_new);
           mrow[r] = m_new;
         }
-        matmul(St.data(), bk, Vf + c0 * Dvp, Dvp, tmp.data(), Dvp, n, Dvp, m);
-        for (int64_t r = 0; r < n; ++r) {
-          float* ar = accp.data() + r * Dvp;
-          const float* tr = tmp.data() + r * Dvp;
-          const float a = alph[r];
-          for (int64_t e = 0; e < Dvp; ++e) ar[e] = ar[e] * a + tr[e];
+        if (pairs) {  // P rounded to bf16 (as flash-attn does), P·V accumulated in float32
+          for (int64_t r = 0; r < n; ++r) attnlab_bf16::pack_row(St.data() + r * bk, Pw.data() + r * (bk / 2), mp);
+          attnlab_bf16::matmul(Pw.data(), bk / 2, vhp + (kvh * nkb + jk) * (bk / 2) * Dvp, Dvp, tmp.data(), Dvp, n,
+                               Dvp, mp / 2);
+        } else {
+          matmul(St.data(), bk, Vf + c0 * Dvp, Dvp, tmp.data(), Dvp, n, Dvp, m);
         }
+        for (int64_t r = 0; r < n; ++r)
+          attnlab_rows::row_axpby(accp.data() + r * Dvp, tmp.data() + r * Dvp, Dvp, alph[r]);
       }
       bool finite = true;
       for (int64_t r = 0; r < n; ++r) {
@@ -381,13 +431,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           // P and its sum exactly as the fast path computes them (the same bits on finite inputs)
           const int64_t mp = (m + 15) / 16 * 16;
           for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
-          v16 vs = v16{};
-          for (int64_t c = 0; c < mp; c += 16) {
-            const v16 p = exp16(ld(Sr + c) - m_new);
-            st(Pc.data() + c, p);
-            vs += p;
-          }
-          const float sum = hsum(vs);
+          const float sum = attnlab_rows::row_exp(Sr, Pc.data(), mp, m_new);
           for (int64_t e = 0; e < Dv; ++e) tr[e] = 0.0f;
           for (int64_t c = 0; c < m; ++c) {
             if (Sr[c] == NEG_INF) continue;  // hidden: an exact zero, whatever V holds
@@ -475,17 +519,12 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
               }
               continue;
             }
-            for (int64_t c = 0; c < m; ++c) Sr[c] *= scale;
+            attnlab_rows::row_scale(Sr, m, scale);
             for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
             if (!rm.full(c0, c1))
               for (int64_t c = 0; c < m; ++c)
                 if (!rm.visible(c0 + c)) Sr[c] = NEG_INF;
-            const float L = Lr[r], Di = Dr[r];
-            for (int64_t c = 0; c < mp; c += 16) {
-              const v16 p = exp16(ld(Sr + c) - L);
-              st(Sr + c, p);
-              st(dPr + c, p * (ld(dPr + c) - Di) * scale);
-            }
+            attnlab_rows::row_ds<true>(Sr, dPr, mp, Lr[r], Dr[r], scale);
             for (int64_t c = 0; c < mp; ++c) {
               PT[c * bq + r] = Sr[c];
               dST[c * bq + r] = dPr[c];
@@ -493,8 +532,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           }
           matmul(PT.data(), bq, dOp.data(), Dvp, tv.data(), Dvp, m, Dvp, n);
           matmul(dST.data(), bq, Qp.data(), Dp, tk.data(), Dp, m, Dp, n);
-          for (int64_t x = 0; x < m * Dvp; ++x) dVa[x] += tv[x];
-          for (int64_t x = 0; x < m * Dp; ++x) dKa[x] += tk[x];
+          attnlab_rows::row_add(dVa.data(), tv.data(), m * Dvp);
+          attnlab_rows::row_add(dKa.data(), tk.data(), m * Dp);
         }
       }
       float z = 0.0f;
@@ -572,11 +611,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
 
   // ---- pass 2: dQ per (b, h, q block), over the kv blocks its rows see.  float32 copies of
   // Kᵀ, Vᵀ (columns padded to 16) and K (D padded to 16), made once: tiles read them in place.
-  const int64_t Nkp = (dm.Nk + 15) / 16 * 16, Dp0 = (dm.D + 15) / 16 * 16;
-  at::Tensor kt32 = at::zeros({dm.B, dm.Hkv, dm.D, Nkp}, q.options().dtype(at::kFloat));
-  kt32.narrow(3, 0, dm.Nk).copy_(k.transpose(2, 3));
-  at::Tensor vt32 = at::zeros({dm.B, dm.Hkv, dm.Dv, Nkp}, q.options().dtype(at::kFloat));
-  vt32.narrow(3, 0, dm.Nk).copy_(v.transpose(2, 3));
+  const int64_t Dp0 = (dm.D + 15) / 16 * 16;
+  const at::Tensor kt32 = pack_t_blocked(kv, dm.B, dm.Hkv, dm.Nk, dm.D, bk, q.options());
+  const at::Tensor vt32 = pack_t_blocked(vv, dm.B, dm.Hkv, dm.Nk, dm.Dv, bk, q.options());
   at::Tensor k32 = at::zeros({dm.B, dm.Hkv, dm.Nk, Dp0}, q.options().dtype(at::kFloat));
   k32.narrow(3, 0, dm.D).copy_(k);
   const float* kt32p = kt32.data_ptr<float>();
@@ -606,8 +643,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0, mp = (m + 15) / 16 * 16;
         if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
         const int64_t kvh = b * dm.Hkv + hk;
-        matmul(Qb.data(), D, kt32p + kvh * D * Nkp + c0, Nkp, St.data(), bk, n, mp, D);
-        matmul(dOb.data(), Dv, vt32p + kvh * Dv * Nkp + c0, Nkp, dPt.data(), bk, n, mp, Dv);
+        matmul(Qb.data(), D, kt32p + (kvh * nkb + jk) * D * bk, bk, St.data(), bk, n, mp, D);
+        matmul(dOb.data(), Dv, vt32p + (kvh * nkb + jk) * Dv * bk, bk, dPt.data(), bk, n, mp, Dv);
         for (int64_t r = 0; r < n; ++r) {
           float* Sr = St.data() + r * bk;
           const float* dPr = dPt.data() + r * bk;
@@ -616,16 +653,15 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             for (int64_t c = 0; c < mp; ++c) Sr[c] = 0.0f;
             continue;
           }
-          for (int64_t c = 0; c < m; ++c) Sr[c] *= scale;
+          attnlab_rows::row_scale(Sr, m, scale);
           for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
           if (!rm.full(c0, c1))
             for (int64_t c = 0; c < m; ++c)
               if (!rm.visible(c0 + c)) Sr[c] = NEG_INF;
-          const float L = Lr[r], Di = Dr[r];
-          for (int64_t c = 0; c < mp; c += 16) st(Sr + c, exp16(ld(Sr + c) - L) * (ld(dPr + c) - Di) * scale);
+          attnlab_rows::row_ds<false>(Sr, dPt.data() + r * bk, mp, Lr[r], Dr[r], scale);
         }
         matmul(St.data(), bk, k32p + ((b * dm.Hkv + hk) * dm.Nk + c0) * Dp, Dp, tq.data(), Dp, n, Dp, m);
-        for (int64_t x = 0; x < n * Dp; ++x) dQa[x] += tq[x];
+        attnlab_rows::row_add(dQa.data(), tq.data(), n * Dp);
       }
       float z = 0.0f;
       for (int64_t r = 0; r < n; ++r) {
@@ -803,7 +839,8 @@ std::string native_features() {
 #if defined(__FMA__)
   f += "fma ";
 #endif
-  return f.empty() ? std::string("portable") : f.substr(0, f.size() - 1);
+  f = f.empty() ? std::string("portable") : f.substr(0, f.size() - 1);
+  return f + "; " + attnlab_gemm::isa() + "; " + attnlab_bf16::isa() + (bf16_pairs() ? " (bf16 forward)" : " (bf16 via f32)");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
