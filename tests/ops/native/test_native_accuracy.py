@@ -19,7 +19,7 @@ L = 1100  # ids / keep vectors by absolute position, longer than any problem her
 def _ids(B, seed):
     """Sorted document ids (packed sequences), per batch row; ``B = 1``: shared by the batch."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 9, (B, L), generator=g).sort(-1).values
+    return torch.randint(0, 80, (B, L), generator=g).sort(-1).values  # documents of ~14 tokens
 
 
 def _keep(B, seed, empty_row=True):
