@@ -21,12 +21,33 @@ torch.Size([1, 2, 4, 8])
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from attnlab.validate import boolean, finite_tensor, real, tensor_check
 
-__all__ = ["ScoreMod", "alibi", "softcap", "relative_bias", "custom", "compose", "bias"]
+__all__ = ["ScoreMod", "ScoreTerm", "alibi", "softcap", "relative_bias", "custom", "compose", "bias"]
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreTerm:
+    """One step of a score mod's structured description (:meth:`ScoreMod.lower`), what a
+    kernel reads instead of the mod's class.  For the score ``s`` at absolute positions
+    ``q``, ``kv`` of batch ``b``, head ``h``:
+
+    * ``"softcap"``: ``value · tanh(s / value)``;
+    * ``"alibi"``: ``s + m · (kv − q)`` (``symmetric``: ``s − m·|kv − q|``), ``m`` the slope
+      ``tensor[h]`` (``(H,)``) or ``tensor[b|0, h]`` (``(B|1, H)``);
+    * ``"relative_bias"``: ``s + tensor[h, clamp(kv − q, −R, R) + R]``, ``tensor (H, 2R+1)``.
+
+    A tensor that requires grad is learned: a kernel that runs the term returns its gradient.
+    """
+
+    kind: str
+    tensor: torch.Tensor | None = None
+    value: float = 0.0
+    symmetric: bool = False
 
 
 class ScoreMod:
@@ -49,6 +70,11 @@ class ScoreMod:
         and the ``attnlab::flash_*`` custom ops read (:func:`mod_key`); None for ``custom``."""
         return mod_key(self)
 
+    def lower(self) -> tuple[ScoreTerm, ...] | None:
+        """This mod as the sequence of :class:`ScoreTerm` it applies in order, or None when it
+        has no such description (``custom``, ``bias``)."""
+        return None
+
 
 class _Alibi(ScoreMod):
     def __init__(self, slopes, symmetric):
@@ -65,6 +91,9 @@ class _Alibi(ScoreMod):
 
     def parameters(self):
         return [self.slopes] if self.slopes.requires_grad else []
+
+    def lower(self):
+        return (ScoreTerm("alibi", tensor=self.slopes, symmetric=self.symmetric),)
 
     def validate(self, B, H):
         if self.slopes.shape[-1] != H:
@@ -106,6 +135,9 @@ class _Softcap(ScoreMod):
     def apply(self, score, b, h, q, kv):
         return torch.tanh(score / self.c) * self.c
 
+    def lower(self):
+        return (ScoreTerm("softcap", value=float(self.c)),)
+
     def __repr__(self):
         return f"softcap({self.c})"
 
@@ -126,6 +158,9 @@ class _RelativeBias(ScoreMod):
 
     def parameters(self):
         return [self.table] if self.table.requires_grad else []
+
+    def lower(self):
+        return (ScoreTerm("relative_bias", tensor=self.table),)
 
     def validate(self, B, H):
         if self.table.shape[0] != H:
@@ -193,6 +228,10 @@ class _Compose(ScoreMod):
 
     def parameters(self):
         return [p for m in self.mods for p in m.parameters()]
+
+    def lower(self):
+        parts = [m.lower() for m in self.mods]
+        return None if any(p is None for p in parts) else tuple(t for p in parts if p is not None for t in p)
 
     def validate(self, B, H):
         for m in self.mods:

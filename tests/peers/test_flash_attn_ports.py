@@ -65,14 +65,11 @@ def _ids(c):
     )
 
 
-# Found by these ports, left for the lead (ops/flash.py's backward, pre-existing at integrate@f002980):
-# the bf16 backward takes dP = dO·Vᵀ from a bf16 bmm, i.e. rounded to bf16 (DESIGN.md: "rounding S or
-# dP to the input dtype is a bug"); with one key (Sk = 1) dS = P∘(dP − Δ) is exactly 0 in the math and
-# the PyTorch implementation gets 0, attnlab ~1e-2.  torch has no CPU bmm with a float32 output dtype.
+# Strict xfails for known divergences: (test, case id).  Empty since the flash backward computes
+# dP = dO·Vᵀ in float32 for bf16 inputs (ops/tiling.score_dtype): with one key (Sk = 1)
+# dS = P∘(dP − Δ) is exactly 0 in the math, and the two bf16 cases that got ~1e-2 now pass.
 BF16_DP_ROUNDING = "flash backward rounds dP to bf16 (bf16 bmm output): nonzero dq/dk where the math gives 0"
-
-
-KNOWN = {("output", "239x1-d40-full-mqa-bfloat16"), ("varlen", "239x1-d59-causal-alibi-gqa-bfloat16")}
+KNOWN: set[tuple[str, str]] = set()
 
 
 def _xfail_known(request, c, test):

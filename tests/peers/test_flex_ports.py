@@ -23,36 +23,11 @@ from tests.peers.peer_refs import flex, flex_check_equal, run_flex
 Tensor = torch.Tensor
 
 
-# Found by these ports, left for the lead (ops/flash.py, pre-existing at integrate@f002980): in bfloat16
-# attnlab's flash path misses FlexAttention's 1.1x rule against *eager FlexAttention* (mean error
-# 1.4-2.3x): on the CPU torch's bf16 bmm returns bf16, so the score tile S = QKᵀ and P·V are rounded
-# to bf16 (DESIGN.md: "rounding S or dP to the input dtype is a bug"), while eager FlexAttention keeps
-# the scores in float32.  attnlab's own tests pass because its same-dtype reference rounds S too.
-# These cases are strict xfails: they fail today and will report when the kernel is fixed.
+# Strict xfails for known divergences from upstream: (test name, callspec id).  Empty since the flash
+# path computes S = QKᵀ and dP = dO·Vᵀ in float32 for bf16 inputs (ops/tiling.score_dtype): the 21 bf16
+# cases that missed FlexAttention's 1.1x rule (S rounded to bf16 by the CPU bf16 bmm) now pass.
 BF16_S_ROUNDING = "flash bf16 rounds S and P·V to bf16 (CPU bf16 bmm output): > 1.1x eager FlexAttention's error"
-KNOWN = {
-    ("test_builtin_score_mods", "_identity-torch.bfloat16"),
-    ("test_builtin_score_mods", "_times_two-torch.bfloat16"),
-    ("test_builtin_score_mods", "_squared-torch.bfloat16"),
-    ("test_builtin_score_mods", "_causal-torch.bfloat16"),
-    ("test_builtin_score_mods", "_inverse_causal-torch.bfloat16"),
-    ("test_builtin_score_mods", "_alibi_bias-torch.bfloat16"),
-    ("test_builtin_score_mods_different_seqlen", "_alibi_bias-torch.bfloat16"),
-    ("test_GQA", "_causal-(4, 2)"),
-    ("test_GQA", "_causal-(4, 1)"),
-    ("test_GQA", "_alibi_bias-(4, 2)"),
-    ("test_GQA", "_alibi_bias-(4, 1)"),
-    ("test_mask_mods", "torch.bfloat16-causal"),
-    ("test_mask_mods", "torch.bfloat16-noop_0d"),
-    ("test_mask_mods", "torch.bfloat16-and_masks"),
-    ("test_mask_mods", "torch.bfloat16-or_masks"),
-    ("test_mask_mods", "torch.bfloat16-batch_dependent"),
-    ("test_mask_mods", "torch.bfloat16-builtin_causal_top_left"),
-    ("test_learnable_biases", "relative_1d-torch.bfloat16"),
-    ("test_learnable_biases", "absolute_2d-torch.bfloat16"),
-    ("test_learnable_biases", "head_specific-torch.bfloat16"),
-    ("test_learnable_biases", "multiplicative-torch.bfloat16"),
-}
+KNOWN: set[tuple[str, str]] = set()
 
 
 @pytest.fixture(autouse=True)

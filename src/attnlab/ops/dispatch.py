@@ -217,13 +217,15 @@ def attention(
 
 def _native(q, k, v, kw):
     """The native C++ CPU kernel (:mod:`attnlab.ops.native`) where it implements the
-    problem (its mask's structure, no score mod); the flash path otherwise."""
+    problem (its mask's structure, a built-in score mod's terms); the flash path otherwise."""
     from attnlab.ops.native.ops import native_attention, plan
 
     s, _ = plan(q, k, v, kw["mask"], kw["score_mod"], kw["q_offset"], kw["kv_offset"])
     if s is None:
         return _flash(q, k, v, kw)
-    return native_attention(q, k, v, s, scale=kw["scale"], q_offset=kw["q_offset"], kv_offset=kw["kv_offset"])
+    return native_attention(
+        q, k, v, s, scale=kw["scale"], q_offset=kw["q_offset"], kv_offset=kw["kv_offset"], score_mod=kw["score_mod"]
+    )
 
 
 def _flash(q, k, v, kw):

@@ -53,6 +53,7 @@ from attnlab.ops.tiling import (
     prepare,
     rescale,
     rows,
+    score_dtype,
     score_tile,
 )
 
@@ -85,7 +86,7 @@ def _forward_row(pb, i, qf, kT, vf, outf, lsef, b, h, Nq, Nk, acc, mmd, B, H, ca
         lsef[:, :, qs:qe] = NEG_INF
         return
     dev = qf.device
-    Qi = rows(qf, qs, qe, mmd)
+    Qi = rows(qf, qs, qe, score_dtype(mmd))  # S = QKᵀ in float32 for bf16/fp16 (kT is upcast)
     m = torch.full((BH, G * n, 1), NEG_INF, dtype=acc, device=dev)
     l = torch.zeros((BH, G * n, 1), dtype=acc, device=dev)
     o = torch.zeros((BH, G * n, Dv), dtype=acc, device=dev)
@@ -124,6 +125,7 @@ def _forward(pb: TileProblem, q, k, v):
     acc = acc_dtype(q.dtype)
     mmd = mm_dtype(q.dtype, q.device)
     qf, _, kT, vf = prepare(q, k, v, mmd)
+    kT = kT.to(score_dtype(mmd))
     out = torch.empty(B, H, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Nq, dtype=acc, device=q.device)
     outf, lsef = out.view(BH, G, Nq, Dv), lse.view(BH, G, Nq)
@@ -143,7 +145,9 @@ def _backward(pb: TileProblem, q, k, v, out, lse, dout, dlse, params, careful=Fa
     acc = acc_dtype(q.dtype)
     mmd = mm_dtype(q.dtype, q.device)
     qf, kf, kT, vf = prepare(q, k, v, mmd)
-    vT = vf.transpose(1, 2).contiguous()
+    sdt = score_dtype(mmd)  # S and dP in float32 for bf16/fp16: their operands upcast once
+    kTs = kT.to(sdt)
+    vT = vf.transpose(1, 2).to(sdt).contiguous()
     dof = dout.unflatten(1, (Hkv, G))
     # Δ = rowsum(dO ∘ O) − dLSE, per query row
     delta = (dout.to(acc) * out.to(acc)).sum(-1)
@@ -161,13 +165,14 @@ def _backward(pb: TileProblem, q, k, v, out, lse, dout, dlse, params, careful=Fa
         qs, qe = pb.q_block(i, Nq)
         n = qe - qs
         Qi, dOi = rows(qf, qs, qe, mmd), rows(dof, qs, qe, mmd)
+        Qs, dOs = Qi.to(sdt), dOi.to(sdt)
         L = lsef[:, :, qs:qe].reshape(BH, G * n, 1)
         L_safe = L.masked_fill(L == NEG_INF, 0.0)
         Di = deltaf[:, :, qs:qe].reshape(BH, G * n, 1)
         dQi = torch.zeros(BH, G * n, D, dtype=acc, device=q.device)
         for j, needs_mask in row:
             ks, ke = pb.kv_block(j, Nk)
-            S = torch.bmm(Qi, kT[:, :, ks:ke])
+            S = torch.bmm(Qs, kTs[:, :, ks:ke])
             X = S.to(acc) if S.dtype != acc else S
             leaf = hidden = None
             if fast_tile(pb, needs_mask):
@@ -201,7 +206,7 @@ def _backward(pb: TileProblem, q, k, v, out, lse, dout, dlse, params, careful=Fa
                 dv[:, ks:ke] += torch.bmm(Pv.to(mmd).transpose(1, 2), dOi)
             else:
                 dv[:, ks:ke] += zmm(Pv.to(mmd).transpose(1, 2), dOi, hidden.transpose(1, 2))
-            dP = torch.bmm(dOi, vT[:, :, ks:ke]).to(acc)
+            dP = torch.bmm(dOs, vT[:, :, ks:ke]).to(acc)
             if Zs is not None:
                 dP = dP.mul_(Zs)
             dS = P.mul_(dP.sub_(Di))  # P is dead after this: reuse its storage

@@ -51,6 +51,7 @@ __all__ = [
     "NEG_INF",
     "TileProblem",
     "mm_dtype",
+    "score_dtype",
     "prepare",
     "rows",
     "fast_tile",
@@ -77,6 +78,16 @@ def mm_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if dtype == torch.float16 and device.type == "cpu":
         return torch.float32
     return dtype
+
+
+def score_dtype(mmd: torch.dtype) -> torch.dtype:
+    """The dtype of the ``S = QKᵀ`` and ``dP = dO·Vᵀ`` matmuls: float32 for bf16/fp16 operands.
+
+    A CPU bf16 ``torch.bmm`` returns bf16 (torch has no ``out_dtype=float32`` there), so the
+    score and dP tiles would be rounded to bf16 before the softmax (DESIGN.md: "rounding S
+    or dP to the input dtype is a bug"); their operands are upcast once (Q/dO per q-block,
+    Kᵀ/Vᵀ per call) and the products run in float32, as flash-attn's fp32 accumulators."""
+    return torch.float32 if mmd in (torch.bfloat16, torch.float16) else mmd
 
 
 class TileProblem:

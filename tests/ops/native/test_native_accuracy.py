@@ -1,7 +1,8 @@
 """The native C++ kernel (backend="native") against the float64 oracle under DESIGN.md's rule
 (error <= 2x the same-dtype reference's for out/lse, 3x for gradients, plus FLOOR), for
 float32, bfloat16 and float16; head dims 40/59/64/111/128, lengths 1/97/1025, Nq != Nk,
-GQA/MQA, Dv != D, every mask the kernel implements, fully masked rows, explicit offsets."""
+GQA/MQA, Dv != D, every mask the kernel implements (band/causal/window/sinks, padding lengths,
+document ids, key padding and their combinations), fully masked rows, explicit offsets."""
 
 from __future__ import annotations
 
@@ -12,6 +13,25 @@ from attnlab import masks
 from attnlab.ops.native.ops import plan
 from tests.ops.conftest import compare_backend, make_qkv
 
+L = 1100  # ids / keep vectors by absolute position, longer than any problem here
+
+
+def _ids(B, seed):
+    """Sorted document ids (packed sequences), per batch row; ``B = 1``: shared by the batch."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 80, (B, L), generator=g).sort(-1).values  # documents of ~14 tokens
+
+
+def _keep(B, seed, empty_row=True):
+    """A key keep-vector per batch, 70% kept; with ``empty_row`` batch 1 keeps nothing
+    (fully masked rows)."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(B, L, generator=g) < 0.7
+    if empty_row and B > 1:
+        keep[1] = False
+    return keep
+
+
 MASKS = {
     "none": lambda B: None,
     "causal": lambda B: masks.causal(),
@@ -21,6 +41,15 @@ MASKS = {
     "band": lambda B: masks.band(5, 3),
     "padding": lambda B: masks.padding(torch.tensor([0, 61][:B] if B == 2 else [61])),
     "causal&padding": lambda B: masks.causal() & masks.padding(torch.arange(B) * 9 + 20),
+    "document": lambda B: masks.document(_ids(B, 1)),
+    "document1": lambda B: masks.document(_ids(1, 2)[0]),  # (N,) ids shared by the batch
+    "document&causal": lambda B: masks.document(_ids(B, 3)) & masks.causal(),
+    "document_qk&window": lambda B: masks.document(_ids(B, 4), _ids(B, 5)) & masks.sliding_window(40),
+    "key_padding": lambda B: masks.key_padding(_keep(B, 6)),
+    "key_padding&window": lambda B: masks.key_padding(_keep(B, 7, empty_row=False)) & masks.sliding_window(9),
+    "document&key_padding&causal": lambda B: (
+        masks.document(_ids(B, 8)) & masks.key_padding(_keep(B, 9)) & masks.causal()
+    ),
 }
 
 #        B  H  Hkv  Nq    Nk    D    Dv   mask            q_offset kv_offset
@@ -36,8 +65,15 @@ CASES = [
     (2, 4, 1, 33, 97, 64, 64, "causal&padding", None, 0),
     (1, 2, 2, 40, 97, 64, 64, "band", None, 0),
     (1, 2, 1, 50, 97, 40, 40, "causal", 10, 20),  # rows at q_pos < 20 see no key
-    (1, 2, 1, 40, 40, 64, 64, "sink_window", 0, 0),
-]  # queries before the last sink: causal sinks
+    (1, 2, 1, 40, 40, 64, 64, "sink_window", 0, 0),  # queries before the last sink: causal sinks
+    (2, 4, 2, 97, 130, 40, 40, "document", None, 0),
+    (2, 2, 1, 97, 97, 59, 59, "document1", None, 0),
+    (1, 2, 1, 97, 1025, 64, 64, "document&causal", None, 0),
+    (2, 4, 1, 200, 97, 64, 32, "document_qk&window", 0, 0),  # Nq > Nk, cross packings
+    (2, 2, 2, 97, 97, 59, 59, "key_padding", None, 0),  # batch 1: every row fully masked
+    (2, 4, 1, 33, 97, 111, 111, "key_padding&window", None, 0),
+    (2, 2, 1, 50, 200, 40, 56, "document&key_padding&causal", 10, 20),
+]
 
 
 def _id(c):
@@ -61,7 +97,7 @@ def test_native_matches_oracle(c, dtype, native_ext):
     _run(c, dtype, native_ext)
 
 
-@pytest.mark.parametrize("c", [CASES[2], CASES[8]], ids=_id)
+@pytest.mark.parametrize("c", [CASES[2], CASES[8], CASES[14], CASES[17]], ids=_id)
 def test_native_float16(c, native_ext):
     """float16 runs through float32 inside the kernel (loads upcast, output rounded once)."""
     _run(c, torch.float16, native_ext)

@@ -68,21 +68,36 @@ def test_auto_picks_native_where_it_would_pick_flash(native_ext):
     q, k, _v = make_qkv(1, 2, 1, 20, 30, 16)
     assert _auto(q, k, masks.sliding_window(6), None, 10, 0, True) == "native"
     assert _auto(q, k, masks.causal() & masks.padding([25]), None, 10, 0, True) == "native"
-    # score mods, custom masks and float64 keep the flash path
-    assert _auto(q, k, None, scores.softcap(5.0), 10, 0, True) == "flash"
+    # document ids and key padding are evaluated inside the kernel too
+    ids = torch.tensor([0] * 14 + [1] * 16)
+    assert _auto(q, k, masks.document(ids), None, 10, 0, True) == "native"
+    assert _auto(q, k, masks.document(ids) & masks.causal(), None, 10, 0, True) == "native"
+    assert _auto(q, k, masks.key_padding((torch.arange(30) % 3 > 0)[None]), None, 10, 0, True) == "native"
+    # and the built-in score mods (softcap, ALiBi, relative bias, their compositions)
+    assert _auto(q, k, None, scores.softcap(5.0), 10, 0, True) == "native"
+    slopes, table = torch.tensor([0.5, 0.25]), torch.zeros(2, 9)
+    assert _auto(q, k, masks.causal(), scores.alibi(slopes), 10, 0, True) == "native"
+    mod = scores.compose(scores.relative_bias(table), scores.softcap(5.0))
+    assert _auto(q, k, masks.document(ids), mod, 10, 0, True) == "native"
+    # custom score mods and masks, additive biases and float64 keep the flash path
+    assert _auto(q, k, None, scores.custom(lambda s, b, h, qp, kp: s * 0.5), 10, 0, True) == "flash"
+    assert (
+        _auto(q, k, None, scores.compose(scores.softcap(5.0), scores.custom(lambda s, *a: s)), 10, 0, True) == "flash"
+    )
     custom = masks.custom(lambda b, h, qp, kp: kp % 2 == 0)
     assert _auto(q, k, custom, None, 10, 0, True) == "flash"
     assert _auto(q.double(), k.double(), masks.sliding_window(6), None, 10, 0, True) == "flash"
 
 
-@pytest.mark.parametrize("case", ["score_mod", "custom", "document", "float64", "or"])
+@pytest.mark.parametrize("case", ["score_mod", "custom", "dense", "float64", "or", "bias"])
 def test_unsupported_problems_fall_back(case, native_ext):
     """backend="native" on a problem the kernel does not implement runs the flash path."""
     q, k, v = make_qkv(1, 2, 1, 12, 12, 8)
     kw = {
-        "score_mod": {"score_mod": scores.softcap(4.0)},
+        "score_mod": {"score_mod": scores.custom(lambda s, b, h, qp, kp: s * 0.5)},
         "custom": {"mask": masks.custom(lambda b, h, qp, kp: kp != 3)},
-        "document": {"mask": masks.document(torch.tensor([0] * 6 + [1] * 6))},
+        "dense": {"mask": masks.dense(torch.rand(12, 12) > 0.3, q_offset=0)},
+        "bias": {"score_mod": scores.bias(torch.randn(12, 12), q_offset=0)},
         "float64": {"mask": masks.causal()},
         "or": {"mask": masks.sliding_window(2) | masks.prefix_lm(3)},
     }[case]
@@ -110,3 +125,47 @@ def test_sink_window_sinks_are_causal(native_ext):
     assert (out - ref).abs().max() < 1e-5 and (lse - rlse).abs().max() < 1e-5
     # row 0 sees key 0 only: its output is v[0] exactly
     assert torch.equal(out[0, :, 0], v[0, 0, 0].expand(2, 16))
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        masks.document(torch.tensor([0] * 7 + [1] * 20 + [2] * 3)),
+        masks.key_padding((torch.arange(30) % 4 != 1).expand(2, 30)) & masks.sliding_window(5),
+        masks.document(torch.tensor([[0] * 10 + [1] * 20, [0] * 25 + [1] * 5])) & masks.causal(),
+    ],
+    ids=["document", "key_padding&window", "document&causal"],
+)
+def test_document_and_key_padding_run_native(mask, native_ext):
+    """backend="native" and auto run these masks in the kernel: the same bits as the
+    kernel called directly, and the float64 reference's values."""
+    from attnlab.ops.native.ops import native_attention
+
+    q, k, v = make_qkv(2, 4, 2, 30, 30, 16)
+    s, why = plan(q, k, v, mask, None, 0, 0)
+    assert s is not None, why
+    out, lse = native_attention(q, k, v, s, scale=0.25, q_offset=0, kv_offset=0)
+    for backend in ("native", "auto"):
+        got, glse = attnlab.attention(q, k, v, mask=mask, scale=0.25, q_offset=0, backend=backend, return_lse=True)
+        assert torch.equal(got, out) and torch.equal(glse, lse), backend
+    ref, rlse = attnlab.attention(
+        q.double(), k.double(), v.double(), mask=mask, scale=0.25, q_offset=0, backend="reference", return_lse=True
+    )
+    assert (out - ref).abs().max() < 1e-5 and (lse - rlse).abs().max() < 1e-5
+
+
+def test_key_padding_fully_masked_rows_are_zero(native_ext):
+    """A batch row with no kept key: output and every gradient exactly 0 (never NaN), LSE -inf;
+    the other batch row is untouched."""
+    keep = torch.ones(2, 40, dtype=torch.bool)
+    keep[1] = False
+    mask = masks.key_padding(keep) & masks.causal()
+    q, k, v = make_qkv(2, 2, 1, 40, 40, 24, dtype=torch.bfloat16)
+    assert plan(q, k, v, mask, None, 0, 0)[0] is not None
+    r = run_case(q, k, v, backend="native", mask=mask)
+    assert torch.equal(r["out"][1], torch.zeros_like(r["out"][1]))
+    assert bool((r["lse"][1] == float("-inf")).all())
+    for key in ("dq", "dk", "dv"):
+        assert torch.equal(r[key][1], torch.zeros_like(r[key][1])), key
+        assert bool(torch.isfinite(r[key]).all()), key
+    assert bool((r["out"][0].abs().sum(-1) > 0).all())

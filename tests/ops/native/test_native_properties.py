@@ -183,7 +183,34 @@ def test_custom_op_registration(native_ext):
     one opaque node, docs/compile.md)."""
     q, k, v = make_qkv(1, 2, 1, 5, 9, 8)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    args = (q, k, v, torch.tensor([7]), 0.3, 4, 0, [1, 3, 1, 0, 1, 0], 2, blocks(8))
+    args = (
+        q,
+        k,
+        v,
+        torch.tensor([7]),
+        None,
+        None,
+        None,
+        None,
+        None,
+        0.3,
+        4,
+        0,
+        [1, 3, 1, 0, 1, 0],
+        2,
+        blocks(8),
+        [],
+        [],
+    )
+    torch.library.opcheck(
+        torch.ops.attnlab.native_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration")
+    )
+    # document ids, key keep, ALiBi slopes and a bias table (learned), softcap
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2, 2]])
+    slopes = torch.tensor([[0.5, 0.25]], requires_grad=True)
+    table = torch.randn(2, 7, requires_grad=True)
+    args = (q, k, v, None, ids[:, 4:], ids, torch.ones(1, 9, dtype=torch.bool), slopes, table, 0.3, 4, 0,
+            [0, 0, 1, 0, 0, 0], 0, blocks(8), [2, 4, 1], [5.0])  # fmt: skip
     torch.library.opcheck(
         torch.ops.attnlab.native_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration")
     )

@@ -34,7 +34,9 @@
 
 #include "gemm_bf16.h"
 #include "gemm_f32.h"
+#include "masking.h"
 #include "rowmath.h"
+#include "scoremods.h"
 
 namespace {
 
@@ -92,49 +94,6 @@ inline void load_row(float* dst, const T* src, int64_t n, int64_t stride) {
   } else {
     for (int64_t d = 0; d < n; ++d) dst[d] = to_f(src[d * stride]);
   }
-}
-
-struct Mask {
-  bool has_left, has_right;
-  int64_t left, right, sinks;
-  bool has_sinks_right;  // the sinks obey kp - qp <= sinks_right too (sink_window: 0, causal)
-  int64_t sinks_right;
-  const int64_t* kv_len;  // (B,) or nullptr
-  int64_t q_offset, kv_offset, Nk;
-
-  static int64_t clamp(__int128 x, int64_t lo, int64_t hi) {
-    return x < lo ? lo : (x > hi ? hi : static_cast<int64_t>(x));
-  }
-  // visible columns of row i (batch b): [0, s1) ∪ [b0, b1), each within [0, end)
-  void ranges(int64_t b, int64_t i, int64_t& s1, int64_t& b0, int64_t& b1) const {
-    int64_t end = Nk;
-    if (kv_len != nullptr) end = clamp(static_cast<__int128>(kv_len[b]) - kv_offset, 0, Nk);
-    const __int128 qp = static_cast<__int128>(q_offset) + i;
-    s1 = clamp(static_cast<__int128>(sinks) - kv_offset, 0, end);
-    if (has_sinks_right) s1 = std::min(s1, clamp(qp + sinks_right - kv_offset + 1, 0, end));
-    b0 = has_left ? clamp(qp - left - kv_offset, 0, end) : 0;
-    b1 = has_right ? clamp(qp + right - kv_offset + 1, 0, end) : end;
-    if (b1 < b0) b0 = b1;
-  }
-};
-
-struct RowMask {  // one row's visible intervals, relative to a tile starting at column c0
-  int64_t s1, b0, b1;
-  bool full(int64_t c0, int64_t c1) const {
-    if (c1 <= s1) return true;
-    if (c0 >= b0 && c1 <= b1) return true;
-    return b0 <= s1 && c1 <= std::max(s1, b1);
-  }
-  bool none(int64_t c0, int64_t c1) const { return c0 >= s1 && (c1 <= b0 || c0 >= b1); }
-  bool visible(int64_t c) const { return c < s1 || (c >= b0 && c < b1); }
-};
-
-// Does any row in [r0, r1) of batch b see a column of [c0, c1)?  (b0, b1 grow with the row.)
-inline bool block_visits(const Mask& mk, int64_t b, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-  int64_t s1, b0, b1, t0, t1;
-  mk.ranges(b, r0, s1, b0, t1);
-  mk.ranges(b, r1 - 1, s1, t0, b1);
-  return c0 < s1 || (c0 < b1 && c1 > b0);
 }
 
 struct Dims {
@@ -286,7 +245,7 @@ at::Tensor pack_v_pairs(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, int
 
 template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-                  const Dims& dm, const Mask& mk, float scale) {
+                  const Dims& dm, const Mask& mk, const ScoreMods& sm, float scale) {
   const View<T> qv = view_of<T>(q), kv = view_of<T>(k), vv = view_of<T>(v);
   T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
@@ -334,7 +293,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const float* KTf = pairs ? nullptr : kt32p + kvh * nkb * D * bk;  // packed: one D × bk panel per kv block
       const float* Vf = pairs ? nullptr : v32p + kvh * dm.Nk * Dvp;
       for (int64_t r = 0; r < n; ++r) {
-        mk.ranges(b, r0 + r, rms[r].s1, rms[r].b0, rms[r].b1);
+        rms[r] = mk.row(b, r0 + r);
         mrow[r] = NEG_INF;
         lrow[r] = 0.0f;
       }
@@ -359,6 +318,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           if (!rm.full(c0, c1))
             for (int64_t c = 0; c < m; ++c)
               if (!rm.visible(c0 + c)) Sr[c] = NEG_INF;
+          if (sm.active()) sm.apply_row(Sr, b, h, r0 + r, c0, m, rm);
           const float mx = attnlab_rows::row_max(Sr, mp);
           const float m_new = std::isnan(mx) ? mx : std::max(mrow[r], mx);
           if (m_new == NEG_INF) {
@@ -405,7 +365,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
       for (int64_t r = 0; r < n; ++r) {
         load_row(Qb.data() + r * D, qv.row(b, h, r0 + r), D, qv.s3);
-        mk.ranges(b, r0 + r, rms[r].s1, rms[r].b0, rms[r].b1);
+        rms[r] = mk.row(b, r0 + r);
         mrow[r] = NEG_INF;
         lrow[r] = 0.0f;
       }
@@ -420,6 +380,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           if (rm.none(c0, c1)) continue;
           float* Sr = S.data();
           score_row(Sr, Qb.data() + r * D, KT.data(), D, bk, m, scale, rm, c0);
+          if (sm.active()) sm.apply_row(Sr, b, h, r0 + r, c0, m, rm);
           float mx = NEG_INF;
           for (int64_t c = 0; c < m; ++c) mx = std::max(mx, Sr[c]);
           for (int64_t c = 0; c < m; ++c) mx = std::isnan(Sr[c]) ? Sr[c] : mx;
@@ -466,7 +427,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 template <typename T>
 void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& lse, const at::Tensor& delta, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-                   const Dims& dm, const Mask& mk, float scale) {
+                   const Dims& dm, const Mask& mk, const ScoreMods& sm, float scale) {
   const View<T> qv = view_of<T>(q), kv = view_of<T>(k), vv = view_of<T>(v), gv = view_of<T>(dout);
   const float* lp = lse.data_ptr<float>();   // (B, H, Nq) contiguous
   const float* dp = delta.data_ptr<float>(); // (B, H, Nq) contiguous
@@ -475,13 +436,14 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   T* dvp = dv.data_ptr<T>();
   const int64_t nqb = (dm.Nq + dm.bq - 1) / dm.bq, nkb = (dm.Nk + dm.bk - 1) / dm.bk;
   const int64_t D = dm.D, Dv = dm.Dv, bq = dm.bq, bk = dm.bk;
+  const float dsc = sm.active() ? 1.0f : scale;  // with mods, dS is scaled after their chain rule
 
   // ---- pass 1: dK, dV per (b, kv head, kv block), over the G query heads and the q blocks
   const int64_t items1 = dm.B * dm.Hkv * nkb, items2 = dm.B * dm.H * nqb;
   std::atomic<int64_t> next1{0}, next2{0};  // work items handed out one at a time
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> KT(D * bk), VT(Dv * bk), dKb(bk * D), dVb(bk * Dv), dKt(bk * D), dVt(bk * Dv), Qr(D), dOr(Dv),
-        S(bk), P(bk), dP(bk);
+        S(bk), P(bk), dP(bk), S0(bk);
     const int64_t Dp = (D + 15) / 16 * 16, Dvp = (Dv + 15) / 16 * 16;
     std::vector<float> KTz(D * bk, 0.0f), VTz(Dv * bk, 0.0f), Qp(bq * Dp, 0.0f), dOp(bq * Dvp, 0.0f), St(bq * bk),
         dPt(bq * bk), PT(bk * bq), dST(bk * bq), dKa(bk * Dp), dVa(bk * Dvp), tk(bk * Dp), tv(bk * Dvp), Lr(bq), Dr(bq);
@@ -510,8 +472,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           for (int64_t r = 0; r < n; ++r) {
             float* Sr = St.data() + r * bk;
             float* dPr = dPt.data() + r * bk;
-            RowMask rm;
-            mk.ranges(b, r0 + r, rm.s1, rm.b0, rm.b1);
+            const RowMask rm = mk.row(b, r0 + r);
             if (Lr[r] == NEG_INF || rm.none(c0, c1)) {
               for (int64_t c = 0; c < mp; ++c) {
                 PT[c * bq + r] = 0.0f;
@@ -524,7 +485,12 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             if (!rm.full(c0, c1))
               for (int64_t c = 0; c < m; ++c)
                 if (!rm.visible(c0 + c)) Sr[c] = NEG_INF;
-            attnlab_rows::row_ds<true>(Sr, dPr, mp, Lr[r], Dr[r], scale);
+            if (sm.active()) {  // the raw scores, for the mods' derivatives
+              std::copy(Sr, Sr + m, S0.data());
+              sm.apply_row(Sr, b, h, r0 + r, c0, m, rm);
+            }
+            attnlab_rows::row_ds<true>(Sr, dPr, mp, Lr[r], Dr[r], dsc);
+            if (sm.active()) sm.grad_row(dPr, S0.data(), scale, b, h, r0 + r, c0, m, rm, nullptr, nullptr);
             for (int64_t c = 0; c < mp; ++c) {
               PT[c * bq + r] = Sr[c];
               dST[c * bq + r] = dPr[c];
@@ -570,13 +536,16 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           for (int64_t i = r0; i < r1; ++i) {
             const float L = lp[(b * dm.H + h) * dm.Nq + i];
             if (L == NEG_INF) continue;  // fully masked row: no gradient
-            RowMask rm;
-            mk.ranges(b, i, rm.s1, rm.b0, rm.b1);
+            const RowMask rm = mk.row(b, i);
             if (rm.none(c0, c1)) continue;
             const float Di = dp[(b * dm.H + h) * dm.Nq + i];
             load_row(Qr.data(), qv.row(b, h, i), D, qv.s3);
             load_row(dOr.data(), gv.row(b, h, i), Dv, gv.s3);
             score_row(S.data(), Qr.data(), KT.data(), D, bk, m, scale, rm, c0);
+            if (sm.active()) {
+              std::copy(S.data(), S.data() + m, S0.data());
+              sm.apply_row(S.data(), b, h, i, c0, m, rm);
+            }
             for (int64_t c = 0; c < m; ++c) P[c] = exp_f(S[c] - L);
             for (int64_t c = 0; c < m; ++c) dP[c] = 0.0f;
             for (int64_t e = 0; e < Dv; ++e) {
@@ -589,7 +558,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
               const float p = P[c];
               float* dvr = dVt.data() + c * Dv;
               for (int64_t e = 0; e < Dv; ++e) dvr[e] += p * dOr[e];
-              const float ds = p * (dP[c] - Di) * scale;
+              float ds = p * (dP[c] - Di) * dsc;
+              if (sm.active()) ds = sm.grad(S0[c], ds, b, h, sm.dist(i, c0 + c), nullptr, nullptr) * scale;
               float* dkr = dKt.data() + c * D;
               for (int64_t d = 0; d < D; ++d) dkr[d] += ds * Qr[d];
             }
@@ -621,20 +591,21 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   const float* k32p = k32.data_ptr<float>();
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> KT(D * bk), Kb(bk * D), VT(Dv * bk), Qb(bq * D), dOb(bq * Dv), dQb(bq * D), S(bk), dP(bk),
-        dQt(D);
+        dQt(D), S0(bk);
     std::vector<RowMask> rms(bq);
     const int64_t Dp = (D + 15) / 16 * 16;
     std::vector<float> dQa(bq * Dp), tq(bq * Dp), St(bq * bk), dPt(bq * bk), Lr(bq), Dr(bq);
     // The fast path: S, dP and dQ += dS·K through the register-blocked matmul; a q block whose
     // gradient is not finite runs again on the careful path below.
     auto fast = [&](int64_t it) -> bool {
+      sm.zero_slot(it);  // this work item's slope / table gradient sums
       const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
       const int64_t hk = h / dm.G;
       const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
       for (int64_t r = 0; r < n; ++r) {
         load_row(Qb.data() + r * D, qv.row(b, h, r0 + r), D, qv.s3);
         load_row(dOb.data() + r * Dv, gv.row(b, h, r0 + r), Dv, gv.s3);
-        mk.ranges(b, r0 + r, rms[r].s1, rms[r].b0, rms[r].b1);
+        rms[r] = mk.row(b, r0 + r);
         Lr[r] = lp[(b * dm.H + h) * dm.Nq + r0 + r];
         Dr[r] = dp[(b * dm.H + h) * dm.Nq + r0 + r];
       }
@@ -658,7 +629,12 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           if (!rm.full(c0, c1))
             for (int64_t c = 0; c < m; ++c)
               if (!rm.visible(c0 + c)) Sr[c] = NEG_INF;
-          attnlab_rows::row_ds<false>(Sr, dPt.data() + r * bk, mp, Lr[r], Dr[r], scale);
+          if (sm.active()) {
+            std::copy(Sr, Sr + m, S0.data());
+            sm.apply_row(Sr, b, h, r0 + r, c0, m, rm);
+          }
+          attnlab_rows::row_ds<false>(Sr, dPt.data() + r * bk, mp, Lr[r], Dr[r], dsc);
+          if (sm.active()) sm.grad_row(Sr, S0.data(), scale, b, h, r0 + r, c0, m, rm, sm.dslope(it), sm.dtable(it));
         }
         matmul(St.data(), bk, k32p + ((b * dm.Hkv + hk) * dm.Nk + c0) * Dp, Dp, tq.data(), Dp, n, Dp, m);
         attnlab_rows::row_add(dQa.data(), tq.data(), n * Dp);
@@ -675,13 +651,14 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       return z == 0.0f;
     };
     auto careful = [&](int64_t it) {
+      sm.zero_slot(it);  // this work item's slope / table gradient sums
       const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
       const int64_t hk = h / dm.G;
       const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
       for (int64_t r = 0; r < n; ++r) {
         load_row(Qb.data() + r * D, qv.row(b, h, r0 + r), D, qv.s3);
         load_row(dOb.data() + r * Dv, gv.row(b, h, r0 + r), Dv, gv.s3);
-        mk.ranges(b, r0 + r, rms[r].s1, rms[r].b0, rms[r].b1);
+        rms[r] = mk.row(b, r0 + r);
       }
       std::fill(dQb.begin(), dQb.begin() + n * D, 0.0f);
       for (int64_t jk = 0; jk < nkb; ++jk) {
@@ -696,6 +673,10 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           if (L == NEG_INF || rms[r].none(c0, c1)) continue;
           const float Di = dp[(b * dm.H + h) * dm.Nq + i];
           score_row(S.data(), Qb.data() + r * D, KT.data(), D, bk, m, scale, rms[r], c0);
+          if (sm.active()) {
+            std::copy(S.data(), S.data() + m, S0.data());
+            sm.apply_row(S.data(), b, h, i, c0, m, rms[r]);
+          }
           const float* g = dOb.data() + r * Dv;
           for (int64_t c = 0; c < m; ++c) dP[c] = 0.0f;
           for (int64_t e = 0; e < Dv; ++e) {
@@ -708,7 +689,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           for (int64_t d = 0; d < D; ++d) tq[d] = 0.0f;
           for (int64_t c = 0; c < m; ++c) {
             if (S[c] == NEG_INF) continue;  // hidden
-            const float ds = exp_f(S[c] - L) * (dP[c] - Di) * scale;
+            float ds = exp_f(S[c] - L) * (dP[c] - Di) * dsc;
+            if (sm.active()) ds = sm.grad(S0[c], ds, b, h, sm.dist(i, c0 + c), sm.dslope(it), sm.dtable(it)) * scale;
             const float* kr = Kb.data() + c * D;
             for (int64_t d = 0; d < D; ++d) tq[d] += ds * kr[d];
           }
@@ -761,15 +743,85 @@ Dims dims_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int6
   return d;
 }
 
-Mask mask_of(const c10::optional<at::Tensor>& kv_len, bool has_left, int64_t left, bool has_right, int64_t right,
-             int64_t sinks, bool has_sinks_right, int64_t sinks_right, int64_t q_offset, int64_t kv_offset,
-             int64_t Nk) {
+// ids (q_ids (B|1, Nq) with kv_ids (B|1, Nk), int64) and keep ((B|1, Nk), bool/uint8): already
+// sliced to the problem's rows and columns by the caller; tables for kv blocks of bk columns
+Mask mask_of(const c10::optional<at::Tensor>& kv_len, const c10::optional<at::Tensor>& q_ids,
+             const c10::optional<at::Tensor>& kv_ids, const c10::optional<at::Tensor>& keep, bool has_left,
+             int64_t left, bool has_right, int64_t right, int64_t sinks, bool has_sinks_right, int64_t sinks_right,
+             int64_t q_offset, int64_t kv_offset, const Dims& dm) {
   const int64_t* kl = nullptr;
   if (kv_len.has_value() && kv_len->defined()) {
     TORCH_CHECK(kv_len->scalar_type() == at::kLong && kv_len->is_contiguous(), "attnlab native: kv_len int64");
     kl = kv_len->data_ptr<int64_t>();
   }
-  return Mask{has_left, has_right, left, right, sinks, has_sinks_right, sinks_right, kl, q_offset, kv_offset, Nk};
+  Mask mk{has_left, has_right, left, right, sinks, has_sinks_right, sinks_right, kl, q_offset, kv_offset, dm.Nk};
+  auto rows_of = [&](const at::Tensor& t, int64_t n, const char* what) {
+    TORCH_CHECK(t.dim() == 2 && (t.size(0) == 1 || t.size(0) == dm.B) && t.size(1) == n && t.is_contiguous(),
+                "attnlab native: ", what, " must be a contiguous (B|1, ", n, ") tensor");
+    return t.size(0);
+  };
+  int64_t Bids = 0, Bkeep = 0;
+  const bool has_q = q_ids.has_value() && q_ids->defined(), has_k = kv_ids.has_value() && kv_ids->defined();
+  TORCH_CHECK(has_q == has_k, "attnlab native: q_ids and kv_ids come together");
+  if (has_q) {
+    TORCH_CHECK(q_ids->scalar_type() == at::kLong && kv_ids->scalar_type() == at::kLong, "attnlab native: ids int64");
+    const int64_t bq = rows_of(*q_ids, dm.Nq, "q_ids"), bk = rows_of(*kv_ids, dm.Nk, "kv_ids");
+    mk.q_ids = q_ids->data_ptr<int64_t>();
+    mk.kv_ids = kv_ids->data_ptr<int64_t>();
+    mk.q_ids_bs = bq == 1 ? 0 : dm.Nq;
+    mk.kv_ids_bs = bk == 1 ? 0 : dm.Nk;
+    Bids = bk;
+  }
+  if (keep.has_value() && keep->defined()) {
+    TORCH_CHECK(keep->scalar_type() == at::kBool || keep->scalar_type() == at::kByte, "attnlab native: keep bool");
+    Bkeep = rows_of(*keep, dm.Nk, "key_keep");
+    mk.keep = reinterpret_cast<const uint8_t*>(keep->data_ptr());
+    mk.keep_bs = Bkeep == 1 ? 0 : dm.Nk;
+  }
+  mk.tables(dm.bk, Bids, Bkeep);
+  return mk;
+}
+
+// the score mod's terms (ScoreMods::Kind codes, softcap values in order) and its tensors:
+// slopes (B|1, H) and table (H, 2R + 1), float32 contiguous
+ScoreMods mods_of(const c10::optional<at::Tensor>& slopes, const c10::optional<at::Tensor>& table,
+                  const std::vector<int64_t>& mods, const std::vector<double>& caps, int64_t q_offset,
+                  int64_t kv_offset, const Dims& dm) {
+  ScoreMods sm;
+  TORCH_CHECK(static_cast<int64_t>(mods.size()) <= ScoreMods::MAX_TERMS, "attnlab native: too many score terms");
+  sm.n = static_cast<int>(mods.size());
+  sm.q_offset = q_offset;
+  sm.kv_offset = kv_offset;
+  sm.H = dm.H;
+  size_t ncap = 0;
+  bool need_slopes = false, need_table = false;
+  for (int t = 0; t < sm.n; ++t) {
+    sm.kind[t] = mods[t];
+    TORCH_CHECK(mods[t] >= ScoreMods::SOFTCAP && mods[t] <= ScoreMods::RELATIVE_BIAS, "attnlab native: bad term");
+    if (mods[t] == ScoreMods::SOFTCAP) {
+      TORCH_CHECK(ncap < caps.size(), "attnlab native: a softcap value per softcap term");
+      sm.cap[t] = static_cast<float>(caps[ncap++]);
+    }
+    need_slopes = need_slopes || mods[t] == ScoreMods::ALIBI || mods[t] == ScoreMods::ALIBI_SYMMETRIC;
+    need_table = need_table || mods[t] == ScoreMods::RELATIVE_BIAS;
+  }
+  const bool has_s = slopes.has_value() && slopes->defined(), has_t = table.has_value() && table->defined();
+  TORCH_CHECK(has_s == need_slopes && has_t == need_table, "attnlab native: score terms and tensors disagree");
+  if (has_s) {
+    TORCH_CHECK(slopes->scalar_type() == at::kFloat && slopes->is_contiguous() && slopes->dim() == 2 &&
+                    (slopes->size(0) == 1 || slopes->size(0) == dm.B) && slopes->size(1) == dm.H,
+                "attnlab native: slopes must be a contiguous float32 (B|1, H) tensor");
+    sm.slopes = slopes->data_ptr<float>();
+    sm.slopes_bs = slopes->size(0) == 1 ? 0 : dm.H;
+  }
+  if (has_t) {
+    TORCH_CHECK(table->scalar_type() == at::kFloat && table->is_contiguous() && table->dim() == 2 &&
+                    table->size(0) == dm.H && table->size(1) % 2 == 1,
+                "attnlab native: table must be a contiguous float32 (H, 2R + 1) tensor");
+    sm.table = table->data_ptr<float>();
+    sm.R = table->size(1) / 2;
+  }
+  return sm;
 }
 
 }  // namespace
@@ -777,16 +829,21 @@ Mask mask_of(const c10::optional<at::Tensor>& kv_len, bool has_left, int64_t lef
 std::vector<at::Tensor> native_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                    int64_t q_offset, int64_t kv_offset, bool has_left, int64_t left, bool has_right,
                                    int64_t right, int64_t sinks, bool has_sinks_right, int64_t sinks_right,
-                                   const c10::optional<at::Tensor>& kv_len, int64_t bq, int64_t bk) {
+                                   const c10::optional<at::Tensor>& kv_len, const c10::optional<at::Tensor>& q_ids,
+                                   const c10::optional<at::Tensor>& kv_ids, const c10::optional<at::Tensor>& keep,
+                                   const c10::optional<at::Tensor>& slopes, const c10::optional<at::Tensor>& table,
+                                   int64_t bq, int64_t bk, const std::vector<int64_t>& mods,
+                                   const std::vector<double>& caps) {
   const Dims dm = dims_of(q, k, v, bq, bk);
-  const Mask mk = mask_of(kv_len, has_left, left, has_right, right, sinks, has_sinks_right, sinks_right, q_offset,
-                          kv_offset, dm.Nk);
+  const Mask mk = mask_of(kv_len, q_ids, kv_ids, keep, has_left, left, has_right, right, sinks, has_sinks_right,
+                          sinks_right, q_offset, kv_offset, dm);
+  ScoreMods sm = mods_of(slopes, table, mods, caps, q_offset, kv_offset, dm);
   auto out = at::empty({dm.B, dm.H, dm.Nq, dm.Dv}, q.options());
   auto lse = at::empty({dm.B, dm.H, dm.Nq}, q.options().dtype(at::kFloat));
   switch (q.scalar_type()) {
-    case at::kFloat: forward_impl<float>(q, k, v, out, lse, dm, mk, static_cast<float>(scale)); break;
-    case at::kBFloat16: forward_impl<c10::BFloat16>(q, k, v, out, lse, dm, mk, static_cast<float>(scale)); break;
-    case at::kHalf: forward_impl<c10::Half>(q, k, v, out, lse, dm, mk, static_cast<float>(scale)); break;
+    case at::kFloat: forward_impl<float>(q, k, v, out, lse, dm, mk, sm, static_cast<float>(scale)); break;
+    case at::kBFloat16: forward_impl<c10::BFloat16>(q, k, v, out, lse, dm, mk, sm, static_cast<float>(scale)); break;
+    case at::kHalf: forward_impl<c10::Half>(q, k, v, out, lse, dm, mk, sm, static_cast<float>(scale)); break;
     default: TORCH_CHECK(false, "attnlab native: dtype must be float32, bfloat16 or float16");
   }
   return {out, lse};
@@ -797,10 +854,15 @@ std::vector<at::Tensor> native_bwd(const at::Tensor& dout_in, const c10::optiona
                                    const at::Tensor& lse, double scale, int64_t q_offset, int64_t kv_offset,
                                    bool has_left, int64_t left, bool has_right, int64_t right, int64_t sinks,
                                    bool has_sinks_right, int64_t sinks_right,
-                                   const c10::optional<at::Tensor>& kv_len, int64_t bq, int64_t bk) {
+                                   const c10::optional<at::Tensor>& kv_len, const c10::optional<at::Tensor>& q_ids,
+                                   const c10::optional<at::Tensor>& kv_ids, const c10::optional<at::Tensor>& keep,
+                                   const c10::optional<at::Tensor>& slopes, const c10::optional<at::Tensor>& table,
+                                   int64_t bq, int64_t bk, const std::vector<int64_t>& mods,
+                                   const std::vector<double>& caps) {
   const Dims dm = dims_of(q, k, v, bq, bk);
-  const Mask mk = mask_of(kv_len, has_left, left, has_right, right, sinks, has_sinks_right, sinks_right, q_offset,
-                          kv_offset, dm.Nk);
+  const Mask mk = mask_of(kv_len, q_ids, kv_ids, keep, has_left, left, has_right, right, sinks, has_sinks_right,
+                          sinks_right, q_offset, kv_offset, dm);
+  ScoreMods sm = mods_of(slopes, table, mods, caps, q_offset, kv_offset, dm);
   const at::Tensor dout = dout_in.to(q.scalar_type()), out = out_in.to(q.scalar_type());
   at::Tensor lse_c = lse.to(at::kFloat).contiguous();
   at::Tensor delta = at::empty({dm.B, dm.H, dm.Nq}, q.options().dtype(at::kFloat));
@@ -810,6 +872,16 @@ std::vector<at::Tensor> native_bwd(const at::Tensor& dout_in, const c10::optiona
   auto dk = at::empty({dm.B, dm.Hkv, dm.Nk, dm.D}, q.options());
   auto dv = at::empty({dm.B, dm.Hkv, dm.Nk, dm.Dv}, q.options());
   const float s = static_cast<float>(scale);
+  const int64_t nqb = (dm.Nq + dm.bq - 1) / dm.bq;
+  at::Tensor dslope_items, dtable_items;
+  if (sm.slopes != nullptr) {
+    dslope_items = at::zeros({dm.B, dm.H, nqb}, q.options().dtype(at::kDouble));
+    sm.dslope_items = dslope_items.data_ptr<double>();
+  }
+  if (sm.table != nullptr) {
+    dtable_items = at::zeros({dm.B, dm.H, nqb, 2 * sm.R + 1}, q.options().dtype(at::kDouble));
+    sm.dtable_items = dtable_items.data_ptr<double>();
+  }
   switch (q.scalar_type()) {
     case at::kFloat: delta_impl<float>(dout, out, dlse_c, delta, dm); break;
     case at::kBFloat16: delta_impl<c10::BFloat16>(dout, out, dlse_c, delta, dm); break;
@@ -817,12 +889,21 @@ std::vector<at::Tensor> native_bwd(const at::Tensor& dout_in, const c10::optiona
     default: TORCH_CHECK(false, "attnlab native: dtype must be float32, bfloat16 or float16");
   }
   switch (q.scalar_type()) {
-    case at::kFloat: backward_impl<float>(dout, q, k, v, lse_c, delta, dq, dk, dv, dm, mk, s); break;
-    case at::kBFloat16: backward_impl<c10::BFloat16>(dout, q, k, v, lse_c, delta, dq, dk, dv, dm, mk, s); break;
-    case at::kHalf: backward_impl<c10::Half>(dout, q, k, v, lse_c, delta, dq, dk, dv, dm, mk, s); break;
+    case at::kFloat: backward_impl<float>(dout, q, k, v, lse_c, delta, dq, dk, dv, dm, mk, sm, s); break;
+    case at::kBFloat16: backward_impl<c10::BFloat16>(dout, q, k, v, lse_c, delta, dq, dk, dv, dm, mk, sm, s); break;
+    case at::kHalf: backward_impl<c10::Half>(dout, q, k, v, lse_c, delta, dq, dk, dv, dm, mk, sm, s); break;
     default: TORCH_CHECK(false, "attnlab native: dtype must be float32, bfloat16 or float16");
   }
-  return {dq, dk, dv};
+  // the slope / table gradients: the dQ pass's per-item sums, reduced to the parameters' shapes
+  at::Tensor dslopes = at::zeros({0}, q.options().dtype(at::kFloat));
+  at::Tensor dtable = at::zeros({0}, q.options().dtype(at::kFloat));  // (outputs never alias)
+  if (sm.dslope_items != nullptr) {
+    dslopes = dslope_items.sum(2);  // (B, H)
+    if (slopes->size(0) == 1) dslopes = dslopes.sum(0, true);
+    dslopes = dslopes.to(at::kFloat);
+  }
+  if (sm.dtable_items != nullptr) dtable = dtable_items.sum({0, 2}).to(at::kFloat);  // (H, 2R + 1)
+  return {dq, dk, dv, dslopes, dtable};
 }
 
 std::string native_features() {
@@ -845,6 +926,6 @@ std::string native_features() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &native_fwd, "attnlab native attention forward -> [out, lse]");
-  m.def("bwd", &native_bwd, "attnlab native attention backward -> [dq, dk, dv]");
+  m.def("bwd", &native_bwd, "attnlab native attention backward -> [dq, dk, dv, dslopes, dtable]");
   m.def("features", &native_features, "the instruction sets this build was compiled for");
 }

@@ -1,21 +1,23 @@
 """What the native kernel reads of a mask: its structured description
 (:class:`attnlab.masks.MaskStructure`, from :meth:`Mask.lower`).
 
-The kernel implements ``left``, ``right``, ``sinks``, ``sinks_right`` and ``kv_len``; a
-structure that sets any other field (document ids, key padding, band positions, dense
-tensors, per-batch query shifts) falls back to the torch-ops flash path.  For absolute
-positions ``qp``, ``kp``::
+The kernel implements ``left``, ``right``, ``sinks``, ``sinks_right``, ``kv_len``, the
+document ids ``q_ids``/``kv_ids`` and the key keep-vector ``key_keep`` (``masking.h``); a
+structure that sets any other field (band positions, dense tensors, per-batch query
+shifts) falls back to the torch-ops flash path.  For absolute positions ``qp``, ``kp``::
 
     visible = (((left is None or qp - kp <= left) and (right is None or kp - qp <= right))
                or (kp < sinks and (sinks_right is None or kp - qp <= sinks_right)))
               and (kv_len is None or kp < kv_len[b])
+              and (q_ids is None or q_ids[b', qp] == kv_ids[b', kp])
+              and (key_keep is None or key_keep[b', kp])
 """
 
 from __future__ import annotations
 
 from attnlab.masks import BlockMask, MaskStructure
 
-IMPLEMENTED = frozenset({"left", "right", "sinks", "sinks_right", "kv_len"})
+IMPLEMENTED = frozenset({"left", "right", "sinks", "sinks_right", "kv_len", "q_ids", "kv_ids", "key_keep"})
 
 __all__ = ["IMPLEMENTED", "structure_of"]
 
