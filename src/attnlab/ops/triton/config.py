@@ -49,7 +49,10 @@ GPU_TILES = {
 # figures are in docs/triton.md).  A 4-warp program at D = 128 holds a 128-row float32
 # accumulator at 128 registers per thread on top of its operands and spilled, so D = 128
 # offers 8 warps only; 4-warp dQ spilled at D = 64 on sm_80, 4-warp dK/dV at D = 256 by
-# kilobytes, dQ's (4, 1) at D = 256 by 8 bytes on sm_90.  float32: see docs/triton.md.
+# kilobytes, dQ's (4, 1) at D = 256 by 8 bytes on sm_90.  float32 (its own tiles above):
+# one candidate each, spill-free on both archs; 16 keys per tile at D >= 128, and dK/dV at
+# D = 256 only with one stage (16x16 at 4, 8 and 16 warps with 2 stages spilled); the
+# configurations that spilled are listed in docs/triton.md.
 AUTOTUNE = {
     "16bit": {
         64: {
