@@ -105,6 +105,40 @@ def test_shipped_config_compiles_spill_free(defaults, kernel, arch, dtype, D):
         assert 0 < r["shared"] <= resources.SHARED_LIMIT[arch], r
 
 
+# A decode step (one query) runs the forward with its rows capped to a 16-row tile: a
+# configuration of its own.  float32 is checked here; bfloat16/float16 decode steps are
+# recorded in docs/triton.md (python -m attnlab.ops.triton.resources --decode).
+DECODE_DTYPES = ("float32",)
+DECODE_CASES = [(a, dt, d) for a in resources.ARCHS for dt in DECODE_DTYPES for d in HEAD_DIMS]
+
+
+@pytest.fixture(scope="module")
+def decode_rows() -> dict:
+    rows = _compile(
+        "--kernel", "fwd", "--decode", "--mask", "causal", "--jobs", str(JOBS),
+        "--dtype", *DECODE_DTYPES, "--head-dim", *map(str, HEAD_DIMS),
+    )  # fmt: skip
+    out: dict = {}
+    for r in rows:
+        if r["Nq"] == 1:
+            out.setdefault((int(r["arch"][3:]), r["dtype"], r["D"]), []).append(r)
+    return out
+
+
+@pytest.mark.parametrize("arch,dtype,D", DECODE_CASES, ids=[f"sm{a}-{dt}-D{d}" for a, dt, d in DECODE_CASES])
+def test_decode_step_compiles_spill_free(decode_rows, arch, dtype, D):
+    rows = decode_rows[(arch, dtype, D)]
+    assert sorted((r["warps"], r["stages"]) for r in rows) == sorted(
+        config.candidates("fwd", config.head_block(D), dtype)
+    )
+    bn = config.gpu_tiles(config.head_block(D), dtype)["fwd"][1]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["tile"] == f"16x{bn}"  # the rows capped to one power of two above Nq = 1
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] <= resources.STACK_LIMIT, r
+        assert 0 < r["registers"] <= resources.REG_LIMIT and 0 < r["shared"] <= resources.SHARED_LIMIT[arch], r
+
+
 def test_a_spilling_config_is_reported():
     """The old dK/dV default at D = 128 (32×128, 4 warps) spills on sm_90: the reader sees it."""
     (r,) = _compile(
