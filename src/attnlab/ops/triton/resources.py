@@ -28,7 +28,7 @@ Compiled kernels land in triton's own cache (``~/.triton/cache`` or
 
 Command line (the table in docs/triton.md)::
 
-    python -m attnlab.ops.triton.resources --dtype bfloat16 --mask causal --head-dim 64 128
+    python -m attnlab.ops.triton.resources --mask causal --head-dim 64 128 256 --jobs 0  # the test's matrix
     python -m attnlab.ops.triton.resources --json out.json  # everything (~170 compiles)
     python -m attnlab.ops.triton.resources --kernel dkdv --arch 80 --head-dim 128 \
         --tile 32 64 --warps 8 --stages 2 --check            # try a config; exit 1 if it spills
