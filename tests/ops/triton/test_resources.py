@@ -2,16 +2,19 @@
 
 Every shipped default configuration (the tiles of ``config.GPU_TILES`` with each of
 the autotune candidates of ``config.AUTOTUNE``) of the forward, dK/dV and dQ kernels,
-bfloat16, causal (block lists: the masked partial-tile loop and the unmasked full-tile
-loop in one kernel), D = 64 and 128, must compile for both archs with no spill: no
-local-memory stores or loads, a stack frame of at most ``resources.STACK_LIMIT`` bytes.
-float16 and float32, D = 256 and the unmasked variants are recorded in docs/triton.md
-(``python -m attnlab.ops.triton.resources``) rather than compiled on every test run.
+for every dtype (bfloat16, float16, float32: each dtype group has its own tiles) and
+every head-dim bucket of ``config`` (D = 64, 128, 256), causal (block lists: the masked
+partial-tile loop and the unmasked full-tile loop in one kernel), must compile for both
+archs with no spill: no local-memory stores or loads, a stack frame of at most
+``resources.STACK_LIMIT`` bytes, registers within ``resources.REG_LIMIT`` and shared
+memory within the arch's ``resources.SHARED_LIMIT``.  The unmasked variants are
+recorded in docs/triton.md (``python -m attnlab.ops.triton.resources --mask none``)
+rather than compiled on every test run.
 
 This session's kernels are defined for the interpreter (conftest.py), so the compiles
-run in one subprocess per module, without ``TRITON_INTERPRET``; triton's on-disk cache
-keeps the cubins, so a second run takes seconds (cold: about 3 s per kernel on an idle
-core).
+run in one subprocess for the whole module (its rows cached for the run), without
+``TRITON_INTERPRET``, on ``--jobs`` worker processes; triton's on-disk cache keeps the
+cubins, so a second run takes seconds (cold: about 3 s per kernel on an idle core).
 """
 
 from __future__ import annotations
@@ -35,9 +38,12 @@ pytestmark = [
     ),
 ]
 ROOT = Path(__file__).resolve().parents[3]
-HEAD_DIMS = (64, 128)
-CASES = [(k, a, d) for k in resources.KERNELS for a in resources.ARCHS for d in HEAD_DIMS]
-COMPILE_TIMEOUT_S = 1800  # the cold compile of the whole matrix on a loaded 2-core machine
+HEAD_DIMS = tuple(sorted(next(iter(config.GPU_TILES.values()))))  # every head-dim bucket config ships
+CASES = [
+    (k, a, dt, d) for k in resources.KERNELS for a in resources.ARCHS for dt in resources.DTYPES for d in HEAD_DIMS
+]
+COMPILE_TIMEOUT_S = 3600  # the cold compile of the whole matrix on a loaded 2-core machine
+JOBS = max(1, min(4, os.cpu_count() or 1))
 
 
 def _compile(*args) -> list[dict]:
@@ -58,26 +64,79 @@ def _compile(*args) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def defaults() -> dict:
-    rows = _compile("--dtype", "bfloat16", "--mask", "causal", "--head-dim", *map(str, HEAD_DIMS))
+def defaults(request) -> dict:
+    """The rows of every selected case, compiled once for the run (``-k`` narrows it)."""
+    picked = [
+        item.callspec.params
+        for item in request.session.items
+        if item.originalname == "test_shipped_config_compiles_spill_free" and hasattr(item, "callspec")
+    ]
+    axes = {
+        "--kernel": sorted({p["kernel"] for p in picked}),
+        "--arch": sorted({str(p["arch"]) for p in picked}),
+        "--dtype": sorted({p["dtype"] for p in picked}),
+        "--head-dim": sorted({str(p["D"]) for p in picked}),
+    }
+    rows = _compile("--mask", "causal", "--jobs", str(JOBS), *(x for k, v in axes.items() for x in (k, *v)))
     out: dict = {}
     for r in rows:
-        out.setdefault((r["kernel"], int(r["arch"][3:]), r["D"]), []).append(r)
+        out.setdefault((r["kernel"], int(r["arch"][3:]), r["dtype"], r["D"]), []).append(r)
     return out
 
 
-@pytest.mark.parametrize("kernel,arch,D", CASES, ids=[f"{k}-sm{a}-D{d}" for k, a, d in CASES])
-def test_shipped_config_compiles_spill_free(defaults, kernel, arch, D):
-    rows = defaults[(kernel, arch, D)]
-    want = config.candidates(kernel, config.head_block(D))
+def test_every_head_dim_bucket_and_dtype_is_compiled():
+    assert set(HEAD_DIMS) == {config.bucket(config.head_block(d)) for d in range(1, config.MAX_HEAD_DIM + 1)}
+    assert all(set(t) == set(HEAD_DIMS) for t in config.GPU_TILES.values())
+    assert {config.group(dt) for dt in resources.DTYPES} == set(config.GROUPS) == set(config.AUTOTUNE)
+
+
+@pytest.mark.parametrize("kernel,arch,dtype,D", CASES, ids=[f"{k}-sm{a}-{dt}-D{d}" for k, a, dt, d in CASES])
+def test_shipped_config_compiles_spill_free(defaults, kernel, arch, dtype, D):
+    rows = defaults[(kernel, arch, dtype, D)]
+    want = config.candidates(kernel, config.head_block(D), dtype)
     assert sorted((r["warps"], r["stages"]) for r in rows) == sorted(want)  # every autotune candidate
+    tile = config.gpu_tiles(config.head_block(D), dtype)[kernel]
     for r in rows:
         assert "error" not in r, r
-        tile = config.GPU_TILES[config.bucket(D)][kernel]
         assert r["tile"] == f"{tile[0]}x{tile[1]}"
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
         assert r["stack"] <= resources.STACK_LIMIT, r
         assert 0 < r["registers"] <= resources.REG_LIMIT, r
+        assert 0 < r["shared"] <= resources.SHARED_LIMIT[arch], r
+
+
+# A decode step (one query) runs the forward with its rows capped to a 16-row tile: a
+# configuration of its own.  float32 is checked here; bfloat16/float16 decode steps are
+# recorded in docs/triton.md (python -m attnlab.ops.triton.resources --decode).
+DECODE_DTYPES = ("float32",)
+DECODE_CASES = [(a, dt, d) for a in resources.ARCHS for dt in DECODE_DTYPES for d in HEAD_DIMS]
+
+
+@pytest.fixture(scope="module")
+def decode_rows() -> dict:
+    rows = _compile(
+        "--kernel", "fwd", "--decode", "--mask", "causal", "--jobs", str(JOBS),
+        "--dtype", *DECODE_DTYPES, "--head-dim", *map(str, HEAD_DIMS),
+    )  # fmt: skip
+    out: dict = {}
+    for r in rows:
+        if r["Nq"] == 1:
+            out.setdefault((int(r["arch"][3:]), r["dtype"], r["D"]), []).append(r)
+    return out
+
+
+@pytest.mark.parametrize("arch,dtype,D", DECODE_CASES, ids=[f"sm{a}-{dt}-D{d}" for a, dt, d in DECODE_CASES])
+def test_decode_step_compiles_spill_free(decode_rows, arch, dtype, D):
+    rows = decode_rows[(arch, dtype, D)]
+    assert sorted((r["warps"], r["stages"]) for r in rows) == sorted(
+        config.candidates("fwd", config.head_block(D), dtype)
+    )
+    bn = config.gpu_tiles(config.head_block(D), dtype)["fwd"][1]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["tile"] == f"16x{bn}"  # the rows capped to one power of two above Nq = 1
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] <= resources.STACK_LIMIT, r
+        assert 0 < r["registers"] <= resources.REG_LIMIT and 0 < r["shared"] <= resources.SHARED_LIMIT[arch], r
 
 
 def test_a_spilling_config_is_reported():

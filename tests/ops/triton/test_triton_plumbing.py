@@ -138,13 +138,23 @@ def test_score_mod_lowering():
 
 
 def test_kernel_tiles():
-    assert config.kernel_tiles(64, 64, 4096, 4096, interpret=False)["fwd"] == (128, 64)
-    assert config.kernel_tiles(128, 128, 1, 4096, interpret=False)["fwd"] == (16, 64)  # decode: 16-row tiles
-    assert config.kernel_tiles(256, 256, 4096, 4096, interpret=False)["dkdv"] == (32, 64)
-    assert config.kernel_tiles(40, 24, 97, 97, interpret=True) == {k: (32, 32) for k in ("fwd", "dq", "dkdv")}
+    bf = torch.bfloat16
+    assert config.kernel_tiles(64, 64, 4096, 4096, interpret=False, dtype=bf)["fwd"] == (128, 64)
+    assert config.kernel_tiles(128, 128, 1, 4096, interpret=False, dtype=bf)["fwd"] == (16, 64)  # decode: 16-row tiles
+    assert config.kernel_tiles(256, 256, 4096, 4096, interpret=False, dtype=bf)["dkdv"] == (32, 64)
+    assert config.kernel_tiles(40, 24, 97, 97, interpret=True, dtype=bf) == {k: (32, 32) for k in ("fwd", "dq", "dkdv")}
     with pytest.raises(ValueError, match="powers of two"):
-        config.kernel_tiles(64, 64, 100, 100, interpret=True, block=(24, 32))
+        config.kernel_tiles(64, 64, 100, 100, interpret=True, block=(24, 32), dtype=bf)
     assert config.head_block(40) == 64 and config.head_block(8) == 16 and config.head_block(256) == 256
+    # float32 has tiles of its own (its IEEE dots run as FMA loops: smaller tiles to stay spill-free)
+    for D in (40, 64, 128, 256):
+        got = config.kernel_tiles(D, D, 4096, 4096, interpret=False, dtype=torch.float32)
+        assert got == config.GPU_TILES["float32"][config.bucket(config.head_block(D))]
+        assert got == config.gpu_tiles(config.head_block(D), "float32")
+    assert config.kernel_tiles(128, 128, 4096, 4096, interpret=False, dtype=torch.float16) == config.gpu_tiles(128, bf)
+    assert config.candidates("fwd", 128, torch.float32) == config.AUTOTUNE["float32"][128]["fwd"]
+    with pytest.raises(ValueError, match="float64"):
+        config.candidates("fwd", 64, torch.float64)
 
 
 # ------------------------------------------------------------------------------- dispatch

@@ -2,7 +2,7 @@
 
 Host work per call: lower the score mod (:mod:`.scoremods`), fetch the cached plan of
 the mask at each kernel's tiling (:mod:`.masking`), and launch.  On a GPU each kernel
-is wrapped in ``triton.autotune`` over :func:`.config.candidates` (per head-dim bucket) and the pick is written
+is wrapped in ``triton.autotune`` over :func:`.config.candidates` (per head-dim bucket and dtype group) and the pick is written
 to :data:`.config.CHOSEN`; under the interpreter the kernels are called directly.
 """
 
@@ -41,14 +41,16 @@ def _launch(name, grid, **kw):
     if interpreting():
         fn[grid](**kw)
         return
-    bd = max(kw.get("BD", 0), kw["BDV"])  # the candidates depend on the head-dim bucket
-    tuned = _TUNED.get((name, config.bucket(bd)))
+    bd = max(kw.get("BD", 0), kw["BDV"])  # the candidates depend on the head-dim bucket and dtype
+    dtype = (kw["Q"] if "Q" in kw else kw["O"]).dtype
+    slot = (name, config.bucket(bd), config.group(dtype))
+    tuned = _TUNED.get(slot)
     if tuned is None:
-        cfgs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in config.candidates(name, bd)]
+        cfgs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in config.candidates(name, bd, dtype)]
         tuned = triton.autotune(cfgs, key=_KEYS[name], reset_to_zero=_RESET.get(name))(fn)
-        _TUNED[(name, config.bucket(bd))] = tuned
+        _TUNED[slot] = tuned
     tuned[grid](**kw)
-    key = (*(kw[k] for k in _KEYS[name]), str((kw["Q"] if "Q" in kw else kw["O"]).dtype))
+    key = (*(kw[k] for k in _KEYS[name]), str(dtype))
     config.CHOSEN[(name, key)] = str(tuned.best_config)
 
 
@@ -74,7 +76,7 @@ class _Problem:
         interp = interpreting()
         if block is None and hasattr(mask, "states") and config.valid_tiles((mask.block_q, mask.block_k)):
             block = (mask.block_q, mask.block_k)  # a BlockMask at Triton-sized tiles fixes the tiling
-        self.tiles = config.kernel_tiles(D, self.Dv, Nq, self.Nk, interp, block)
+        self.tiles = config.kernel_tiles(D, self.Dv, Nq, self.Nk, interp, block, dtype=q.dtype)
         self.BD, self.BDV = config.head_block(D), config.head_block(self.Dv)
         self.fix_bf16 = interp and q.dtype == torch.bfloat16
         # where the mod's learnable tensors sit among the Function's inputs (``mod.params``)

@@ -1,6 +1,6 @@
 """Tile sizes and autotuning configs of the Triton kernels, and the record of the choice.
 
-Tile sizes are fixed per head-dim bucket, not autotuned: the block lists and the
+Tile sizes are fixed per dtype group and head-dim bucket, not autotuned: the block lists and the
 partial-tile tables of a mask are built for one tiling (a BlockMask per tiling), so
 tuning them would re-classify the mask per candidate.  ``triton.autotune`` chooses
 only among a few ``(num_warps, num_stages)`` pairs per kernel, keyed by the head-dim
@@ -8,8 +8,12 @@ blocks and the dtype; what it picked is recorded in :data:`CHOSEN` (the GPU benc
 prints it).  The starting points follow the Triton fused-attention tutorial's choices
 for Hopper (forward 128×64; backward 32×128 for dK/dV and 128×32 for dQ), cut down
 where the compile for sm_80 / sm_90 showed spills (:mod:`.resources`: dK/dV 32×64, dQ
-64×64 at D = 128, more warps); their speed is **not measured here** (no GPU on the CI
-machine): ``attnlab bench triton`` measures them on a GPU.
+64×64 at D = 128, more warps).  float32 has tiles of its own: its dots use
+``input_precision="ieee"`` (no tensor cores), which Triton lowers to FMA loops over
+per-thread slices of the operands, and those slices grow with the tile until they
+spill (the 16-bit tiles spilled kilobytes in float32); a 16-key tile (BN = 16) keeps
+the K-tile and P·V operands small enough.  Their speed is **not measured here** (no GPU
+on the CI machine): ``attnlab bench triton`` measures them on a GPU.
 
 Under the interpreter (CPU, tests) every kernel uses 32×32 tiles: enough tiles on the
 small test shapes to exercise the block lists, few enough programs to keep it quick.
@@ -19,27 +23,52 @@ from __future__ import annotations
 
 INTERPRET_TILES = (32, 32)
 
-# head-dim bucket (largest head-dim block) -> kernel -> (BM, BN)
+#: the dtype groups with configurations of their own: "16bit" (bfloat16, float16: their
+#: dots run on the tensor cores, MMA layouts) and "float32" (``input_precision="ieee"``:
+#: no tensor cores, the dots are lowered to FMA loops whose per-thread operand slices
+#: grow with the tile, so float32 needs smaller tiles or more warps)
+GROUPS = ("16bit", "float32")
+
+# dtype group -> head-dim bucket (largest head-dim block) -> kernel -> (BM, BN)
 GPU_TILES = {
-    64: {"fwd": (128, 64), "dq": (128, 32), "dkdv": (32, 64)},
-    128: {"fwd": (128, 64), "dq": (64, 64), "dkdv": (32, 64)},
-    256: {"fwd": (64, 32), "dq": (64, 32), "dkdv": (32, 64)},
+    "16bit": {
+        64: {"fwd": (128, 64), "dq": (128, 32), "dkdv": (32, 64)},
+        128: {"fwd": (128, 64), "dq": (64, 64), "dkdv": (32, 64)},
+        256: {"fwd": (64, 32), "dq": (64, 32), "dkdv": (32, 64)},
+    },
+    "float32": {
+        64: {"fwd": (64, 32), "dq": (64, 32), "dkdv": (32, 16)},
+        128: {"fwd": (64, 16), "dq": (64, 16), "dkdv": (16, 16)},
+        256: {"fwd": (32, 16), "dq": (32, 16), "dkdv": (16, 16)},
+    },
 }
 
-# head-dim bucket -> kernel -> candidate (num_warps, num_stages).  At D = 64 and 128
-# every candidate compiles spill-free for sm_80 and sm_90 in bfloat16 (``python -m
-# attnlab.ops.triton.resources``, tests/ops/triton/test_resources.py; the figures are in
-# docs/triton.md).  A 4-warp program at D = 128 holds a 128-row float32 accumulator at
-# 128 registers per thread on top of its operands and spilled, so D = 128 offers 8
-# warps only; 4-warp dQ spilled at D = 64 on sm_80, 4-warp dK/dV at D = 256 by
-# kilobytes.  num_stages=1 is the fallback that fits shared memory for float32 at D = 256
-# (the autotuner scores a config that does not fit as infinitely slow); at D = 256 all
-# bfloat16 candidates are spill-free but dQ's (4, 1) fallback (8 bytes on sm_90).
-# float32 is not spill-free at any head dim (docs/triton.md).
+# dtype group -> head-dim bucket -> kernel -> candidate (num_warps, num_stages).
+# 16-bit: at D = 64, 128 and 256 every candidate compiles spill-free for sm_80 and sm_90
+# (``python -m attnlab.ops.triton.resources``, tests/ops/triton/test_resources.py; the
+# figures are in docs/triton.md).  A 4-warp program at D = 128 holds a 128-row float32
+# accumulator at 128 registers per thread on top of its operands and spilled, so D = 128
+# offers 8 warps only; 4-warp dQ spilled at D = 64 on sm_80, 4-warp dK/dV at D = 256 by
+# kilobytes, dQ's (4, 1) at D = 256 by 8 bytes on sm_90.  float32 (its own tiles above):
+# one candidate each, spill-free on both archs; 16 keys per tile at D >= 128, and dK/dV at
+# D = 256 only with one stage (16x16 at 4, 8 and 16 warps with 2 stages spilled); the
+# configurations that spilled are listed in docs/triton.md.
 AUTOTUNE = {
-    64: {"fwd": [(4, 3), (8, 3), (8, 2)], "dq": [(8, 2), (8, 3)], "dkdv": [(4, 2), (8, 2), (4, 3)], "delta": [(4, 1)]},
-    128: {"fwd": [(8, 2), (8, 3)], "dq": [(8, 2), (8, 3)], "dkdv": [(8, 2), (8, 3)], "delta": [(4, 1)]},
-    256: {"fwd": [(4, 3), (8, 2), (4, 1)], "dq": [(8, 2), (4, 1)], "dkdv": [(8, 2), (8, 1)], "delta": [(4, 1)]},
+    "16bit": {
+        64: {
+            "fwd": [(4, 3), (8, 3), (8, 2)],
+            "dq": [(8, 2), (8, 3)],
+            "dkdv": [(4, 2), (8, 2), (4, 3)],
+            "delta": [(4, 1)],
+        },
+        128: {"fwd": [(8, 2), (8, 3)], "dq": [(8, 2), (8, 3)], "dkdv": [(8, 2), (8, 3)], "delta": [(4, 1)]},
+        256: {"fwd": [(4, 3), (8, 2), (4, 1)], "dq": [(8, 2)], "dkdv": [(8, 2), (8, 1)], "delta": [(4, 1)]},
+    },
+    "float32": {
+        64: {"fwd": [(8, 2)], "dq": [(8, 2)], "dkdv": [(4, 2)], "delta": [(4, 1)]},
+        128: {"fwd": [(8, 2)], "dq": [(8, 2)], "dkdv": [(8, 2)], "delta": [(4, 1)]},
+        256: {"fwd": [(4, 2)], "dq": [(8, 2)], "dkdv": [(8, 1)], "delta": [(4, 1)]},
+    },
 }
 
 #: (kernel, autotune key) -> the config triton.autotune picked, filled as kernels run on a GPU
@@ -57,9 +86,25 @@ def bucket(bd: int) -> int:
     return 64 if bd <= 64 else 128 if bd <= 128 else 256
 
 
-def candidates(kernel: str, bd: int) -> list:
-    """The autotune candidates ``[(num_warps, num_stages), ...]`` of ``kernel`` at head-dim block ``bd``."""
-    return AUTOTUNE[bucket(bd)][kernel]
+def group(dtype) -> str:
+    """The dtype group (a key of :data:`GPU_TILES` / :data:`AUTOTUNE`) of a torch dtype or its name."""
+    name = str(dtype).removeprefix("torch.")
+    if name == "float32":
+        return "float32"
+    if name in ("bfloat16", "float16"):
+        return "16bit"
+    raise ValueError(f"dtype: the Triton kernels take float16, bfloat16 or float32, got {name}")
+
+
+def candidates(kernel: str, bd: int, dtype) -> list:
+    """The autotune candidates ``[(num_warps, num_stages), ...]`` of ``kernel`` at head-dim
+    block ``bd`` for inputs of ``dtype``."""
+    return AUTOTUNE[group(dtype)][bucket(bd)][kernel]
+
+
+def gpu_tiles(bd: int, dtype) -> dict:
+    """``{"fwd"|"dq"|"dkdv": (BM, BN)}``: the shipped tiles at head-dim block ``bd`` for ``dtype``."""
+    return dict(GPU_TILES[group(dtype)][bucket(bd)])
 
 
 def head_block(d: int) -> int:
@@ -78,8 +123,8 @@ def _check_block(block):
     return int(block[0]), int(block[1])
 
 
-def kernel_tiles(D: int, Dv: int, Nq: int, Nk: int, interpret: bool, block=None) -> dict:
-    """``{"fwd"|"dq"|"dkdv": (BM, BN)}`` for one problem.  ``block`` sets all three.
+def kernel_tiles(D: int, Dv: int, Nq: int, Nk: int, interpret: bool, block=None, *, dtype) -> dict:
+    """``{"fwd"|"dq"|"dkdv": (BM, BN)}`` for one problem of ``dtype``.  ``block`` sets all three.
 
     Otherwise tiles never exceed the problem by more than one power of two (a decode step
     with one query gets 16-row tiles, not 128)."""
@@ -89,6 +134,6 @@ def kernel_tiles(D: int, Dv: int, Nq: int, Nk: int, interpret: bool, block=None)
     if interpret:
         tiles = {"fwd": INTERPRET_TILES, "dq": INTERPRET_TILES, "dkdv": INTERPRET_TILES}
     else:
-        tiles = dict(GPU_TILES[bucket(max(head_block(D), head_block(Dv)))])
+        tiles = gpu_tiles(max(head_block(D), head_block(Dv)), dtype)
     cap_m, cap_n = max(16, pow2(Nq)), max(16, pow2(Nk))
     return {name: (min(bm, cap_m), min(bn, cap_n)) for name, (bm, bn) in tiles.items()}

@@ -28,7 +28,7 @@ Compiled kernels land in triton's own cache (``~/.triton/cache`` or
 
 Command line (the table in docs/triton.md)::
 
-    python -m attnlab.ops.triton.resources --dtype bfloat16 --mask causal --head-dim 64 128
+    python -m attnlab.ops.triton.resources --mask causal --head-dim 64 128 256 --jobs 0  # the test's matrix
     python -m attnlab.ops.triton.resources --json out.json  # everything (~170 compiles)
     python -m attnlab.ops.triton.resources --kernel dkdv --arch 80 --head-dim 128 \
         --tile 32 64 --warps 8 --stages 2 --check            # try a config; exit 1 if it spills
@@ -59,6 +59,9 @@ REG_LIMIT = 255
 #: the largest stack frame (bytes per thread) a spill-free kernel may have: the kernels
 #: call no non-inlined functions and declare no local arrays, so any frame is spill space
 STACK_LIMIT = 0
+#: the shared memory (bytes per block, opt-in) a launch may use: A100 (sm_80) 163 KiB,
+#: H100 (sm_90) 227 KiB; triton refuses a larger kernel at load (OutOfResources)
+SHARED_LIMIT = {80: 166912, 90: 232448}
 
 _N = 512  # tokens: more than the largest tile, so no tile is capped by the problem size
 
@@ -70,9 +73,10 @@ class Variant:
     dtype: str  # "bfloat16" | "float16" | "float32"
     D: int  # head dim (D = Dv)
     mask: str = "causal"  # see MASKS
-    tile: tuple | None = None  # (BM, BN); None = config.GPU_TILES
+    tile: tuple | None = None  # (BM, BN); None = config.GPU_TILES of the dtype
     warps: int = 4
     stages: int = 2
+    nq: int = 512  # queries: 1 = a decode step (the forward's rows capped to a 16-row tile)
 
 
 @dataclasses.dataclass
@@ -81,13 +85,18 @@ class Usage:
     tile: tuple
     registers: int
     stack: int
-    shared: int
+    shared: int  # bytes per block: the kernel's dynamic shared memory (triton's metadata.shared)
     spill_stores: int  # bytes per thread (static count of STL widths)
     spill_loads: int
 
     @property
     def spill_free(self) -> bool:
         return self.spill_stores == 0 and self.spill_loads == 0 and self.stack <= STACK_LIMIT
+
+    @property
+    def fits(self) -> bool:
+        """Within the arch's shared memory (a launch would not raise OutOfResources)."""
+        return self.shared <= SHARED_LIMIT[self.variant.arch]
 
     def row(self) -> dict:
         v = self.variant
@@ -96,6 +105,7 @@ class Usage:
             "arch": f"sm_{v.arch}",
             "dtype": v.dtype,
             "D": v.D,
+            "Nq": v.nq,
             "mask": v.mask,
             "tile": f"{self.tile[0]}x{self.tile[1]}",
             "warps": v.warps,
@@ -123,7 +133,7 @@ class _Captured(Exception):
     pass
 
 
-def _fake_plan(mask: str, device):
+def _fake_plan(mask: str, device, nq: int = _N):
     """A stand-in for a mask's :class:`~.masking.Plan`: the launch arguments' types are all
     the compiler sees, so the values only need to be plausible."""
     import torch
@@ -134,7 +144,7 @@ def _fake_plan(mask: str, device):
     if mask == "causal":
         spec.band = (0, 2**31 - 1)
     elif mask == "document":
-        spec.q_ids = torch.zeros(1, _N, dtype=i32, device=device)
+        spec.q_ids = torch.zeros(1, nq, dtype=i32, device=device)
         spec.kv_ids = torch.zeros(1, _N, dtype=i32, device=device)
     elif mask == "table":
         spec.table = torch.zeros(4, 1, 1, 128, 4, dtype=i32, device=device)
@@ -144,9 +154,10 @@ def _fake_plan(mask: str, device):
     return SimpleNamespace(kv_lists=lists, q_lists=lists, spec=spec)
 
 
-def launch_kwargs(kernel: str, dtype: str, D: int, mask: str) -> tuple[dict, tuple]:
-    """``(kwargs, (BM, BN))``: what the launcher passes to ``kernel`` for a (1, 2, 512, D)
-    problem of ``dtype`` with ``mask``, at the shipped tiles."""
+def launch_kwargs(kernel: str, dtype: str, D: int, mask: str, nq: int = _N) -> tuple[dict, tuple]:
+    """``(kwargs, (BM, BN))``: what the launcher passes to ``kernel`` for a (1, 2, nq, D)
+    query and (1, 2, 512, D) key/value problem of ``dtype`` with ``mask``, at the shipped
+    tiles (capped to the problem as the launcher caps them: 16 rows for ``nq = 1``)."""
     import torch
 
     from attnlab.ops.triton import autograd as ag
@@ -158,12 +169,12 @@ def launch_kwargs(kernel: str, dtype: str, D: int, mask: str) -> tuple[dict, tup
             "compiled for a GPU in this process (run python -m attnlab.ops.triton.resources)"
         )
     dt = getattr(torch, dtype)
-    q = torch.zeros(1, 2, _N, D, dtype=dt)
+    q = torch.zeros(1, 2, nq, D, dtype=dt)
     k = torch.zeros(1, 2, _N, D, dtype=dt)
     v = torch.zeros(1, 2, _N, D, dtype=dt)
     pb = ag._Problem(q, k, v, None, lower_score_mod(None), D**-0.5, 0, 0, None)
     if mask != "none":
-        plan = _fake_plan(mask, q.device)
+        plan = _fake_plan(mask, q.device, nq)
         setattr(pb, "plan", lambda name: plan)  # noqa: B010 - mypy refuses a method assignment
     got = {}
 
@@ -178,7 +189,7 @@ def launch_kwargs(kernel: str, dtype: str, D: int, mask: str) -> tuple[dict, tup
         if kernel == "fwd":
             ag._forward(pb, q, k, v)
         else:
-            out, lse = torch.zeros_like(q), torch.zeros(1, 2, _N)
+            out, lse = torch.zeros_like(q), torch.zeros(1, 2, nq)
             ag._backward(pb, q, k, v, out, lse, torch.zeros_like(q), None, [])
     except _Captured:
         pass
@@ -203,7 +214,7 @@ def compile_variant(v: Variant):
 
     from attnlab.ops.triton import autograd as ag
 
-    kw, tile = launch_kwargs(v.kernel, v.dtype, v.D, v.mask)
+    kw, tile = launch_kwargs(v.kernel, v.dtype, v.D, v.mask, v.nq)
     if v.tile is not None:
         tile = tuple(v.tile)
         kw = dict(kw, BM=tile[0], BN=tile[1])
@@ -263,16 +274,26 @@ def measure(v: Variant) -> Usage:
     """Compile ``v`` and read its resources (cached per process)."""
     if v not in _CACHE:
         ck, tile = compile_variant(v)
-        _CACHE[v] = Usage(v, tile, **read_cubin(ck.asm["cubin"]))
+        got = read_cubin(ck.asm["cubin"])
+        got["shared"] = max(got["shared"], int(ck.metadata.shared))  # static (cuobjdump) or dynamic (launch)
+        _CACHE[v] = Usage(v, tile, **got)
     return _CACHE[v]
 
 
 # ----------------------------------------------------------------------------- the matrix
 def default_variants(
-    archs=ARCHS, kernels=KERNELS, dtypes=DTYPES, head_dims=HEAD_DIMS, masks=DEFAULT_MASKS, candidates: bool = True
+    archs=ARCHS,
+    kernels=KERNELS,
+    dtypes=DTYPES,
+    head_dims=HEAD_DIMS,
+    masks=DEFAULT_MASKS,
+    candidates: bool = True,
+    decode: bool = False,
 ) -> list[Variant]:
     """Every shipped configuration: the tiles of ``config.GPU_TILES`` with every autotune
-    candidate of ``config.candidates`` (``config.AUTOTUNE``) (``candidates=False``: the first candidate only)."""
+    candidate of ``config.candidates`` (``config.AUTOTUNE``), per dtype group
+    (``candidates=False``: the first candidate only).  ``decode=True`` adds the forward of
+    a decode step (one query: the launcher caps its rows to a 16-row tile)."""
     from attnlab.ops.triton import config
 
     out = []
@@ -280,39 +301,50 @@ def default_variants(
         for arch in archs:
             for dtype in dtypes:
                 for D in head_dims:
-                    cands = config.candidates(kernel, config.head_block(D))
+                    cands = config.candidates(kernel, config.head_block(D), dtype)
                     cands = cands if candidates else cands[:1]
-                    for mask in masks:
-                        for w, s in cands:
-                            out.append(Variant(kernel, arch, dtype, D, mask, None, w, s))
+                    for nq in (_N, 1) if decode and kernel == "fwd" else (_N,):
+                        for mask in masks:
+                            for w, s in cands:
+                                out.append(Variant(kernel, arch, dtype, D, mask, None, w, s, nq))
     return out
 
 
-def run(variants, on_error="record") -> list[dict]:
-    """Rows (see :meth:`Usage.row`) for ``variants``; a failed compile gives a row with
-    ``error`` (``on_error="raise"`` re-raises)."""
-    rows = []
-    for v in variants:
-        try:
-            u = measure(v)
-            rows.append(u.row() | {"spill_free": u.spill_free})
-        except Exception as e:  # the compiler's own errors (e.g. shared memory) are part of the record
-            if on_error == "raise":
-                raise
-            rows.append(
-                {
-                    "kernel": v.kernel,
-                    "arch": f"sm_{v.arch}",
-                    "dtype": v.dtype,
-                    "D": v.D,
-                    "mask": v.mask,
-                    "tile": "?",
-                    "warps": v.warps,
-                    "stages": v.stages,
-                    "error": f"{type(e).__name__}: {str(e)[:200]}",
-                }
-            )
-    return rows
+def _row(v: Variant, on_error: str = "record") -> dict:
+    try:
+        u = measure(v)
+        return u.row() | {"spill_free": u.spill_free, "fits": u.fits}
+    except Exception as e:  # the compiler's own errors (e.g. shared memory) are part of the record
+        if on_error == "raise":
+            raise
+        return {
+            "kernel": v.kernel,
+            "arch": f"sm_{v.arch}",
+            "dtype": v.dtype,
+            "D": v.D,
+            "Nq": v.nq,
+            "mask": v.mask,
+            "tile": "?",
+            "warps": v.warps,
+            "stages": v.stages,
+            "error": f"{type(e).__name__}: {str(e)[:200]}",
+        }
+
+
+def run(variants, on_error="record", jobs: int = 1) -> list[dict]:
+    """Rows (see :meth:`Usage.row`) for ``variants``, in order; a failed compile gives a row
+    with ``error`` (``on_error="raise"`` re-raises).  ``jobs > 1`` compiles in that many
+    worker processes (spawned: each defines the kernels for the GPU afresh)."""
+    variants = list(variants)
+    if jobs <= 1 or len(variants) <= 1:
+        return [_row(v, on_error) for v in variants]
+    import concurrent.futures
+    import functools
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(variants)), mp_context=ctx) as pool:
+        return list(pool.map(functools.partial(_row, on_error=on_error), variants))
 
 
 _COLS = (
@@ -320,6 +352,7 @@ _COLS = (
     "arch",
     "dtype",
     "D",
+    "Nq",
     "mask",
     "tile",
     "warps",
@@ -328,6 +361,7 @@ _COLS = (
     "spill_stores",
     "spill_loads",
     "stack",
+    "shared",
 )
 
 
@@ -336,7 +370,7 @@ def markdown(rows) -> str:
     body = []
     for r in rows:
         if "error" in r:
-            cells = [str(r[c]) for c in _COLS[:8]] + [r["error"].splitlines()[0][:80], "", "", ""]
+            cells = [str(r[c]) for c in _COLS[:9]] + [r["error"].splitlines()[0][:80]] + [""] * (len(_COLS) - 10)
         else:
             cells = [str(r[c]) for c in _COLS]
         body.append("| " + " | ".join(cells) + " |")
@@ -351,18 +385,22 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, nargs="+", default=list(HEAD_DIMS))
     p.add_argument("--mask", nargs="+", default=list(DEFAULT_MASKS), choices=MASKS)
     p.add_argument("--first-candidate", action="store_true", help="only the first autotune candidate per kernel")
+    p.add_argument("--decode", action="store_true", help="add the forward of a decode step (one query, 16-row tiles)")
     p.add_argument("--tile", type=int, nargs=2, default=None, help="override (BM, BN) for every kernel")
     p.add_argument(
         "--warps", type=int, default=None, help="with --stages: one (warps, stages) instead of the candidates"
     )
     p.add_argument("--stages", type=int, default=None)
     p.add_argument("--json", default=None, help="write the rows as JSON to this file ('-' = stdout)")
-    p.add_argument("--check", action="store_true", help="exit 1 unless every row compiled and is spill-free")
+    p.add_argument("--check", action="store_true", help="exit 1 unless every row compiled, spill-free and fitting")
+    p.add_argument("--jobs", type=int, default=1, help="compile in this many processes (0 = one per CPU)")
     a = p.parse_args(argv)
     if tool("cuobjdump") is None:
         print("cuobjdump not found: install triton (pip install 'attnlab[triton]')", file=sys.stderr)
         return 2
-    vs = default_variants(a.arch, a.kernel, a.dtype, a.head_dim, a.mask, candidates=not a.first_candidate)
+    vs = default_variants(
+        a.arch, a.kernel, a.dtype, a.head_dim, a.mask, candidates=not a.first_candidate, decode=a.decode
+    )
     if a.tile is not None or a.warps is not None:
         vs = list(
             dict.fromkeys(
@@ -372,7 +410,7 @@ def main(argv=None) -> int:
                 for v in vs
             )
         )
-    rows = run(vs)
+    rows = run(vs, jobs=a.jobs or os.cpu_count() or 1)
     if a.json == "-":
         json.dump(rows, sys.stdout)
     else:
@@ -380,7 +418,7 @@ def main(argv=None) -> int:
             with open(a.json, "w") as f:
                 json.dump(rows, f, indent=1)
         print(markdown(rows), end="")
-    bad = [r for r in rows if "error" in r or not r["spill_free"]]
+    bad = [r for r in rows if "error" in r or not (r["spill_free"] and r["fits"])]
     return 1 if a.check and bad else 0
 
 
