@@ -144,6 +144,7 @@ def test_paged_native_falls_back_where_it_does_not_apply(native_ext, calls):
     kv.attend(q, score_mod=scores.softcap(5.0))
     kv.attend(q, backend="flash")
     kv.attend(q, mask=masks.document(torch.zeros(len(seqs), 400, dtype=torch.long)))
+    kv.attend(q, mask=masks.key_padding(torch.ones(len(seqs), 400, dtype=torch.bool)))
     kv.attend(q.clone().requires_grad_())
     kv.attend(q, scale=torch.tensor(0.3))
     assert calls["paged"] == 0

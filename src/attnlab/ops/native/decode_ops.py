@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from attnlab.ops.native import build
-from attnlab.ops.native.structure import IMPLEMENTED, structure_of
+from attnlab.ops.native.structure import DECODE_IMPLEMENTED, structure_of
 
 __all__ = ["SPLIT", "band_of", "native_paged_decode", "native_quantized_decode", "plan"]
 
@@ -159,8 +159,8 @@ def plan(q, store_dtype, mask, score_mod, backend, B, grads=(), scale=None):
     s = structure_of(mask)
     if s is None:
         return None, f"mask {mask!r} has no structure the kernel implements"
-    if not s.fields() <= IMPLEMENTED:
-        return None, f"mask fields {sorted(s.fields() - IMPLEMENTED)} are not implemented natively"
+    if not s.fields() <= DECODE_IMPLEMENTED:
+        return None, f"mask fields {sorted(s.fields() - DECODE_IMPLEMENTED)} are not implemented by the decode kernel"
     if s.kv_len is not None and (
         not isinstance(s.kv_len, Tensor) or s.kv_len.device.type != "cpu" or tuple(s.kv_len.shape) != (B,)
     ):

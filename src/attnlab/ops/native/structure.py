@@ -17,9 +17,13 @@ from __future__ import annotations
 
 from attnlab.masks import BlockMask, MaskStructure
 
+#: the fields the attention kernel (``kernel.cpp`` + ``masking.h``) evaluates
 IMPLEMENTED = frozenset({"left", "right", "sinks", "sinks_right", "kv_len", "q_ids", "kv_ids", "key_keep"})
+#: the fields the paged / quantized decode kernel (``decode.cpp``) evaluates: bands, sinks and
+#: lengths only -- a document or key-keep mask over a cache takes the split-KV path
+DECODE_IMPLEMENTED = frozenset({"left", "right", "sinks", "sinks_right", "kv_len"})
 
-__all__ = ["IMPLEMENTED", "structure_of"]
+__all__ = ["DECODE_IMPLEMENTED", "IMPLEMENTED", "structure_of"]
 
 
 def structure_of(mask) -> MaskStructure | None:
