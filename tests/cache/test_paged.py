@@ -413,7 +413,7 @@ def test_evict_oldest_blocks_keeps_positions_and_attends_what_is_held():
     q = rand(1, 4, 1, 4, seed=2)
     ref = attention(q, k[None], v[None], mask=masks.causal(), kv_offset=4, q_offset=7, backend="reference")
     torch.testing.assert_close(kv.attend(q, mask=masks.causal()), ref, **F64_FLOOR)
-    with pytest.raises(ValueError, match=r"n_blocks must be an int in \[0, 2\]"):
+    with pytest.raises(ValueError, match=r"n_blocks: expected an int in \[0, 2\]"):
         c.evict(a, 3)
 
 
@@ -485,9 +485,9 @@ def test_errors_name_the_problem():
         c.fork()
     with pytest.raises(TypeError, match="token ids"):
         c.add_sequence([1.5])
-    with pytest.raises(ValueError, match=r"truncate: length must be an int in \[0, 0\]"):
+    with pytest.raises(ValueError, match=r"truncate: length: expected an int in \[0, 0\]"):
         c.truncate(a, 1)
-    with pytest.raises(ValueError, match="n_blocks must be an int >= 1"):
+    with pytest.raises(ValueError, match="n_blocks: expected an int >= 1"):
         PagedCache(1, 0, 1, 1)
     kv = c.update(0, k, k)
     assert isinstance(kv, PagedKV)
