@@ -43,6 +43,95 @@ F32_REORDER_UNIT = dict(rtol=1e-5, atol=2e-6)
 #: one float32 product (weights times a scalar): a few ulps, relative.
 F32_PRODUCT = dict(rtol=1e-6, atol=0)
 
+# --- float64: the same math written another way -------------------------------------------------
+#: a float64 module against its formula written out by hand (the same products, fused or ordered
+#: otherwise; a rotation against the complex-number form): ~5000 ulps at unit scale.
+F64_FORMULA = dict(rtol=1e-12, atol=1e-12)
+#: a float64 elementwise score mod against a Python loop over the same scalars: one or two
+#: roundings of O(1-10) values, absolute.
+F64_ELEMENTWISE = dict(rtol=0, atol=1e-14)
+#: the same through a transcendental (torch's vectorised tanh against ``math.tanh``) or with
+#: values up to ~100 (a custom mod adding position offsets): ten times wider.
+F64_ELEMENTWISE_WIDE = dict(rtol=0, atol=1e-13)
+#: float64 paths that sum in different orders (tiles against one softmax, a streamed or cached
+#: decode against one forward), absolute: an LSE of -inf/large rows gets no relative slack.
+F64_REORDER_ABS = dict(rtol=0, atol=1e-10)
+#: a float64 attention mean over integer-valued tokens (up to a few hundred; a paged cache's
+#: decode read): 1e-12 relative, plus an absolute 1e-9 for means near zero.
+F64_TOKEN_MEAN = dict(rtol=1e-12, atol=1e-9)
+#: float64, the same sums reached from equivalent arguments (a key set as a mask, a list or
+#: indices) or a mean of per-row statistics: a few ulps, absolute.
+F64_SAME_SUMS = dict(rtol=0, atol=1e-14)
+#: float64 scalar summaries through a whole model or an eigendecomposition (copying scores,
+#: a trace ratio from ``eigvals``): the eigen solver's backward error, absolute.
+F64_SUMMARY = dict(rtol=0, atol=1e-9)
+
+# --- transformers (float64 on both sides) against attnlab ------------------------------------
+#: head scores (averaged patterns) of a transformers model against attnlab's copy of it.
+HF_F64_HEAD_SCORES = dict(rtol=1e-6, atol=1e-6)
+#: ablation effects (a loss or hidden-state change, per head) of a transformers model against
+#: attnlab's copy: differences of two forward passes, so relative to the effect.
+HF_F64_EFFECTS = dict(rtol=1e-6, atol=1e-9)
+#: one ablation effect against the ratio of norms computed by hand (cancellation in h - h0).
+ABLATION_BY_HAND = dict(rtol=1e-5, atol=1e-8)
+
+# --- float32 ----------------------------------------------------------------------------------
+#: float32 attention probabilities (in [0, 1]) from two paths of one model: ~10 ulps of 1.
+F32_PROBS = dict(rtol=0, atol=1e-6)
+#: a hook that zeroes heads against the model with those heads' weights zeroed: the same float32
+#: products with exact zeros, summed in another order.
+F32_ZEROED_HEADS = dict(rtol=0, atol=1e-6)
+#: float32 results of one op, or a float64 computation stored as float32, against the same
+#: computed another way (RoPE against transformers', the logit lens against the model's
+#: log-probabilities): ~8 ulps relative plus 1e-6.
+F32_FEW_ULPS = dict(rtol=1e-6, atol=1e-6)
+#: a float32 result against the float64 computation of it (a float32 pattern, float32 sums of
+#: probabilities): ~100 ulps relative, 1e-6 absolute near zero.
+F32_AGAINST_F64 = dict(rtol=1e-5, atol=1e-6)
+#: RoPE inverse frequencies (float32 powers of the base) against transformers': ~16 ulps relative.
+F32_ROPE_FREQ = dict(rtol=2e-6, atol=0)
+#: dynamically rescaled RoPE frequencies (a float64 rescale rounded to float32) against
+#: transformers' float32 recomputation.
+F32_ROPE_FREQ_RESCALED = dict(rtol=1e-5, atol=0)
+#: a float32 block (RMSNorm, SwiGLU, attention) against its formula written out by hand.
+F32_FORMULA = dict(rtol=2e-5, atol=2e-5)
+#: float32 activations, logits (O(1-10)) or probabilities of one model in two implementations
+#: that differ only in summation order (attnlab against transformers / TransformerLens /
+#: sentence-transformers / eager attention): the issues' 1e-5 absolute bar.
+F32_MODEL_PARITY = dict(rtol=0, atol=1e-5)
+#: the gradients of such a pair: one more rounded product per element, so also relative.
+F32_MODEL_PARITY_GRAD = dict(rtol=1e-4, atol=1e-5)
+#: float32 results of one model, recomputed another way (a hook edit against the same edit made
+#: by hand, a cached decode against a full forward, a sequence alone against in a batch): 1e-5.
+F32_RECOMPUTE = dict(rtol=0, atol=1e-5)
+#: a float32 residual stream (or logit) against the sum of its parts (up to 2L + 2 d_model
+#: vectors of size ~1): a few ulps per term, accumulated.
+F32_ACCUMULATED_SUM = dict(rtol=0, atol=1e-5)
+#: float32 attention statistics accumulated tile by tile (entropy, masses) against their closed
+#: forms (log n, 1/n): absolute for the entropy, relative for masses (torch.allclose's atol).
+F32_ONLINE_STATS = dict(rtol=0, atol=1e-5)
+F32_ONLINE_STATS_REL = dict(rtol=1e-5, atol=1e-8)
+#: float32 means of attention mass over a batch, summed in another order than the lab's.
+F32_MASS_MEANS = dict(rtol=0, atol=2e-5)
+#: float32 logits after ten decode steps through a cache (quantized cache's float reference,
+#: transformers' generate with an attnlab cache against its own): the errors of each step add up.
+F32_DECODE_STEPS = dict(rtol=0, atol=1e-4)
+#: float32 logits of O(1-10) through two layers on different backends (flash against eager).
+F32_BACKENDS_DEEP = dict(rtol=1e-4, atol=1e-4)
+
+# --- inequalities: an edit must change the result ---------------------------------------------
+# Used as ``assert not torch.allclose(a, b, **MOVED)``: a looser value makes the check stronger.
+# ``rtol`` is torch.allclose's default.
+#: the result moves by more than 1e-3 (+ 1e-5 relative) somewhere.
+MOVED = dict(rtol=1e-5, atol=1e-3)
+#: the result moves by more than 1e-4 (+ 1e-5 relative) somewhere.
+MOVED_SLIGHTLY = dict(rtol=1e-5, atol=1e-4)
+
+
+def scaled(tol: dict, factor: float) -> dict:
+    """``tol`` with its ``atol`` multiplied by ``factor`` (a comparison at scale ``factor``)."""
+    return dict(tol, atol=tol["atol"] * factor)
+
 
 def max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """Max abs error, treating matching infinities as equal; NaN anywhere is infinite error."""

@@ -7,6 +7,7 @@ import torch
 
 from attnlab.generate import Sampling, generate, stream
 from attnlab.nn import Decoder, DecoderConfig
+from tests.helpers import F32_RECOMPUTE
 
 V = 61
 
@@ -34,7 +35,7 @@ def test_cached_generation_equals_recomputation_on_ragged_prompts(positions, cac
     got = generate(m, PROMPTS, max_new_tokens=8, cache=cache, output_logits=True)
     assert got.sequences == ref.sequences
     for a, b in zip(got.logits, ref.logits, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a, b, **F32_RECOMPUTE)
 
 
 def test_a_row_does_not_depend_on_the_other_rows():
@@ -44,7 +45,7 @@ def test_a_row_does_not_depend_on_the_other_rows():
         alone = generate(m, [p], max_new_tokens=6, output_logits=True)
         assert alone.new_tokens[0] == together.new_tokens[i]
         for a, b in zip(alone.logits, together.logits, strict=True):
-            torch.testing.assert_close(a[0], b[i], atol=1e-5, rtol=0)
+            torch.testing.assert_close(a[0], b[i], **F32_RECOMPUTE)
 
 
 def test_tensor_input_with_right_padding_mask_equals_list_input():

@@ -44,3 +44,23 @@ def test_lab_lock_lets_one_holder_in_at_a_time(tmp_path, monkeypatch):
     assert events == ["first out", "second in"]
     with lab_lock("y"):  # another name is another lock
         pass
+
+
+def test_named_tolerances_are_rtol_atol_pairs_and_scaled_scales_atol_only():
+    import inspect
+
+    from tests import helpers
+
+    named = {n: v for n, v in vars(helpers).items() if n.isupper() and isinstance(v, dict) and n != "FLOOR"}
+    assert {"EXACT", "F32_MODEL_PARITY", "F64_REORDER_ABS", "MOVED"} <= set(named)
+    src = inspect.getsource(helpers)
+    for n, tol in named.items():
+        assert set(tol) == {"rtol", "atol"}, n
+        assert all(isinstance(x, (int, float)) and x >= 0 for x in tol.values()), n
+        assert "#: " in src.split(f"\n{n} = ")[0].rsplit("\n", 2)[-1] or n == "F32_ONLINE_STATS_REL", f"{n}: no doc"
+    # MOVED (used as `not allclose(a, b, **MOVED)`) keeps torch.allclose's default rtol
+    assert helpers.MOVED["rtol"] == helpers.MOVED_SLIGHTLY["rtol"] == 1e-5
+    a = torch.zeros(3)
+    assert torch.allclose(a, a + 1.5e-3, **helpers.scaled(helpers.MOVED, 2.0))
+    assert not torch.allclose(a, a + 1.5e-3, **helpers.MOVED)
+    assert helpers.scaled(helpers.F32_FEW_ULPS, 3.0) == dict(rtol=1e-6, atol=3e-6)

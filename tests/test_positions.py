@@ -18,7 +18,7 @@ from attnlab.positions import (
     rope_from_hf,
     sinusoidal,
 )
-from tests.helpers import EXACT
+from tests.helpers import EXACT, F32_FEW_ULPS, F32_ROPE_FREQ, F32_ROPE_FREQ_RESCALED, F64_FORMULA
 
 
 def test_alibi_slopes_power_of_two_is_the_papers_geometric_sequence():
@@ -121,10 +121,10 @@ def test_rope_dynamic_ntk_matches_transformers_above_the_original_length():
     rope = rope_from_hf(cfg.to_dict(), 64)
     assert rope.scaling == DynamicNTKScaling(2.0, 4096)
     base_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](cfg)  # at init: the unscaled frequencies
-    torch.testing.assert_close(rope.inv_freq, base_freq, rtol=2e-6, atol=0)
+    torch.testing.assert_close(rope.inv_freq, base_freq, **F32_ROPE_FREQ)
     for seq_len in (4096, 5000, 20000):
         ref, af = ROPE_INIT_FUNCTIONS["dynamic"](cfg, seq_len=seq_len)
-        torch.testing.assert_close(rope.inv_freq_at(seq_len).float(), ref, rtol=1e-5, atol=0)
+        torch.testing.assert_close(rope.inv_freq_at(seq_len).float(), ref, **F32_ROPE_FREQ_RESCALED)
         assert af == rope.attention_factor == 1.0
     # cos_sin uses the base of the largest position in the call
     pos = torch.arange(19990, 20000)
@@ -146,8 +146,8 @@ def test_rope_rotation_matches_transformers_apply_rotary_pos_emb(case):
     pos = torch.tensor([[0, 1, 2, 3, 4, 5], [290, 291, 292, 293, 294, 295]])
     cos, sin = hf(q, pos)
     q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
-    torch.testing.assert_close(rope(q, pos), q_ref, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(rope(k, pos), k_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(rope(q, pos), q_ref, **F32_FEW_ULPS)
+    torch.testing.assert_close(rope(k, pos), k_ref, **F32_FEW_ULPS)
 
 
 def _complex_rope(x, pos, inv_freq):
@@ -160,11 +160,11 @@ def test_rope_interleaved_matches_the_complex_number_form():
     rope = RoPE(40, base=500.0, interleaved=True)
     x = torch.randn(2, 3, 7, 40, dtype=torch.float64)
     pos = torch.arange(3, 10)
-    torch.testing.assert_close(rope(x, pos), _complex_rope(x, pos, rope._freq64), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(rope(x, pos), _complex_rope(x, pos, rope._freq64), **F64_FORMULA)
     # the half-split form is the same rotation on permuted channels
     perm = torch.cat((torch.arange(0, 40, 2), torch.arange(1, 40, 2)))
     half = RoPE(40, base=500.0)(x[..., perm], pos)
-    torch.testing.assert_close(half[..., perm.argsort()], rope(x, pos), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(half[..., perm.argsort()], rope(x, pos), **F64_FORMULA)
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -191,8 +191,8 @@ def test_rope_offset_equals_the_row_of_the_full_sequence(interleaved):
     rope = RoPE(32, rotary_dim=24, interleaved=interleaved)
     x = torch.randn(2, 3, 9, 32)
     full = rope(x, 0)
-    torch.testing.assert_close(rope(x[:, :, -1:], 8), full[:, :, -1:], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(rope(x[:, :, 4:], torch.tensor(4)), full[:, :, 4:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(rope(x[:, :, -1:], 8), full[:, :, -1:], **F32_FEW_ULPS)
+    torch.testing.assert_close(rope(x[:, :, 4:], torch.tensor(4)), full[:, :, 4:], **F32_FEW_ULPS)
     torch.testing.assert_close(rope(x, torch.arange(9)), full, **EXACT)
 
 
@@ -241,7 +241,7 @@ def test_rope_preserves_pair_norms_and_inv_freq_stays_float32_after_a_cast():
     x = torch.randn(4, 2, 50, 8, dtype=torch.float64)
     out = rope(x, 1000)
     pairs = lambda t: t.reshape(*t.shape[:-1], 4, 2).norm(dim=-1)  # noqa: E731
-    torch.testing.assert_close(pairs(out), pairs(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(pairs(out), pairs(x), **F64_FORMULA)
     f = rope.inv_freq.clone()
     rope.to(torch.bfloat16)
     assert rope.inv_freq.dtype == torch.float32 and torch.equal(rope.inv_freq, f)

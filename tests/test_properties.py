@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, Phase, given, note, settings, strategies as 
 import attnlab
 from attnlab import masks, scores
 from attnlab.ops import flash_attention
+from tests.helpers import F64_REORDER_ABS, scaled
 
 F64 = torch.float64
-ATOL = 1e-10  # float64 paths that sum in different orders (tiles vs one softmax)
 
 # No shrink phase: a problem is a function of its seed, and shrinking a seed means nothing.
 SETTINGS = dict(
@@ -237,11 +237,11 @@ def problems(draw, allow_padding=True, max_n=70, with_mod=True):
     return p
 
 
-def assert_lse_equal(a, b, atol=ATOL):
+def assert_lse_equal(a, b):
     assert torch.equal(torch.isneginf(a), torch.isneginf(b)), "-inf rows differ"
     assert not torch.isnan(a).any() and not torch.isposinf(a).any()
     fin = torch.isfinite(b)
-    torch.testing.assert_close(a[fin], b[fin], atol=atol, rtol=0)
+    torch.testing.assert_close(a[fin], b[fin], **F64_REORDER_ABS)
 
 
 # ----------------------------------------------------------------------------- properties
@@ -253,7 +253,7 @@ def test_flash_equals_reference(p):
     B, H, Nq, _ = p.shape
     assert out_f.shape == out_r.shape == (B, H, Nq, p.v.shape[-1])
     assert lse_f.shape == lse_r.shape == (B, H, Nq) and lse_f.dtype == F64
-    torch.testing.assert_close(out_f, out_r, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out_f, out_r, **F64_REORDER_ABS)
     assert_lse_equal(lse_f, lse_r)
     # the public entry point (measured tiles) agrees too
     out_a, lse_a = attnlab.attention(
@@ -268,7 +268,7 @@ def test_flash_equals_reference(p):
         return_lse=True,
         backend="flash",
     )
-    torch.testing.assert_close(out_a, out_r, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out_a, out_r, **F64_REORDER_ABS)
     assert_lse_equal(lse_a, lse_r)
 
 
@@ -334,13 +334,13 @@ def test_permutation_equivariance(p, data):
         v=p.v[:, :, kp],
         mask=None if p.mask is None else _table_mask(A, p.q_offset, p.kv_offset, kv_perm=kp),
     )
-    torch.testing.assert_close(out, base_out, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out, base_out, **F64_REORDER_ABS)
     assert_lse_equal(lse, base_lse)
     # queries permuted: the output rows permute the same way
     out, lse = p.flash(
         q=p.q[:, :, qp], mask=None if p.mask is None else _table_mask(A, p.q_offset, p.kv_offset, q_perm=qp)
     )
-    torch.testing.assert_close(out, base_out[:, :, qp], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out, base_out[:, :, qp], **F64_REORDER_ABS)
     assert_lse_equal(lse, base_lse[:, :, qp])
 
 
@@ -349,7 +349,7 @@ def test_permutation_equivariance(p, data):
 def test_scaling_v_scales_the_output(p, c):
     out, lse = p.flash()
     out_c, lse_c = p.flash(v=p.v * c)
-    torch.testing.assert_close(out_c, out * c, atol=ATOL * max(1.0, abs(c)), rtol=0)
+    torch.testing.assert_close(out_c, out * c, **scaled(F64_REORDER_ABS, max(1.0, abs(c))))
     assert torch.equal(lse_c, lse), "LSE must not depend on V"
 
 
@@ -365,7 +365,7 @@ def test_merge_states_of_a_random_split_equals_the_whole(p, data):
         p.flash(k=p.k[:, :, s:e], v=p.v[:, :, s:e], kv_offset=p.kv_offset + s) for s, e in itertools.pairwise(bounds)
     ]
     out, lse = attnlab.merge_states([o for o, _ in parts], [l for _, l in parts])
-    torch.testing.assert_close(out, whole_out, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out, whole_out, **F64_REORDER_ABS)
     assert_lse_equal(lse, whole_lse)
     # (b) a random partition of the keys into disjoint sets, each selected by a mask
     n_parts = data.draw(st.integers(1, 3))
@@ -375,7 +375,7 @@ def test_merge_states_of_a_random_split_equals_the_whole(p, data):
         sel = masks.custom(lambda b, h, q, kv, i=i: label[kv - p.kv_offset] == i)
         parts.append(p.flash(mask=sel if p.mask is None else p.mask & sel))
     out, lse = attnlab.merge_states([o for o, _ in parts], [l for _, l in parts])
-    torch.testing.assert_close(out, whole_out, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out, whole_out, **F64_REORDER_ABS)
     assert_lse_equal(lse, whole_lse)
 
 
@@ -408,4 +408,4 @@ def test_flash_gradients_equal_reference(p):
         a = torch.zeros_like(p.q if name == "q" else p.k if name == "k" else p.v) if a is None else a
         b = torch.zeros_like(a) if b is None else b
         assert torch.isfinite(a).all(), f"d{name} has non-finite values"
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=0, msg=lambda m, name=name: f"d{name}: {m}")
+        torch.testing.assert_close(a, b, **F64_REORDER_ABS, msg=lambda m, name=name: f"d{name}: {m}")

@@ -12,6 +12,7 @@ import torch
 import attnlab
 from attnlab import masks, scores
 from attnlab.ops import flash_attention
+from tests.helpers import F64_ELEMENTWISE, F64_ELEMENTWISE_WIDE, F64_REORDER_ABS
 
 F64 = torch.float64
 
@@ -49,19 +50,19 @@ def _loop(s, f):
 def test_alibi_values():
     slopes = [0.5, 0.25, 0.125]
     s, got = _apply(scores.alibi(torch.tensor(slopes, dtype=F64)))
-    torch.testing.assert_close(got, _loop(s, lambda x, b, h, q, k: x - slopes[h] * (q - k)), atol=1e-14, rtol=0)
+    torch.testing.assert_close(got, _loop(s, lambda x, b, h, q, k: x - slopes[h] * (q - k)), **F64_ELEMENTWISE)
 
 
 def test_alibi_symmetric_values():
     slopes = [0.5, -0.25, 2.0]
     s, got = _apply(scores.alibi(torch.tensor(slopes, dtype=F64), symmetric=True))
-    torch.testing.assert_close(got, _loop(s, lambda x, b, h, q, k: x - slopes[h] * abs(q - k)), atol=1e-14, rtol=0)
+    torch.testing.assert_close(got, _loop(s, lambda x, b, h, q, k: x - slopes[h] * abs(q - k)), **F64_ELEMENTWISE)
 
 
 @pytest.mark.parametrize("c", [0.5, 3, 30.0])
 def test_softcap_values(c):
     s, got = _apply(scores.softcap(c))
-    torch.testing.assert_close(got, _loop(s, lambda x, b, h, q, k: c * math.tanh(x / c)), atol=1e-13, rtol=0)
+    torch.testing.assert_close(got, _loop(s, lambda x, b, h, q, k: c * math.tanh(x / c)), **F64_ELEMENTWISE_WIDE)
 
 
 @pytest.mark.parametrize("R", [0, 2, 20])
@@ -70,7 +71,7 @@ def test_relative_bias_values(R):
     table = torch.randn(H, 2 * R + 1, dtype=F64, generator=g)
     s, got = _apply(scores.relative_bias(table))
     want = _loop(s, lambda x, b, h, q, k: x + float(table[h, min(max(k - q, -R), R) + R]))
-    torch.testing.assert_close(got, want, atol=1e-14, rtol=0)
+    torch.testing.assert_close(got, want, **F64_ELEMENTWISE)
 
 
 def test_custom_values_and_params():
@@ -79,7 +80,7 @@ def test_custom_values_and_params():
     mod = scores.custom(lambda s, b, h, q, kv: s * w[h] + frozen[h] * (kv - q) + b, params=[w, frozen])
     s, got = _apply(mod)
     want = _loop(s, lambda x, b, h, q, k: x * float(w.detach()[h]) + float(frozen[h]) * (k - q) + b)
-    torch.testing.assert_close(got.detach(), want, atol=1e-13, rtol=0)
+    torch.testing.assert_close(got.detach(), want, **F64_ELEMENTWISE_WIDE)
     assert mod.parameters() == [w]  # only tensors that require grad are learnable
 
 
@@ -88,11 +89,11 @@ def test_compose_applies_in_order():
     a = scores.alibi(torch.tensor(slopes, dtype=F64))
     s, got = _apply(scores.compose(a, scores.softcap(2.0)))
     torch.testing.assert_close(
-        got, _loop(s, lambda x, b, h, q, k: 2.0 * math.tanh((x - slopes[h] * (q - k)) / 2.0)), atol=1e-13, rtol=0
+        got, _loop(s, lambda x, b, h, q, k: 2.0 * math.tanh((x - slopes[h] * (q - k)) / 2.0)), **F64_ELEMENTWISE_WIDE
     )
     s, got = _apply(scores.compose(scores.softcap(2.0), a))
     torch.testing.assert_close(
-        got, _loop(s, lambda x, b, h, q, k: 2.0 * math.tanh(x / 2.0) - slopes[h] * (q - k)), atol=1e-13, rtol=0
+        got, _loop(s, lambda x, b, h, q, k: 2.0 * math.tanh(x / 2.0) - slopes[h] * (q - k)), **F64_ELEMENTWISE_WIDE
     )
     t = torch.zeros(3, 3, dtype=F64, requires_grad=True)
     sl = torch.ones(3, dtype=F64, requires_grad=True)
@@ -211,8 +212,8 @@ def test_attention_with_score_mod_matches_hand_written(backend, name, prob):
     out, lse = _run(backend, q, k, v, mask, mod, qo, ko)
     want_out, want_lse = naive(q, k, v, bias, dense_allowed(mask, Bq, Hq, Nq, Nk, qo_abs, ko), 0.3)
     assert out.dtype == F64 and lse.dtype == F64
-    torch.testing.assert_close(out, want_out, atol=1e-10, rtol=0)
-    torch.testing.assert_close(lse, want_lse, atol=1e-10, rtol=0)  # -inf rows must match exactly
+    torch.testing.assert_close(out, want_out, **F64_REORDER_ABS)
+    torch.testing.assert_close(lse, want_lse, **F64_REORDER_ABS)  # -inf rows must match exactly
     # gradients of q, k, v and every learnable parameter of the mod
     gw = torch.Generator().manual_seed(4)
     w_out = torch.randn(out.shape, dtype=F64, generator=gw)
@@ -226,7 +227,7 @@ def test_attention_with_score_mod_matches_hand_written(backend, name, prob):
     want = torch.autograd.grad(loss(want_out, want_lse), inputs)
     for nm, a, b in zip(["q", "k", "v"] + [f"param{i}" for i in range(len(params))], got, want, strict=True):
         assert torch.isfinite(a).all(), f"{nm} grad has non-finite values"
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=lambda m, nm=nm: f"grad {nm}: {m}")
+        torch.testing.assert_close(a, b, **F64_REORDER_ABS, msg=lambda m, nm=nm: f"grad {nm}: {m}")
 
 
 @pytest.mark.parametrize("backend", ["flash", "reference"])
@@ -268,7 +269,7 @@ def test_shared_parameter_gradient_is_not_double_counted(how):
         s.grad = None
         attnlab.attention(q, q, v, score_mod=mod, backend=backend).sum().backward()
         grads.append(s.grad.clone())
-    torch.testing.assert_close(grads[1], grads[0], atol=1e-10, rtol=0)
+    torch.testing.assert_close(grads[1], grads[0], **F64_REORDER_ABS)
 
 
 # ----------------------------------------------------------------------------- validation

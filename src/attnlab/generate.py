@@ -20,14 +20,13 @@ vLLM's per-request seed).  So a row's tokens do not depend on the other rows
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from attnlab.validate import nonneg_int
+from attnlab.validate import integer, nonneg_int, real, rng_seed
 
 CACHES = ("dynamic", "static", "paged", "quantized", "streaming")
 
@@ -85,25 +84,12 @@ def stop_token_set(stop_tokens, vocab: int | None = None) -> set:
     return set(token_row(stop_tokens, "stop_tokens", vocab))
 
 
-_SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
-
-
-def check_seed(seed, name: str = "seed") -> int:
-    if (
-        isinstance(seed, bool)
-        or not isinstance(seed, numbers.Integral)
-        or not _SEED_RANGE[0] <= int(seed) < _SEED_RANGE[1]
-    ):
-        raise ValueError(f"{name}: expected an int in [-2**63, 2**64) (torch.Generator's range), got {seed!r}")
-    return int(seed)
-
-
 def row_seed(seed: int, row: int) -> int:
     """The seed of row ``row`` when ``generate`` is given one int ``seed`` (splitmix64 of
     both): ``generate(batch, seed=s)`` row ``i`` equals ``generate([batch[i]],
     seed=[row_seed(s, i)])``."""
     m = 2**64
-    z = (check_seed(seed) + (row + 1) * 0x9E3779B97F4A7C15) % m
+    z = (rng_seed(seed) + (row + 1) * 0x9E3779B97F4A7C15) % m
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % m
     z = (z ^ (z >> 27)) * 0x94D049BB133111EB % m
     return z ^ (z >> 31)
@@ -118,14 +104,8 @@ def row_seeds(seed, n_rows: int) -> list | None:
     if isinstance(seed, (list, tuple)):
         if len(seed) != n_rows:
             raise ValueError(f"seed: a per-row seed list needs one seed per prompt ({n_rows}), got {len(seed)}")
-        return [check_seed(s, f"seed[{i}]") for i, s in enumerate(seed)]
+        return [rng_seed(s, f"seed[{i}]") for i, s in enumerate(seed)]
     raise ValueError(f"seed: expected None, an int or a list of one int per prompt, got {seed!r}")
-
-
-def _real(x, name: str, ok, want: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or not ok(x):
-        raise ValueError(f"{name}: expected {want}, got {x!r}")
-    return float(x)
 
 
 @dataclass
@@ -147,17 +127,11 @@ class Sampling:
     repetition_penalty: float = 1.0
 
     def __post_init__(self):
-        self.temperature = _real(self.temperature, "temperature", lambda t: t >= 0, "a finite number >= 0")
-        if self.top_k is not None and (
-            isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 1
-        ):
-            raise ValueError(f"top_k: expected None or an int >= 1, got {self.top_k!r}")
-        self.top_k = None if self.top_k is None else int(self.top_k)
+        self.temperature = real(self.temperature, "temperature", ge=0.0)
+        self.top_k = None if self.top_k is None else integer(self.top_k, "top_k", lo=1, hint="None: no top-k filter")
         if self.top_p is not None:
-            self.top_p = _real(self.top_p, "top_p", lambda p: 0 < p <= 1, "None or a number in (0, 1]")
-        self.repetition_penalty = _real(
-            self.repetition_penalty, "repetition_penalty", lambda r: r > 0, "a finite number > 0"
-        )
+            self.top_p = real(self.top_p, "top_p", gt=0.0, le=1.0, hint="None: no top-p filter")
+        self.repetition_penalty = real(self.repetition_penalty, "repetition_penalty", gt=0.0)
 
     @property
     def greedy(self) -> bool:

@@ -61,17 +61,6 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- validation
-def _int(where, name, v, lo):
-    return integer(v, f"{where}: {name}", lo=lo)
-
-
-def _num(where, name, v, lo, *, strict=True, hint=""):
-    f = real(v, f"{where}: {name}")
-    if f <= lo if strict else f < lo:
-        raise ValueError(f"{where}: {name} must be a finite number {'>' if strict else '>='} {lo}, got {v!r}{hint}")
-    return f
-
-
 def _positions(where, positions, alt=""):
     if (
         not isinstance(positions, torch.Tensor)
@@ -96,9 +85,9 @@ def sinusoidal(n_positions: int, d_model: int, *, base: float = 10000.0, dtype=t
     (torch.Size([3, 4]), [0.0, 1.0, 0.0, 1.0])
     """
     where = "sinusoidal"
-    _int(where, "n_positions", n_positions, 0)
-    _int(where, "d_model", d_model, 1)
-    base = _num(where, "base", base, 1.0)
+    integer(n_positions, f"{where}: n_positions", lo=0)
+    integer(d_model, f"{where}: d_model", lo=1)
+    base = real(base, f"{where}: base", gt=1.0)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"{where}: dtype must be a floating torch.dtype (e.g. torch.float32), got {dtype!r}")
     p = torch.arange(n_positions, dtype=torch.float64)[:, None]
@@ -126,9 +115,9 @@ class SinusoidalEmbedding(torch.nn.Module):
 
     def __init__(self, d_model: int, *, base: float = 10000.0, max_positions: int = 2048):
         super().__init__()
-        self.d_model = _int("SinusoidalEmbedding", "d_model", d_model, 1)
-        self.base = _num("SinusoidalEmbedding", "base", base, 1.0)
-        _int("SinusoidalEmbedding", "max_positions", max_positions, 1)
+        self.d_model = integer(d_model, "SinusoidalEmbedding: d_model", lo=1)
+        self.base = real(base, "SinusoidalEmbedding: base", gt=1.0)
+        integer(max_positions, "SinusoidalEmbedding: max_positions", lo=1)
         self.register_buffer("table", sinusoidal(max_positions, d_model, base=self.base), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
@@ -160,8 +149,8 @@ class LearnedEmbedding(torch.nn.Module):
 
     def __init__(self, max_positions: int, d_model: int):
         super().__init__()
-        self.max_positions = _int("LearnedEmbedding", "max_positions", max_positions, 1)
-        self.d_model = _int("LearnedEmbedding", "d_model", d_model, 1)
+        self.max_positions = integer(max_positions, "LearnedEmbedding: max_positions", lo=1)
+        self.d_model = integer(d_model, "LearnedEmbedding: d_model", lo=1)
         self.weight = torch.nn.Parameter(torch.empty(max_positions, d_model))
         self.reset_parameters()
 
@@ -195,15 +184,14 @@ class _Checked:
     def __post_init__(self):
         w = type(self).__name__
         if hasattr(self, "original_max_positions"):
-            _int(w, "original_max_positions", self.original_max_positions, 1)
+            integer(self.original_max_positions, f"{w}: original_max_positions", lo=1)
         if hasattr(self, "truncate"):
             boolean(self.truncate, f"{w}: truncate")
         for name, lo, inclusive in self._rules:
             if name != "attention_factor" or getattr(self, "attention_factor", None) is not None:
-                hint = f" (must exceed {lo})" if isinstance(lo, str) else ""
-                f = _num(
-                    w, name, getattr(self, name), getattr(self, lo) if hint else lo, strict=not inclusive, hint=hint
-                )
+                bound, hint = (getattr(self, lo), f"must exceed {lo}") if isinstance(lo, str) else (lo, "")
+                v = getattr(self, name)
+                f = real(v, f"{w}: {name}", ge=bound if inclusive else None, gt=None if inclusive else bound, hint=hint)
                 object.__setattr__(self, name, f)  # a float: an int such as 10**30 would overflow in torch
 
 
@@ -337,8 +325,8 @@ class RoPE(torch.nn.Module):
         scaling=None,
     ):
         super().__init__()
-        self.d_head = _int("RoPE", "d_head", d_head, 1)
-        self.base = _num("RoPE", "base", base, 1.0)
+        self.d_head = integer(d_head, "RoPE: d_head", lo=1)
+        self.base = real(base, "RoPE: base", gt=1.0)
         rd = d_head if rotary_dim is None else rotary_dim
         if isinstance(rd, bool) or not isinstance(rd, int) or rd < 2 or rd % 2 or rd > d_head:
             raise ValueError(
@@ -495,7 +483,7 @@ class ALiBi:
     """
 
     def __init__(self, n_heads: int, *, slopes: torch.Tensor | None = None, symmetric: bool = False):
-        self.n_heads = _int("ALiBi", "n_heads", n_heads, 1)
+        self.n_heads = integer(n_heads, "ALiBi: n_heads", lo=1)
         if not isinstance(symmetric, bool):
             raise TypeError(f"ALiBi: symmetric must be a bool, got {symmetric!r}")
         self.symmetric = symmetric  # -m|i-j| for bidirectional (encoder) attention

@@ -33,15 +33,14 @@ True
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 
 import torch
 
 from attnlab import masks
 from attnlab.cache import DynamicCache
-from attnlab.generate import Sampling, check_seed, model_vocab, stop_token_set, token_row
-from attnlab.validate import nonneg_int
+from attnlab.generate import Sampling, model_vocab, stop_token_set, token_row
+from attnlab.validate import int_sequence, nonneg_int, rng_seed
 
 
 @dataclass
@@ -129,13 +128,7 @@ def speculative_generate(
     :func:`attnlab.generate.generate`'s (``ValueError`` naming the argument).
     """
     max_new_tokens = nonneg_int(max_new_tokens, "max_new_tokens")
-    if (
-        not isinstance(branching, (list, tuple))
-        or not branching
-        or any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in branching)
-    ):
-        raise ValueError(f"branching: expected a non-empty sequence of ints >= 1, got {branching!r}")
-    branching = [int(b) for b in branching]
+    branching = list(int_sequence(branching, "branching", lo=1))
     if target.cfg.vocab_size != draft.cfg.vocab_size:
         raise ValueError(f"draft vocab_size {draft.cfg.vocab_size} != target vocab_size {target.cfg.vocab_size}")
     vocab = model_vocab(target)
@@ -152,7 +145,7 @@ def speculative_generate(
     if not prompt:
         raise ValueError("prompt: needs at least one token")
     sampling = Sampling(temperature, top_k, top_p)
-    gen = torch.Generator().manual_seed(check_seed(seed)) if seed is not None else None
+    gen = torch.Generator().manual_seed(rng_seed(seed)) if seed is not None else None
     stops = stop_token_set(stop_tokens, vocab)
     tc, dc = DynamicCache(target.cfg.n_layers), DynamicCache(draft.cfg.n_layers)
     ids = torch.tensor([prompt[:-1]]) if len(prompt) > 1 else None

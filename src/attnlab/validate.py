@@ -46,6 +46,10 @@ __all__ = [
     "FLOAT_DTYPES",
     "ArgumentTypeError",
     "integer",
+    "int_in",
+    "int_sequence",
+    "SEED_RANGE",
+    "rng_seed",
     "real",
     "nonzero_real",
     "boolean",
@@ -90,36 +94,102 @@ def integer(
     lo: int | None = None,
     hi: int | None = MAX_INT,
     what: str = "",
+    hint: str = "",
     type_error: type = ArgumentTypeError,
 ) -> int:
     """``x`` as an int in ``[lo, hi]`` (``hi=None``: no upper bound); ``bool`` and floats
     (even ``2.0``) are refused.  ``what`` words the int in the message ("tile size");
+    ``hint`` ends every message, in parentheses ("256 bytes + <|endoftext|>", "or None");
     ``type_error`` is the class raised for a wrong type (the op entry points raise a plain
     ``TypeError``, as they always have)."""
+    tail = f" ({hint})" if hint else ""
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise type_error(f"{name}: expected an int{what and ' ' + what}, got {_fmt(x)}")
+        raise type_error(f"{name}: expected an int{what and ' ' + what}, got {_fmt(x)}{tail}")
     x = int(x)
     if lo is not None and x < lo:
-        raise ValueError(f"{name}: expected an int{what and ' ' + what} >= {lo}, got {x}")
+        raise ValueError(f"{name}: expected an int{what and ' ' + what} >= {lo}, got {x}{tail}")
     if hi is not None and x > hi:
         bound = "2**62 (positions and sizes are int64)" if hi == MAX_INT else str(hi)
-        raise ValueError(f"{name}: expected an int <= {bound}, got {x}")
+        raise ValueError(f"{name}: expected an int <= {bound}, got {x}{tail}")
     return x
 
 
+def int_in(
+    x,
+    name: str,
+    lo: int,
+    hi: int,
+    *,
+    closed: bool = False,
+    interval: str = "",
+    note: str = "",
+    type_error: type = ArgumentTypeError,
+) -> int:
+    """``x`` as an int in ``[lo, hi)`` (``[lo, hi]`` with ``closed``): an index, or a count
+    bounded by another argument; ``bool`` and floats are refused.  The message states the
+    interval (``interval`` words it where the numbers alone do not: ``"[0, steps=10]"``,
+    ``"[-2**63, 2**64)"``), then ``note``.
+
+    >>> int_in(3, "layer", 0, 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: layer: expected an int in [0, 2), got 3
+    """
+    interval = interval or f"[{lo}, {hi}{']' if closed else ')'}"
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise type_error(f"{name}: expected an int in {interval}{note}, got {_fmt(x)}")
+    x = int(x)
+    if not (lo <= x <= hi if closed else lo <= x < hi):
+        raise ValueError(f"{name}: expected an int in {interval}{note}, got {x}")
+    return x
+
+
+def int_sequence(xs, name: str, *, lo: int = 1) -> tuple[int, ...]:
+    """``xs`` (a non-empty iterable, not a string) as a tuple of ints >= ``lo`` (tree
+    branchings, sweep sizes); the message names the sequence and, for a bad element, its index."""
+    want = f"{name}: expected a non-empty sequence of ints >= {lo}"
+    if isinstance(xs, (str, bytes)):
+        raise ArgumentTypeError(f"{want}, got {_fmt(xs)}")
+    try:
+        xs = tuple(xs)
+    except TypeError:
+        raise ArgumentTypeError(f"{want}, got {_fmt(xs)}") from None
+    if not xs:
+        raise ValueError(f"{want}, got an empty one")
+    return tuple(integer(x, f"{name}[{i}]", lo=lo) for i, x in enumerate(xs))
+
+
+#: What ``torch.Generator.manual_seed`` accepts: ``[-2**63, 2**64)``.
+SEED_RANGE = (-(2**63), 2**64)
+
+
+def rng_seed(x, name: str = "seed") -> int:
+    """``x`` as an int seed for ``torch.Generator.manual_seed`` (:data:`SEED_RANGE`)."""
+    return int_in(x, name, *SEED_RANGE, interval="[-2**63, 2**64)", note=" (torch.Generator's range)")
+
+
 def real(
-    x, name: str, *, gt: float | None = None, ge: float | None = None, lt: float | None = None, le: float | None = None
+    x,
+    name: str,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    hint: str = "",
 ) -> float:
     """``x`` as a finite float with the given strict (``gt``, ``lt``) or inclusive (``ge``,
-    ``le``) bounds; ``bool``, NaN, ±inf and ints beyond float range are refused."""
+    ``le``) bounds; ``bool``, NaN, ±inf and ints beyond float range are refused.  ``hint``
+    (e.g. "seconds, or a datetime.timedelta") ends every message, in parentheses."""
+    tail = f" ({hint})" if hint else ""
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise ArgumentTypeError(f"{name}: expected a number, got {_fmt(x)}")
+        raise ArgumentTypeError(f"{name}: expected a number, got {_fmt(x)}{tail}")
     try:
         f = float(x)
     except OverflowError:
         f = math.inf
     if not math.isfinite(f):
-        raise ValueError(f"{name}: must be a finite number, got {x!r:.60}")
+        raise ValueError(f"{name}: must be a finite number, got {x!r:.60}{tail}")
     for bound, ok, word in (
         (gt, operator.gt, ">"),
         (ge, operator.ge, ">="),
@@ -127,7 +197,7 @@ def real(
         (le, operator.le, "<="),
     ):
         if bound is not None and not ok(f, bound):
-            raise ValueError(f"{name}: must be {word} {bound}, got {x!r:.60}")
+            raise ValueError(f"{name}: must be {word} {bound}, got {x!r:.60}{tail}")
     return f
 
 
@@ -271,12 +341,12 @@ def nonneg_int(x, name: str) -> int:
     return integer(x, name, lo=0)
 
 
-def probability(x, name: str) -> float:
-    """A float in ``[0, 1)`` (a dropout rate)."""
+def probability(x, name: str, *, hint: str = "") -> float:
+    """A float in ``[0, 1)`` (a dropout rate); ``hint`` ends the range message, in parentheses."""
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise ArgumentTypeError(f"{name}: expected a probability in [0, 1), got {type(x).__name__} {x!r:.60}")
-    if not (0.0 <= cast(float, x) < 1.0):  # a numbers.Real compares with floats
-        raise ValueError(f"{name}: expected a probability in [0, 1), got {x!r}")
+    if not (0.0 <= cast(float, x) < 1.0):  # a numbers.Real compares with floats; NaN fails
+        raise ValueError(f"{name}: expected a probability in [0, 1), got {x!r}{f' ({hint})' if hint else ''}")
     return float(x)
 
 

@@ -16,9 +16,9 @@ from attnlab.cache.paged import PagedCache, PagedKV
 from attnlab.nn import Decoder, DecoderConfig
 from attnlab.ops.decode import split_kv_attention
 from attnlab.ops.dispatch import attention
-from tests.helpers import F64_FLOOR
+from tests.helpers import F32_PROBS, F32_RECOMPUTE, F64_FLOOR
 
-TOL = dict(rtol=0, atol=1e-5)  # the bar for float32 logits, cached vs recomputed
+TOL = dict(**F32_RECOMPUTE)  # the bar for float32 logits, cached vs recomputed
 
 
 def rand(*shape, seed=0, dtype=torch.float64):
@@ -386,7 +386,7 @@ def test_attention_mask_with_equal_length_rows_and_need_weights():
         ref = m(ids, attention_mask=keep, output_attentions=True)
         torch.testing.assert_close(out.logits[keep], ref.logits[keep], **TOL)
         for w, wr in zip(out.attentions, ref.attentions, strict=True):
-            torch.testing.assert_close(w, wr, rtol=0, atol=1e-6)
+            torch.testing.assert_close(w, wr, **F32_PROBS)
         keep2 = torch.cat([keep, torch.ones(2, 1, dtype=torch.bool)], 1)
         ids2 = torch.cat([ids, torch.tensor([[8], [9]])], 1)
         step = m(ids2[:, -1:], attention_mask=keep2, cache=c).logits[:, -1]
@@ -413,7 +413,7 @@ def test_evict_oldest_blocks_keeps_positions_and_attends_what_is_held():
     q = rand(1, 4, 1, 4, seed=2)
     ref = attention(q, k[None], v[None], mask=masks.causal(), kv_offset=4, q_offset=7, backend="reference")
     torch.testing.assert_close(kv.attend(q, mask=masks.causal()), ref, **F64_FLOOR)
-    with pytest.raises(ValueError, match=r"n_blocks must be an int in \[0, 2\]"):
+    with pytest.raises(ValueError, match=r"n_blocks: expected an int in \[0, 2\]"):
         c.evict(a, 3)
 
 
@@ -485,9 +485,9 @@ def test_errors_name_the_problem():
         c.fork()
     with pytest.raises(TypeError, match="token ids"):
         c.add_sequence([1.5])
-    with pytest.raises(ValueError, match=r"truncate: length must be an int in \[0, 0\]"):
+    with pytest.raises(ValueError, match=r"truncate: length: expected an int in \[0, 0\]"):
         c.truncate(a, 1)
-    with pytest.raises(ValueError, match="n_blocks must be an int >= 1"):
+    with pytest.raises(ValueError, match="n_blocks: expected an int >= 1"):
         PagedCache(1, 0, 1, 1)
     kv = c.update(0, k, k)
     assert isinstance(kv, PagedKV)

@@ -17,7 +17,7 @@ from attnlab.cache.quantize import pack, packed_size, quantize, unpack
 from attnlab.cache.quantized import QuantizedCache, QuantizedKV
 from attnlab.nn import Decoder, DecoderConfig
 from attnlab.ops.dispatch import attention
-from tests.helpers import F64_FLOOR
+from tests.helpers import F32_DECODE_STEPS, F64_FLOOR
 
 # -- a straightforward reference quantizer: one group at a time -------------------------------
 
@@ -433,7 +433,7 @@ def test_decoder_greedy_with_quantized_cache():
             top2 = logits["float"].topk(2).values
             clear = (top2[:, 0] - top2[:, 1]) > 2 * LOGIT_BOUND_INT8
             assert torch.equal(logits[8].argmax(-1)[clear], logits["float"].argmax(-1)[clear])
-        torch.testing.assert_close(logits["float"], m(seq).logits[:, -1], rtol=0, atol=1e-4)
+        torch.testing.assert_close(logits["float"], m(seq).logits[:, -1], **F32_DECODE_STEPS)
     assert caches[8].seen == 74 and caches[8].n_groups(0) == 3
     assert errs[8] < LOGIT_BOUND_INT8 and errs[8] < 3 * errs["bf16"], errs
     assert errs[8] < errs[4] < errs[2], errs

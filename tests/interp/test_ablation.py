@@ -6,6 +6,7 @@ import torch
 
 from attnlab.interp import ablate, ablation_effects, capture
 from attnlab.nn import Decoder, DecoderConfig
+from tests.helpers import F32_ZEROED_HEADS
 
 
 def _model(**kw):
@@ -27,7 +28,7 @@ def test_zero_ablation_equals_zeroing_W_O():
     with torch.no_grad():
         model.blocks[1].attn.W_O[2] = 0
         model.blocks[0].attn.W_O[0] = 0
-    torch.testing.assert_close(got, model(ids).logits, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got, model(ids).logits, **F32_ZEROED_HEADS)
     assert all(not b.attn.hooks for b in model.blocks)
 
 

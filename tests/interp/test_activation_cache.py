@@ -7,9 +7,9 @@ import torch
 
 from attnlab.interp import ActivationCache, get_act_name, run_with_cache
 from attnlab.nn import Decoder, DecoderConfig, Encoder, EncoderConfig
+from tests.helpers import F32_ACCUMULATED_SUM, F32_RECOMPUTE
 
 V, D, L, H = 40, 32, 3, 4
-ATOL = 1e-5  # float32 sums of up to 2·L + 2 d_model-vectors of size ~1: a few ulps
 
 
 def _decoder(kind="gpt2"):
@@ -71,16 +71,16 @@ def test_decompose_resid_sums_to_the_stream(kind):
     for layer in range(L + 1):
         parts, labels = cache.decompose_resid(layer, return_labels=True)
         want = cache["resid_pre", layer] if layer < L else cache["resid_post", -1]
-        torch.testing.assert_close(parts.sum(0), want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(parts.sum(0), want, **F32_ACCUMULATED_SUM)
         assert len(labels) == parts.shape[0] == (2 if kind == "gpt2" else 1) + 2 * layer
         if layer < L:
             mid = cache.decompose_resid(layer, mlp_input=True)
-            torch.testing.assert_close(mid.sum(0), cache["resid_mid", layer], atol=ATOL, rtol=0)
+            torch.testing.assert_close(mid.sum(0), cache["resid_mid", layer], **F32_ACCUMULATED_SUM)
     _, labels = cache.decompose_resid(-2, mode="attn", return_labels=True)
     assert labels[-1] == f"{L - 2}_attn_out" and all("mlp" not in s for s in labels)
     one = cache.decompose_resid(pos_slice=-1)
     assert one.shape[-2] == 1
-    torch.testing.assert_close(one.sum(0), cache["resid_post", -1][:, -1:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(one.sum(0), cache["resid_post", -1][:, -1:], **F32_ACCUMULATED_SUM)
 
 
 def test_accumulated_resid_and_apply_ln_to_stack():
@@ -97,13 +97,13 @@ def test_accumulated_resid_and_apply_ln_to_stack():
     # the norm as a linear map on the stack: (x - mean) / cached scale, i.e. its output without weight and bias
     fin = model.norm
     lens = cache.accumulated_resid(apply_ln=True)
-    torch.testing.assert_close(lens[-1] * fin.weight + fin.bias, cache["ln_final.hook_normalized"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(lens[-1] * fin.weight + fin.bias, cache["ln_final.hook_normalized"], **F32_RECOMPUTE)
     ln1 = model.blocks[1].norm1
     got = cache.apply_ln_to_stack(cache["resid_pre", 1][None], 1)[0]
-    torch.testing.assert_close(got * ln1.weight + ln1.bias, cache["blocks.1.ln1.hook_normalized"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got * ln1.weight + ln1.bias, cache["blocks.1.ln1.hook_normalized"], **F32_RECOMPUTE)
     ln2 = model.blocks[0].norm2
     got = cache.apply_ln_to_stack(cache["resid_mid", 0][None], 0, mlp_input=True)[0]
-    torch.testing.assert_close(got * ln2.weight + ln2.bias, cache["blocks.0.ln2.hook_normalized"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got * ln2.weight + ln2.bias, cache["blocks.0.ln2.hook_normalized"], **F32_RECOMPUTE)
     with pytest.raises(ValueError, match="layer"):
         cache.accumulated_resid(L + 1)
 
@@ -116,11 +116,11 @@ def test_stack_head_results():
     assert heads.shape == (L * H, 2, 6, D) and labels[:2] == ["L0H0", "L0H1"] and labels[-1] == f"L{L - 1}H{H - 1}"
     for l in range(L):
         torch.testing.assert_close(
-            heads[l * H : (l + 1) * H].sum(0) + model.blocks[l].attn.b_O, cache["attn_out", l], atol=ATOL, rtol=0
+            heads[l * H : (l + 1) * H].sum(0) + model.blocks[l].attn.b_O, cache["attn_out", l], **F32_ACCUMULATED_SUM
         )
     two, labels = cache.stack_head_results(2, incl_remainder=True, return_labels=True)
     assert labels[-1] == "remainder" and two.shape[0] == 2 * H + 1
-    torch.testing.assert_close(two.sum(0), cache["resid_post", 1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(two.sum(0), cache["resid_post", 1], **F32_ACCUMULATED_SUM)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
@@ -135,15 +135,15 @@ def test_logit_attrs_sum_to_the_logit(kind):
     W_U = model.lm_head.weight
     bias = model.norm.bias if getattr(model.norm, "bias", None) is not None else torch.zeros(D)
     want = logits.gather(-1, tok[..., None])[..., 0] - (bias * W_U[tok]).sum(-1)  # minus ln_final's bias term
-    torch.testing.assert_close(attrs.sum(0), want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(attrs.sum(0), want, **F32_ACCUMULATED_SUM)
     # a logit difference: the bias terms cancel only in the sum of the two biases' terms
     bad = (tok + 1) % V
     diff = cache.logit_attrs(parts, tok, incorrect_tokens=bad).sum(0)
     want_d = want - (logits.gather(-1, bad[..., None])[..., 0] - (bias * W_U[bad]).sum(-1))
-    torch.testing.assert_close(diff, want_d, atol=ATOL, rtol=0)
+    torch.testing.assert_close(diff, want_d, **F32_ACCUMULATED_SUM)
     # an int token, one position: [components, B, 1]
     one = cache.logit_attrs(cache.decompose_resid(pos_slice=-1), 3, pos_slice=-1)
-    torch.testing.assert_close(one.sum(0)[:, 0], logits[:, -1, 3] - (bias * W_U[3]).sum(), atol=ATOL, rtol=0)
+    torch.testing.assert_close(one.sum(0)[:, 0], logits[:, -1, 3] - (bias * W_U[3]).sum(), **F32_ACCUMULATED_SUM)
     with pytest.raises(TypeError, match="tokens"):
         cache.logit_attrs(parts, 1.5)
     with pytest.raises(ValueError, match="tokens"):
@@ -171,15 +171,15 @@ def test_transformers_gpt2_decompose_and_logit_attrs():
     ids = torch.randint(0, V, (2, 6))
     logits, cache = run_with_cache(model, ids)
     parts = cache.decompose_resid()
-    torch.testing.assert_close(parts.sum(0), cache["resid_post", -1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(parts.sum(0), cache["resid_post", -1], **F32_ACCUMULATED_SUM)
     tok = ids.roll(-1, 1)
     ln_f, W_U = model.transformer.ln_f, model.lm_head.weight
     want = logits.gather(-1, tok[..., None])[..., 0] - (ln_f.bias * W_U[tok]).sum(-1)
-    torch.testing.assert_close(cache.logit_attrs(parts, tok).sum(0), want.detach(), atol=ATOL, rtol=0)
+    torch.testing.assert_close(cache.logit_attrs(parts, tok).sum(0), want.detach(), **F32_ACCUMULATED_SUM)
     heads = cache.stack_head_results(incl_remainder=True)
-    torch.testing.assert_close(heads.sum(0), cache["resid_post", -1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(heads.sum(0), cache["resid_post", -1], **F32_ACCUMULATED_SUM)
     full = cache.get_full_resid_decomposition()  # heads through c_proj, biases of c_proj, MLPs, embeddings
-    torch.testing.assert_close(full.sum(0), cache["resid_post", -1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(full.sum(0), cache["resid_post", -1], **F32_ACCUMULATED_SUM)
 
 
 def test_device_and_kept_bytes():
@@ -221,13 +221,15 @@ def test_full_resid_decomposition_and_stack_activation(kind):
     parts, labels = cache.get_full_resid_decomposition(return_labels=True)
     assert labels[:2] == ["L0H0", "L0H1"] and labels[-1] == "bias" and f"{L - 1}_mlp_out" in labels
     assert parts.shape == (L * H + L + (2 if kind == "gpt2" else 1) + 1, 2, 6, D)
-    torch.testing.assert_close(parts.sum(0), cache["resid_post", -1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(parts.sum(0), cache["resid_post", -1], **F32_ACCUMULATED_SUM)
     mid = cache.get_full_resid_decomposition(1, mlp_input=True)
-    torch.testing.assert_close(mid.sum(0), cache["resid_mid", 1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(mid.sum(0), cache["resid_mid", 1], **F32_ACCUMULATED_SUM)
     # per-head direct logit attribution sums to the logit (minus ln_final's bias term), as decompose_resid's
     tok = torch.randint(0, V, (2, 6))
     torch.testing.assert_close(
-        cache.logit_attrs(parts, tok).sum(0), cache.logit_attrs(cache.decompose_resid(), tok).sum(0), atol=ATOL, rtol=0
+        cache.logit_attrs(parts, tok).sum(0),
+        cache.logit_attrs(cache.decompose_resid(), tok).sum(0),
+        **F32_ACCUMULATED_SUM,
     )
     st = cache.stack_activation("pattern")
     assert st.shape == (L, 2, H, 6, 6) and torch.equal(st[1], cache["pattern", 1])

@@ -9,6 +9,7 @@ from attnlab import masks
 from attnlab.interp import attention_modules, capture
 from attnlab.nn import Decoder, DecoderConfig, MultiHeadAttention
 from attnlab.positions import RoPE
+from tests.helpers import F32_ACCUMULATED_SUM, F32_MODEL_PARITY, F32_PROBS, F32_RECOMPUTE
 
 
 def _decoder(**kw):
@@ -29,9 +30,9 @@ def test_patterns_equal_output_attentions(kw):
         got = model(ids)
     assert torch.equal(got.logits, model(ids).logits)  # observing changes nothing
     for l in range(3):
-        torch.testing.assert_close(cap.pattern(l), want.attentions[l], atol=1e-6, rtol=0)
+        torch.testing.assert_close(cap.pattern(l), want.attentions[l], **F32_PROBS)
         # a subset of heads, in any order: head-dependent mods (ALiBi) keep their head index
-        torch.testing.assert_close(cap.pattern(l, heads=[3, 1]), want.attentions[l][:, [3, 1]], atol=1e-6, rtol=0)
+        torch.testing.assert_close(cap.pattern(l, heads=[3, 1]), want.attentions[l][:, [3, 1]], **F32_PROBS)
     assert cap.patterns().shape == (3, 2, 4, 11, 11)
 
 
@@ -44,11 +45,11 @@ def test_z_is_the_per_head_output_before_W_O():
     z = cap[0].z
     assert z.shape == (2, 6, 7, 4)
     recon = torch.einsum("bhnd,hdm->bnm", z, mha.W_O) + mha.b_O
-    torch.testing.assert_close(recon, out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(recon, out, **F32_ACCUMULATED_SUM)
     # z equals pattern @ v for each head, with v read through the GQA mapping
     p = cap.pattern(0)
     v = cap[0].v.repeat_interleave(3, dim=1)
-    torch.testing.assert_close(p @ v, z, atol=1e-5, rtol=0)
+    torch.testing.assert_close(p @ v, z, **F32_RECOMPUTE)
 
 
 def test_fast_path_stays_on_and_nothing_materializes_during_forward(monkeypatch):
@@ -86,7 +87,7 @@ def test_capture_with_kv_cache_records_each_step():
     calls = cap.calls(1)
     assert len(calls) == 2 and calls[1].k.shape[2] == 8
     # the second call's pattern is the last two rows of the full pattern
-    torch.testing.assert_close(calls[1].pattern(), full[1][:, :, 6:], atol=1e-6, rtol=0)
+    torch.testing.assert_close(calls[1].pattern(), full[1][:, :, 6:], **F32_PROBS)
 
 
 def test_bad_arguments():
@@ -121,9 +122,9 @@ def test_transformers_model_through_the_bridge():
     with capture(model, heads=[0, 3]) as cap:
         got = model(ids)
     assert model.config._attn_implementation == "eager"  # switched back
-    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.logits, want.logits, **F32_MODEL_PARITY)
     for l in range(2):
-        torch.testing.assert_close(cap.pattern(l), want.attentions[l][:, [0, 3]].float(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(cap.pattern(l), want.attentions[l][:, [0, 3]].float(), **F32_MODEL_PARITY)
     assert cap[1].k.shape == (2, 2, 9, 8)
 
 
@@ -134,8 +135,8 @@ def test_negative_layers_and_heads_mean_what_they_mean_in_python():
     with capture(model, layers=[-1, 0]) as cap:
         model(ids)
     assert cap.layers == [2, 0]
-    torch.testing.assert_close(cap.pattern(-1), want[2], atol=1e-6, rtol=0)
-    torch.testing.assert_close(cap.pattern(2, heads=[-1, -4]), want[2][:, [3, 0]], atol=1e-6, rtol=0)
+    torch.testing.assert_close(cap.pattern(-1), want[2], **F32_PROBS)
+    torch.testing.assert_close(cap.pattern(2, heads=[-1, -4]), want[2][:, [3, 0]], **F32_PROBS)
     assert cap[-3] is cap[0]
     with pytest.raises(ValueError, match="layers"), capture(model, layers=[-4]):
         pass

@@ -28,7 +28,7 @@ from attnlab.interp.circuits import (
 from attnlab.interp.factored import FactoredMatrix
 from attnlab.nn import Decoder, DecoderConfig, MultiHeadAttention
 from attnlab.positions import RoPE
-from tests.helpers import F64_REORDER
+from tests.helpers import F32_AGAINST_F64, F64_REORDER, F64_SUMMARY, MOVED, MOVED_SLIGHTLY
 
 D = torch.float64
 TOL = dict(**F64_REORDER)  # float64 algebra on O(1) numbers: roundoff is ~1e-14
@@ -250,7 +250,7 @@ def test_circuits_equal_forward_scores_and_outputs(H, Hkv):
     # the pattern is softmax(scale · x W_QK xᵀ), and the output is Σ_h A_h x W_OV[h]
     A = causal_softmax(scores, m.scale)
     out, w = m(x, mask=masks.causal(), need_weights=True)
-    torch.testing.assert_close(w[0].double(), A, rtol=1e-5, atol=1e-6)  # the pattern is float32
+    torch.testing.assert_close(w[0].double(), A, **F32_AGAINST_F64)  # the pattern is float32
     close(out[0], (A @ (x[0] @ ov).AB).sum(0))
 
 
@@ -268,7 +268,7 @@ def test_qk_circuit_with_rope_positions_gives_the_rotated_scores():
         if i == j:
             close(c, plain)  # R_i R_iᵀ = I
         else:
-            assert not torch.allclose(c.AB, plain.AB, atol=1e-3)
+            assert not torch.allclose(c.AB, plain.AB, **MOVED)
     close(qk_circuit(m, query_pos=7, key_pos=4), qk_circuit(m, query_pos=3, key_pos=0))  # relative
     with pytest.raises(ValueError, match="both or neither"):
         qk_circuit(m, query_pos=1)
@@ -344,7 +344,7 @@ def test_gauge_freedom_under_rope_only_for_commuting_M(interleaved):
 
     # a generic invertible M does not commute with the rotations: outputs change
     ref, circ, out, circ2, m = transformed(well_conditioned(dh, 3))
-    assert maxdiff(out, ref) > 1e-3 and not torch.allclose(circ, circ2, atol=1e-3)
+    assert maxdiff(out, ref) > 1e-3 and not torch.allclose(circ, circ2, **MOVED)
     # M = 2 R_3 + R_7 (a sum of RoPE rotations: a per-pair scaled rotation) commutes with every R_p
     rope = m.positions
     R = lambda p: rope(torch.eye(dh, dtype=D)[None, None], torch.full((dh,), p))[0, 0]  # noqa: E731
@@ -416,7 +416,7 @@ def test_fold_ln_is_exact_up_to_the_per_token_scale(norm):
     close(fqk.AB[:, t][:, :, t] / (sigma[:, None] * sigma[None, :]), scores)
     raw = full_qk_circuit(model, 0, fold_ln=False)
     close(raw[0], model.embed.weight @ attn.W_Q[0] @ attn.W_K[0].T @ model.embed.weight.T)
-    assert not torch.allclose(raw.AB, fqk.AB, atol=1e-3)
+    assert not torch.allclose(raw.AB, fqk.AB, **MOVED)
     # OV: head h's write, through the linear part of the final norm and W_U
     A = causal_softmax(scores, attn.scale)
     fov = full_ov_circuit(model, 0)
@@ -437,9 +437,9 @@ def test_copying_score_plus_and_minus_one_and_reference():
     setw(attn.W_O[1], -E_S.T)  # its negative
     s = copying_score(model, 0).detach()
     assert s.shape == (3,)
-    torch.testing.assert_close(s[:2], torch.tensor([1.0, -1.0], dtype=D), rtol=0, atol=1e-9)
+    torch.testing.assert_close(s[:2], torch.tensor([1.0, -1.0], dtype=D), **F64_SUMMARY)
     lam = torch.linalg.eigvals(full_ov_circuit(model, 0).AB[2])  # dense 20 × 20 reference
-    torch.testing.assert_close(s[2], lam.sum().real / lam.abs().sum(), rtol=0, atol=1e-9)
+    torch.testing.assert_close(s[2], lam.sum().real / lam.abs().sum(), **F64_SUMMARY)
     assert -1 + 1e-3 < float(s[2]) < 1 - 1e-3
     E = rnd(9, 4, seed=8)
     assert abs(float(eigenvalue_copying_score(FactoredMatrix(E, E.T))) - 1) < 1e-12
@@ -505,7 +505,7 @@ def test_composition_scores_equal_dense_formulas_gqa(attn_only):
         ref = torch.where((L[:, None] < L[None, :])[:, None, :, None], ref, torch.zeros((), dtype=D))
         close(composition_scores(model, kind), ref)
         if not attn_only:
-            assert not torch.allclose(composition_scores(model, kind, fold_ln=False), ref, atol=1e-4)
+            assert not torch.allclose(composition_scores(model, kind, fold_ln=False), ref, **MOVED_SLIGHTLY)
     I = torch.eye(16, dtype=D)
     close(
         composition_score(FactoredMatrix(OV[0, 1], I), FactoredMatrix(QK[2, 3], I)),

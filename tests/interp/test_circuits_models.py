@@ -23,7 +23,7 @@ from attnlab.interp.ablation import hidden_change, lm_loss  # noqa: E402
 from attnlab.interp.weights import model_weights  # noqa: E402
 from attnlab.models import load  # noqa: E402
 from attnlab.nn import Encoder, EncoderConfig  # noqa: E402
-from tests.helpers import EXACT, F64_REORDER  # noqa: E402
+from tests.helpers import ABLATION_BY_HAND, EXACT, F64_REORDER, HF_F64_EFFECTS, HF_F64_HEAD_SCORES  # noqa: E402
 
 D = torch.float64
 TOL = dict(**F64_REORDER)  # float64 products of O(1) numbers: roundoff ~1e-14
@@ -218,12 +218,12 @@ def test_detectors_and_ablation_on_encoders(pairs):
     ids = torch.randint(3, V, (2, 9), generator=torch.Generator().manual_seed(1))
     a, b = detect(hf, ids), detect(ours, ids)
     for name in a:
-        torch.testing.assert_close(a[name].scores, b[name].scores, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a[name].scores, b[name].scores, **HF_F64_HEAD_SCORES)
     ea = ablation_effects(hf, ids, progress=False)  # default loss: no LM logits
     eb = ablation_effects(ours, ids, progress=False, layers=[0, -1])
     assert "hidden" in ea.name and ea.scores.shape == (2, 4) and eb.layers == [0, 1]
     assert (ea.scores > 0).all()  # every head moves the output
-    torch.testing.assert_close(ea.scores, eb.scores, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(ea.scores, eb.scores, **HF_F64_EFFECTS)
     # the default equals zero-ablating W_O's slice by hand and measuring the relative change
     h0 = ours(ids).last_hidden_state
     W = ours.blocks[1].attn.out_weight
@@ -233,7 +233,7 @@ def test_detectors_and_ablation_on_encoders(pairs):
         h = ours(ids).last_hidden_state
         W.copy_(keep)
     want = ((h - h0).norm(dim=-1) / h0.norm(dim=-1)).mean()
-    torch.testing.assert_close(eb.scores[1, 2], want.to(eb.scores.dtype), rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(eb.scores[1, 2], want.to(eb.scores.dtype), **ABLATION_BY_HAND)
     with torch.no_grad():
         assert float(hidden_change(ours, ids)(ours, ids)) == 0.0
     with pytest.raises(ValueError, match="lm_loss needs next-token logits"):
@@ -245,7 +245,7 @@ def test_decoder_default_loss_is_still_the_lm_loss(pairs):
     ids = torch.randint(3, V, (2, 8), generator=torch.Generator().manual_seed(2))
     e = ablation_effects(hf, ids, progress=False)
     assert e.name == "zero-ablation Δloss"
-    torch.testing.assert_close(e.scores, ablation_effects(ours, ids, progress=False).scores, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(e.scores, ablation_effects(ours, ids, progress=False).scores, **HF_F64_EFFECTS)
 
 
 def test_unsupported_models_are_refused_by_name():

@@ -8,12 +8,9 @@ import torch
 import attnlab.nn.attention as attn_mod
 from attnlab.interp import hook_names, hook_points, hooks, run_with_cache, run_with_hooks
 from attnlab.nn import Decoder, DecoderConfig, Encoder, EncoderConfig
-from tests.helpers import EXACT
+from tests.helpers import EXACT, F32_PROBS, F32_RECOMPUTE, MOVED
 
 V, D, L, H = 40, 32, 3, 4
-# float32 sums over d_model=32 and a 3-layer forward: observing must be exact, editing paths
-# that recompute (pattern·v, Σ_h result) agree to a few ulps of the activations' size.
-ATOL = 1e-5
 
 KINDS = {
     "gpt2": dict(),
@@ -111,7 +108,7 @@ def test_encoder_names_shapes_and_post_norm_order():
     # patterns of a padded batch: masked keys get 0, as output_attentions
     ref = enc(ids, attention_mask=keep, output_attentions=True).attentions
     for l in range(2):
-        torch.testing.assert_close(cache["pattern", l], ref[l], atol=1e-6, rtol=0)
+        torch.testing.assert_close(cache["pattern", l], ref[l], **F32_PROBS)
 
 
 def test_hook_info_and_forward_order():
@@ -152,10 +149,10 @@ def _manual_forward(model, ids, *, drop_attn_layer=None, z_edit=None):
 def test_zeroing_attn_out_equals_the_model_without_that_attention():
     model = _decoder()
     ids = torch.randint(0, V, (2, 6))
-    torch.testing.assert_close(_manual_forward(model, ids), model(ids).logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(_manual_forward(model, ids), model(ids).logits, **F32_RECOMPUTE)
     got = run_with_hooks(model, ids, fwd_hooks=[("blocks.1.hook_attn_out", lambda x, hook: torch.zeros_like(x))])
-    torch.testing.assert_close(got, _manual_forward(model, ids, drop_attn_layer=1), atol=ATOL, rtol=0)
-    assert not torch.allclose(got, model(ids).logits, atol=1e-3)
+    torch.testing.assert_close(got, _manual_forward(model, ids, drop_attn_layer=1), **F32_RECOMPUTE)
+    assert not torch.allclose(got, model(ids).logits, **MOVED)
 
 
 def test_z_edits_in_place_and_returned_propagate():
@@ -173,7 +170,7 @@ def test_z_edits_in_place_and_returned_propagate():
         z[:, :, 2] = 0
 
     got = run_with_hooks(model, ids, fwd_hooks=[("blocks.0.attn.hook_z", in_place)])
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, want, **F32_RECOMPUTE)
 
     def returned(z, hook):
         z = z.clone()
@@ -181,7 +178,7 @@ def test_z_edits_in_place_and_returned_propagate():
         return z
 
     got2 = run_with_hooks(model, ids, fwd_hooks=[("blocks.0.attn.hook_z", returned)])
-    torch.testing.assert_close(got2, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got2, want, **F32_RECOMPUTE)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama_gqa"])
@@ -205,7 +202,7 @@ def test_pattern_result_scores_and_scale_edits_recompute_downstream(kind):
             ("blocks.1.attn.hook_z", lambda z, hook: z_seen.setdefault("z", z.clone())),
         ],
     )
-    torch.testing.assert_close(z_seen["z"], z_want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(z_seen["z"], z_want, **F32_RECOMPUTE)
 
     # the same through the scores: a -inf everywhere but the diagonal gives z = v
     def diag(s, hook):
@@ -219,7 +216,7 @@ def test_pattern_result_scores_and_scale_edits_recompute_downstream(kind):
             ("blocks.1.attn.hook_z", lambda z, hook: z_seen.update(d=z.clone())),
         ],
     )
-    torch.testing.assert_close(z_seen["d"], v.repeat_interleave(G, dim=2), atol=ATOL, rtol=0)
+    torch.testing.assert_close(z_seen["d"], v.repeat_interleave(G, dim=2), **F32_RECOMPUTE)
     # result edit == z edit: dropping head 3's result is zeroing its z
     a = run_with_hooks(
         model,
@@ -229,7 +226,7 @@ def test_pattern_result_scores_and_scale_edits_recompute_downstream(kind):
     b = run_with_hooks(
         model, ids, fwd_hooks=[("blocks.0.attn.hook_z", lambda z, hook: torch.cat([z[:, :, :3], 0 * z[:, :, 3:]], 2))]
     )
-    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    torch.testing.assert_close(a, b, **F32_RECOMPUTE)
     assert not torch.allclose(a, got)
     # scale edit: the norm recomputed from the edited scale (doubling it halves ln1's output)
     out = {}
@@ -244,7 +241,7 @@ def test_pattern_result_scores_and_scale_edits_recompute_downstream(kind):
     norm = model.blocks[0].norm1
     bias = getattr(norm, "bias", None)
     base = cache["blocks.0.ln1.hook_normalized"] - (0 if bias is None else bias)
-    torch.testing.assert_close(out["x"], base / 2 + (0 if bias is None else bias), atol=ATOL, rtol=0)
+    torch.testing.assert_close(out["x"], base / 2 + (0 if bias is None else bias), **F32_RECOMPUTE)
 
 
 def test_q_k_v_edits_propagate_and_rot_points_see_rope():
@@ -253,14 +250,14 @@ def test_q_k_v_edits_propagate_and_rot_points_see_rope():
     _, cache = run_with_cache(model, ids)
     rope = model.blocks[0].attn.positions
     q = cache["q", 0].transpose(1, 2)
-    torch.testing.assert_close(cache["rot_q", 0], rope(q, 0).transpose(1, 2), atol=ATOL, rtol=0)
+    torch.testing.assert_close(cache["rot_q", 0], rope(q, 0).transpose(1, 2), **F32_RECOMPUTE)
     # zeroing k makes every visible key score 0: the pattern is uniform over the causal prefix
     _, c2 = run_with_cache(model, ids, fwd_hooks=[("blocks.0.attn.hook_k", lambda k, hook: torch.zeros_like(k))])
     uni = torch.ones(6, 6).tril()
-    torch.testing.assert_close(c2["pattern", 0][0, 0], uni / uni.sum(-1, keepdim=True), atol=1e-6, rtol=0)
+    torch.testing.assert_close(c2["pattern", 0][0, 0], uni / uni.sum(-1, keepdim=True), **F32_PROBS)
     # editing v by a factor scales z
     _, c3 = run_with_cache(model, ids, fwd_hooks=[("blocks.0.attn.hook_v", lambda v, hook: v * 3)])
-    torch.testing.assert_close(c3["z", 0], cache["z", 0] * 3, atol=ATOL, rtol=0)
+    torch.testing.assert_close(c3["z", 0], cache["z", 0] * 3, **F32_RECOMPUTE)
     assert not torch.allclose(c3["resid_post", 0], cache["resid_post", 0])
 
 
@@ -271,9 +268,9 @@ def test_patterns_equal_output_attentions(kind):
     ref = model(ids, output_attentions=True).attentions
     _, cache = run_with_cache(model, ids, names_filter=lambda n: "pattern" in n or "scores" in n)
     for l in range(L):
-        torch.testing.assert_close(cache["pattern", l], ref[l], atol=1e-6, rtol=0)
-        torch.testing.assert_close(cache.pattern(l - L, heads=[-1]), ref[l][:, [H - 1]], atol=1e-6, rtol=0)
-        torch.testing.assert_close(cache["attn_scores", l].softmax(-1), ref[l], atol=1e-6, rtol=0)
+        torch.testing.assert_close(cache["pattern", l], ref[l], **F32_PROBS)
+        torch.testing.assert_close(cache.pattern(l - L, heads=[-1]), ref[l][:, [H - 1]], **F32_PROBS)
+        torch.testing.assert_close(cache["attn_scores", l].softmax(-1), ref[l], **F32_PROBS)
 
 
 def test_hooks_removed_after_an_exception_and_nothing_runs_without_hooks(monkeypatch):
@@ -333,7 +330,7 @@ def test_hooks_with_a_kv_cache_decode():
             ("blocks.0.attn.hook_z", lambda z, h: None),
         ],
     )
-    torch.testing.assert_close(step[:, -1], full[:, -1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(step[:, -1], full[:, -1], **F32_RECOMPUTE)
     assert seen["p"].shape == (1, H, 1, 6)
 
 
@@ -406,7 +403,7 @@ def test_transformers_models_names_shapes_and_unchanged_outputs(kind):
         out = model(ids)
     want = out.logits if kind != "bert" else out.last_hidden_state
     got, cache = run_with_cache(model, ids)
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, want, **F32_RECOMPUTE)
     assert model.config._attn_implementation == impl  # switched back after the call
     Hkv, dm, pos, rot, lnf, logits = HF_SHAPES[kind]
     names = hook_names(model)
@@ -450,7 +447,7 @@ def test_transformers_models_names_shapes_and_unchanged_outputs(kind):
     with torch.no_grad():
         hs = model(ids, output_hidden_states=True).hidden_states
     for l in range(2):
-        torch.testing.assert_close(cache["resid_pre", l], hs[l], atol=ATOL, rtol=0)
+        torch.testing.assert_close(cache["resid_pre", l], hs[l], **F32_RECOMPUTE)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
@@ -469,7 +466,7 @@ def test_transformers_edits_propagate_like_zeroed_weights(kind):
             b.bias.zero_()
         out = model(ids)
     want = out.logits if kind != "bert" else out.last_hidden_state
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, want, **F32_RECOMPUTE)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
@@ -481,7 +478,7 @@ def test_transformers_resid_mid_replacement_reaches_both_branches(kind):
     ln2 = blk.ln_2 if kind == "gpt2" else blk.post_attention_layernorm
     with torch.no_grad():
         want = 1 + blk.mlp(ln2(torch.ones(1, 5, D)))
-    torch.testing.assert_close(cache["resid_post", 0], want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(cache["resid_post", 0], want, **F32_RECOMPUTE)
     torch.testing.assert_close(cache["resid_mid", 0], torch.ones(1, 5, D))
 
 
@@ -493,8 +490,8 @@ def test_transformers_patterns_and_z_edits_gqa():
         ref = model(ids, output_attentions=True).attentions
     _, cache = run_with_cache(model, ids)
     for l in range(2):
-        torch.testing.assert_close(cache["pattern", l], ref[l], atol=1e-6, rtol=0)
-        torch.testing.assert_close(cache.pattern(-2 + l, heads=[-1])[:, 0], ref[l][:, -1], atol=1e-6, rtol=0)
+        torch.testing.assert_close(cache["pattern", l], ref[l], **F32_PROBS)
+        torch.testing.assert_close(cache.pattern(-2 + l, heads=[-1])[:, 0], ref[l][:, -1], **F32_PROBS)
     # zeroing head 3's z equals zeroing its columns of o_proj; the result edit does the same
     a = run_with_hooks(
         model, ids, fwd_hooks=[("blocks.0.attn.hook_z", lambda z, h: z.index_fill(2, torch.tensor([3]), 0))]
@@ -505,8 +502,8 @@ def test_transformers_patterns_and_z_edits_gqa():
     with torch.no_grad():
         model.model.layers[0].self_attn.o_proj.weight[:, 24:32] = 0
         want = model(ids).logits
-    torch.testing.assert_close(a, want, atol=ATOL, rtol=0)
-    torch.testing.assert_close(r, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(a, want, **F32_RECOMPUTE)
+    torch.testing.assert_close(r, want, **F32_RECOMPUTE)
 
 
 def test_transformers_hooks_removed_after_an_exception():
@@ -546,9 +543,9 @@ def test_transformers_scale_edit_recomputes_the_norm_and_the_cache_sees_it(kind)
     norm = model.transformer.h[1].ln_2 if kind == "gpt2" else model.model.layers[1].post_attention_layernorm
     bias = getattr(norm, "bias", None)
     bias = 0 if bias is None else bias.detach()
-    torch.testing.assert_close(cache["scale", 1, "ln2"], base["scale", 1, "ln2"] * 2, atol=ATOL, rtol=0)
+    torch.testing.assert_close(cache["scale", 1, "ln2"], base["scale", 1, "ln2"] * 2, **F32_RECOMPUTE)
     torch.testing.assert_close(
-        cache["normalized", 1, "ln2"], (base["normalized", 1, "ln2"] - bias) / 2 + bias, atol=ATOL, rtol=0
+        cache["normalized", 1, "ln2"], (base["normalized", 1, "ln2"] - bias) / 2 + bias, **F32_RECOMPUTE
     )
     assert not torch.allclose(cache["logits"], base["logits"])
     _no_torch_hooks(model)
@@ -575,7 +572,7 @@ def test_bert_padding_mask_reaches_the_patterns():
     with torch.no_grad():
         ref = model(ids, attention_mask=keep, output_attentions=True)
     out, cache = run_with_cache(model, ids, attention_mask=keep)
-    torch.testing.assert_close(out, ref.last_hidden_state, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out, ref.last_hidden_state, **F32_RECOMPUTE)
     for l in range(2):
-        torch.testing.assert_close(cache["pattern", l], ref.attentions[l], atol=1e-6, rtol=0)
+        torch.testing.assert_close(cache["pattern", l], ref.attentions[l], **F32_PROBS)
     assert float(cache["pattern", 0][1, :, :, 4:].abs().max()) == 0.0  # padded keys get no weight

@@ -24,7 +24,7 @@ from attnlab.interp import (
 )
 from attnlab.nn import Decoder, DecoderConfig, Encoder, EncoderConfig
 from attnlab.report import Report
-from tests.helpers import F32_REORDER, F64_REORDER_DEEP
+from tests.helpers import F32_FEW_ULPS, F32_REORDER, F64_REORDER_DEEP
 
 D = torch.float64
 TOL = dict(**F64_REORDER_DEEP)  # float64 forward passes of a tiny model: roundoff ~1e-14
@@ -223,12 +223,12 @@ def test_logit_lens_last_row_is_the_model_and_first_row_is_the_direct_path():
         out = model(ids).logits.log_softmax(-1).float()
         x0 = model.embed(ids) + model.pos_embed(torch.arange(ids.shape[1]))
         direct = model.lm_head(model.norm(x0)).log_softmax(-1).float()
-    torch.testing.assert_close(lens.values[-1], out, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(lens.values[0], direct, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lens.values[-1], out, **F32_FEW_ULPS)
+    torch.testing.assert_close(lens.values[0], direct, **F32_FEW_ULPS)
     nxt = logit_lens(model, ids, target="next")
     assert nxt.values.shape == (3, 6) and nxt.index["layer"] == ["pre 0", "pre 1", "final"]
     want = out[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].mean(0)
-    torch.testing.assert_close(nxt.values[-1], want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(nxt.values[-1], want, **F32_FEW_ULPS)
 
 
 def test_bad_arguments_are_refused_by_name():
@@ -366,4 +366,4 @@ def test_transformers_models_patch_like_the_same_weights_in_attnlab(tmp_path, ki
     a = path_patching(hf, clean, corrupted, receivers=[(1, 0), (1, 3)], receiver_input="k", progress=False, **kw)
     b = path_patching(ours, clean, corrupted, receivers=[(1, 0), (1, 3)], receiver_input="k", progress=False, **kw)
     torch.testing.assert_close(a.values, b.values, **tol)
-    torch.testing.assert_close(logit_lens(hf, clean).values, logit_lens(ours, clean).values, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logit_lens(hf, clean).values, logit_lens(ours, clean).values, **F32_FEW_ULPS)

@@ -26,7 +26,7 @@ import torch
 from attnlab import masks, scores
 from attnlab.interp.stats import HeadStats, head_stats, stats_from_probs
 from attnlab.ops.reference import reference_probs
-from tests.helpers import assert_close_rule, max_err
+from tests.helpers import F32_ONLINE_STATS, F32_ONLINE_STATS_REL, F64_FLOOR, F64_SAME_SUMS, assert_close_rule, max_err
 
 # Both sides compute the same sums in float64 in a different order (tiles vs whole rows)
 # and entropy by a different formula (log l - t/l vs -Σ p log p): a few hundred ulps at
@@ -264,13 +264,13 @@ def test_uniform_rows(n):
     """Equal scores: entropy log(visible keys), max weight = sink mass = 1/visible."""
     q, k = torch.zeros(1, 2, n, 16), torch.randn(1, 1, n, 16)
     st = head_stats(q, k, block_q=256, block_k=256)
-    assert torch.allclose(st.entropy, torch.full_like(st.entropy, math.log(n)), atol=1e-5, rtol=0)
-    assert torch.allclose(st.max_weight, torch.full_like(st.entropy, 1 / n), rtol=1e-5)
+    assert torch.allclose(st.entropy, torch.full_like(st.entropy, math.log(n)), **F32_ONLINE_STATS)
+    assert torch.allclose(st.max_weight, torch.full_like(st.entropy, 1 / n), **F32_ONLINE_STATS_REL)
     st = head_stats(q, k, mask=masks.causal(), block_q=128, block_k=256)
     visible = torch.arange(1, n + 1, dtype=torch.float32)
-    assert torch.allclose(st.entropy[0, 0], visible.log(), atol=1e-5, rtol=0)
-    assert torch.allclose(st.sink_mass[0, 1], 1 / visible, rtol=1e-5)
-    assert torch.allclose(st.prev_mass[0, 0, 1:], 1 / visible[1:], rtol=1e-5)
+    assert torch.allclose(st.entropy[0, 0], visible.log(), **F32_ONLINE_STATS)
+    assert torch.allclose(st.sink_mass[0, 1], 1 / visible, **F32_ONLINE_STATS_REL)
+    assert torch.allclose(st.prev_mass[0, 0, 1:], 1 / visible[1:], **F32_ONLINE_STATS_REL)
     assert st.prev_mass[0, 0, 0] == 0
 
 
@@ -282,8 +282,8 @@ def test_sink_tokens_and_key_positions_forms():
     st_all = head_stats(
         q, k, mask=m, sink_tokens=1000, key_positions=torch.ones(60, dtype=torch.bool), block_q=16, block_k=16
     )
-    assert torch.allclose(st_all.sink_mass, torch.ones_like(st_all.sink_mass), atol=1e-12)
-    assert torch.allclose(st_all.key_mass, torch.ones_like(st_all.key_mass), atol=1e-12)
+    assert torch.allclose(st_all.sink_mass, torch.ones_like(st_all.sink_mass), **F64_FLOOR)
+    assert torch.allclose(st_all.key_mass, torch.ones_like(st_all.key_mass), **F64_FLOOR)
     sel = torch.tensor([0, 3, 17, 41, 59])
     cols = torch.zeros(60, dtype=torch.bool)
     cols[sel] = True
@@ -291,7 +291,11 @@ def test_sink_tokens_and_key_positions_forms():
     b = head_stats(q, k, mask=m, key_positions=cols, block_q=16, block_k=16).key_mass
     c = head_stats(q, k, mask=m, key_positions=cols.expand(B, 60), block_q=16, block_k=16).key_mass
     d = head_stats(q, k, mask=m, key_positions=sel.tolist(), block_q=16, block_k=16).key_mass
-    assert torch.allclose(a, b, atol=1e-14) and torch.allclose(a, c, atol=1e-14) and torch.allclose(a, d, atol=1e-14)
+    assert (
+        torch.allclose(a, b, **F64_SAME_SUMS)
+        and torch.allclose(a, c, **F64_SAME_SUMS)
+        and torch.allclose(a, d, **F64_SAME_SUMS)
+    )
     assert a.max() > 0.05  # the set carries real weight, so the comparison means something
 
 
@@ -325,7 +329,7 @@ def test_per_head_means():
         assert ph["rows"].tolist() == [40 - skip] * 4  # batch 0 is fully masked
         for f in ("entropy", "sink_mass", "prev_mass", "max_weight", "key_mass"):
             want = getattr(st, f)[1, :, skip:].mean(-1)
-            assert ph[f].shape == (4,) and torch.allclose(ph[f], want, atol=1e-14), (f, skip)
+            assert ph[f].shape == (4,) and torch.allclose(ph[f], want, **F64_SAME_SUMS), (f, skip)
     assert (st.per_head(skip_first=100)["rows"] == 0).all()
     assert (st.per_head(skip_first=100)["entropy"] == 0).all()
 

@@ -7,13 +7,12 @@ import re
 import pytest
 import torch
 
+from tests.helpers import F32_MODEL_PARITY, MOVED, MOVED_SLIGHTLY
+
 transformers = pytest.importorskip("transformers")
 
 from attnlab.interp import hook_names, run_with_cache, run_with_hooks  # noqa: E402
 
-# float32 on both sides; the two run different kernels (TL forces eager attention, attnlab runs its
-# own op), so they agree to rounding: the bound.
-ATOL = 1e-5
 # Names TransformerLens has and attnlab does not: TL's generic per-module hook_in / hook_out aliases,
 # its RoPE tables (hook_cos / hook_sin), attn.hook_hidden_states (= the attention output before the
 # block adds it: attnlab's hook_attn_out) and hook_unembed (= attnlab's "logits").  Listed in docs/interp.md.
@@ -84,9 +83,9 @@ def test_every_shared_hook_name_holds_the_same_activation(kind, tmp_path, offlin
     tl_logits, tl_cache = bridge.run_with_cache(ids)
     with torch.no_grad():
         hf_logits = ours(ids).logits
-    torch.testing.assert_close(tl_logits, hf_logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(tl_logits, hf_logits, **F32_MODEL_PARITY)
     logits, cache = run_with_cache(ours, ids)
-    torch.testing.assert_close(logits, hf_logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, hf_logits, **F32_MODEL_PARITY)
     tl_names = set(tl_cache.keys())
     if kind == "gpt2":
         assert len(tl_names) == 93  # the count for a 2-layer GPT-2
@@ -98,9 +97,9 @@ def test_every_shared_hook_name_holds_the_same_activation(kind, tmp_path, offlin
             # masked entries: attnlab's -inf (the design's rule), TL's eager finfo.min
             hidden = torch.isinf(a)
             assert bool((a[hidden] < 0).all()) and bool((b[hidden] <= torch.finfo(b.dtype).min / 2).all()), n
-            torch.testing.assert_close(a[~hidden], b[~hidden].to(a.dtype), atol=ATOL, rtol=0, msg=n)
+            torch.testing.assert_close(a[~hidden], b[~hidden].to(a.dtype), **F32_MODEL_PARITY, msg=n)
         else:
-            torch.testing.assert_close(a, b.to(a.dtype), atol=ATOL, rtol=0, msg=n)
+            torch.testing.assert_close(a, b.to(a.dtype), **F32_MODEL_PARITY, msg=n)
     ours_only = set(hook_names(ours)) - tl_names - set(ALIASES)
     assert ours_only == {f"blocks.{l}.attn.hook_result" for l in range(2)}  # TL's bridge keeps no per-head result
     tl_only = {n for n in tl_names - set(shared) - set(ALIASES.values())}
@@ -133,8 +132,8 @@ def test_every_shared_hook_name_holds_the_same_activation(kind, tmp_path, offlin
     for edit in edits:
         want = bridge.run_with_hooks(ids, fwd_hooks=[edit])
         got = run_with_hooks(ours, ids, fwd_hooks=[edit])
-        assert not torch.allclose(got, hf_logits, atol=1e-4), edit[0]  # the edit does something
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=edit[0])
+        assert not torch.allclose(got, hf_logits, **MOVED_SLIGHTLY), edit[0]  # the edit does something
+        torch.testing.assert_close(got, want, **F32_MODEL_PARITY, msg=edit[0])
     # where they differ: a replaced resid_mid reaches only ln2's input in TL 4.3.0's bridge (its hook sits on
     # ln2's input), while here it is the stream (ln2's input and the residual branch), as HookedTransformer had
     edit = ("blocks.1.hook_resid_mid", lambda x, hook: x.index_fill(1, torch.tensor([3]), 0.5))
@@ -143,5 +142,5 @@ def test_every_shared_hook_name_holds_the_same_activation(kind, tmp_path, offlin
     with torch.no_grad():
         ln2_only = ours(ids).logits
     h.remove()
-    torch.testing.assert_close(bridge.run_with_hooks(ids, fwd_hooks=[edit]), ln2_only, atol=ATOL, rtol=0)
-    assert not torch.allclose(run_with_hooks(ours, ids, fwd_hooks=[edit]), ln2_only, atol=1e-3)
+    torch.testing.assert_close(bridge.run_with_hooks(ids, fwd_hooks=[edit]), ln2_only, **F32_MODEL_PARITY)
+    assert not torch.allclose(run_with_hooks(ours, ids, fwd_hooks=[edit]), ln2_only, **MOVED)

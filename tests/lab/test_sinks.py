@@ -4,6 +4,8 @@ and the value weighting is computed from the model's real value vectors."""
 import pytest
 import torch
 
+from tests.helpers import F32_MASS_MEANS
+
 pytest.importorskip("transformers")
 
 from attnlab.lab import sinks
@@ -38,8 +40,8 @@ def test_masses_equal_transformers_eager_attentions(minilm):
         w = keep.unsqueeze(1).float()
         want_cls = (cls * w).sum((0, 2)) / w.sum((0, 2))
         want_sep = (sep * w).sum((0, 2)) / w.sum((0, 2))
-        torch.testing.assert_close(torch.tensor(res["cls"][l]), want_cls, atol=2e-5, rtol=0)
-        torch.testing.assert_close(torch.tensor(res["sep"][l]), want_sep, atol=2e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(res["cls"][l]), want_cls, **F32_MASS_MEANS)
+        torch.testing.assert_close(torch.tensor(res["sep"][l]), want_sep, **F32_MASS_MEANS)
 
 
 def test_summary_fields_are_consistent(minilm):

@@ -10,10 +10,11 @@ import types
 import pytest
 import torch
 
+from tests.helpers import F32_MODEL_PARITY, F32_MODEL_PARITY_GRAD
+
 T = pytest.importorskip("transformers")
 from attnlab.models import bridge  # noqa: E402
 
-ATOL = 1e-5  # float32; the two paths differ only by summation order
 V = 61  # vocabulary
 
 
@@ -117,7 +118,7 @@ def test_plain_forward_matches_eager(family):
     m = model_for(family)
     ids = torch.randint(1, V, (2, 12), generator=torch.Generator().manual_seed(2))
     want, got = run(m, "eager", input_ids=ids).logits, run(m, "attnlab", input_ids=ids).logits
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, want, **F32_MODEL_PARITY)
 
 
 @pytest.mark.parametrize("family", DECODERS)
@@ -128,7 +129,7 @@ def test_left_padded_batch_matches_eager_on_real_tokens(family):
     got = run(m, "attnlab", input_ids=ids, attention_mask=am).logits
     assert torch.isfinite(got).all()  # padded rows are fully masked: zeros, never NaN
     real = am.bool()
-    torch.testing.assert_close(got[real], want[real], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[real], want[real], **F32_MODEL_PARITY)
 
 
 @pytest.mark.parametrize("family", DECODERS)
@@ -177,7 +178,7 @@ def test_gradients_match_eager(family):
     m.zero_grad(set_to_none=True)
     assert grads["eager"].keys() == grads["attnlab"].keys() and len(grads["eager"]) > 5
     for n, g in grads["eager"].items():
-        torch.testing.assert_close(grads["attnlab"][n], g, atol=ATOL, rtol=1e-4, msg=n)
+        torch.testing.assert_close(grads["attnlab"][n], g, **F32_MODEL_PARITY_GRAD, msg=n)
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +204,7 @@ def test_bert_right_padding_and_gradients(bert):
         want = run(bert, "eager", **inputs).last_hidden_state
         got = run(bert, "attnlab", **inputs).last_hidden_state
         real = inputs.get("attention_mask", torch.ones_like(ids)).bool()
-        torch.testing.assert_close(got[real], want[real], atol=ATOL, rtol=0)
+        torch.testing.assert_close(got[real], want[real], **F32_MODEL_PARITY)
     grads, w = [], torch.randn(32, generator=g)  # (not h**2: LayerNorm makes that nearly constant)
     for impl in ("eager", "attnlab"):
         bert.set_attn_implementation(impl)
@@ -213,7 +214,7 @@ def test_bert_right_padding_and_gradients(bert):
         grads.append({n: p.grad.clone() for n, p in bert.named_parameters() if p.grad is not None})
     bert.zero_grad(set_to_none=True)
     for n, gr in grads[0].items():
-        torch.testing.assert_close(grads[1][n], gr, atol=ATOL, rtol=1e-4, msg=n)
+        torch.testing.assert_close(grads[1][n], gr, **F32_MODEL_PARITY_GRAD, msg=n)
 
 
 def test_the_bridge_really_runs(monkeypatch):
@@ -238,7 +239,7 @@ def test_output_attentions_returns_weights():
     real = am.bool()
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype
-        torch.testing.assert_close(g.transpose(1, 2)[real], w.transpose(1, 2)[real], atol=ATOL, rtol=0)
+        torch.testing.assert_close(g.transpose(1, 2)[real], w.transpose(1, 2)[real], **F32_MODEL_PARITY)
         assert (g.transpose(1, 2)[~real] == 0).all()  # fully masked rows: zeros, not eager's uniform
 
 
@@ -251,7 +252,7 @@ def test_output_attentions_weights_carry_the_gradient():
     m.set_attn_implementation("attnlab")
     out = m(input_ids=ids, attention_mask=am, output_attentions=True)
     real = am.bool()
-    torch.testing.assert_close(out.logits[real], want[real], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.logits[real], want[real], **F32_MODEL_PARITY)
     grads = torch.autograd.grad(out.logits[real].sum(), out.attentions, allow_unused=True)
     assert all(g is not None and g.abs().sum() > 0 for g in grads)
 
@@ -286,7 +287,7 @@ def test_register_names_and_backend():
     ids, am = left_padded()
     want = run(m, "eager", input_ids=ids, attention_mask=am).logits
     got = run(m, "attnlab_ref", input_ids=ids, attention_mask=am).logits
-    torch.testing.assert_close(got[am.bool()], want[am.bool()], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[am.bool()], want[am.bool()], **F32_MODEL_PARITY)
 
 
 # --------------------------------------------------------------- the function itself
@@ -325,15 +326,15 @@ def test_mask_none_alignment_decode_and_sliding_window():
         dense = _mask(fn, Nq, Nk, q_offset=Nk - Nq)  # cache positions: the queries are the newest tokens
         want = _eager(mod, q, k, v, torch.zeros(dense.shape).masked_fill(~dense, float("-inf")))[0]
         got = bridge.attention_forward(mod, q, k, v, None, sliding_window=w)[0]
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(got, want, **F32_MODEL_PARITY)
     # static-cache prefill: Nk > Nq > 1 with mask None means q_offset = 0 (top-left)
     q, k, v = _qkv(Nq=4, Nk=9)
     dense = _mask(causal_mask_function, 4, 9, q_offset=0)
     want = _eager(mod, q, k, v, torch.zeros(dense.shape).masked_fill(~dense, float("-inf")))[0]
-    torch.testing.assert_close(bridge.attention_forward(mod, q, k, v, None)[0], want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(bridge.attention_forward(mod, q, k, v, None)[0], want, **F32_MODEL_PARITY)
     # not causal: no mask at all
     got = bridge.attention_forward(_module(), q, k, v, None, is_causal=False)[0]
-    torch.testing.assert_close(got, _eager(mod, q, k, v, None)[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, _eager(mod, q, k, v, None)[0], **F32_MODEL_PARITY)
 
 
 def test_dense_masks_bool_additive_bias_and_empty_rows():
@@ -351,7 +352,7 @@ def test_dense_masks_bool_additive_bias_and_empty_rows():
             assert torch.isfinite(got).all()
             defined = keep.any(-1).transpose(1, 2)  # (B, Nq, H) rows with a visible key
             ref = want if mask is add else _eager(mod, q, k, v, torch.zeros(keep.shape).masked_fill(~keep, hide))[0]
-            torch.testing.assert_close(got[defined], ref[defined], atol=ATOL, rtol=0)
+            torch.testing.assert_close(got[defined], ref[defined], **F32_MODEL_PARITY)
             assert (got[~defined] == 0).all()
 
 
@@ -363,15 +364,15 @@ def test_softcap_and_position_bias():
     add = torch.zeros(causal.shape).masked_fill(~causal, float("-inf"))
     want = _eager(mod, q, k, v, add, softcap=0.7, scaling=0.3)[0]
     got = bridge.attention_forward(mod, q, k, v, causal, softcap=0.7, scaling=0.3)[0]
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, want, **F32_MODEL_PARITY)
     assert (got - bridge.attention_forward(mod, q, k, v, causal, scaling=0.3)[0]).abs().max() > 1e-2
     pb = torch.randn(1, 4, 7, 7, requires_grad=True)
     got = bridge.attention_forward(mod, q, k, v, None, position_bias=pb)[0]
     want = _eager(mod, q, k, v, add + pb)[0]
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, want, **F32_MODEL_PARITY)
     (gb,) = torch.autograd.grad(got.square().sum(), pb)
     (wb,) = torch.autograd.grad(want.square().sum(), pb)
-    torch.testing.assert_close(gb, wb, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(gb, wb, **F32_MODEL_PARITY_GRAD)
 
 
 def test_gpt_oss_sinks():
@@ -384,11 +385,11 @@ def test_gpt_oss_sinks():
     add = torch.zeros(causal.shape).masked_fill(~causal, float("-inf"))
     want, want_w = eager_attention_forward(mod, q, k, v, add, scaling=0.35)
     got, got_w = bridge.attention_forward(mod, q, k, v, causal, scaling=0.35, s_aux=sinks, output_attentions=True)
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
-    torch.testing.assert_close(got_w, want_w, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, want, **F32_MODEL_PARITY)
+    torch.testing.assert_close(got_w, want_w, **F32_MODEL_PARITY)
     (gs,) = torch.autograd.grad(got.sum(), sinks)
     (ws,) = torch.autograd.grad(want.sum(), sinks)
-    torch.testing.assert_close(gs, ws, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(gs, ws, **F32_MODEL_PARITY_GRAD)
 
 
 def test_bad_masks_and_unsupported_options():

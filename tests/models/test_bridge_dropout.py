@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import F32_MODEL_PARITY
+
 T = pytest.importorskip("transformers")
 from attnlab.models import bridge  # noqa: E402
 
-ATOL = 1e-5  # float32 eval parity; the two paths differ only by summation order
 V = 61
 STEPS = 6
 
@@ -106,7 +107,7 @@ def test_after_training_eval_mode_equals_eager(name):
     if "attention_mask" in batch:  # padded query rows: eager averages uniformly, attnlab gives 0
         real = batch["attention_mask"].bool()
         got, want = got[real], want[real]
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, want, **F32_MODEL_PARITY)
 
 
 def test_the_bridge_runs_the_ops_dropout_in_training_only():

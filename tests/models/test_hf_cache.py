@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import F32_DECODE_STEPS
+
 transformers = pytest.importorskip("transformers")
 
 from attnlab.cache import DynamicCache, PagedCache, QuantizedCache, StaticCache, StreamingCache  # noqa: E402
@@ -54,7 +56,7 @@ def test_generation_with_an_attnlab_cache_equals_transformers_own(hf_checkpoint,
         hf.set_attn_implementation("eager")
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.logits, want.logits, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+        torch.testing.assert_close(a, b, **F32_DECODE_STEPS)
     seen = c.seen if isinstance(c.seen, int) else int(c.seen[0])
     assert seen == PROMPT.shape[1] + 9  # the last token is produced, not cached
 

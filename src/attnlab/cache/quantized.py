@@ -61,16 +61,10 @@ from attnlab.ops.args import scale_arg
 from attnlab.ops.decode import split_kv_attention
 from attnlab.ops.dispatch import attention
 from attnlab.ops.native import decode_ops
-from attnlab.validate import integer
+from attnlab.validate import nonneg_int, positive_int
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _STORE = ("kc", "ks", "kz", "vc", "vs", "vz")
-
-
-def _int(x, name, lo):
-    if isinstance(x, bool) or not isinstance(x, int) or x < lo:
-        raise ValueError(f"QuantizedCache: {name} must be an int >= {lo}, got {x!r}")
-    return integer(x, f"QuantizedCache: {name}")
 
 
 def _append(buf, new, used):
@@ -270,13 +264,13 @@ class QuantizedCache(Cache):
         if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
             raise ValueError(f"QuantizedCache: bits must be one of {BITS}, got {bits!r}")
         self.bits = bits
-        self.group_size = _int(group_size, "group_size", 1)
-        self.residual = group_size if residual is None else _int(residual, "residual", 0)
-        self.value_group = None if value_group is None else _int(value_group, "value_group", 1)
+        self.group_size = positive_int(group_size, "QuantizedCache: group_size")
+        self.residual = group_size if residual is None else nonneg_int(residual, "QuantizedCache: residual")
+        self.value_group = None if value_group is None else positive_int(value_group, "QuantizedCache: value_group")
         if scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"QuantizedCache: scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype!r}")
         self.scale_dtype = scale_dtype
-        self.piece_groups = max(1, _int(piece_tokens, "piece_tokens", 1) // group_size)
+        self.piece_groups = max(1, positive_int(piece_tokens, "QuantizedCache: piece_tokens") // group_size)
         self.layers: list[_Layer | None] = [None] * n_layers
 
     @classmethod

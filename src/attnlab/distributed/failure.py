@@ -26,9 +26,9 @@ True
 from __future__ import annotations
 
 import datetime
-import math
-import numbers
 import os
+
+from attnlab.validate import real
 
 __all__ = [
     "DistributedAttentionError",
@@ -67,9 +67,7 @@ def _env_default() -> float:
 def _positive_seconds(x, name: str) -> float:
     if isinstance(x, datetime.timedelta):
         x = x.total_seconds()
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x <= 0:
-        raise ValueError(f"{name}: expected a positive finite number of seconds (or a timedelta), got {x!r}")
-    return float(x)
+    return real(x, name, gt=0.0, hint="seconds, or a datetime.timedelta")
 
 
 _ENV_DEFAULT = _env_default()

@@ -29,13 +29,12 @@ never let a real query see them, and give padded query rows output 0 and LSE ``-
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 
 import torch
 
 from attnlab.ops.sdpa import is_causal_mask
-from attnlab.validate import integer
+from attnlab.validate import int_in, integer
 
 __all__ = [
     "LAYOUTS",
@@ -75,8 +74,7 @@ def shard_positions(seq_len: int, world_size: int, rank: int, layout: str, devic
     """Global positions of rank ``rank``'s shard, increasing, as a LongTensor ``(C,)``;
     entries ``>= seq_len`` are padding."""
     world_size = integer(world_size, "world_size", lo=1)
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < world_size:
-        raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank!r}")
+    rank = int_in(rank, "rank", 0, world_size, interval=f"[0, world_size={world_size})")
     C = shard_len(seq_len, world_size, layout)
     i = torch.arange(C, device=device)
     if layout == "contiguous":
@@ -99,9 +97,8 @@ def _world_rank(group, rank, world_size):
 
 
 def _dim(x: torch.Tensor, dim) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or not -x.dim() <= int(dim) < x.dim():
-        raise ValueError(f"dim: expected a dimension of a {x.dim()}-D tensor (the sequence dim), got {dim!r}")
-    return int(dim) % x.dim()
+    note = f" (a dimension of a {x.dim()}-D tensor: the sequence dim)"
+    return int_in(dim, "dim", -x.dim(), x.dim(), note=note) % x.dim()
 
 
 def shard_sequence(

@@ -50,6 +50,7 @@ from attnlab import masks
 from attnlab.lab import cache_dir
 from attnlab.ops.dispatch import attention
 from attnlab.ops.linear import FavorFeatures, linear_attention
+from attnlab.validate import positive_int
 
 __all__ = ["run", "summary", "main", "METHODS", "LINEAR", "SOFTMAX"]
 
@@ -107,15 +108,15 @@ def run(
         ("error_seeds", error_seeds),
         ("chunk_size", chunk_size),
     ):
-        _pos_int(x, name)
+        positive_int(x, name)
     if not ns:
         raise ValueError("ns: expected at least one sequence length")
     for n in ns:
-        _pos_int(n, "ns")
+        positive_int(n, "ns")
     error_features = tuple(error_features)
     for m in error_features:
-        _pos_int(m, "error_features")
-    error_n = min(1024, max(ns)) if error_n is None else _pos_int(error_n, "error_n")
+        positive_int(m, "error_features")
+    error_n = min(1024, max(ns)) if error_n is None else positive_int(error_n, "error_n")
     error_scales = tuple(float(x) for x in error_scales)
     if not error_scales or not all(0 < x < math.inf for x in error_scales):
         raise ValueError(f"error_scales: expected positive finite q/k stds, got {error_scales!r}")
@@ -290,8 +291,7 @@ def main(
     """``attnlab lab crossover``: run (on ``threads`` torch threads when given), keep the result in
     the lab cache, write it to ``json_path``, print the summary."""
     if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads (--threads): expected an int >= 1, got {threads!r}")
+        positive_int(threads, "threads (--threads)")
         torch.set_num_threads(threads)
     res = run(quick=quick, reps=reps, progress=progress)
     text = json.dumps(res, indent=1)
@@ -400,14 +400,6 @@ def _fmt_ms(t):
 
 def _fmt_ratio(r):
     return f"{'-':>12}" if r is None else f"{r:>12.3f}"
-
-
-def _pos_int(x, name):
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
-    if x < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {x}")
-    return x
 
 
 if __name__ == "__main__":

@@ -43,13 +43,13 @@ True
 from __future__ import annotations
 
 import math
-import numbers
 import time
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from attnlab.ops.hopfield import hopfield_retrieve
+from attnlab.validate import int_sequence, positive_int, real
 
 __all__ = ["run", "summary", "DEFAULT_NS"]
 
@@ -82,21 +82,18 @@ def run(
     ``growth`` (``modern_log2_capacity_per_dim``, ``classical_capacity_per_dim``; None
     where fewer than two uncensored dims) and ``seconds``.
     """
-    dims = _int_tuple(dims, "dims")
-    ns = _int_tuple(ns, "ns")
-    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not (0 < cast(float, beta) < math.inf):
-        raise ValueError(f"beta: expected a positive finite number, got {beta!r}")
+    dims = int_sequence(dims, "dims")
+    ns = int_sequence(ns, "ns")
+    real(beta, "beta", gt=0.0)
     if kind not in ("binary", "gaussian"):
         raise ValueError(f"kind: expected 'binary' or 'gaussian', got {kind!r}")
     if corruption not in ("flip", "mask"):
         raise ValueError(f"corruption: expected 'flip' or 'mask', got {corruption!r}")
-    if isinstance(frac, bool) or not isinstance(frac, numbers.Real) or not (0 <= cast(float, frac) < 1):
-        raise ValueError(f"frac: expected a fraction in [0, 1), got {frac!r}")
-    steps = _int_tuple((steps,), "steps")[0]
-    n_probes = _int_tuple((n_probes,), "n_probes")[0]
-    classical_sweeps = _int_tuple((classical_sweeps,), "classical_sweeps")[0]
-    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not (0 < cast(float, threshold) <= 1):
-        raise ValueError(f"threshold: expected a number in (0, 1], got {threshold!r}")
+    real(frac, "frac", ge=0.0, lt=1.0)
+    steps = positive_int(steps, "steps")
+    n_probes = positive_int(n_probes, "n_probes")
+    classical_sweeps = positive_int(classical_sweeps, "classical_sweeps")
+    real(threshold, "threshold", gt=0.0, le=1.0)
     if not isinstance(classical, bool):
         raise TypeError(f"classical: expected a bool, got {type(classical).__name__}")
     do_classical = classical and kind == "binary"
@@ -288,16 +285,3 @@ def _log2_slope(dims, part):
 def _linear_ratio(dims, part):
     r = [part["capacity"][str(d)] / d for d in dims if not part["censored"][str(d)]]
     return sum(r) / len(r) if r else None
-
-
-def _int_tuple(xs, name):
-    try:
-        xs = tuple(xs)
-    except TypeError:
-        raise TypeError(f"{name}: expected a sequence of ints, got {type(xs).__name__}") from None
-    if not xs:
-        raise ValueError(f"{name}: expected at least one value")
-    for x in xs:
-        if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1:
-            raise ValueError(f"{name}: expected ints >= 1, got {xs!r}")
-    return tuple(int(x) for x in xs)

@@ -64,7 +64,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import math
 import sys
 import time
 from collections.abc import Iterator
@@ -78,6 +77,7 @@ from attnlab.nn import Decoder, DecoderConfig
 from attnlab.nn.decoder import init_weights
 from attnlab.train.data import IGNORE_INDEX
 from attnlab.train.loop import TrainConfig, train
+from attnlab.validate import int_in, int_sequence, positive_int, real
 
 __all__ = [
     "RecallConfig",
@@ -152,11 +152,8 @@ class RecallConfig:
             "eval_sequences",
             "threads",
         ):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"RecallConfig.{f}: expected an int >= 1, got {v!r}")
-        if not self.n_pairs or min(self.n_pairs) < 1:
-            raise ValueError(f"RecallConfig.n_pairs: expected positive ints, got {self.n_pairs!r}")
+            positive_int(getattr(self, f), f"RecallConfig.{f}")
+        int_sequence(self.n_pairs, "RecallConfig.n_pairs")
         _check_task(self.vocab_size, self.seq_len, max(self.n_pairs), "RecallConfig")
         if self.batch_size % len(self.n_pairs):
             raise ValueError(
@@ -168,15 +165,13 @@ class RecallConfig:
             raise ValueError(
                 f"RecallConfig.mixers: expected some of ('attention', 'linear', 'ssm'), got {self.mixers!r}"
             )
-        for f, vals in (("lrs", self.lrs), ("init_std", (self.init_std,))):
-            if not vals or any(
-                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf for v in vals
-            ):
-                raise ValueError(f"RecallConfig.{f}: expected positive numbers, got {getattr(self, f)!r}")
-        if not 0 <= self.warmup_steps <= self.steps:
-            raise ValueError(
-                f"RecallConfig.warmup_steps: expected an int in [0, steps={self.steps}], got {self.warmup_steps!r}"
-            )
+        if not self.lrs:
+            raise ValueError("RecallConfig.lrs: expected positive numbers, got none")
+        for i, v in enumerate(self.lrs):
+            real(v, f"RecallConfig.lrs[{i}]", gt=0.0)
+        real(self.init_std, "RecallConfig.init_std", gt=0.0)
+        w = f"[0, steps={self.steps}]"
+        int_in(self.warmup_steps, "RecallConfig.warmup_steps", 0, self.steps, closed=True, interval=w)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -429,8 +424,7 @@ def run(
     cfg = config if config is not None else (QUICK if quick else FULL)
     if not isinstance(cfg, RecallConfig):
         raise TypeError(f"config: expected a RecallConfig, got {type(cfg).__name__}")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
+    positive_int(workers, "workers")
     path = _cache_file(cfg)
     if path.exists() and not force:
         return json.loads(path.read_text())

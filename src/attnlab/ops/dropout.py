@@ -50,6 +50,8 @@ import numbers
 
 import torch
 
+from attnlab.validate import probability, rng_seed
+
 M32 = 0xFFFFFFFF
 _GOLD = 0x9E3779B9
 _C1, _C2 = 0x85EBCA6B, 0xC2B2AE35  # murmur3 fmix32
@@ -124,21 +126,13 @@ def draw_seed_tensor(generator=None) -> torch.Tensor:
 
 def check_dropout(dropout_p, dropout_seed):
     """Validate ``dropout_p``/``dropout_seed`` at the public boundary; returns ``(p, seed_arg)``."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}")
-    p = float(dropout_p)
-    if not 0.0 <= p < 1.0:  # NaN fails too
-        raise ValueError(
-            f"dropout_p: expected a probability in [0, 1), got {dropout_p!r} "
-            "(p = 1 would drop everything and divide by 0)"
-        )
+    p = probability(dropout_p, "dropout_p", hint="p = 1 would drop everything and divide by 0")
     if dropout_seed is not None and not isinstance(dropout_seed, torch.Generator):
         if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, numbers.Integral):
             raise TypeError(
                 f"dropout_seed: expected None, an int or a torch.Generator, got {type(dropout_seed).__name__}"
             )
-        if not -(2**63) <= int(dropout_seed) < 2**64:
-            raise ValueError(f"dropout_seed: expected an int in [-2^63, 2^64), got {dropout_seed}")
+        rng_seed(dropout_seed, "dropout_seed")
     return p, dropout_seed
 
 

@@ -64,6 +64,7 @@ from attnlab.models.checkpoint import CheckpointError
 from attnlab.train.atomic import recover, replace_folder, write_bytes
 from attnlab.train.optim_state import check_optimizer_state
 from attnlab.train.tensor_files import read_tensors, safetensors_module, write_tensors
+from attnlab.validate import nonneg_int
 
 __all__ = [
     "CheckpointError",
@@ -195,8 +196,7 @@ def save_checkpoint(
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected None or a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step: expected an int >= 0, got {step!r}")
+    nonneg_int(step, "step")
     extra = {} if extra is None else extra
     if not isinstance(extra, dict):
         raise TypeError(f"extra: expected a dict, got {type(extra).__name__}")

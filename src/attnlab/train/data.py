@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from attnlab.validate import integer, real, rng_seed
+
 if TYPE_CHECKING:  # pragma: no cover
     from attnlab.train.tokenizer import Tokenizer
 
@@ -42,20 +44,6 @@ __all__ = ["IGNORE_INDEX", "Batch", "TokenStream", "repeated_sequences", "associ
 IGNORE_INDEX = -100
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _check_seed(seed) -> int:
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    return seed
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -123,8 +111,7 @@ class TokenStream:
         ``fraction`` is the share of the training part, strictly between 0 and 1; both
         parts must keep at least 2 tokens (one input and its target).
         """
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
-            raise ValueError(f"fraction must be a number strictly between 0 and 1 (the train share), got {fraction!r}")
+        real(fraction, "fraction", gt=0.0, lt=1.0, hint="the train share, strictly between 0 and 1")
         n = len(self)
         cut = round(fraction * n)
         if cut < 2 or n - cut < 2:
@@ -134,8 +121,8 @@ class TokenStream:
         return TokenStream(self.tokens[:cut]), TokenStream(self.tokens[cut:])
 
     def _check_window(self, batch_size: int, seq_len: int) -> None:
-        _check_int("batch_size", batch_size, 1)
-        _check_int("seq_len", seq_len, 1)
+        integer(batch_size, "batch_size", lo=1)
+        integer(seq_len, "seq_len", lo=1)
         if seq_len + 1 > len(self):
             raise ValueError(
                 f"seq_len={seq_len} needs windows of seq_len + 1 = {seq_len + 1} tokens, but the stream has "
@@ -150,7 +137,7 @@ class TokenStream:
         (no ignored positions).
         """
         self._check_window(batch_size, seq_len)
-        _check_seed(seed)
+        rng_seed(seed)
         return self._batches(batch_size, seq_len, seed)
 
     def _batches(self, batch_size: int, seq_len: int, seed: int) -> Iterator[Batch]:
@@ -211,12 +198,12 @@ def repeated_sequences(
     >>> (y[0] == -100).tolist()
     [True, True, True, False, False, False, False]
     """
-    _check_int("vocab_size", vocab_size, 1)
-    _check_int("batch_size", batch_size, 1)
-    _check_int("seq_len", seq_len, 2)
-    _check_seed(seed)
+    integer(vocab_size, "vocab_size", lo=1)
+    integer(batch_size, "batch_size", lo=1)
+    integer(seq_len, "seq_len", lo=2)
+    rng_seed(seed)
     P = seq_len // 2 if prefix_len is None else prefix_len
-    _check_int("prefix_len", P, 1)
+    integer(P, "prefix_len", lo=1)
     if P >= seq_len:
         raise ValueError(f"prefix_len must be < seq_len={seq_len} so that some target is scored, got {P}")
     if distinct and P > vocab_size:
@@ -265,10 +252,10 @@ def associative_recall(vocab_size: int, batch_size: int, n_pairs: int, *, seed: 
     >>> torch.equal(values[keys == x[:, -1:]], y[:, -1])   # the value stored with the queried key
     True
     """
-    _check_int("vocab_size", vocab_size, 1)
-    _check_int("batch_size", batch_size, 1)
-    _check_int("n_pairs", n_pairs, 1)
-    _check_seed(seed)
+    integer(vocab_size, "vocab_size", lo=1)
+    integer(batch_size, "batch_size", lo=1)
+    integer(n_pairs, "n_pairs", lo=1)
+    rng_seed(seed)
     K = (vocab_size - 1) // 2
     if n_pairs > K:
         need = 2 * n_pairs + 1

@@ -46,7 +46,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import numbers
 import os
 import sys
 import time
@@ -63,6 +62,7 @@ from tqdm import tqdm
 
 from attnlab.train.atomic import check_writable_folder
 from attnlab.train.checkpoint import CheckpointError, latest_checkpoint, prepare_load, save_checkpoint
+from attnlab.validate import int_in, nonneg_int, positive_int, real, rng_seed
 
 __all__ = [
     "IGNORE_INDEX",
@@ -80,21 +80,6 @@ IGNORE_INDEX = -100
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Fields that change only logging / saving, not the trajectory (not compared on resume).
 _BOOKKEEPING = ("log_every", "eval_every", "checkpoint_every", "checkpoint_dir")
-
-
-def _int(x, name, minimum):
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < minimum:
-        raise ValueError(f"TrainConfig.{name}: expected an int >= {minimum}, got {x!r}")
-    return int(x)
-
-
-def _float(x, name, *, lo=0.0, lo_open=True, hi=math.inf, hi_open=True):
-    ok = not isinstance(x, bool) and isinstance(x, numbers.Real) and math.isfinite(x)
-    ok = ok and (x > lo if lo_open else x >= lo) and (x < hi if hi_open else x <= hi)
-    if not ok:
-        rng = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-        raise ValueError(f"TrainConfig.{name}: expected a finite number in {rng}, got {x!r}")
-    return float(x)
 
 
 @dataclass
@@ -144,37 +129,37 @@ class TrainConfig:
     dtype: str = "float32"
 
     def __post_init__(self):
-        self.steps = _int(self.steps, "steps", 1)
-        self.batch_size = _int(self.batch_size, "batch_size", 1)
-        self.seq_len = _int(self.seq_len, "seq_len", 1)
-        self.lr = _float(self.lr, "lr")
-        self.min_lr_ratio = _float(self.min_lr_ratio, "min_lr_ratio", lo_open=False, hi=1.0, hi_open=False)
-        if (
-            isinstance(self.warmup_steps, bool)
-            or not isinstance(self.warmup_steps, numbers.Integral)
-            or not 0 <= self.warmup_steps <= self.steps
-        ):
-            raise ValueError(
-                f"TrainConfig.warmup_steps: expected an int in [0, steps={self.steps}], got {self.warmup_steps!r}"
-            )
-        self.warmup_steps = int(self.warmup_steps)
-        self.weight_decay = _float(self.weight_decay, "weight_decay", lo_open=False)
+        self.steps = positive_int(self.steps, "TrainConfig.steps")
+        self.batch_size = positive_int(self.batch_size, "TrainConfig.batch_size")
+        self.seq_len = positive_int(self.seq_len, "TrainConfig.seq_len")
+        self.lr = real(self.lr, "TrainConfig.lr", gt=0.0)
+        self.min_lr_ratio = real(self.min_lr_ratio, "TrainConfig.min_lr_ratio", ge=0.0, le=1.0)
+        self.warmup_steps = int_in(
+            self.warmup_steps,
+            "TrainConfig.warmup_steps",
+            0,
+            self.steps,
+            closed=True,
+            interval=f"[0, steps={self.steps}]",
+        )
+        self.weight_decay = real(self.weight_decay, "TrainConfig.weight_decay", ge=0.0)
         try:
             b1, b2 = self.betas
         except (TypeError, ValueError):
             raise ValueError(f"TrainConfig.betas: expected two numbers in [0, 1), got {self.betas!r}") from None
-        self.betas = (_float(b1, "betas[0]", lo_open=False, hi=1.0), _float(b2, "betas[1]", lo_open=False, hi=1.0))
-        self.eps = _float(self.eps, "eps")
+        self.betas = (
+            real(b1, "TrainConfig.betas[0]", ge=0.0, lt=1.0),
+            real(b2, "TrainConfig.betas[1]", ge=0.0, lt=1.0),
+        )
+        self.eps = real(self.eps, "TrainConfig.eps", gt=0.0)
         if self.grad_clip is not None:
-            self.grad_clip = _float(self.grad_clip, "grad_clip")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
-            raise ValueError(f"TrainConfig.seed: expected an int, got {self.seed!r}")
-        self.seed = int(self.seed)
-        self.log_every = _int(self.log_every, "log_every", 1)
+            self.grad_clip = real(self.grad_clip, "TrainConfig.grad_clip", gt=0.0)
+        self.seed = rng_seed(self.seed, "TrainConfig.seed")
+        self.log_every = positive_int(self.log_every, "TrainConfig.log_every")
         if self.eval_every is not None:
-            self.eval_every = _int(self.eval_every, "eval_every", 1)
+            self.eval_every = positive_int(self.eval_every, "TrainConfig.eval_every")
         if self.checkpoint_every is not None:
-            self.checkpoint_every = _int(self.checkpoint_every, "checkpoint_every", 1)
+            self.checkpoint_every = positive_int(self.checkpoint_every, "TrainConfig.checkpoint_every")
         if self.checkpoint_dir is not None:
             if not isinstance(self.checkpoint_dir, (str, os.PathLike)) or not str(self.checkpoint_dir):
                 raise ValueError(f"TrainConfig.checkpoint_dir: expected None or a path, got {self.checkpoint_dir!r}")
@@ -225,8 +210,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     >>> [round(lr_at(s, cfg), 6) for s in (0, 5, 10, 60, 110)]
     [0.0, 0.5, 1.0, 0.55, 0.1]
     """
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-        raise ValueError(f"step: expected an int >= 0, got {step!r}")
+    step = nonneg_int(step, "step")
     if step < cfg.warmup_steps:
         return cfg.lr * step / cfg.warmup_steps
     if step >= cfg.steps:

@@ -48,6 +48,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from attnlab.validate import int_in, integer, nonneg_int
+
 __all__ = ["PATTERN", "EOT", "Tokenizer", "ByteTokenizer", "ByteBPE", "stdlib_corpus"]
 
 #: The special end-of-text token (documents are joined with it).
@@ -151,8 +153,7 @@ class _Base:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (``b'<|endoftext|>'`` for the special token)."""
-        if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
-            raise ValueError(f"token_id must be an int in [0, {self.vocab_size}), got {token_id!r}")
+        int_in(token_id, "token_id", 0, self.vocab_size)
         return EOT.encode() if token_id == self.eot_id else self._bytes[token_id]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -305,8 +306,7 @@ class ByteBPE(_Base):
         """
         if isinstance(texts, str):
             raise TypeError("texts must be an iterable of str (documents), not a single str; wrap it in a list")
-        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 257:
-            raise ValueError(f"vocab_size must be an int >= 257 (256 bytes + <|endoftext|>), got {vocab_size!r}")
+        integer(vocab_size, "vocab_size", lo=257, hint="256 bytes + <|endoftext|>")
         pat = cls([], pattern=pattern)._pat  # validates the pattern
         counts: Counter[str] = Counter()
         for i, t in enumerate(texts):
@@ -551,8 +551,7 @@ def stdlib_corpus(max_bytes: int = 2_000_000, *, seed: int = 0) -> list[str]:
     >>> texts == stdlib_corpus(10_000, seed=1)
     True
     """
-    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
-        raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+    nonneg_int(max_bytes, "max_bytes")
     root = sysconfig.get_paths()["stdlib"]
     files = _stdlib_files(root)
     random.Random(seed).shuffle(files)
