@@ -166,8 +166,15 @@ def rule_factor(key: str) -> float:
 # has per-row rounding in rowsum(dO*O) that such a parameter sums up.  Measured excess over
 # the 3x rule: <= 0.35 eps(dtype) * M over 18 seeds/mods/dtypes on flash; 1.14 eps * M on the
 # Triton kernels (interpreted) for symmetric ALiBi under causal() (M = 147: both-sided |dist|
-# weights make the slope collect the largest sums); allow two eps * M.
-PARAM_GRAD_SLACK_EPS = 2.0
+# weights make the slope collect the largest sums).  Those were measured where torch and numpy
+# ran MKL/AVX-512 GEMMs; on a 2-core AMD EPYC with AVX2 only (2026-12-01) the same-dtype reference
+# sums in another order and the excess of flash's scalar dw (a weight on every score, N=64
+# causal) was 5.4 eps * M: allow eight eps * M.
+PARAM_GRAD_SLACK_EPS = 8.0
+#: ALiBi with slope 4 (scores to about -400) on the interpreted Triton kernels: numpy's AVX2
+#: matmul leaves an excess of 36 eps * M (M = 10.5) over the 3x rule in the slope gradient
+#: (measured 2026-12-01, AMD EPYC AVX2); the same case was within 2 eps * M on AVX-512.
+STEEP_SCORES_PARAM_SLACK_EPS = 48.0
 
 
 def check_param_grad(fast, ref, oracle, dtype, what="dparam", slack_eps=PARAM_GRAD_SLACK_EPS):

@@ -47,7 +47,10 @@ def test_tiny_case_end_to_end_reports_ratios_and_auto_choice():
     assert res["matmul_gflops"]["float32"] > 0
     win, cz = res["cases"]
     names = [r["backend"] for r in win["results"]]
-    assert names == ["attnlab auto", "attnlab flash", "torch sdpa (dense mask)"]
+    from attnlab.ops.native import build
+
+    native = ["attnlab native"] if build.load() is not None else []  # the C++ kernel, where it builds
+    assert names == ["attnlab auto", "attnlab flash", *native, "torch sdpa (dense mask)"]
     # window 256 over 512 keys: exactly sum_{i<512} min(i+1, 256) allowed pairs per head
     expect = sum(min(i + 1, 256) for i in range(512)) / 512**2
     assert win["density"] == pytest.approx(expect)

@@ -137,12 +137,20 @@ def test_a_row_that_sees_no_key_is_zero_with_neg_inf_lse_whatever_the_values_hol
 
 
 # --------------------------------------------------------------------------- visible inputs
+#: float32 ulps an entry may differ by: a score q·k summed in another order (tiles, another BLAS)
+#: differs by a few ulps, and the LSE at a huge scale carries that relative error
+LSE_ULPS = 16
+
+
 def _same_policy(out, oracle, what):
     """NaN exactly where the float64 reference has NaN, ±inf where it has ±inf, the rest close."""
     assert torch.equal(torch.isnan(out), torch.isnan(oracle)), f"{what}: NaN pattern differs from the reference"
     fin = torch.isfinite(oracle)
     assert torch.equal(out[~fin & ~torch.isnan(oracle)], oracle[~fin & ~torch.isnan(oracle)].to(out.dtype)), what
-    assert max_err(out[fin], oracle[fin]) <= 1e-4, f"{what}: finite entries differ from the reference"
+    # a few float32 ulps of the entry itself: at scale 1e30 an LSE is ~1e30, so only a relative bound means anything
+    err = (out[fin].double() - oracle[fin].double()).abs()
+    bound = 1e-4 + LSE_ULPS * torch.finfo(out.dtype).eps * oracle[fin].double().abs()
+    assert bool((err <= bound).all()), f"{what}: finite entries differ from the reference"
 
 
 CASES = {

@@ -176,6 +176,7 @@ def compare_backend(
     """
     dtype = q.dtype
     pdt = torch.float64 if dtype == torch.float64 else torch.float32
+    param_slack_eps = kw.pop("param_slack_eps", PARAM_GRAD_SLACK_EPS)
     kw_ref = {key: val for key, val in kw.items() if key != "block"}
     if "block" in kw and backend not in ("flash-tiles", "flash-bm"):
         kw = kw_ref
@@ -216,7 +217,14 @@ def compare_backend(
     if fast["lse"] is not None:
         want = torch.float64 if dtype == torch.float64 else torch.float32
         assert fast["lse"].dtype == want, f"{what}: lse dtype {fast['lse'].dtype}, expected {want}"
-    check_rule({key: val for key, val in fast.items() if key not in skip}, ref, oracle, dtype, what=what or backend)
+    check_rule(
+        {key: val for key, val in fast.items() if key not in skip},
+        ref,
+        oracle,
+        dtype,
+        what=what or backend,
+        param_slack_eps=param_slack_eps,
+    )
     return fast, ref, oracle
 
 

@@ -46,17 +46,15 @@ def reference_probs(q, k, *, mask=None, score_mod=None, scale, q_offset, kv_offs
     G = H // Hkv
     acc = acc_dtype(q.dtype)
     kr = k.repeat_interleave(G, dim=1) if G > 1 else k
-    # without autograd, the scale folded into the GEMM (alpha: bit-identical forward); with it, the textbook
-    # matmul-then-scale, whose backward rounding the accuracy rule's same-dtype reference stands for
+    # without autograd, the scale applied in place on the GEMM's output (one pass less than an
+    # out-of-place product, same bits); with it, the textbook matmul-then-scale, whose backward
+    # rounding the accuracy rule's same-dtype reference stands for.  Never the GEMM's alpha: BLAS
+    # may scale an operand before the products (OpenBLAS/AVX2 does), which rounds differently and
+    # overflows to inf -- then NaN -- where scale·(q·k) is finite.
     no_grad = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
     if holder is None and no_grad and q.dtype == acc and q.dim() == 4 and isinstance(scale, float):
-        s = torch.baddbmm(
-            q.new_empty(()),
-            q.reshape(B * H, Nq, -1),
-            kr.reshape(B * H, Nk, -1).transpose(-1, -2),
-            beta=0.0,
-            alpha=scale,
-        ).view(B, H, Nq, Nk)
+        s = torch.bmm(q.reshape(B * H, Nq, -1), kr.reshape(B * H, Nk, -1).transpose(-1, -2)).mul_(scale)
+        s = s.view(B, H, Nq, Nk)
     else:
         raw = torch.matmul(q, kr.transpose(-1, -2)) if holder is None else hidden_scores(q, kr, holder)
         s = raw.to(acc) * scale

@@ -69,7 +69,8 @@ def defaults(request) -> dict:
     picked = [
         item.callspec.params
         for item in request.session.items
-        if item.originalname == "test_shipped_config_compiles_spill_free" and hasattr(item, "callspec")
+        if getattr(item, "originalname", None) == "test_shipped_config_compiles_spill_free"
+        and hasattr(item, "callspec")
     ]
     axes = {
         "--kernel": sorted({p["kernel"] for p in picked}),

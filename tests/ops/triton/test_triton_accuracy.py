@@ -16,6 +16,7 @@ import torch
 
 import attnlab
 from attnlab import masks, scores
+from tests.helpers import STEEP_SCORES_PARAM_SLACK_EPS
 from tests.ops.conftest import DTYPE_IDS, FLOOR, dense_allowed, gen, loss_weights, make_qkv, max_err, randn, run_case
 from tests.ops.triton.conftest import BF16, F16, F32, TRITON, compare_triton
 
@@ -374,4 +375,5 @@ def test_large_scores_stay_accurate():
         mod_factory=lambda p: scores.alibi(p, symmetric=True),
         param=torch.full((2,), 4.0, dtype=torch.float64),
         what="steep alibi",
+        param_slack_eps=STEEP_SCORES_PARAM_SLACK_EPS,
     )
