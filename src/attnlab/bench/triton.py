@@ -180,6 +180,9 @@ def _contenders(kind, N, flex, window):
     if flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+        # every contender shares flex_attention's code object, so dynamo's per-function
+        # recompile limit (8) would otherwise be hit and the later rows run eagerly
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         compiled = torch.compile(flex_attention)
         mods = {
             "full": None,

@@ -39,7 +39,10 @@ def all_finite(*ts: torch.Tensor) -> bool:
     """True when every tensor holds only finite values (one pass each, one host sync)."""
     with torch.no_grad():
         flags = [torch.isfinite(t).all() for t in ts if t.numel()]
-        return not flags or bool(torch.stack(flags).all())
+        if not flags:
+            return True
+        # a score mod's parameter may live on another device than q/k/v (its gradient does too)
+        return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
 
 
 def maybe_nonfinite(*ts: torch.Tensor) -> bool:

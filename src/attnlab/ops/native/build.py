@@ -31,6 +31,11 @@ SOURCES = ("kernel.cpp", "decode.cpp")
 # included by kernel.cpp: part of the build directory's hash, so editing one rebuilds
 HEADERS = ("gemm_bf16.h", "gemm_f32.h", "rowmath.h")
 _BASE_FLAGS = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-std=c++17"]
+# ATen's CPU parallel backend is OpenMP, and at::parallel_for is a header template: compiled
+# without -fopenmp its `#pragma omp parallel` is silently dropped and every region of the
+# kernel runs on one thread (the first builds did, at half the speed on 2 cores).  Linking
+# with -fopenmp resolves to the libgomp.so.1 torch has already loaded (one thread pool).
+_PARALLEL_FLAGS = ["-fopenmp"]
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 
 _lock = threading.Lock()
@@ -126,7 +131,7 @@ def _compile():
     digest = hashlib.sha1()
     for src in (*SOURCES, *sorted(p.name for p in here.glob("*.h"))):  # the headers kernel.cpp includes too
         digest.update((here / src).read_bytes())
-    digest.update(" ".join(_BASE_FLAGS + flags).encode())
+    digest.update(" ".join(_BASE_FLAGS + _PARALLEL_FLAGS + flags).encode())
     # one directory per source version and flag set: two checkouts never rebuild each other's
     ext = f"attnlab_native_{name}_{digest.hexdigest()[:10]}"
     build_dir = _build_root() / ext
@@ -138,7 +143,8 @@ def _compile():
             mod = cpp_load(
                 name=ext,
                 sources=[str(here / s) for s in SOURCES],
-                extra_cflags=_BASE_FLAGS + flags,
+                extra_cflags=_BASE_FLAGS + _PARALLEL_FLAGS + flags,
+                extra_ldflags=_PARALLEL_FLAGS,
                 build_directory=str(build_dir),
                 verbose=False,
             )

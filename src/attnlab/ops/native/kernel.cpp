@@ -24,11 +24,15 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <set>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -921,11 +925,32 @@ std::string native_features() {
   f += "fma ";
 #endif
   f = f.empty() ? std::string("portable") : f.substr(0, f.size() - 1);
+#if defined(_OPENMP)
+  f += ", openmp";
+#endif
   return f + "; " + attnlab_gemm::isa() + "; " + attnlab_bf16::isa() + (bf16_pairs() ? " (bf16 forward)" : " (bf16 via f32)");
+}
+
+// How many distinct OS threads run the items of one at::parallel_for region of n_items.
+// at::parallel_for is a header template: built without -fopenmp its `#pragma omp parallel`
+// is dropped and every region runs on the calling thread alone, silently (build.py passes
+// the flag; tests/ops/native/test_native_threads.py holds it with this probe).
+int64_t native_parallel_threads(int64_t n_items) {
+  std::mutex mu;
+  std::set<std::thread::id> seen;
+  at::parallel_for(0, n_items, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));  // long enough that no thread takes every item
+      std::lock_guard<std::mutex> g(mu);
+      seen.insert(std::this_thread::get_id());
+    }
+  });
+  return static_cast<int64_t>(seen.size());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &native_fwd, "attnlab native attention forward -> [out, lse]");
   m.def("bwd", &native_bwd, "attnlab native attention backward -> [dq, dk, dv, dslopes, dtable]");
   m.def("features", &native_features, "the instruction sets this build was compiled for");
+  m.def("parallel_threads", &native_parallel_threads, "distinct threads that ran one parallel_for region of n items");
 }
