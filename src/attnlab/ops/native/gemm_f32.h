@@ -44,8 +44,12 @@ inline vf vload(const float* p) {
 }
 inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// the C tile [0:R, 0:NV·W]; R ≤ MR, NV ≤ 2 (constants: the accumulators stay in registers)
-template <int R, int NV>
+// the C tile [0:R, 0:NV·W]; R ≤ MR, NV ≤ 2 (constants: the accumulators stay in registers).
+// TA: A is stored transposed (entry (r, k) at A[k · lda + r]: Aᵀ of a row-major K × R panel,
+// so the backward's Pᵀ·dO and dSᵀ·Q read P and dS in place, never transposed).  ADD: the tile
+// is added to C (C + (A·B), the product summed from zero first: the bits of a product into a
+// scratch tile then added, without the scratch).
+template <int R, int NV, bool TA = false, bool ADD = false>
 inline void tile(const float* __restrict A, int64_t lda, const float* __restrict B, int64_t ldb, float* __restrict C,
                  int64_t ldc, int64_t K) {
   vf acc[R][NV];
@@ -59,7 +63,8 @@ inline void tile(const float* __restrict A, int64_t lda, const float* __restrict
     for (int j = 0; j < NV; ++j) bv[j] = vload(B + kk * ldb + W * j);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const vf a = A[r * lda + kk] - vf{};  // a broadcast (x - 0 is x for every x; 0 + x is not for -0)
+      // a broadcast (x - 0 is x for every x; 0 + x is not for -0)
+      const vf a = (TA ? A[kk * lda + r] : A[r * lda + kk]) - vf{};
 #pragma GCC unroll 4
       for (int j = 0; j < NV; ++j) acc[r][j] += a * bv[j];
     }
@@ -67,33 +72,49 @@ inline void tile(const float* __restrict A, int64_t lda, const float* __restrict
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) vstore(C + r * ldc + W * j, acc[r][j]);
+    for (int j = 0; j < NV; ++j) {
+      float* c = C + r * ldc + W * j;
+      if constexpr (ADD)
+        vstore(c, vload(c) + acc[r][j]);
+      else
+        vstore(c, acc[r][j]);
+    }
 }
 
 // one band of R rows across all N columns: NR-wide tiles, then one W-wide tile
-template <int R>
+template <int R, bool TA = false, bool ADD = false>
 inline void band(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t N,
                  int64_t K) {
   int64_t c = 0;
-  for (; c + NR <= N; c += NR) tile<R, 2>(A, lda, B + c, ldb, C + c, ldc, K);
-  for (; c + W <= N; c += W) tile<R, 1>(A, lda, B + c, ldb, C + c, ldc, K);
+  for (; c + NR <= N; c += NR) tile<R, 2, TA, ADD>(A, lda, B + c, ldb, C + c, ldc, K);
+  for (; c + W <= N; c += W) tile<R, 1, TA, ADD>(A, lda, B + c, ldb, C + c, ldc, K);
 }
 
-template <int R>
+template <int R, bool TA = false, bool ADD = false>
 inline void band_rest(int rest, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
                       int64_t N, int64_t K) {
   if constexpr (R > 0) {
-    if (rest == R) return band<R>(A, lda, B, ldb, C, ldc, N, K);
-    band_rest<R - 1>(rest, A, lda, B, ldb, C, ldc, N, K);
+    if (rest == R) return band<R, TA, ADD>(A, lda, B, ldb, C, ldc, N, K);
+    band_rest<R - 1, TA, ADD>(rest, A, lda, B, ldb, C, ldc, N, K);
   }
+}
+
+// C[0:n, 0:N] = op(A)[0:n, 0:K] · B[0:K, 0:N] (ADD: C +=), N a multiple of 16; op(A) is A
+// (n × K, row stride lda) or, TA, Aᵀ of a K × n matrix A (row stride lda)
+template <bool TA, bool ADD>
+inline void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t n,
+                 int64_t N, int64_t K) {
+  int64_t r = 0;
+  const int64_t step = TA ? 1 : lda;  // from one band's A to the next: MR rows (columns of the stored Aᵀ)
+  for (; r + MR <= n; r += MR) band<MR, TA, ADD>(A + r * step, lda, B, ldb, C + r * ldc, ldc, N, K);
+  if (r < n)
+    band_rest<MR - 1, TA, ADD>(static_cast<int>(n - r), A + r * step, lda, B, ldb, C + r * ldc, ldc, N, K);
 }
 
 // C[0:n, 0:N] = A[0:n, 0:K] · B[0:K, 0:N], N a multiple of 16
 inline void matmul(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t n,
                    int64_t N, int64_t K) {
-  int64_t r = 0;
-  for (; r + MR <= n; r += MR) band<MR>(A + r * lda, lda, B, ldb, C + r * ldc, ldc, N, K);
-  if (r < n) band_rest<MR - 1>(static_cast<int>(n - r), A + r * lda, lda, B, ldb, C + r * ldc, ldc, N, K);
+  gemm<false, false>(A, lda, B, ldb, C, ldc, n, N, K);
 }
 
 inline const char* isa() {
