@@ -1,13 +1,14 @@
 """The native CPU kernel beside torch SDPA and the torch-ops flash path, in one run.
 
-``python -m attnlab.bench.native [--quick] [--reps N] [--json PATH] [--memory]``
+``python -m attnlab.bench.native [--quick] [--reps N] [--only SUBSTRING] [--json PATH] [--memory]``
 
 Each case times the forward (and forward+backward) of ``attnlab.attention`` with
 ``backend="native"`` and ``backend="flash"``, and of torch's
 ``scaled_dot_product_attention`` (``is_causal`` for square causal problems, a dense boolean
 ``attn_mask`` for windows): median of ``reps`` after a warm-up.  Ratios are SDPA's time
 over the kernel's (> 1: faster than SDPA).  The header says which kernel variant runs and
-how long the first load (build) took.
+how long the first load (build) took.  ``--only SUBSTRING`` times the cases whose name
+contains it (``--only fwd+bwd``), alone.
 
 ``--memory`` adds the peak extra memory of forward+backward, causal float32, one head,
 D = 64, N = 32768, for the native kernel and torch SDPA, each in a fresh child process
@@ -131,6 +132,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", default=None, help="time only the cases whose name contains this")
     ap.add_argument("--json", default=None)
     ap.add_argument("--memory", action="store_true", help="peak extra MiB of fwd+bwd at N=32768 (child processes)")
     a = ap.parse_args(argv)
@@ -144,6 +146,8 @@ def main(argv=None) -> dict:
     print(f"{'case':<26}{'sdpa s':>9}{'flash s':>9}{'native s':>10}{'flash x':>9}{'native x':>9}")
     rows = []
     for c in cases(a.quick):
+        if a.only is not None and a.only not in c.name:
+            continue
         r = run_case(c, a.reps)
         rows.append(r)
         print(
