@@ -29,7 +29,7 @@ from pathlib import Path
 
 SOURCES = ("kernel.cpp", "decode.cpp")
 # included by kernel.cpp: part of the build directory's hash, so editing one rebuilds
-HEADERS = ("gemm_bf16.h", "gemm_f32.h", "rowmath.h")
+HEADERS = ("fwd_tile.h", "gemm_bf16.h", "gemm_f32.h", "rowmath.h", "sched.h")
 _BASE_FLAGS = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-std=c++17"]
 # ATen's CPU parallel backend is OpenMP, and at::parallel_for is a header template: compiled
 # without -fopenmp its `#pragma omp parallel` is silently dropped and every region of the

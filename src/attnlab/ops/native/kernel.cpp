@@ -37,9 +37,11 @@
 #include <vector>
 
 #include "gemm_bf16.h"
+#include "fwd_tile.h"
 #include "gemm_f32.h"
 #include "masking.h"
 #include "rowmath.h"
+#include "sched.h"
 #include "scoremods.h"
 
 namespace {
@@ -277,13 +279,21 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const uint32_t* qhp = pairs ? reinterpret_cast<const uint32_t*>(q32.data_ptr<int32_t>()) : nullptr;
   const uint32_t* khp = pairs ? reinterpret_cast<const uint32_t*>(kt32.data_ptr<int32_t>()) : nullptr;
   const uint32_t* vhp = pairs ? reinterpret_cast<const uint32_t*>(v32.data_ptr<int32_t>()) : nullptr;
-  std::atomic<int64_t> next{0};  // work items handed out one at a time (a stalled thread holds one)
+  // work items handed out one at a time, the most kv blocks first (sched.h): a thread whose
+  // core is busy takes fewer items, and the region ends on the shortest ones
+  std::vector<int64_t> visits(dm.B * nqb, 0);  // kv blocks a q block visits (the same for every head)
+  for (int64_t b = 0; b < dm.B; ++b)
+    for (int64_t iq = 0; iq < nqb; ++iq)
+      for (int64_t jk = 0; jk < nkb; ++jk)
+        visits[b * nqb + iq] += block_visits(mk, b, iq * dm.bq, std::min(dm.Nq, (iq + 1) * dm.bq), jk * dm.bk,
+                                             std::min(dm.Nk, (jk + 1) * dm.bk));
+  attnlab_sched::Queue queue(items, [&](int64_t it) { return visits[(it / (nqb * dm.H)) * nqb + it % nqb]; });
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     const int64_t D = dm.D, Dv = dm.Dv, bq = dm.bq, bk = dm.bk;
     std::vector<float> Qb(bq * D), KT(D * bk), Vb(bk * Dv), S(bk), Pc(bk), acc(bq * Dv), mrow(bq), lrow(bq), tile(Dv);
     std::vector<RowMask> rms(bq);
     const int64_t Dvp = (Dv + 15) / 16 * 16;
-    std::vector<float> St(bq * bk), accp(bq * Dvp), tmp(bq * Dvp), alph(bq);
+    std::vector<float> St(bq * bk), accp(bq * Dvp), alph(bq);
     std::vector<uint32_t> Pw(pairs ? bq * bk / 2 : 0);  // P rounded to bf16 pairs
     // The fast path: S and P·V tiles through the register-blocked matmul.  A hidden entry is
     // P = 0 there, so a NaN/inf in a hidden value would leak (0·NaN): a q block whose result
@@ -306,43 +316,55 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0, mp = (m + 15) / 16 * 16;
         if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
         if (pairs)
-          attnlab_bf16::matmul(qhp + qrow * Dw, Dw, khp + (kvh * nkb + jk) * Dw * bk, bk, St.data(), bk, n, mp, Dw);
+          attnlab_fwd::matmul(qhp + qrow * Dw, Dw, khp + (kvh * nkb + jk) * Dw * bk, bk, St.data(), bk, n, mp, Dw);
         else
-          matmul(Qf, D, KTf + jk * D * bk, bk, St.data(), bk, n, mp, D);
+          attnlab_fwd::matmul(Qf, D, KTf + jk * D * bk, bk, St.data(), bk, n, mp, D);
         for (int64_t r = 0; r < n; ++r) {
           float* Sr = St.data() + r * bk;
           const RowMask& rm = rms[r];
+          uint16_t* Ph = reinterpret_cast<uint16_t*>(Pw.data() + r * (bk / 2));  // this row's bf16 P (pairs path)
           if (rm.none(c0, c1)) {
-            for (int64_t c = 0; c < mp; ++c) Sr[c] = 0.0f;
+            if (pairs)
+              std::fill(Ph, Ph + mp, uint16_t{0});
+            else
+              std::fill(Sr, Sr + mp, 0.0f);
             alph[r] = 1.0f;
             continue;
           }
-          attnlab_rows::row_scale(Sr, m, scale);
-          for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
-          if (!rm.full(c0, c1))
-            for (int64_t c = 0; c < m; ++c)
-              if (!rm.visible(c0 + c)) Sr[c] = NEG_INF;
-          if (sm.active()) sm.apply_row(Sr, b, h, r0 + r, c0, m, rm);
-          const float mx = attnlab_rows::row_max(Sr, mp);
+          float mx;
+          if (m == mp && !sm.active() && rm.full(c0, c1)) {  // the common tile: scale and max in one pass
+            mx = attnlab_fwd::row_scale_max(Sr, mp, scale);
+          } else {
+            attnlab_rows::row_scale(Sr, m, scale);
+            for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
+            if (!rm.full(c0, c1))
+              for (int64_t c = 0; c < m; ++c)
+                if (!rm.visible(c0 + c)) Sr[c] = NEG_INF;
+            if (sm.active()) sm.apply_row(Sr, b, h, r0 + r, c0, m, rm);
+            mx = attnlab_rows::row_max(Sr, mp);
+          }
           const float m_new = std::isnan(mx) ? mx : std::max(mrow[r], mx);
           if (m_new == NEG_INF) {
-            for (int64_t c = 0; c < mp; ++c) Sr[c] = 0.0f;
+            if (pairs)
+              std::fill(Ph, Ph + mp, uint16_t{0});
+            else
+              std::fill(Sr, Sr + mp, 0.0f);
             alph[r] = 1.0f;
             continue;
           }
           alph[r] = exp_f(mrow[r] - m_new);
-          lrow[r] = lrow[r] * alph[r] + attnlab_rows::row_exp(Sr, Sr, mp, m_new);
+          // P rounded to bf16 (as flash-attn does) straight into P·V's operand; float32 row sum
+          const float sum = pairs ? attnlab_fwd::row_exp_bf16(Sr, Ph, mp, m_new)
+                                  : attnlab_rows::row_exp(Sr, Sr, mp, m_new);
+          lrow[r] = lrow[r] * alph[r] + sum;
           mrow[r] = m_new;
         }
-        if (pairs) {  // P rounded to bf16 (as flash-attn does), P·V accumulated in float32
-          for (int64_t r = 0; r < n; ++r) attnlab_bf16::pack_row(St.data() + r * bk, Pw.data() + r * (bk / 2), mp);
-          attnlab_bf16::matmul(Pw.data(), bk / 2, vhp + (kvh * nkb + jk) * (bk / 2) * Dvp, Dvp, tmp.data(), Dvp, n,
-                               Dvp, mp / 2);
-        } else {
-          matmul(St.data(), bk, Vf + c0 * Dvp, Dvp, tmp.data(), Dvp, n, Dvp, m);
-        }
-        for (int64_t r = 0; r < n; ++r)
-          attnlab_rows::row_axpby(accp.data() + r * Dvp, tmp.data() + r * Dvp, Dvp, alph[r]);
+        // acc = acc · alpha + P·V (float32 accumulation), one pass
+        if (pairs)
+          attnlab_fwd::matmul_acc(Pw.data(), bk / 2, vhp + (kvh * nkb + jk) * (bk / 2) * Dvp, Dvp, accp.data(), Dvp,
+                                  n, Dvp, mp / 2, alph.data());
+        else
+          attnlab_fwd::matmul_acc(St.data(), bk, Vf + c0 * Dvp, Dvp, accp.data(), Dvp, n, Dvp, m, alph.data());
       }
       bool finite = true;
       for (int64_t r = 0; r < n; ++r) {
@@ -423,7 +445,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         }
       }
     };
-    for (int64_t it; (it = next.fetch_add(1)) < items;)
+    for (int64_t it; queue.pop(it);)
       if (!fast(it)) careful(it);
   });
 }
@@ -838,7 +860,10 @@ std::vector<at::Tensor> native_fwd(const at::Tensor& q, const at::Tensor& k, con
                                    const c10::optional<at::Tensor>& slopes, const c10::optional<at::Tensor>& table,
                                    int64_t bq, int64_t bk, const std::vector<int64_t>& mods,
                                    const std::vector<double>& caps) {
-  const Dims dm = dims_of(q, k, v, bq, bk);
+  // bf16 pairs are half the bytes of float32: the K tile that ops.blocks sizes for L1 in float32
+  // (D × bk) holds a kv block twice as long (measured: 5 % at D = 128, 2-4 % at D = 64)
+  const bool pairs = q.scalar_type() == at::kBFloat16 && bf16_pairs();
+  const Dims dm = dims_of(q, k, v, bq, pairs && 2 * bk <= 256 ? 2 * bk : bk);
   const Mask mk = mask_of(kv_len, q_ids, kv_ids, keep, has_left, left, has_right, right, sinks, has_sinks_right,
                           sinks_right, q_offset, kv_offset, dm);
   ScoreMods sm = mods_of(slopes, table, mods, caps, q_offset, kv_offset, dm);
