@@ -313,17 +313,28 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       }
       std::fill(accp.begin(), accp.begin() + n * Dvp, 0.0f);
       for (int64_t jk = 0; jk < nkb; ++jk) {
-        const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0, mp = (m + 15) / 16 * 16;
-        if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+        const int64_t cb0 = jk * bk, cb1 = std::min(dm.Nk, cb0 + bk);  // the kv block
+        if (!block_visits(mk, b, r0, r1, cb0, cb1)) continue;
+        // S and P·V run on the block's columns that some row of the q block may see, from a
+        // 16-column boundary: the band's envelope (b0, b1 and the sinks' end grow with the row),
+        // so a window's or a causal diagonal's hidden columns cost nothing
+        int64_t s1a, b0a, b1a, s1z, b0z, b1z;
+        mk.ranges(b, r0, s1a, b0a, b1a);
+        mk.ranges(b, r1 - 1, s1z, b0z, b1z);
+        int64_t lo = s1z > cb0 ? cb0 : std::max(cb0, b0a), hi = std::min(cb1, std::max(s1z, b1z));
+        if (hi <= lo) lo = cb0, hi = cb1;
+        const int64_t o = (lo - cb0) / 16 * 16;  // column offset in the packed panels
+        const int64_t c0 = cb0 + o, c1 = hi, m = c1 - c0, mp = (m + 15) / 16 * 16;
         if (pairs)
-          attnlab_fwd::matmul(qhp + qrow * Dw, Dw, khp + (kvh * nkb + jk) * Dw * bk, bk, St.data(), bk, n, mp, Dw);
+          attnlab_fwd::matmul(qhp + qrow * Dw, Dw, khp + (kvh * nkb + jk) * Dw * bk + o, bk, St.data(), bk, n, mp,
+                              Dw);
         else
-          attnlab_fwd::matmul(Qf, D, KTf + jk * D * bk, bk, St.data(), bk, n, mp, D);
+          attnlab_fwd::matmul(Qf, D, KTf + jk * D * bk + o, bk, St.data(), bk, n, mp, D);
         for (int64_t r = 0; r < n; ++r) {
           float* Sr = St.data() + r * bk;
           const RowMask& rm = rms[r];
           uint16_t* Ph = reinterpret_cast<uint16_t*>(Pw.data() + r * (bk / 2));  // this row's bf16 P (pairs path)
-          if (rm.none(c0, c1)) {
+          if (rm.none(cb0, cb1)) {
             if (pairs)
               std::fill(Ph, Ph + mp, uint16_t{0});
             else
@@ -332,12 +343,14 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             continue;
           }
           float mx;
-          if (m == mp && !sm.active() && rm.full(c0, c1)) {  // the common tile: scale and max in one pass
+          // the ids / keep tables hold whole kv blocks: full there is full on [c0, c1)
+          const bool full = rm.band_full(c0, c1) && rm.extra_full(cb0, cb1);
+          if (m == mp && !sm.active() && full) {  // the common tile: scale and max in one pass
             mx = attnlab_fwd::row_scale_max(Sr, mp, scale);
           } else {
             attnlab_rows::row_scale(Sr, m, scale);
             for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
-            if (!rm.full(c0, c1))
+            if (!full)
               for (int64_t c = 0; c < m; ++c)
                 if (!rm.visible(c0 + c)) Sr[c] = NEG_INF;
             if (sm.active()) sm.apply_row(Sr, b, h, r0 + r, c0, m, rm);
@@ -361,8 +374,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         }
         // acc = acc · alpha + P·V (float32 accumulation), one pass
         if (pairs)
-          attnlab_fwd::matmul_acc(Pw.data(), bk / 2, vhp + (kvh * nkb + jk) * (bk / 2) * Dvp, Dvp, accp.data(), Dvp,
-                                  n, Dvp, mp / 2, alph.data());
+          attnlab_fwd::matmul_acc(Pw.data(), bk / 2, vhp + ((kvh * nkb + jk) * (bk / 2) + o / 2) * Dvp, Dvp,
+                                  accp.data(), Dvp, n, Dvp, mp / 2, alph.data());
         else
           attnlab_fwd::matmul_acc(St.data(), bk, Vf + c0 * Dvp, Dvp, accp.data(), Dvp, n, Dvp, m, alph.data());
       }
