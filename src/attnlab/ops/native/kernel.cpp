@@ -38,6 +38,7 @@
 
 #include "gemm_bf16.h"
 #include "gemm_f32.h"
+#include "mask_args.h"
 #include "masking.h"
 #include "rowmath.h"
 #include "scoremods.h"
@@ -297,14 +298,14 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const float* KTf = pairs ? nullptr : kt32p + kvh * nkb * D * bk;  // packed: one D × bk panel per kv block
       const float* Vf = pairs ? nullptr : v32p + kvh * dm.Nk * Dvp;
       for (int64_t r = 0; r < n; ++r) {
-        rms[r] = mk.row(b, r0 + r);
+        rms[r] = mk.row(b, h, r0 + r);
         mrow[r] = NEG_INF;
         lrow[r] = 0.0f;
       }
       std::fill(accp.begin(), accp.begin() + n * Dvp, 0.0f);
       for (int64_t jk = 0; jk < nkb; ++jk) {
         const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0, mp = (m + 15) / 16 * 16;
-        if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+        if (!block_visits(mk, b, h, r0, r1, c0, c1)) continue;
         if (pairs)
           attnlab_bf16::matmul(qhp + qrow * Dw, Dw, khp + (kvh * nkb + jk) * Dw * bk, bk, St.data(), bk, n, mp, Dw);
         else
@@ -369,14 +370,14 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
       for (int64_t r = 0; r < n; ++r) {
         load_row(Qb.data() + r * D, qv.row(b, h, r0 + r), D, qv.s3);
-        rms[r] = mk.row(b, r0 + r);
+        rms[r] = mk.row(b, h, r0 + r);
         mrow[r] = NEG_INF;
         lrow[r] = 0.0f;
       }
       std::fill(acc.begin(), acc.begin() + n * Dv, 0.0f);
       for (int64_t jk = 0; jk < nkb; ++jk) {
         const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0;
-        if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+        if (!block_visits(mk, b, h, r0, r1, c0, c1)) continue;
         load_kt(KT.data(), kv, b, hk, c0, m, D, bk);
         for (int64_t c = 0; c < m; ++c) load_row(Vb.data() + c * Dv, vv.row(b, hk, c0 + c), Dv, vv.s3);
         for (int64_t r = 0; r < n; ++r) {
@@ -464,7 +465,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       for (int64_t h = hk * dm.G; h < (hk + 1) * dm.G; ++h) {
         for (int64_t iq = 0; iq < nqb; ++iq) {
           const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
-          if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+          if (!block_visits(mk, b, h, r0, r1, c0, c1)) continue;
           for (int64_t r = 0; r < n; ++r) {
             load_row(Qp.data() + r * Dp, qv.row(b, h, r0 + r), D, qv.s3);
             load_row(dOp.data() + r * Dvp, gv.row(b, h, r0 + r), Dv, gv.s3);
@@ -476,7 +477,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           for (int64_t r = 0; r < n; ++r) {
             float* Sr = St.data() + r * bk;
             float* dPr = dPt.data() + r * bk;
-            const RowMask rm = mk.row(b, r0 + r);
+            const RowMask rm = mk.row(b, h, r0 + r);
             if (Lr[r] == NEG_INF || rm.none(c0, c1)) {
               for (int64_t c = 0; c < mp; ++c) {
                 PT[c * bq + r] = 0.0f;
@@ -533,14 +534,14 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       for (int64_t h = hk * dm.G; h < (hk + 1) * dm.G; ++h) {
         for (int64_t iq = 0; iq < nqb; ++iq) {
           const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq);
-          if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+          if (!block_visits(mk, b, h, r0, r1, c0, c1)) continue;
           // this q block's sums, added once (two-level sums keep long columns accurate)
           std::fill(dKt.begin(), dKt.begin() + m * D, 0.0f);
           std::fill(dVt.begin(), dVt.begin() + m * Dv, 0.0f);
           for (int64_t i = r0; i < r1; ++i) {
             const float L = lp[(b * dm.H + h) * dm.Nq + i];
             if (L == NEG_INF) continue;  // fully masked row: no gradient
-            const RowMask rm = mk.row(b, i);
+            const RowMask rm = mk.row(b, h, i);
             if (rm.none(c0, c1)) continue;
             const float Di = dp[(b * dm.H + h) * dm.Nq + i];
             load_row(Qr.data(), qv.row(b, h, i), D, qv.s3);
@@ -609,14 +610,14 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       for (int64_t r = 0; r < n; ++r) {
         load_row(Qb.data() + r * D, qv.row(b, h, r0 + r), D, qv.s3);
         load_row(dOb.data() + r * Dv, gv.row(b, h, r0 + r), Dv, gv.s3);
-        rms[r] = mk.row(b, r0 + r);
+        rms[r] = mk.row(b, h, r0 + r);
         Lr[r] = lp[(b * dm.H + h) * dm.Nq + r0 + r];
         Dr[r] = dp[(b * dm.H + h) * dm.Nq + r0 + r];
       }
       std::fill(dQa.begin(), dQa.begin() + n * Dp, 0.0f);
       for (int64_t jk = 0; jk < nkb; ++jk) {
         const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0, mp = (m + 15) / 16 * 16;
-        if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+        if (!block_visits(mk, b, h, r0, r1, c0, c1)) continue;
         const int64_t kvh = b * dm.Hkv + hk;
         matmul(Qb.data(), D, kt32p + (kvh * nkb + jk) * D * bk, bk, St.data(), bk, n, mp, D);
         matmul(dOb.data(), Dv, vt32p + (kvh * nkb + jk) * Dv * bk, bk, dPt.data(), bk, n, mp, Dv);
@@ -662,12 +663,12 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       for (int64_t r = 0; r < n; ++r) {
         load_row(Qb.data() + r * D, qv.row(b, h, r0 + r), D, qv.s3);
         load_row(dOb.data() + r * Dv, gv.row(b, h, r0 + r), Dv, gv.s3);
-        rms[r] = mk.row(b, r0 + r);
+        rms[r] = mk.row(b, h, r0 + r);
       }
       std::fill(dQb.begin(), dQb.begin() + n * D, 0.0f);
       for (int64_t jk = 0; jk < nkb; ++jk) {
         const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0;
-        if (!block_visits(mk, b, r0, r1, c0, c1)) continue;
+        if (!block_visits(mk, b, h, r0, r1, c0, c1)) continue;
         load_kt(KT.data(), kv, b, hk, c0, m, D, bk);
         load_kt(VT.data(), vv, b, hk, c0, m, Dv, bk);
         for (int64_t c = 0; c < m; ++c) load_row(Kb.data() + c * D, kv.row(b, hk, c0 + c), D, kv.s3);
@@ -752,7 +753,7 @@ Dims dims_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int6
 Mask mask_of(const c10::optional<at::Tensor>& kv_len, const c10::optional<at::Tensor>& q_ids,
              const c10::optional<at::Tensor>& kv_ids, const c10::optional<at::Tensor>& keep, bool has_left,
              int64_t left, bool has_right, int64_t right, int64_t sinks, bool has_sinks_right, int64_t sinks_right,
-             int64_t q_offset, int64_t kv_offset, const Dims& dm) {
+             int64_t q_offset, int64_t kv_offset, const std::vector<at::Tensor>& ext, const Dims& dm) {
   const int64_t* kl = nullptr;
   if (kv_len.has_value() && kv_len->defined()) {
     TORCH_CHECK(kv_len->scalar_type() == at::kLong && kv_len->is_contiguous(), "attnlab native: kv_len int64");
@@ -782,7 +783,8 @@ Mask mask_of(const c10::optional<at::Tensor>& kv_len, const c10::optional<at::Te
     mk.keep = reinterpret_cast<const uint8_t*>(keep->data_ptr());
     mk.keep_bs = Bkeep == 1 ? 0 : dm.Nk;
   }
-  mk.tables(dm.bk, Bids, Bkeep);
+  mask_extra(mk, ext, dm.B, dm.H, dm.Nq, dm.Nk, dm.bq, dm.bk);  // band positions, a BlockMask's tiles
+  mk.tables(dm.bq, dm.bk, Bids, Bkeep);
   return mk;
 }
 
@@ -837,10 +839,10 @@ std::vector<at::Tensor> native_fwd(const at::Tensor& q, const at::Tensor& k, con
                                    const c10::optional<at::Tensor>& kv_ids, const c10::optional<at::Tensor>& keep,
                                    const c10::optional<at::Tensor>& slopes, const c10::optional<at::Tensor>& table,
                                    int64_t bq, int64_t bk, const std::vector<int64_t>& mods,
-                                   const std::vector<double>& caps) {
+                                   const std::vector<double>& caps, const std::vector<at::Tensor>& mask_ext) {
   const Dims dm = dims_of(q, k, v, bq, bk);
   const Mask mk = mask_of(kv_len, q_ids, kv_ids, keep, has_left, left, has_right, right, sinks, has_sinks_right,
-                          sinks_right, q_offset, kv_offset, dm);
+                          sinks_right, q_offset, kv_offset, mask_ext, dm);
   ScoreMods sm = mods_of(slopes, table, mods, caps, q_offset, kv_offset, dm);
   auto out = at::empty({dm.B, dm.H, dm.Nq, dm.Dv}, q.options());
   auto lse = at::empty({dm.B, dm.H, dm.Nq}, q.options().dtype(at::kFloat));
@@ -862,10 +864,10 @@ std::vector<at::Tensor> native_bwd(const at::Tensor& dout_in, const c10::optiona
                                    const c10::optional<at::Tensor>& kv_ids, const c10::optional<at::Tensor>& keep,
                                    const c10::optional<at::Tensor>& slopes, const c10::optional<at::Tensor>& table,
                                    int64_t bq, int64_t bk, const std::vector<int64_t>& mods,
-                                   const std::vector<double>& caps) {
+                                   const std::vector<double>& caps, const std::vector<at::Tensor>& mask_ext) {
   const Dims dm = dims_of(q, k, v, bq, bk);
   const Mask mk = mask_of(kv_len, q_ids, kv_ids, keep, has_left, left, has_right, right, sinks, has_sinks_right,
-                          sinks_right, q_offset, kv_offset, dm);
+                          sinks_right, q_offset, kv_offset, mask_ext, dm);
   ScoreMods sm = mods_of(slopes, table, mods, caps, q_offset, kv_offset, dm);
   const at::Tensor dout = dout_in.to(q.scalar_type()), out = out_in.to(q.scalar_type());
   at::Tensor lse_c = lse.to(at::kFloat).contiguous();
