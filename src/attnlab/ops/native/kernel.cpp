@@ -115,10 +115,7 @@ inline void score_row(float* S, const float* Qr, const float* KT, int64_t D, int
     for (int64_t c = 0; c < m; ++c) S[c] += qv * kt[c];
   }
   for (int64_t c = 0; c < m; ++c) S[c] *= scale;
-  if (!rm.full(c0, c0 + m)) {
-    for (int64_t c = 0; c < m; ++c)
-      if (!rm.visible(c0 + c)) S[c] = NEG_INF;
-  }
+  if (!rm.full(c0, c0 + m)) rm.hide(S, c0, m);
 }
 
 template <typename T>
@@ -320,9 +317,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           }
           attnlab_rows::row_scale(Sr, m, scale);
           for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
-          if (!rm.full(c0, c1))
-            for (int64_t c = 0; c < m; ++c)
-              if (!rm.visible(c0 + c)) Sr[c] = NEG_INF;
+          if (!rm.full(c0, c1)) rm.hide(Sr, c0, m);
           if (sm.active()) sm.apply_row(Sr, b, h, r0 + r, c0, m, rm);
           const float mx = attnlab_rows::row_max(Sr, mp);
           const float m_new = std::isnan(mx) ? mx : std::max(mrow[r], mx);
@@ -487,9 +482,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             }
             attnlab_rows::row_scale(Sr, m, scale);
             for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
-            if (!rm.full(c0, c1))
-              for (int64_t c = 0; c < m; ++c)
-                if (!rm.visible(c0 + c)) Sr[c] = NEG_INF;
+            if (!rm.full(c0, c1)) rm.hide(Sr, c0, m);
             if (sm.active()) {  // the raw scores, for the mods' derivatives
               std::copy(Sr, Sr + m, S0.data());
               sm.apply_row(Sr, b, h, r0 + r, c0, m, rm);
@@ -631,9 +624,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           }
           attnlab_rows::row_scale(Sr, m, scale);
           for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
-          if (!rm.full(c0, c1))
-            for (int64_t c = 0; c < m; ++c)
-              if (!rm.visible(c0 + c)) Sr[c] = NEG_INF;
+          if (!rm.full(c0, c1)) rm.hide(Sr, c0, m);
           if (sm.active()) {
             std::copy(Sr, Sr + m, S0.data());
             sm.apply_row(Sr, b, h, r0 + r, c0, m, rm);

@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 // The band with sinks on band positions, for a row whose keys carry their own positions (kpos)
@@ -126,6 +127,28 @@ struct RowMask {  // one row's visible columns
   bool visible(int64_t c) const {
     if (st != nullptr) return tile_visible(c);
     return (c < s1 || (c >= b0 && c < b1)) && extra_visible(c);
+  }
+  // S[c] = -inf where column c0 + c (c < m) is hidden; a BlockMask's partial tile is read a
+  // word (32 columns) at a time and only its hidden bits are visited
+  void hide(float* S, int64_t c0, int64_t m) const {
+    constexpr float ninf = -std::numeric_limits<float>::infinity();
+    if (st != nullptr && whole(c0, c0 + m)) {
+      const int64_t j = c0 / bk;
+      if (st[j] == 2) return;
+      if (st[j] == 0) {
+        for (int64_t c = 0; c < m; ++c) S[c] = ninf;
+        return;
+      }
+      const uint32_t* w = bits + tid[j] * tstride;
+      for (int64_t x = 0; x < m; x += 32) {
+        uint32_t hidden = ~w[x / 32];
+        if (m - x < 32) hidden &= (1u << (m - x)) - 1u;
+        for (; hidden != 0; hidden &= hidden - 1u) S[x + __builtin_ctz(hidden)] = ninf;
+      }
+      return;
+    }
+    for (int64_t c = 0; c < m; ++c)
+      if (!visible(c0 + c)) S[c] = ninf;
   }
 };
 
