@@ -233,6 +233,8 @@ def plan(q, k, v, mask, score_mod, q_offset, kv_offset):
         return None, "torch.func transform (the flash path's autograd.Function composes with it)"
     s = structure_of(mask)
     if s is not None and s.fields() <= IMPLEMENTED:
+        if compiling and s.q_shift is not None:  # its range is read as Python ints
+            return None, "per-batch query shifts under torch.compile"
         why = _structure_unsupported(s, q.shape[0], q.shape[2], k.shape[2], q_offset, kv_offset)
         if why is not None:
             return None, why
