@@ -209,3 +209,25 @@ def test_varlen_attention_runs_native(native_ext, no_flash):
     torch.testing.assert_close(out.double(), want, **F32_AGAINST_F64)
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a.grad.double(), b.grad, **F32_AGAINST_F64)
+
+
+@pytest.mark.parametrize("tiles", [(32, 80), (96, 48), (128, 512)], ids=lambda t: f"{t[0]}x{t[1]}")
+def test_blockmask_at_other_tiles(tiles, native_ext):
+    """The kernel reads a BlockMask at tiles other than its own correctly (a kernel tile meets
+    several BlockMask tiles, or starts inside one): the same values as at its own tiles,
+    forward and backward."""
+    from attnlab.ops.native.ops import native_attention
+
+    B, H, Nq, Nk, D = 2, 4, 97, 130, 64  # kernel tiles 64 x 128: the second starts mid-tile of 80 or 48
+    q, k, v = make_qkv(B, H, 2, Nq, Nk, D)
+    m = masks.custom(lambda b, h, qp, kp: (5 * qp + kp * kp + 3 * h + b) % 7 != 0)  # a 16-column shift changes it
+    own = m.block_mask(B, H, Nq, Nk, q_offset=33, block=tuple(blocks(D)))
+    other = m.block_mask(B, H, Nq, Nk, q_offset=33, block=tiles)
+    res = []
+    for bm in (own, other):
+        x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, lse = native_attention(*x, bm, scale=0.125, q_offset=33, kv_offset=0)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+        res.append((out, lse, *torch.autograd.grad(out, x, g)))
+    for a, b in zip(*res, strict=True):
+        torch.testing.assert_close(a, b, **F32_FEW_ULPS)

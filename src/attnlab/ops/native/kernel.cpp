@@ -744,7 +744,8 @@ Dims dims_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int6
 Mask mask_of(const c10::optional<at::Tensor>& kv_len, const c10::optional<at::Tensor>& q_ids,
              const c10::optional<at::Tensor>& kv_ids, const c10::optional<at::Tensor>& keep, bool has_left,
              int64_t left, bool has_right, int64_t right, int64_t sinks, bool has_sinks_right, int64_t sinks_right,
-             int64_t q_offset, int64_t kv_offset, const std::vector<at::Tensor>& ext, const Dims& dm) {
+             int64_t q_offset, int64_t kv_offset, const std::vector<at::Tensor>& ext,
+             const std::vector<int64_t>& ext_block, const Dims& dm) {
   const int64_t* kl = nullptr;
   if (kv_len.has_value() && kv_len->defined()) {
     TORCH_CHECK(kv_len->scalar_type() == at::kLong && kv_len->is_contiguous(), "attnlab native: kv_len int64");
@@ -774,7 +775,7 @@ Mask mask_of(const c10::optional<at::Tensor>& kv_len, const c10::optional<at::Te
     mk.keep = reinterpret_cast<const uint8_t*>(keep->data_ptr());
     mk.keep_bs = Bkeep == 1 ? 0 : dm.Nk;
   }
-  mask_extra(mk, ext, dm.B, dm.H, dm.Nq, dm.Nk, dm.bq, dm.bk);  // band positions, a BlockMask's tiles
+  mask_extra(mk, ext, ext_block, dm.B, dm.H, dm.Nq, dm.Nk);  // band positions, a BlockMask's tiles
   mk.tables(dm.bq, dm.bk, Bids, Bkeep);
   return mk;
 }
@@ -830,10 +831,11 @@ std::vector<at::Tensor> native_fwd(const at::Tensor& q, const at::Tensor& k, con
                                    const c10::optional<at::Tensor>& kv_ids, const c10::optional<at::Tensor>& keep,
                                    const c10::optional<at::Tensor>& slopes, const c10::optional<at::Tensor>& table,
                                    int64_t bq, int64_t bk, const std::vector<int64_t>& mods,
-                                   const std::vector<double>& caps, const std::vector<at::Tensor>& mask_ext) {
+                                   const std::vector<double>& caps, const std::vector<at::Tensor>& mask_ext,
+                                   const std::vector<int64_t>& mask_block) {
   const Dims dm = dims_of(q, k, v, bq, bk);
   const Mask mk = mask_of(kv_len, q_ids, kv_ids, keep, has_left, left, has_right, right, sinks, has_sinks_right,
-                          sinks_right, q_offset, kv_offset, mask_ext, dm);
+                          sinks_right, q_offset, kv_offset, mask_ext, mask_block, dm);
   ScoreMods sm = mods_of(slopes, table, mods, caps, q_offset, kv_offset, dm);
   auto out = at::empty({dm.B, dm.H, dm.Nq, dm.Dv}, q.options());
   auto lse = at::empty({dm.B, dm.H, dm.Nq}, q.options().dtype(at::kFloat));
@@ -855,10 +857,11 @@ std::vector<at::Tensor> native_bwd(const at::Tensor& dout_in, const c10::optiona
                                    const c10::optional<at::Tensor>& kv_ids, const c10::optional<at::Tensor>& keep,
                                    const c10::optional<at::Tensor>& slopes, const c10::optional<at::Tensor>& table,
                                    int64_t bq, int64_t bk, const std::vector<int64_t>& mods,
-                                   const std::vector<double>& caps, const std::vector<at::Tensor>& mask_ext) {
+                                   const std::vector<double>& caps, const std::vector<at::Tensor>& mask_ext,
+                                   const std::vector<int64_t>& mask_block) {
   const Dims dm = dims_of(q, k, v, bq, bk);
   const Mask mk = mask_of(kv_len, q_ids, kv_ids, keep, has_left, left, has_right, right, sinks, has_sinks_right,
-                          sinks_right, q_offset, kv_offset, mask_ext, dm);
+                          sinks_right, q_offset, kv_offset, mask_ext, mask_block, dm);
   ScoreMods sm = mods_of(slopes, table, mods, caps, q_offset, kv_offset, dm);
   const at::Tensor dout = dout_in.to(q.scalar_type()), out = out_in.to(q.scalar_type());
   at::Tensor lse_c = lse.to(at::kFloat).contiguous();

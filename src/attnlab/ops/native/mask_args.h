@@ -3,9 +3,10 @@
 //
 //     ext = [qpos (B|1, Nq) int64, kpos (Nk) int64,                     band positions
 //            states (Bm, Hm, nqb, nkb) int8, tile_id (nqb, nkb) int32,  a BlockMask's tiles
-//            bits (T, Bp, Hp, bq, ceil(bk / 32)) int32]                 its partial tiles' bits
+//            bits (T, Bp, Hp, tbq, ceil(tbk / 32)) int32]               its partial tiles' bits
 //
-// An absent entry is an empty tensor.  The tiles must be the kernel's own (bq x bk).
+// An absent entry is an empty tensor.  block = [tbq, tbk]: the BlockMask's tiles (the kernel's
+// own, bq x bk, are best: then a kernel tile is one BlockMask tile; any other is read correctly).
 #pragma once
 
 #include <torch/extension.h>
@@ -18,8 +19,8 @@ inline bool mask_arg(const std::vector<at::Tensor>& ext, size_t i) {
   return ext.size() > i && ext[i].defined() && ext[i].numel() > 0;
 }
 
-inline void mask_extra(Mask& mk, const std::vector<at::Tensor>& ext, int64_t B, int64_t H, int64_t Nq, int64_t Nk,
-                       int64_t bq, int64_t bk) {
+inline void mask_extra(Mask& mk, const std::vector<at::Tensor>& ext, const std::vector<int64_t>& block, int64_t B,
+                       int64_t H, int64_t Nq, int64_t Nk) {
   TORCH_CHECK(ext.size() == 0 || ext.size() == 5, "attnlab native: mask extras are [qpos, kpos, states, tile_id, bits]");
   if (mask_arg(ext, 0)) {
     const at::Tensor& t = ext[0];
@@ -42,12 +43,14 @@ inline void mask_extra(Mask& mk, const std::vector<at::Tensor>& ext, int64_t B, 
   TORCH_CHECK(!mk.has_left && !mk.has_right && mk.kv_len == nullptr && mk.q_ids == nullptr && mk.keep == nullptr &&
                   mk.qpos == nullptr && mk.kpos == nullptr,
               "attnlab native: a BlockMask's tiles come alone (its predicate holds every clause)");
+  TORCH_CHECK(block.size() == 2 && block[0] > 0 && block[1] > 0, "attnlab native: the BlockMask's tiles [tbq, tbk]");
+  const int64_t bq = block[0], bk = block[1];
   const int64_t nqb = (Nq + bq - 1) / bq, nkb = (Nk + bk - 1) / bk, W = (bk + 31) / 32;
   const at::Tensor &st = ext[2], &id = ext[3], &bits = ext[4];
   TORCH_CHECK(st.scalar_type() == at::kChar && st.is_contiguous() && st.dim() == 4 &&
                   (st.size(0) == 1 || st.size(0) == B) && (st.size(1) == 1 || st.size(1) == H) &&
                   st.size(2) == nqb && st.size(3) == nkb,
-              "attnlab native: tile states must be a contiguous int8 (B|1, H|1, nqb, nkb) tensor at the kernel's tiles");
+              "attnlab native: tile states must be a contiguous int8 (B|1, H|1, nqb, nkb) tensor at tiles [tbq, tbk]");
   TORCH_CHECK(id.scalar_type() == at::kInt && id.is_contiguous() && id.dim() == 2 && id.size(0) == nqb &&
                   id.size(1) == nkb,
               "attnlab native: tile ids must be a contiguous int32 (nqb, nkb) tensor");
@@ -65,6 +68,9 @@ inline void mask_extra(Mask& mk, const std::vector<at::Tensor>& ext, int64_t B, 
     TORCH_CHECK(!partial || ip[x] >= 0, "attnlab native: a partial tile without bits");
   }
   mk.states = sp;
+  mk.tbq = bq;
+  mk.tbk = bk;
+  mk.tnkb = nkb;
   mk.st_bs = st.size(0) == 1 ? 0 : st.size(1) * nqb * nkb;
   mk.st_hs = st.size(1) == 1 ? 0 : nqb * nkb;
   mk.tile_id = ip;

@@ -60,12 +60,12 @@ struct RowMask {  // one row's visible columns
   const int64_t* kpmax = nullptr;
   PosBand pb;
   int64_t qp = 0;  // this row's band position
-  // a BlockMask's tiles (null st: none): this row's q block's states and tile ids per kv
-  // block, and this row's bits in tile 0 (tile t at bits + t * tstride)
+  // a BlockMask's tiles (null st: none), of tbk columns (its own, whatever the kernel's): this
+  // row's q block's states and tile ids per kv block, its bits in tile 0 (tile t: + t * tstride)
   const int8_t* st = nullptr;
   const int32_t* tid = nullptr;
   const uint32_t* bits = nullptr;
-  int64_t tstride = 0;
+  int64_t tstride = 0, tbk = 1;
   int64_t bk = 1, Nk = 0;
 
   bool band_full(int64_t c0, int64_t c1) const {
@@ -105,23 +105,31 @@ struct RowMask {  // one row's visible columns
   }
   // the BlockMask's verdict on column c (st set)
   bool tile_visible(int64_t c) const {
-    const int64_t j = c / bk;
+    const int64_t j = c / tbk;
     if (st[j] != 1) return st[j] == 2;  // EMPTY 0, PARTIAL 1, FULL 2 (attnlab.masks.blockmask)
-    const int64_t x = c - j * bk;
+    const int64_t x = c - j * tbk;
     return (bits[tid[j] * tstride + x / 32] >> (x % 32)) & 1u;
   }
+  // every column of [c0, c1) visible (want) / hidden (!want): per BlockMask tile, bits only
+  // where one is partial
   bool tile_all(int64_t c0, int64_t c1, bool want) const {
-    for (int64_t c = c0; c < c1; ++c)
-      if (tile_visible(c) != want) return false;
+    for (int64_t j = c0 / tbk; j * tbk < c1; ++j) {
+      if (st[j] != 1) {
+        if ((st[j] == 2) != want) return false;
+        continue;
+      }
+      for (int64_t c = std::max(c0, j * tbk); c < std::min(c1, (j + 1) * tbk); ++c)
+        if (tile_visible(c) != want) return false;
+    }
     return true;
   }
 
   bool full(int64_t c0, int64_t c1) const {
-    if (st != nullptr) return whole(c0, c1) ? st[c0 / bk] == 2 : tile_all(c0, c1, true);
+    if (st != nullptr) return tile_all(c0, c1, true);
     return band_full(c0, c1) && extra_full(c0, c1);
   }
   bool none(int64_t c0, int64_t c1) const {
-    if (st != nullptr) return whole(c0, c1) ? st[c0 / bk] == 0 : tile_all(c0, c1, false);
+    if (st != nullptr) return tile_all(c0, c1, false);
     return band_none(c0, c1) || extra_none(c0, c1);
   }
   bool visible(int64_t c) const {
@@ -132,23 +140,27 @@ struct RowMask {  // one row's visible columns
   // word (32 columns) at a time and only its hidden bits are visited
   void hide(float* S, int64_t c0, int64_t m) const {
     constexpr float ninf = -std::numeric_limits<float>::infinity();
-    if (st != nullptr && whole(c0, c0 + m)) {
-      const int64_t j = c0 / bk;
-      if (st[j] == 2) return;
-      if (st[j] == 0) {
-        for (int64_t c = 0; c < m; ++c) S[c] = ninf;
-        return;
-      }
-      const uint32_t* w = bits + tid[j] * tstride;
-      for (int64_t x = 0; x < m; x += 32) {
-        uint32_t hidden = ~w[x / 32];
-        if (m - x < 32) hidden &= (1u << (m - x)) - 1u;
-        for (; hidden != 0; hidden &= hidden - 1u) S[x + __builtin_ctz(hidden)] = ninf;
-      }
+    if (st == nullptr) {
+      for (int64_t c = 0; c < m; ++c)
+        if (!visible(c0 + c)) S[c] = ninf;
       return;
     }
-    for (int64_t c = 0; c < m; ++c)
-      if (!visible(c0 + c)) S[c] = ninf;
+    for (int64_t j = c0 / tbk; j * tbk < c0 + m; ++j) {  // the BlockMask tiles [c0, c0 + m) meets
+      const int64_t t0 = j * tbk, lo = std::max(c0, t0), hi = std::min(c0 + m, t0 + tbk);
+      if (st[j] == 2) continue;
+      if (st[j] == 0) {
+        for (int64_t c = lo; c < hi; ++c) S[c - c0] = ninf;
+        continue;
+      }
+      const uint32_t* w = bits + tid[j] * tstride;
+      for (int64_t x = lo - t0; x < hi - t0;) {  // x: column within the tile; a word's bits at once
+        const int64_t sh = x % 32, n = std::min<int64_t>(32 - sh, hi - t0 - x);
+        uint32_t hidden = ~w[x / 32] >> sh;
+        if (n < 32) hidden &= (1u << n) - 1u;
+        for (; hidden != 0; hidden &= hidden - 1u) S[t0 + x + __builtin_ctz(hidden) - c0] = ninf;
+        x += n;
+      }
+    }
   }
 };
 
@@ -170,10 +182,11 @@ struct Mask {
   const int64_t* qpos = nullptr;
   int64_t qpos_bs = 0;
   const int64_t* kpos = nullptr;
-  // a BlockMask's tiles (mask_tiles.h): states (Bm, Hm, nqb, nkb) int8, tile ids (nqb, nkb),
-  // bits (T, Bp, Hp, bq, W) of the partial tiles; strides in elements (0: broadcast)
+  // a BlockMask's tiles (mask_args.h) of tbq x tbk, its own (the kernel's tiles may differ):
+  // states (Bm, Hm, tnqb, tnkb) int8, tile ids (tnqb, tnkb), bits (T, Bp, Hp, tbq, W) of the
+  // partial tiles; strides in elements (0: broadcast)
   const int8_t* states = nullptr;
-  int64_t st_bs = 0, st_hs = 0;
+  int64_t st_bs = 0, st_hs = 0, tbq = 1, tbk = 1, tnkb = 0;
   const int32_t* tile_id = nullptr;
   const uint32_t* bits = nullptr;
   int64_t bits_ts = 0, bits_bs = 0, bits_hs = 0, W = 0;
@@ -227,11 +240,12 @@ struct Mask {
     rm.bk = bk;
     rm.Nk = Nk;
     if (states != nullptr) {
-      const int64_t iq = i / bq;
-      rm.st = states + b * st_bs + h * st_hs + iq * nkb;
-      rm.tid = tile_id + iq * nkb;
-      rm.bits = bits + b * bits_bs + h * bits_hs + (i - iq * bq) * W;
+      const int64_t iq = i / tbq;
+      rm.st = states + b * st_bs + h * st_hs + iq * tnkb;
+      rm.tid = tile_id + iq * tnkb;
+      rm.bits = bits + b * bits_bs + h * bits_hs + (i - iq * tbq) * W;
       rm.tstride = bits_ts;
+      rm.tbk = tbk;
       return rm;
     }
     if (q_ids != nullptr) {
@@ -296,11 +310,14 @@ struct Mask {
 
 // Does any row in [r0, r1) of batch b, query head h see a column of [c0, c1)?
 inline bool block_visits(const Mask& mk, int64_t b, int64_t h, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-  const RowMask rm = mk.row(b, h, r0);  // the kv block's tables
-  if (mk.states != nullptr) {  // the BlockMask's state of this tile (the kernel's tiles are its tiles)
-    if (r0 % mk.bq != 0 || r1 - r0 > mk.bq || !rm.whole(c0, c1)) return true;
-    return rm.st[c0 / mk.bk] != 0;
+  if (mk.states != nullptr) {  // some BlockMask tile the rows and columns meet is not EMPTY
+    const int8_t* st = mk.states + b * mk.st_bs + h * mk.st_hs;
+    for (int64_t iq = r0 / mk.tbq; iq * mk.tbq < r1; ++iq)
+      for (int64_t j = c0 / mk.tbk; j * mk.tbk < c1; ++j)
+        if (st[iq * mk.tnkb + j] != 0) return true;
+    return false;
   }
+  const RowMask rm = mk.row(b, h, r0);  // the kv block's tables
   int64_t qlo = mk.q_offset + r0, qhi = mk.q_offset + r1 - 1;
   if (mk.qpos != nullptr) {  // band positions need not grow with the row (varlen's restart)
     qlo = qhi = mk.qp_of(b, r0);

@@ -3,17 +3,22 @@
 Registered with :func:`torch.library.custom_op` (like :mod:`attnlab.ops.library`'s
 ``attnlab::flash_*``), with fake implementations and the backward tied on with
 ``register_autograd``, so ``torch.compile(fullgraph=True)`` sees one opaque node.
-The mask travels as its structure (:mod:`attnlab.ops.native.structure`), a built-in score
-mod as its terms (:meth:`attnlab.scores.ScoreMod.lower`, ``scoremods.h``)::
+The mask travels as its structure (:mod:`attnlab.ops.native.structure`) or, for a mask with
+none the kernel reads, as a BlockMask's tiles and partial-tile bits; a built-in score mod as its
+terms (:meth:`attnlab.scores.ScoreMod.lower`, ``scoremods.h``)::
 
-    native_fwd(q, k, v, kv_len?, q_ids?, kv_ids?, key_keep?, slopes?, table?, scale, q_offset, kv_offset,
-               band=[has_left, left, has_right, right, has_sinks_right, sinks_right], sinks, block=[bq, bk],
-               mods=[term kinds], caps=[softcap values])
+    native_fwd(q, k, v, kv_len?, q_ids?, kv_ids?, key_keep?, slopes?, table?,
+               qpos?, kpos?, tile_states?, tile_id?, tile_bits?, scale, q_offset, kv_offset,
+               band=[has_left, left, has_right, right, has_sinks_right, sinks_right], sinks,
+               block=[bq, bk] (+ [tbq, tbk]: the BlockMask's tiles), mods=[term kinds], caps=[softcap values])
         -> (out (B, H, Nq, Dv) q.dtype, lse (B, H, Nq) float32)
     native_bwd(dout, dlse?, q, k, v, out, lse, <same>) -> (dq, dk, dv, dslopes, dtable)
 
 ``q_ids (B|1, Nq)`` / ``kv_ids (B|1, Nk)`` int64 and ``key_keep (B|1, Nk)`` bool are the
 structure's vectors sliced to this problem's rows and columns (:func:`native_attention`);
+``qpos (B|1, Nq)`` / ``kpos (Nk,)`` int64 the band positions of rows and columns (varlen's
+``q_pos``/``kv_pos``, per-batch shifts); ``tile_states`` / ``tile_id`` / ``tile_bits`` a
+BlockMask's states, tile ids and :meth:`~attnlab.masks.BlockMask.partial_bits` (``mask_args.h``);
 ``slopes (B|1, H)`` (ALiBi) and ``table (H, 2R+1)`` (relative bias) float32, their gradients
 ``dslopes``/``dtable`` (empty when absent).  Double backward is refused
 (:class:`attnlab.ops.flash.DoubleBackwardError`).
@@ -55,6 +60,11 @@ _NONE = torch.empty(0)
 def _extras(*ts):
     """masking.h's mask extras ``[qpos, kpos, states, tile_id, bits]`` (mask_args.h), empty where absent."""
     return [_NONE if t is None else t for t in ts]
+
+
+def _tile_block(block):
+    """The BlockMask's tiles ``[tbq, tbk]``: ``block[2:4]`` when given, else the kernel's ``block[:2]``."""
+    return [int(x) for x in (block[2:4] if len(block) >= 4 else block[:2])]
 
 
 def _mask_args(band, sinks):
@@ -106,6 +116,7 @@ def native_fwd(
         [int(x) for x in mods],
         [float(x) for x in caps],
         _extras(qpos, kpos, tile_states, tile_id, tile_bits),
+        _tile_block(block),
     )
     return out, lse
 
@@ -170,6 +181,7 @@ def native_bwd(
         [int(x) for x in mods],
         [float(x) for x in caps],
         _extras(qpos, kpos, tile_states, tile_id, tile_bits),
+        _tile_block(block),
     )
     return dq, dk, dv, dslopes, dtable
 
@@ -372,12 +384,9 @@ def native_attention(q, k, v, structure, *, scale, q_offset, kv_offset, score_mo
     block = blocks(q.shape[-1])
     Nq, Nk = q.shape[2], k.shape[2]
     if isinstance(structure, BlockMask):
-        bm = structure
-        if (bm.block_q, bm.block_k) != tuple(block):
-            raise ValueError(
-                f"native_attention: a BlockMask at tiles {(bm.block_q, bm.block_k)}, the kernel's are {block}"
-            )
+        bm = structure  # at any tiles; the kernel's own (plan's tiles_for) make a kernel tile one BlockMask tile
         bm.check_shape(q.shape[0], q.shape[1], Nq, Nk, q_offset, kv_offset)
+        block = [*block, bm.block_q, bm.block_k]
         bits, tile_id = bm.partial_bits()
         tensors = [None] * 6 + [bm.states.contiguous(), tile_id, bits]
         band, sinks = [0] * 6, 0
