@@ -68,12 +68,17 @@ struct RowMask {  // one row's visible columns
   int64_t tstride = 0, tbk = 1;
   int64_t bk = 1, Nk = 0;
 
+  // the band (with a BlockMask: its tiles and bits) on [c0, c1); the extra clauses below
   bool band_full(int64_t c0, int64_t c1) const {
+    if (st != nullptr) return tile_all(c0, c1, true);
     if (c1 <= s1) return true;
     if (c0 >= b0 && c1 <= b1) return true;
     return b0 <= s1 && c1 <= std::max(s1, b1);
   }
-  bool band_none(int64_t c0, int64_t c1) const { return c0 >= s1 && (c1 <= b0 || c0 >= b1); }
+  bool band_none(int64_t c0, int64_t c1) const {
+    if (st != nullptr) return tile_all(c0, c1, false);
+    return c0 >= s1 && (c1 <= b0 || c0 >= b1);
+  }
   // [c0, c1) is a whole kv block (the kernel's tiles are): its table entry applies
   bool whole(int64_t c0, int64_t c1) const { return c0 % bk == 0 && c1 == std::min(Nk, c0 + bk); }
   bool has_extra() const { return kvid != nullptr || keep != nullptr || kpos != nullptr; }
@@ -124,14 +129,9 @@ struct RowMask {  // one row's visible columns
     return true;
   }
 
-  bool full(int64_t c0, int64_t c1) const {
-    if (st != nullptr) return tile_all(c0, c1, true);
-    return band_full(c0, c1) && extra_full(c0, c1);
-  }
-  bool none(int64_t c0, int64_t c1) const {
-    if (st != nullptr) return tile_all(c0, c1, false);
-    return band_none(c0, c1) || extra_none(c0, c1);
-  }
+  // every clause (a BlockMask comes alone: band_* read it, the extra clauses are absent)
+  bool full(int64_t c0, int64_t c1) const { return band_full(c0, c1) && extra_full(c0, c1); }
+  bool none(int64_t c0, int64_t c1) const { return band_none(c0, c1) || extra_none(c0, c1); }
   bool visible(int64_t c) const {
     if (st != nullptr) return tile_visible(c);
     return (c < s1 || (c >= b0 && c < b1)) && extra_visible(c);
