@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 #: The command tree: (words, module of attnlab.commands).  Groups are in GROUPS.
