@@ -41,7 +41,6 @@ def test_summary_says_whether_huge_page_allocations_are_on(monkeypatch):
     assert "huge-page allocations on" in bench.summary({**res, "thp_alloc": bench.thp_alloc()})
 
 
-
 def test_the_kernels_share_is_reported_per_contender():
     # system time and minor page faults per contender (medians): where a kept activation's cost goes
     res = bench.run(reps=1, memory=False, shape=(1, 16, 2, 1, 8))
