@@ -92,6 +92,21 @@ def test_reps_zero_is_a_usage_error_naming_the_option(words, capsys):
     assert "--reps" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "words, defaults",
+    [
+        ("bench varlen", {"seqs": 16, "min": 64, "max": 2048, "heads": 8, "dim": 64}),
+        ("bench decode", {"seqs": 16, "min": 128, "max": 4096, "heads": 8, "dim": 128, "kv_heads": 2}),
+    ],
+)
+def test_ragged_batch_benchmarks_share_their_options(words, defaults, capsys):
+    args = build_parser().parse_args(words.split())
+    assert {k: getattr(args, k) for k in defaults} == defaults
+    for opt in ("--seqs", "--min", "--max", "--heads", "--dim"):
+        assert main([*words.split(), opt, "0"]) == 2
+        assert opt in capsys.readouterr().err
+
+
 def test_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"attnlab {attnlab.__version__}"

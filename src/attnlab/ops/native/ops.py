@@ -26,7 +26,7 @@ from torch import Tensor
 
 from attnlab.ops.flash import DOUBLE_BACKWARD, DoubleBackwardError
 from attnlab.ops.native import build
-from attnlab.ops.native.structure import IMPLEMENTED, structure_of
+from attnlab.ops.native.structure import IMPLEMENTED, band_of, structure_of
 from attnlab.scores import ScoreMod
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -276,15 +276,7 @@ def native_attention(q, k, v, structure, *, scale, q_offset, kv_offset, score_mo
     (and the score mod :func:`plan` accepted).  ALiBi slopes and bias tables enter as float32
     views of the mod's own tensors, so their gradients reach them."""
     s = structure
-    sr = getattr(s, "sinks_right", None)
-    band = [
-        int(s.left is not None),
-        0 if s.left is None else int(s.left),
-        int(s.right is not None),
-        0 if s.right is None else int(s.right),
-        int(sr is not None),
-        0 if sr is None else int(sr),
-    ]
+    band = band_of(s)
     kv_len = None if s.kv_len is None else s.kv_len.to(torch.long).contiguous()
     Nq, Nk = q.shape[2], k.shape[2]
     q_ids = _rows(s.q_ids, q_offset, Nq, torch.long)
