@@ -5,6 +5,7 @@ and the problems that fall back."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,6 +63,15 @@ def test_variant_follows_cpu_flags():
     assert build.variant(frozenset({"avx2", "fma"})) == ("avx2", ["-mavx2", "-mfma"])
     assert build.variant(frozenset({"sse2"})) == ("portable", [])
     assert build.cpu_flags("processor : 0\nflags\t\t: fpu sse2 avx2\n") == frozenset({"fpu", "sse2", "avx2"})
+
+
+def test_headers_name_every_header_of_the_kernel_folder():
+    # the build hashes every *.h of the folder; HEADERS names them, and each is included
+    here = Path(build.__file__).parent
+    assert build.HEADERS == tuple(sorted(p.name for p in here.glob("*.h")))
+    text = "".join((here / name).read_text() for name in (*build.SOURCES, *build.HEADERS))
+    for name in build.HEADERS:
+        assert f'#include "{name}"' in text, name
 
 
 def test_auto_picks_native_where_it_would_pick_flash(native_ext):

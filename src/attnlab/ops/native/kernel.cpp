@@ -42,6 +42,7 @@
 #include "masking.h"
 #include "rowmath.h"
 #include "scoremods.h"
+#include "vecmath.h"
 
 namespace {
 
@@ -54,31 +55,8 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 #define MADD(a, b, c) ((a) * (b) + (c))
 #endif
 
-inline float to_f(float x) { return x; }
-inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_f(c10::Half x) { return static_cast<float>(x); }
-
-// exp(x) in float32 (Cephes' polynomial, about 1 ulp); x < -87 (and -inf) gives exactly 0.
-// Branch-free, so the loops that call it vectorise.
-inline float exp_f(float x) {
-  const float xc = std::min(std::max(x, -87.0f), 88.0f);
-  const float t = xc * 1.44269504088896341f;
-  const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest
-  float r = xc - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  float y = p * r * r + r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float s;
-  std::memcpy(&s, &e, sizeof s);
-  y = y * s;
-  return x < -87.0f ? 0.0f : y;
-}
+using attnlab_vecmath::exp_f;
+using attnlab_vecmath::to_f;
 
 template <typename T>
 struct View {  // a 4-D tensor read through its strides

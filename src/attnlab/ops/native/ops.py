@@ -32,7 +32,7 @@ from torch import Tensor
 from attnlab.masks import BlockMask, MaskStructure
 from attnlab.ops.flash import DOUBLE_BACKWARD, DoubleBackwardError
 from attnlab.ops.native import build
-from attnlab.ops.native.structure import IMPLEMENTED, structure_of
+from attnlab.ops.native.structure import IMPLEMENTED, band_of, structure_of
 from attnlab.scores import ScoreMod
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -392,15 +392,7 @@ def native_attention(q, k, v, structure, *, scale, q_offset, kv_offset, score_mo
         band, sinks = [0] * 6, 0
     else:
         s = structure
-        sr = s.sinks_right
-        band = [
-            int(s.left is not None),
-            0 if s.left is None else int(s.left),
-            int(s.right is not None),
-            0 if s.right is None else int(s.right),
-            int(sr is not None),
-            0 if sr is None else int(sr),
-        ]
+        band = band_of(s)
         sinks = int(s.sinks)
         kv_len = None if s.kv_len is None else s.kv_len.to(torch.long).contiguous()
         qpos, kpos, q_ids = _band_positions(s, Nq, Nk, q_offset, kv_offset)

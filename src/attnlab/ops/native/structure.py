@@ -32,7 +32,7 @@ IMPLEMENTED = frozenset(
 #: lengths only -- a document or key-keep mask over a cache takes the split-KV path
 DECODE_IMPLEMENTED = frozenset({"left", "right", "sinks", "sinks_right", "kv_len"})
 
-__all__ = ["DECODE_IMPLEMENTED", "IMPLEMENTED", "structure_of"]
+__all__ = ["DECODE_IMPLEMENTED", "IMPLEMENTED", "band_of", "structure_of"]
 
 
 def structure_of(mask) -> MaskStructure | None:
@@ -43,3 +43,17 @@ def structure_of(mask) -> MaskStructure | None:
     if isinstance(mask, BlockMask):
         mask = mask.mask
     return mask.lower()
+
+
+def band_of(s: MaskStructure) -> list[int]:
+    """The six ints the native kernels take for a structure's band and sinks' reach:
+    ``[has left, left, has right, right, has sinks_right, sinks_right]`` (0 where absent)."""
+    sr = getattr(s, "sinks_right", None)
+    return [
+        int(s.left is not None),
+        0 if s.left is None else int(s.left),
+        int(s.right is not None),
+        0 if s.right is None else int(s.right),
+        int(sr is not None),
+        0 if sr is None else int(sr),
+    ]
