@@ -63,3 +63,11 @@ def test_cache_files_are_under_600_lines():
         p.name: n for p in (PKG / "cache").glob("*.py") if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600
     }
     assert long == {}
+
+
+def test_the_design_layout_lists_every_package_folder():
+    """docs/design.md's layout block names every folder of the package (``name/``)."""
+    text = (PKG.parents[1] / "docs" / "design.md").read_text(encoding="utf-8")
+    block = text.split("## Layout", 1)[1].split("```")[1]
+    folders = sorted(p for p in PKG.rglob("*") if p.is_dir() and p.name != "__pycache__")
+    assert [str(p.relative_to(PKG)) for p in folders if f" {p.name}/ " not in block] == []

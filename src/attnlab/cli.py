@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 #: The command tree: (words, module of attnlab.commands).  Groups are in GROUPS.
@@ -101,17 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: torch's CPU allocator backs allocations of 2 MiB and more with transparent huge pages when this
-#: variable is 1 (it reads it once, at the first such allocation).  Tensors that are kept -- a
-#: ``run_with_cache`` cache, captured activations, a KV cache -- are fresh memory, and each 4 KiB
-#: page of it costs a page fault on first touch; 2 MiB pages make that 512 times fewer.  The
-#: command sets it unless the environment already says (``THP_MEM_ALLOC_ENABLE=0`` turns it off);
-#: ``attnlab bench capture`` prints which is in effect.  A library import never sets it.
+#: variable is 1 (it reads it once, at the first such allocation).  The command leaves it as the
+#: environment has it.  It used to set it (fewer first-touch page faults for kept tensors), but
+#: measured on a kernel whose THP defrag is ``madvise`` (the common default) the huge-page faults
+#: cost more than they save: ``run_with_cache`` of a 6-layer model took 1.57 s of system time per
+#: forward with it against 0.45 s without (docs/interp.md, "What a kept activation costs").
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``attnlab ARGV``; returns the exit status (argparse's 2 for bad usage, 0 for ``--help``)."""
-    os.environ.setdefault(THP_ENV, "1")
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)

@@ -39,3 +39,15 @@ def test_summary_says_whether_huge_page_allocations_are_on(monkeypatch):
     assert "huge-page allocations off" in bench.summary({**res, "thp_alloc": bench.thp_alloc()})
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
     assert "huge-page allocations on" in bench.summary({**res, "thp_alloc": bench.thp_alloc()})
+
+
+def test_the_kernels_share_is_reported_per_contender():
+    # system time and minor page faults per contender (medians): where a kept activation's cost goes
+    res = bench.run(reps=1, memory=False, shape=(1, 16, 2, 1, 8))
+    faults, sys_s = res["minor_faults"], res["system_seconds"]
+    assert set(faults) == set(sys_s) == set(bench.MODES)
+    assert all(isinstance(f, int) and f >= 0 for f in faults.values()) and all(t >= 0 for t in sys_s.values())
+    lines = bench.summary(res).splitlines()
+    assert "sys ms" in lines[1] and "faults" in lines[1]
+    row = next(r for r in lines if r.startswith("output_attentions"))
+    assert f" {faults['output_attentions']} " in row

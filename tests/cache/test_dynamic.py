@@ -88,6 +88,10 @@ def test_update_rejects_chunks_that_do_not_continue(kind, k_shape, v_shape):
 def test_layer_index_is_checked():
     with pytest.raises(ValueError, match=r"layer: expected an int in \[0, 2\)"):
         make("dynamic", n_layers=2).update(2, *kv(1, 1, 1, 4))
+    for layer, got in ((-1, "-1"), (2, "2"), (1.0, "float 1.0"), (True, "bool True")):
+        with pytest.raises(ValueError) as e:
+            make("dynamic", n_layers=2).update(layer, *kv(1, 1, 1, 4))
+        assert str(e.value) == f"layer: expected an int in [0, 2), got {got}"
     with pytest.raises(IndexError):
         make("dynamic", n_layers=2)[5]
 

@@ -11,7 +11,7 @@ import torch
 
 from attnlab import masks, scores
 from attnlab.cache import paged_kv
-from attnlab.cache.blocks import CacheFullError
+from attnlab.cache.blocks import BlockAllocator, CacheFullError, token_list
 from attnlab.cache.paged import PagedCache, PagedKV
 from attnlab.nn import Decoder, DecoderConfig
 from attnlab.ops.decode import split_kv_attention
@@ -462,6 +462,27 @@ def test_prefill_frees_its_sequences_on_error():
     with torch.no_grad(), pytest.raises(CacheFullError):
         c.prefill(m, [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
     assert c.sequences == [] and c.allocator.n_free + c.allocator.n_cached == 3
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: BlockAllocator(0), "BlockAllocator: n_blocks: expected an int >= 1, got 0"),
+        (lambda: BlockAllocator(2.0), "BlockAllocator: n_blocks: expected an int, got float 2.0"),
+        (
+            lambda: PagedCache(1, 4, 1, 4).add_sequence([1, 2, -3]),
+            "add_sequence(tokens)[2]: expected an int in [0, 2**62] (token ids are hashed as int64), got -3",
+        ),
+        (
+            lambda: token_list([2**62 + 1], "tokens"),
+            f"tokens[0]: expected an int in [0, 2**62] (token ids are hashed as int64), got {2**62 + 1}",
+        ),
+    ],
+)
+def test_block_errors_name_the_argument_the_bound_and_the_value(build, message):
+    with pytest.raises(ValueError) as e:
+        build()
+    assert str(e.value) == message
 
 
 def test_errors_name_the_problem():

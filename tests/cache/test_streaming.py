@@ -91,10 +91,29 @@ def test_generate_feeds_a_long_prompt_in_pieces_and_matches_token_by_token():
 
 
 def test_streaming_errors():
-    with pytest.raises(ValueError, match="window must be an int >= 1"):
+    with pytest.raises(ValueError, match="window: expected an int >= 1"):
         StreamingCache(1, 2, 0)
     with pytest.raises(TypeError, match=r"rope must be a positions.RoPE"):
         StreamingCache(1, 2, 3, rope=object())
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: StreamingCache(1, -1, 4), "StreamingCache: sinks: expected an int >= 0, got -1"),
+        (lambda: StreamingCache(1, True, 4), "StreamingCache: sinks: expected an int, got bool True"),
+        (lambda: StreamingCache(1, 2, 0), "StreamingCache: window: expected an int >= 1, got 0"),
+        (lambda: StreamingCache(1, 2, 3.0), "StreamingCache: window: expected an int, got float 3.0"),
+        (lambda: H2OCache(1, 0, 0), "H2OCache: budget: expected an int >= 1, got 0"),
+        (lambda: H2OCache(1, 4, 4), "H2OCache: recent: expected an int in [0, budget=4), got 4"),
+        (lambda: H2OCache(1, 4, -1), "H2OCache: recent: expected an int in [0, budget=4), got -1"),
+        (lambda: H2OCache(1, 4, 1.0), "H2OCache: recent: expected an int in [0, budget=4), got float 1.0"),
+    ],
+)
+def test_size_errors_name_the_argument_the_bound_and_the_value(build, message):
+    with pytest.raises(ValueError) as e:  # a wrong type is an ArgumentTypeError: a ValueError too
+        build()
+    assert str(e.value) == message
 
 
 # ----------------------------------------------------------------------------- H2O

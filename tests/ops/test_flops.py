@@ -1,7 +1,7 @@
 """FLOPs of the ``attnlab::flash_*`` operators under torch's FlopCounterMode.
 
 The formulas are torch's SDPA ones scaled by the share of score elements in the tiles the
-kernel visits (:func:`attnlab.ops.library.visited_fraction`).  Checked against torch's count
+kernel visits (:func:`attnlab.ops.flops.visited_fraction`).  Checked against torch's count
 for SDPA (its math backend: the fused CPU kernel is counted as 0 by torch itself), against
 the eager flash kernel's own matmuls (FlopCounterMode counts its ``bmm`` calls), and against
 the visited area computed here from the dense mask."""
@@ -78,9 +78,9 @@ def test_formulas_are_registered_by_the_import_hook_when_flop_counter_is_importe
 
     import torch.utils
 
-    from attnlab.ops import library
+    from attnlab.ops import flops
 
-    spec = library._OnFlopCounterImport().find_spec("torch.utils.flop_counter", torch.utils.__path__)
+    spec = flops._OnFlopCounterImport().find_spec("torch.utils.flop_counter", torch.utils.__path__)
     fresh = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fresh)
     q = torch.randn(1, 2, 8, 4)

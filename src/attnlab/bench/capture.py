@@ -25,6 +25,7 @@ import argparse
 import functools
 import json
 import os
+import resource
 import subprocess
 import sys
 
@@ -109,9 +110,15 @@ def run(quick: bool = False, reps: int = 5, memory: bool = True, shape=None) -> 
 
     model, ids, cfg = _setup(quick, shape)
     times: dict[str, list[float]] = {m: [] for m in MODES}
+    kernel: dict[str, list[tuple[float, int]]] = {m: [] for m in MODES}  # (system seconds, minor faults)
     for _ in tqdm(range(reps), desc="capture bench", unit="round"):
         for m in MODES:  # interleaved: every contender sees the same machine state
-            times[m].append(time_call(functools.partial(_call, m, model, ids), reps=1, warmup=1 if not times[m] else 0))
+            if not times[m]:
+                _call(m, model, ids)  # warm-up
+            before = resource.getrusage(resource.RUSAGE_SELF)
+            times[m].append(time_call(functools.partial(_call, m, model, ids), reps=1, warmup=0))
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            kernel[m].append((after.ru_stime - before.ru_stime, after.ru_minflt - before.ru_minflt))
     med = {m: sorted(v)[len(v) // 2] for m, v in times.items()}
     res = {
         "shape": {
@@ -124,6 +131,9 @@ def run(quick: bool = False, reps: int = 5, memory: bool = True, shape=None) -> 
         "thp_alloc": thp_alloc(),
         "seconds": med,
         "ratio_to_plain": {m: med[m] / med["plain"] for m in MODES},
+        # what the kernel spent on the forward's memory: first-touch page faults of fresh (kept) memory
+        "system_seconds": {m: sorted(x for x, _ in v)[len(v) // 2] for m, v in kernel.items()},
+        "minor_faults": {m: sorted(f for _, f in v)[len(v) // 2] for m, v in kernel.items()},
         "kept_mib": {m: kept_bytes(m, _call(m, model, ids)) / 2**20 for m in MODES},
     }
     if memory and memory_supported():
@@ -159,10 +169,14 @@ def summary(res: dict) -> str:
     rows = [
         f"capture overhead: {s['layers']} layers, d_model {s['d_model']}, {s['heads']} heads, "
         f"batch {s['batch']} x {s['tokens']} tokens; huge-page allocations {thp} (THP_MEM_ALLOC_ENABLE)",
-        f"{'contender':<24} {'ms':>9} {'x plain':>8} {'kept MiB':>9}" + (f" {'peak MiB':>9}" if mem else ""),
+        f"{'contender':<24} {'ms':>9} {'x plain':>8} {'sys ms':>7} {'faults':>8} {'kept MiB':>9}"
+        + (f" {'peak MiB':>9}" if mem else ""),
     ]
     for m in MODES:
-        row = f"{m:<24} {res['seconds'][m] * 1e3:9.1f} {res['ratio_to_plain'][m]:8.2f} {res['kept_mib'][m]:9.1f}"
+        row = (
+            f"{m:<24} {res['seconds'][m] * 1e3:9.1f} {res['ratio_to_plain'][m]:8.2f} "
+            f"{res['system_seconds'][m] * 1e3:7.0f} {res['minor_faults'][m]:8d} {res['kept_mib'][m]:9.1f}"
+        )
         if mem:
             row += f" {res['peak_extra_mib'][m]:9.0f}"
         rows.append(row)

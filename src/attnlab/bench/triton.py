@@ -30,6 +30,11 @@ import sys
 import torch
 
 FLOOR = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+#: a score mod's parameter gradient: the 3x rule plus this many eps(dtype) times max|dparam|, the
+#: test suite's rule (tests/helpers.PARAM_GRAD_SLACK_EPS, and a test holds the two equal).  The
+#: relative-bias table's gradient is summed with float32 atomics whose order varies run to run;
+#: on the H200 the fp32 softcap+relbias case gave 0.18 and 1.10 of a 1-eps bound in two runs.
+PARAM_SLACK_EPS = 8.0
 TARGETS = "forward >= 0.9x SDPA's best and >= 50% of the matmul rate at N=8k, D=128, causal; fwd+bwd >= 0.8x SDPA"
 
 
@@ -101,7 +106,10 @@ def correctness_cases():
             (1, 4, 4, 512, 512, 64, 64),
             torch.float32,
             None,
-            (lambda p: scores.compose(scores.relative_bias(p), scores.softcap(20.0)), torch.randn(4, 33) * 0.5),
+            (
+                lambda p: scores.compose(scores.relative_bias(p), scores.softcap(20.0)),
+                torch.randn(4, 33, generator=torch.Generator().manual_seed(1)) * 0.5,  # the same table every run
+            ),
         ),
     ]
 
@@ -124,16 +132,19 @@ def check_correctness(cases=None, device="cuda"):
         qd, kd, vd = (t.to(dtype) for t in (q, k, v))
         ref = _run(qd, kd, vd, "reference", mask, factory, p32, w, c, "cpu")
         fast = _run(qd, kd, vd, "triton", mask, factory, p32, w, c, device)
-        worst = 0.0
+        worst, worst_key = 0.0, ""
         for key in fast:
             f, r = _err(fast[key], oracle[key]), _err(ref[key], oracle[key])
             factor = 2.0 if key in ("out", "lse") else 3.0
-            slack = torch.finfo(dtype).eps * float(oracle[key].abs().max()) if key == "dparam" else 0.0
-            worst = max(worst, f / (factor * r + FLOOR[dtype] + slack))
+            M = float(oracle[key].abs().max()) if oracle[key].numel() else 0.0
+            slack = PARAM_SLACK_EPS * torch.finfo(dtype).eps * M if key == "dparam" else 0.0
+            ratio = f / (factor * r + FLOOR[dtype] + slack)
+            if ratio >= worst:
+                worst, worst_key = ratio, key
         ok = worst <= 1.0
         ok_all &= ok
-        rows.append((name, str(dtype).replace("torch.", ""), f"{worst:.2f}", "ok" if ok else "FAIL"))
-        print(f"  {name:24s} {rows[-1][1]:9s} error/bound {rows[-1][2]:>5s}  {rows[-1][3]}", flush=True)
+        rows.append((name, str(dtype).replace("torch.", ""), f"{worst:.2f} ({worst_key})", "ok" if ok else "FAIL"))
+        print(f"  {name:24s} {rows[-1][1]:9s} error/bound {rows[-1][2]:>14s}  {rows[-1][3]}", flush=True)
     return rows, ok_all
 
 

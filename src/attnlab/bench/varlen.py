@@ -6,7 +6,8 @@ padding; tiles across two sequences are skipped) against
 ``torch.nn.functional.scaled_dot_product_attention`` on the batch padded to the longest
 sequence with a boolean ``attn_mask`` (causal and key padding), forward (and with
 ``--backward`` forward+backward).  Reported side by side in one run: median time, the
-ratio SDPA/varlen, peak extra memory, and the packed inputs' bytes for scale.
+ratio SDPA/varlen, peak extra memory, and the packed inputs' bytes for scale; where the
+native CPU kernel is built, ``varlen_attention(backend="native")`` too.
 
     attnlab bench varlen [--quick] [--reps N] [--seqs 16] [--min 64] [--max 2048]
                          [--heads 8] [--dim 64] [--backward] [--json PATH]
@@ -19,6 +20,7 @@ import json
 import torch
 
 from attnlab.bench.measure import memory_supported, peak_extra_bytes, time_call
+from attnlab.ops.native import build
 from attnlab.ops.varlen import varlen_attention
 
 
@@ -58,12 +60,12 @@ def run(seqs=16, lo=64, hi=2048, heads=8, dim=64, reps=3, backward=False, dtype=
     cu = torch.tensor([0, *lens]).cumsum(0)
     _qp, _kp, _vp, _mask = _padded(q, k, v, lens)
 
-    def ours():
+    def ours(backend="flash"):
         if not backward:
             with torch.no_grad():
-                return varlen_attention(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+                return varlen_attention(q, k, v, cu, cu, max(lens), max(lens), causal=True, backend=backend)
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        varlen_attention(qq, kk, vv, cu, cu, max(lens), max(lens), causal=True).sum().backward()
+        varlen_attention(qq, kk, vv, cu, cu, max(lens), max(lens), causal=True, backend=backend).sum().backward()
         return qq.grad
 
     def sdpa():
@@ -88,6 +90,8 @@ def run(seqs=16, lo=64, hi=2048, heads=8, dim=64, reps=3, backward=False, dtype=
         "backward": backward,
     }
     row["varlen_s"] = time_call(ours, reps=reps)
+    if q.device.type == "cpu" and build.load() is not None:
+        row["varlen_native_s"] = time_call(lambda: ours("native"), reps=reps)
     row["sdpa_padded_s"] = time_call(sdpa, reps=reps)
     row["speedup"] = row["sdpa_padded_s"] / row["varlen_s"]
     row["packed_qkv_bytes"] = 3 * q.numel() * q.element_size()
@@ -116,6 +120,11 @@ def main(
         f"{'fwd+bwd' if row['backward'] else 'forward'}"
     )
     print(f"  attnlab varlen (packed)   {row['varlen_s'] * 1e3:9.2f} ms")
+    if "varlen_native_s" in row:
+        print(
+            f"  attnlab varlen native     {row['varlen_native_s'] * 1e3:9.2f} ms   -> "
+            f"{row['varlen_s'] / row['varlen_native_s']:.2f}x the flash path"
+        )
     print(f"  torch SDPA (padded)       {row['sdpa_padded_s'] * 1e3:9.2f} ms   -> varlen is {row['speedup']:.2f}x")
     if "varlen_peak_extra_bytes" in row:
         print(

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from attnlab.ops.dispatch import attention, attention_probs
-from attnlab.validate import ArgumentTypeError, integer
+from attnlab.validate import ArgumentTypeError, int_in, integer
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -142,8 +142,7 @@ class Cache:
         return LayerCache(self, layer % self.n_layers)
 
     def _check_layer(self, layer, k, v):
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.n_layers:
-            raise ValueError(f"layer: expected an int in [0, {self.n_layers}), got {layer!r}")
+        int_in(layer, "layer", 0, self.n_layers)
         if (
             not isinstance(k, torch.Tensor)
             or not isinstance(v, torch.Tensor)

@@ -38,7 +38,7 @@ from collections import OrderedDict
 
 import torch
 
-from attnlab.validate import MAX_INT, integer
+from attnlab.validate import MAX_INT, int_in, integer
 
 
 class CacheFullError(RuntimeError):
@@ -70,9 +70,15 @@ def token_list(tokens, name: str) -> list:
     except TypeError:
         raise TypeError(f"{name}: expected a sequence of int token ids, got {tokens!r:.80}") from None
     if any(t < 0 or t > MAX_INT for t in out):
-        raise ValueError(
-            f"{name}: token ids must be ints in [0, 2**62] (they are hashed as int64), got "
-            f"{next(t for t in out if t < 0 or t > MAX_INT)}"
+        i = next(i for i, t in enumerate(out) if t < 0 or t > MAX_INT)
+        int_in(
+            out[i],
+            f"{name}[{i}]",
+            0,
+            MAX_INT,
+            closed=True,
+            interval="[0, 2**62]",
+            note=" (token ids are hashed as int64)",
         )
     return out
 
@@ -112,10 +118,7 @@ class BlockAllocator:
     """Reference-counted block ids with a free list and an LRU cache of prefix blocks."""
 
     def __init__(self, n_blocks: int):
-        if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 1:
-            raise ValueError(f"BlockAllocator: n_blocks must be an int >= 1, got {n_blocks!r}")
-        integer(n_blocks, "BlockAllocator: n_blocks")
-        self.n_blocks = n_blocks
+        self.n_blocks = integer(n_blocks, "BlockAllocator: n_blocks", lo=1)
         self.reset()
 
     def reset(self) -> None:

@@ -32,7 +32,7 @@ import torch
 from attnlab.cache.base import Cache, DenseKV
 from attnlab.ops.dispatch import attention
 from attnlab.ops.sdpa import is_causal_mask
-from attnlab.validate import integer
+from attnlab.validate import int_in, integer
 
 _ROWS = 256  # query rows scored at a time (prompt scoring memory: _ROWS x keys per head)
 
@@ -73,11 +73,8 @@ class H2OCache(Cache):
 
     def __init__(self, n_layers: int, budget: int, recent: int):
         super().__init__(n_layers)
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"H2OCache: budget must be an int >= 1, got {budget!r}")
-        if isinstance(recent, bool) or not isinstance(recent, int) or not 0 <= recent < budget:
-            raise ValueError(f"H2OCache: recent must be an int in [0, budget={budget}), got {recent!r}")
-        self.budget, self.recent = integer(budget, "H2OCache: budget"), recent
+        self.budget = integer(budget, "H2OCache: budget", lo=1)
+        self.recent = int_in(recent, "H2OCache: recent", 0, self.budget, interval=f"[0, budget={self.budget})")
         self.reset()
 
     def reset(self):

@@ -55,11 +55,8 @@ class StreamingCache(Cache):
 
     def __init__(self, n_layers: int, sinks: int, window: int, *, rope=None):
         super().__init__(n_layers)
-        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-            raise ValueError(f"StreamingCache: sinks must be an int >= 0, got {sinks!r}")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"StreamingCache: window must be an int >= 1, got {window!r}")
-        integer(sinks, "StreamingCache: sinks"), integer(window, "StreamingCache: window")
+        sinks = integer(sinks, "StreamingCache: sinks", lo=0)
+        window = integer(window, "StreamingCache: window", lo=1)
         if rope is not None and not hasattr(rope, "cos_sin"):
             raise TypeError(f"StreamingCache: rope must be a positions.RoPE or None, got {type(rope).__name__}")
         self.sinks, self.window, self.rope = sinks, window, rope

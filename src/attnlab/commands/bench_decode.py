@@ -1,5 +1,7 @@
 """``attnlab bench decode``: native paged / int8 decode of a ragged batch vs one padded SDPA call."""
 
+import sys
+
 HELP = "native paged and int8 quantized decode of a ragged batch vs one dense padded SDPA call"
 SHARED = {
     "quick": "4 sequences of 16..256 keys, D=64 (a smoke run)",
@@ -8,20 +10,14 @@ SHARED = {
 
 
 def add_arguments(p):
-    from attnlab.commands.options import positive_int
+    from attnlab.commands.options import positive_int, ragged_batch
 
-    p.add_argument("--seqs", type=positive_int, default=16, help="sequences in the batch (default 16)")
-    p.add_argument("--min", type=positive_int, default=128, help="shortest sequence length (default 128)")
-    p.add_argument("--max", type=positive_int, default=4096, help="longest sequence length (default 4096)")
-    p.add_argument("--heads", type=positive_int, default=8, help="query heads (default 8)")
+    ragged_batch(p, lo=128, hi=4096, dim=128)
     p.add_argument("--kv-heads", type=positive_int, default=2, help="key/value heads (default 2)")
-    p.add_argument("--dim", type=positive_int, default=128, help="head dim (default 128)")
     p.add_argument("--split", action="store_true", help="also time the caches' split-KV paths (slow)")
 
 
 def run(args) -> int:
-    import sys
-
     from attnlab.bench import decode
 
     if args.min > args.max or args.heads % args.kv_heads:

@@ -7,13 +7,9 @@ SHARED = {"quick": "4 sequences of 16..128 tokens (a smoke run)", "reps": (3, "t
 
 
 def add_arguments(p):
-    from attnlab.commands.options import positive_int
+    from attnlab.commands.options import ragged_batch
 
-    p.add_argument("--seqs", type=positive_int, default=16, help="sequences in the batch (default 16)")
-    p.add_argument("--min", type=positive_int, default=64, help="shortest sequence length (default 64)")
-    p.add_argument("--max", type=positive_int, default=2048, help="longest sequence length (default 2048)")
-    p.add_argument("--heads", type=positive_int, default=8, help="heads (default 8)")
-    p.add_argument("--dim", type=positive_int, default=64, help="head dim (default 64)")
+    ragged_batch(p, lo=64, hi=2048, dim=64)
     p.add_argument("--backward", action="store_true", help="time forward+backward")
 
 

@@ -1,4 +1,5 @@
-"""The options every command spells the same way: ``--quick``, ``--json PATH``, ``--reps N``."""
+"""The options every command spells the same way: ``--quick``, ``--json PATH``, ``--reps N``;
+and those of the benchmarks over a ragged batch (:func:`ragged_batch`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,17 @@ def positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected an int >= 1, got {n}")
     return n
+
+
+def ragged_batch(p: argparse.ArgumentParser, *, lo: int, hi: int, dim: int, seqs: int = 16, heads: int = 8) -> None:
+    """The options of a benchmark over a ragged batch (``bench varlen``, ``bench decode``):
+    ``--seqs``, ``--min`` / ``--max`` (sequence lengths), ``--heads`` (query heads) and
+    ``--dim``, each a positive int with these defaults."""
+    p.add_argument("--seqs", type=positive_int, default=seqs, help=f"sequences in the batch (default {seqs})")
+    p.add_argument("--min", type=positive_int, default=lo, help=f"shortest sequence length (default {lo})")
+    p.add_argument("--max", type=positive_int, default=hi, help=f"longest sequence length (default {hi})")
+    p.add_argument("--heads", type=positive_int, default=heads, help=f"query heads (default {heads})")
+    p.add_argument("--dim", type=positive_int, default=dim, help=f"head dim (default {dim})")
 
 
 def shared(

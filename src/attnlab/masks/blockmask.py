@@ -49,6 +49,7 @@ class BlockMask:
     _plan: list | None = field(default=None, repr=False)
     _tiles: dict = field(default_factory=dict, repr=False)
     _tile_bytes: int = field(default=0, repr=False)
+    _bits: tuple | None = field(default=None, repr=False)
 
     #: Evaluated partial tiles are kept (forward, backward and later calls reuse them)
     #: up to this many bytes per BlockMask; beyond it they are evaluated each time.
@@ -94,6 +95,22 @@ class BlockMask:
                 self._tile_bytes += t.numel()
         return t
 
+    def partial_bits(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(bits, tile_id)``: the predicate on the partial tiles only, bit-packed; evaluated
+        once and cached on this BlockMask (the forward, the backward and later calls reuse it).
+
+        ``tile_id`` is int32 ``(nqb, nkb)``: the index into ``bits`` of every tile that is
+        PARTIAL for some (b, h), -1 elsewhere.  ``bits`` is int32
+        ``(T, Bp, Hp, block_q, ceil(block_k / 32))`` (``Bp``/``Hp`` 1 where the predicate does not
+        depend on the batch / head): bit ``c % 32`` of word ``c // 32`` of row ``r`` is the mask
+        at tile row ``r``, tile column ``c`` (:func:`pack_bits`).  Positions past the problem are
+        clamped to its last row / column (a kernel never reads them).  Memory:
+        (partial tiles) x block_q x block_k / 8 bytes per (b, h) the predicate depends on, CPU.
+        """
+        if self._bits is None:
+            self._bits = _partial_bits(self)
+        return self._bits
+
     def density(self) -> float:
         """Fraction of tiles visited (1.0 = dense)."""
         p = self.plan()
@@ -123,3 +140,50 @@ class BlockMask:
                 f"{built} but attention got {got}; build one for this shape with "
                 "mask.block_mask(B, H, Nq, Nk, q_offset=..., kv_offset=...) or pass the Mask itself"
             )
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """bool ``(..., n)`` -> int32 ``(..., ceil(n / 32))``: bit ``c % 32`` of word ``c // 32``."""
+    n = bits.shape[-1]
+    W = -(-n // 32)
+    if W * 32 != n:
+        bits = torch.nn.functional.pad(bits, (0, W * 32 - n))
+    w = bits.reshape(*bits.shape[:-1], W, 32).to(torch.int64)
+    words = (w << torch.arange(32, dtype=torch.int64)).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32)
+
+
+def _partial_bits(bm: BlockMask) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`BlockMask.partial_bits`: one predicate call per q-block row with the grids the
+    masks expect (``b`` (B,1,1,1), ``h`` (1,H,1,1), positions (1,1,BM,1) and (1,1,1,m))."""
+    s = bm.states
+    nqb, nkb = s.shape[-2], s.shape[-1]
+    BM, BN = bm.block_q, bm.block_k
+    partial = (s == PARTIAL).flatten(0, 1).any(0)  # (nqb, nkb): partial for some (b, h)
+    tile_id = torch.full((nqb, nkb), -1, dtype=torch.int32)
+    b = torch.arange(bm.B).view(-1, 1, 1, 1)
+    h = torch.arange(bm.H).view(1, -1, 1, 1)
+    chunks, count = [], 0
+    for i in range(nqb):
+        js = torch.nonzero(partial[i]).flatten()
+        if js.numel() == 0:
+            continue
+        rows = (i * BM + torch.arange(BM)).clamp(max=bm.Nq - 1)
+        cols = (js.view(-1, 1) * BN + torch.arange(BN).view(1, -1)).clamp(max=bm.Nk - 1).flatten()
+        r = torch.as_tensor(
+            bm.mask(b, h, (rows + bm.q_offset).view(1, 1, BM, 1), (cols + bm.kv_offset).view(1, 1, 1, -1)),
+            dtype=torch.bool,
+        ).cpu()
+        while r.dim() < 4:
+            r = r.unsqueeze(0)
+        r = r.expand(r.shape[0], r.shape[1], BM, cols.numel())
+        chunks.append(r.reshape(r.shape[0], r.shape[1], BM, js.numel(), BN).permute(3, 0, 1, 2, 4))
+        tile_id[i, js] = torch.arange(count, count + js.numel(), dtype=torch.int32)
+        count += js.numel()
+    if not chunks:
+        return torch.zeros(1, 1, 1, BM, -(-BN // 32), dtype=torch.int32), tile_id
+    Bp = max(c.shape[1] for c in chunks)
+    Hp = max(c.shape[2] for c in chunks)
+    bits = torch.cat([pack_bits(c.expand(-1, Bp, Hp, BM, BN)) for c in chunks]).contiguous()
+    return bits, tile_id

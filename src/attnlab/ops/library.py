@@ -29,14 +29,11 @@ that names ``backend="reference"`` (docs/compile.md).
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
-
 import torch
 from torch import Tensor
 
 from attnlab.masks import BlockMask, cache as mask_cache, mask_from_key, mask_key
+from attnlab.ops import flops
 from attnlab.ops.flash import (
     DOUBLE_BACKWARD,
     DoubleBackwardError,
@@ -72,7 +69,9 @@ def _mod(spec: str, tensors):
     return mod_from_key(spec, list(tensors), [])
 
 
-def _problem(q, k, mask_spec, mask_tensors, ints, mod, scale, q_offset, kv_offset, block, params):
+def op_problem(q, k, mask_spec, mask_tensors, ints, mod, scale, q_offset, kv_offset, block, params):
+    """The flash kernel's problem of an op call: the mask and mod rebuilt from their keys
+    (:func:`attnlab.ops.flash.make_problem`; ``block`` a ``(bq, bk)`` pair or empty)."""
     mask = _mask(mask_spec, mask_tensors, ints)
     if block:
         bq, bk = int(block[0]), int(block[1])
@@ -161,7 +160,7 @@ def flash_fwd(
 ) -> tuple[Tensor, Tensor]:
     """Tiled forward: ``(out (B, H, Nq, Dv), lse (B, H, Nq) float32/64)``."""
     with torch.no_grad():
-        pb = _problem(
+        pb = op_problem(
             q, k, mask_spec, mask_tensors, ints, _mod(mod_spec, mod_tensors), scale, q_offset, kv_offset, block, []
         )
         pb.dropout = _dropout(dropout_p, dropout_seed, seed_tensor)
@@ -218,7 +217,7 @@ def flash_bwd(
     leaves = [t.detach().requires_grad_(t.dtype.is_floating_point) for t in mod_tensors]
     params = [t for t in leaves if t.requires_grad]
     with torch.no_grad():
-        pb = _problem(
+        pb = op_problem(
             q, k, mask_spec, mask_tensors, ints, _mod(mod_spec, leaves), scale, q_offset, kv_offset, block, params
         )
         pb.dropout = _dropout(dropout_p, dropout_seed, seed_tensor)
@@ -350,115 +349,7 @@ flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------- FLOPs
-# torch.utils.flop_counter.FlopCounterMode sees each operator as one call: without a
-# formula it counts 0.  The formulas are torch's own SDPA ones (forward: 2·B·H·Nq·Nk·(D+Dv);
-# backward, which recomputes the scores: 2·B·H·Nq·Nk·(3D+2Dv)) scaled by the fraction of the
-# Nq·Nk score elements the kernel computes: the area of the tiles it visits (partial tiles
-# count whole; every (batch, head) row of a visited tile is computed), from the same tile plan
-# the kernel runs.  On fake/meta tensors (no values to classify a mask) the count is the
-# dense one, as torch counts varlen on fake offsets.
-#
-# torch.utils.flop_counter imports triton (seconds), so attnlab does not import it: the
-# formulas are registered when it is imported (now, if it already is; else by a one-shot
-# import hook), before any FlopCounterMode can copy the registry.
-
-
-def visited_fraction(q, k, mask_spec, mask_tensors, ints, scale, q_offset, kv_offset, block) -> float:
-    """The fraction of the ``Nq·Nk`` score elements the flash kernel computes for this call
-    (1.0 without a mask, or on fake tensors)."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    Nq, Nk = q.shape[2], k.shape[2]
-    if not mask_spec or Nq == 0 or Nk == 0 or any(is_fake(t) or t.device.type == "meta" for t in (q, k, *mask_tensors)):
-        return 1.0
-    pb = _problem(q, k, mask_spec, mask_tensors, ints, None, scale, q_offset, kv_offset, block, [])
-    area = sum(
-        (min(Nq, (i + 1) * pb.bq) - i * pb.bq) * (min(Nk, (j + 1) * pb.bk) - j * pb.bk)
-        for i, row in enumerate(pb.plan)
-        for j, _ in row
-    )
-    return area / (Nq * Nk)
-
-
-def _register_flop_formulas(fc) -> None:
-    """Register the formulas with the module ``torch.utils.flop_counter`` (``fc``)."""
-
-    @fc.register_flop_formula(torch.ops.attnlab.flash_fwd, get_raw=True)
-    def _flash_fwd_flops(
-        q,
-        k,
-        v,
-        mask_spec,
-        mask_tensors,
-        mod_spec,
-        mod_tensors,
-        ints,
-        scale,
-        q_offset,
-        kv_offset,
-        block,
-        *rest,
-        out_val=None,
-        **kw,
-    ) -> int:
-        frac = visited_fraction(q, k, mask_spec, mask_tensors, ints, scale, q_offset, kv_offset, block)
-        return round(fc.sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape)) * frac)
-
-    @fc.register_flop_formula(torch.ops.attnlab.flash_bwd, get_raw=True)
-    def _flash_bwd_flops(
-        dout,
-        dlse,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        mask_spec,
-        mask_tensors,
-        mod_spec,
-        mod_tensors,
-        ints,
-        scale,
-        q_offset,
-        kv_offset,
-        block,
-        *rest,
-        out_val=None,
-        **kw,
-    ) -> int:
-        frac = visited_fraction(q, k, mask_spec, mask_tensors, ints, scale, q_offset, kv_offset, block)
-        dense = fc.sdpa_backward_flop_count(tuple(dout.shape), tuple(q.shape), tuple(k.shape), tuple(v.shape))
-        return round(dense * frac)
-
-
-class _OnFlopCounterImport(importlib.abc.MetaPathFinder):
-    """One-shot import hook: once ``torch.utils.flop_counter`` has executed, register the
-    formulas (then the hook removes itself)."""
-
-    NAME = "torch.utils.flop_counter"
-
-    def find_spec(self, name, path, target=None):
-        if name != self.NAME:
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            _register_flop_formulas(module)
-
-        setattr(spec.loader, "exec_module", exec_module)  # noqa: B010 - mypy refuses a method assignment
-        return spec
-
-
-if _OnFlopCounterImport.NAME in sys.modules:
-    _register_flop_formulas(sys.modules[_OnFlopCounterImport.NAME])
-else:
-    sys.meta_path.insert(0, _OnFlopCounterImport())
+flops.install()  # the ops' formulas for torch.utils.flop_counter (attnlab.ops.flops)
 
 
 # ----------------------------------------------------------------------------- vmap

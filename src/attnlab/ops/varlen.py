@@ -11,7 +11,9 @@ Shapes (flash-attn's)::
 
 It runs as one ``B = 1`` problem over the packed tokens with the block-skipping mask
 :func:`attnlab.masks.varlen` (tiles across two sequences are never computed; nothing
-is padded), forward and backward, on the ``flash`` (default) or ``reference`` backend.
+is padded), forward and backward, on the ``flash`` (default), ``native`` (the C++ CPU
+kernel, which reads the mask's per-sequence positions and ids itself: :mod:`attnlab.ops.native`)
+or ``reference`` backend.
 On ``flash`` the tiles are classified exactly and sized for the packed problem, and the
 map is cached by ``cu_seqlens`` (:mod:`attnlab.ops.varlen_tiles`), so the layers of a
 model reuse it.
@@ -104,7 +106,8 @@ def varlen_attention(
             :func:`attnlab.attention`.
         return_attn_probs: as flash-attn, returns ``(out, lse, None)`` (attnlab does not
             materialise the probabilities); ``return_lse=True`` returns ``(out, lse)``.
-        backend: ``"flash"`` or ``"reference"``.
+        backend: ``"flash"``, ``"native"`` (the C++ CPU kernel where it runs the problem -- a
+            softcap or ALiBi on per-sequence positions keeps the flash path) or ``"reference"``.
     """
     for name, t, what in (("q", q, "(total_q, H, D)"), ("k", k, "(total_k, Hkv, D)"), ("v", v, "(total_k, Hkv, Dv)")):
         if not isinstance(t, torch.Tensor):
@@ -112,8 +115,8 @@ def varlen_attention(
         if t.dim() != 3:
             raise ValueError(f"{name}: varlen expects 3 dims {what} (packed tokens), got shape {tuple(t.shape)}")
     dropout_p, dropout_seed = check_dropout(dropout_p, dropout_seed)
-    if backend not in ("flash", "reference"):
-        raise ValueError(f"backend: varlen_attention runs on 'flash' or 'reference', got {backend!r}")
+    if backend not in ("flash", "native", "reference"):
+        raise ValueError(f"backend: varlen_attention runs on 'flash', 'native' or 'reference', got {backend!r}")
     if causal not in (True, False):
         raise TypeError(f"causal: expected a bool, got {causal!r}")
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
@@ -151,7 +154,8 @@ def varlen_attention(
             if sl.shape[-1] != q.shape[1]:
                 raise ValueError(f"alibi_slopes: {sl.shape[-1]} slopes for H={q.shape[1]} query heads")
     kernel_mask: masks.Mask | masks.BlockMask = mask
-    if backend == "flash" and total_q and total_k:  # exact tile states, tiles chosen for the packed problem
+    if backend in ("flash", "native") and total_q and total_k:  # exact tiles, sized for the packed problem
+        # (native reads the mask's structure from it; its flash fallback reads the tiles)
         kernel_mask = varlen_block_mask(mask, q.shape[1], q.shape[2], q.dtype, q.device)
     res = attention(
         q.unsqueeze(0),

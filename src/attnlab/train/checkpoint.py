@@ -62,6 +62,21 @@ from torch import nn
 
 from attnlab.models.checkpoint import CheckpointError
 from attnlab.train.atomic import recover, replace_folder, write_bytes
+from attnlab.train.checkpoint_format import (
+    ALIAS_KEY,
+    FORMAT,
+    JSON_CRC_KEY,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    RNG_KEY,
+    TRAINER_FILE,
+    TRAINER_JSON,
+    VERSION,
+    check_meta,
+    from_json,
+    is_nonneg_int,
+    to_json,
+)
 from attnlab.train.optim_state import check_optimizer_state
 from attnlab.train.tensor_files import read_tensors, safetensors_module, write_tensors
 from attnlab.validate import nonneg_int
@@ -79,17 +94,6 @@ __all__ = [
     "TRAINER_FILE",
     "TRAINER_JSON",
 ]
-
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.safetensors"
-TRAINER_FILE = "trainer.safetensors"
-TRAINER_JSON = "trainer.json"
-FORMAT = "attnlab.train.checkpoint"
-VERSION = 2  # 2: trainer.json's CRC-32 in trainer.safetensors (1 still loads)
-VERSIONS = (1, 2)
-_ALIAS_KEY = "attnlab.aliases"
-_RNG = "rng.torch_cpu"
-_JSON_CRC_KEY = "attnlab.trainer_json_crc32"
 
 
 @dataclass
@@ -114,34 +118,6 @@ def _storage_key(t: torch.Tensor):
     if t.numel() == 0 or ptr == 0:
         return None
     return (t.device, ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-
-
-def _to_json(v, where: str):
-    """JSON-safe encoding that keeps tuples (``{"__tuple__": [...]}``)."""
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if isinstance(v, tuple):
-        return {"__tuple__": [_to_json(x, where) for x in v]}
-    if isinstance(v, list):
-        return [_to_json(x, where) for x in v]
-    if isinstance(v, dict):
-        if not all(isinstance(k, str) for k in v):
-            raise TypeError(f"{where}: dict keys must be str to go into {TRAINER_JSON}")
-        return {k: _to_json(x, f"{where}.{k}") for k, x in v.items()}
-    raise TypeError(
-        f"{where}: a {type(v).__name__} cannot be stored in {TRAINER_JSON} (tensors go into "
-        f"the safetensors files; other values must be JSON: None, bool, int, float, str, list, dict)"
-    )
-
-
-def _from_json(v):
-    if isinstance(v, list):
-        return [_from_json(x) for x in v]
-    if isinstance(v, dict):
-        if set(v) == {"__tuple__"}:
-            return tuple(_from_json(x) for x in v["__tuple__"])
-        return {k: _from_json(x) for k, x in v.items()}
-    return v
 
 
 def _param_names(model: nn.Module | None, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -213,7 +189,7 @@ def save_checkpoint(
         "extra": extra_json,
         "model": {"file": MODEL_FILE, "aliases": aliases},
         "optimizer": None,
-        "rng": {"torch_cpu": _RNG},
+        "rng": {"torch_cpu": RNG_KEY},
     }
     opt_tensors: dict[str, torch.Tensor] = {}
     if optimizer is not None:
@@ -224,7 +200,7 @@ def save_checkpoint(
                 if torch.is_tensor(v):
                     opt_tensors[f"state.{i}.{k}"] = v
                 else:
-                    nontensor.setdefault(str(i), {})[k] = _to_json(v, f"optimizer state {i}.{k}")
+                    nontensor.setdefault(str(i), {})[k] = to_json(v, f"optimizer state {i}.{k}")
         groups = []
         for g, group in enumerate(sd["param_groups"]):
             enc = {}
@@ -233,7 +209,7 @@ def save_checkpoint(
                     opt_tensors[f"param_groups.{g}.{k}"] = v
                     enc[k] = {"__tensor__": f"param_groups.{g}.{k}"}
                 else:
-                    enc[k] = _to_json(v, f"optimizer param_groups[{g}].{k}")
+                    enc[k] = to_json(v, f"optimizer param_groups[{g}].{k}")
             groups.append(enc)
         meta["optimizer"] = {
             "file": OPTIMIZER_FILE,
@@ -253,10 +229,10 @@ def save_checkpoint(
         raise ValueError(f"path_dir: {path} is a non-empty folder that is not a checkpoint; refusing to replace it")
 
     def write(tmp: Path) -> None:
-        write_tensors(st, tmp / MODEL_FILE, model_tensors, {_ALIAS_KEY: json.dumps(aliases, sort_keys=True)})
+        write_tensors(st, tmp / MODEL_FILE, model_tensors, {ALIAS_KEY: json.dumps(aliases, sort_keys=True)})
         if optimizer is not None:
             write_tensors(st, tmp / OPTIMIZER_FILE, opt_tensors)
-        write_tensors(st, tmp / TRAINER_FILE, {_RNG: rng}, {_JSON_CRC_KEY: str(zlib.crc32(meta_bytes))})
+        write_tensors(st, tmp / TRAINER_FILE, {RNG_KEY: rng}, {JSON_CRC_KEY: str(zlib.crc32(meta_bytes))})
         write_bytes(tmp / TRAINER_JSON, meta_bytes)  # last: the marker of a complete folder
 
     return replace_folder(path, write, marker=TRAINER_JSON)
@@ -265,91 +241,15 @@ def save_checkpoint(
 # -- trainer.json ------------------------------------------------------------------
 
 
-def _bad(p, field_name: str, got, want: str) -> CheckpointError:
-    shown = repr(got) if len(repr(got)) < 60 else f"a {type(got).__name__}"
-    return CheckpointError(f"{p}: field {field_name!r} is {shown}, expected {want}")
-
-
-def _nonneg_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _check_keys(p, d: dict, where: str, required: set, optional: set | frozenset = frozenset()) -> None:
-    missing = sorted(required - set(d))
-    unknown = sorted(set(d) - required - set(optional))
-    if missing:
-        raise CheckpointError(
-            f"{p}: {where} lacks the field {missing[0]!r}" if where else f"{p}: missing the field {missing[0]!r}"
-        )
-    if unknown:
-        raise CheckpointError(
-            f"{p}: unknown field {(where + '.' if where else '') + unknown[0]!r} "
-            f"(expected {sorted(required | set(optional))})"
-        )
-
-
-def _check_meta(p: Path, meta) -> dict:
-    """Every field of trainer.json: types, ranges, no unknown fields."""
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{p}: expected a JSON object, got {type(meta).__name__}")
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{p}: format is {meta.get('format')!r}, expected {FORMAT!r}")
-    version = meta.get("version")
-    if isinstance(version, bool) or version not in VERSIONS:
-        raise CheckpointError(f"{p}: version {version!r} is not supported (expected one of {VERSIONS})")
-    _check_keys(p, meta, "", {"format", "version", "step", "extra", "model", "optimizer", "rng"})
-    if not _nonneg_int(meta["step"]):
-        raise CheckpointError(f"{p}: step must be an int >= 0, got {meta['step']!r}")
-    if not isinstance(meta["extra"], dict):
-        raise _bad(p, "extra", meta["extra"], "a JSON object")
-    mm = meta["model"]
-    if not isinstance(mm, dict):
-        raise _bad(p, "model", mm, "a JSON object")
-    _check_keys(p, mm, "model", {"file", "aliases"})
-    if mm["file"] != MODEL_FILE:
-        raise _bad(p, "model.file", mm["file"], repr(MODEL_FILE))
-    if not isinstance(mm["aliases"], dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in mm["aliases"].items()
-    ):
-        raise _bad(p, "model.aliases", mm["aliases"], "an object of str -> str")
-    if meta["rng"] != {"torch_cpu": _RNG}:
-        raise _bad(p, "rng", meta["rng"], repr({"torch_cpu": _RNG}))
-    om = meta["optimizer"]
-    if om is None:
-        return meta
-    if not isinstance(om, dict):
-        raise _bad(p, "optimizer", om, "null or a JSON object")
-    _check_keys(p, om, "optimizer", {"file", "class", "param_groups", "state", "param_names"})
-    if om["file"] != OPTIMIZER_FILE:
-        raise _bad(p, "optimizer.file", om["file"], repr(OPTIMIZER_FILE))
-    if not isinstance(om["class"], str):
-        raise _bad(p, "optimizer.class", om["class"], "a class name (str)")
-    if not isinstance(om["param_names"], list) or not all(isinstance(n, str) for n in om["param_names"]):
-        raise _bad(p, "optimizer.param_names", om["param_names"], "a list of str")
-    groups = om["param_groups"]
-    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-        raise _bad(p, "optimizer.param_groups", groups, "a list of JSON objects")
-    for g, grp in enumerate(groups):
-        ids = grp.get("params")
-        if not isinstance(ids, list) or not all(_nonneg_int(i) for i in ids):
-            raise _bad(p, f"optimizer.param_groups[{g}].params", ids, "a list of ints >= 0")
-    state = om["state"]
-    if not isinstance(state, dict) or not all(
-        re.fullmatch(r"0|[1-9][0-9]*", k) and isinstance(v, dict) for k, v in state.items()
-    ):
-        raise _bad(p, "optimizer.state", state, "an object {parameter index: {key: value}}")
-    return meta
-
-
 def _read_meta(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """trainer.json (checked against its CRC-32 and :func:`_check_meta`) and the tensors
+    """trainer.json (checked against its CRC-32 and :func:`check_meta`) and the tensors
     of trainer.safetensors."""
     p = path / TRAINER_JSON
     if not p.is_file():
         raise CheckpointError(f"{path}: no {TRAINER_JSON}; not an attnlab training checkpoint")
     raw = p.read_bytes()
     tensors, tmeta = read_tensors(path / TRAINER_FILE)
-    crc = tmeta.get(_JSON_CRC_KEY)
+    crc = tmeta.get(JSON_CRC_KEY)
     if crc is not None and (not crc.isdigit() or int(crc) != zlib.crc32(raw)):
         raise CheckpointError(
             f"{p}: fails its CRC-32 check (recorded in {TRAINER_FILE}; the file is corrupted or was edited)"
@@ -358,32 +258,32 @@ def _read_meta(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         meta = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{p}: not valid JSON ({e})") from None
-    meta = _check_meta(p, meta)
+    meta = check_meta(p, meta)
     if crc is None and meta["version"] >= 2:
         raise CheckpointError(
-            f"{path / TRAINER_FILE}: metadata {_JSON_CRC_KEY!r} (the CRC-32 of {TRAINER_JSON}) is missing"
+            f"{path / TRAINER_FILE}: metadata {JSON_CRC_KEY!r} (the CRC-32 of {TRAINER_JSON}) is missing"
         )
-    unknown = sorted(set(tensors) - {_RNG})
+    unknown = sorted(set(tensors) - {RNG_KEY})
     if unknown:
-        raise CheckpointError(f"{path / TRAINER_FILE}: unexpected tensor {unknown[0]!r} (expected only {_RNG!r})")
+        raise CheckpointError(f"{path / TRAINER_FILE}: unexpected tensor {unknown[0]!r} (expected only {RNG_KEY!r})")
     return meta, tensors
 
 
 def _check_rng(path: Path, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     where = path / TRAINER_FILE
-    rng = tensors.get(_RNG)
+    rng = tensors.get(RNG_KEY)
     if rng is None:
-        raise CheckpointError(f"{where}: no tensor {_RNG!r} (the RNG state)")
+        raise CheckpointError(f"{where}: no tensor {RNG_KEY!r} (the RNG state)")
     want = torch.get_rng_state()
     if rng.dtype != torch.uint8 or rng.dim() != 1 or rng.numel() != want.numel():
         raise CheckpointError(
-            f"{where}: tensor {_RNG!r} is {rng.dtype} of shape {tuple(rng.shape)}, expected "
+            f"{where}: tensor {RNG_KEY!r} is {rng.dtype} of shape {tuple(rng.shape)}, expected "
             f"uint8 of shape {tuple(want.shape)} (torch's CPU generator state)"
         )
     try:
         torch.Generator().set_state(rng)
     except RuntimeError as e:
-        raise CheckpointError(f"{where}: tensor {_RNG!r} is not a valid CPU generator state ({e})") from None
+        raise CheckpointError(f"{where}: tensor {RNG_KEY!r} is not a valid CPU generator state ({e})") from None
     return rng
 
 
@@ -404,11 +304,11 @@ def _plan_model(path: Path, model: nn.Module, meta: dict) -> list[tuple[torch.Te
     where = str(path / MODEL_FILE)
     tensors, fmeta = read_tensors(path / MODEL_FILE)
     try:
-        aliases = json.loads(fmeta.get(_ALIAS_KEY, "{}"))
+        aliases = json.loads(fmeta.get(ALIAS_KEY, "{}"))
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{where}: metadata {_ALIAS_KEY!r} is not valid JSON ({e})") from None
+        raise CheckpointError(f"{where}: metadata {ALIAS_KEY!r} is not valid JSON ({e})") from None
     if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
-        raise CheckpointError(f"{where}: metadata {_ALIAS_KEY!r} must be an object of str -> str")
+        raise CheckpointError(f"{where}: metadata {ALIAS_KEY!r} must be an object of str -> str")
     if aliases != meta["model"]["aliases"]:
         raise CheckpointError(
             f"{path}: {TRAINER_JSON} field 'model.aliases' {meta['model']['aliases']} differs from "
@@ -495,7 +395,7 @@ def _plan_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         dup = sorted(set(kv) & set(state.get(int(i), {})))
         if dup:
             raise CheckpointError(f"{path}: optimizer state {i}.{dup[0]} is both a tensor and a {TRAINER_JSON} value")
-        state.setdefault(int(i), {}).update(_from_json(kv))
+        state.setdefault(int(i), {}).update(from_json(kv))
     out_groups = []
     for sg in om["param_groups"]:
         dg = {}
@@ -506,7 +406,7 @@ def _plan_optimizer(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
                 dg[k] = tensors[v["__tensor__"]]
                 used.add(v["__tensor__"])
             else:
-                dg[k] = _from_json(v)
+                dg[k] = from_json(v)
         out_groups.append(dg)
     unused = sorted(set(tensors) - used)
     if unused:
@@ -595,7 +495,7 @@ def _saved_step(d: Path) -> int | None:
         step = json.loads((d / TRAINER_JSON).read_text()).get("step")
     except (OSError, ValueError, AttributeError):
         return None
-    return step if _nonneg_int(step) else None
+    return step if is_nonneg_int(step) else None
 
 
 def latest_checkpoint(root) -> Path | None:

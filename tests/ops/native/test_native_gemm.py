@@ -117,5 +117,5 @@ def test_portable_variant_matches_oracle(native_ext):
     }
     r = subprocess.run([sys.executable, "-c", _CHILD], env=env, cwd=root, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert "native kernel portable (portable, openmp; f32 gemm portable 6x8" in r.stdout, r.stdout
+    assert "native kernel portable (portable" in r.stdout and "f32 gemm portable 6x8" in r.stdout, r.stdout
     assert "portable ok" in r.stdout

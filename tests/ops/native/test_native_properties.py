@@ -193,6 +193,11 @@ def test_custom_op_registration(native_ext):
         None,
         None,
         None,
+        None,
+        None,
+        None,
+        None,
+        None,
         0.3,
         4,
         0,
@@ -209,8 +214,22 @@ def test_custom_op_registration(native_ext):
     ids = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2, 2]])
     slopes = torch.tensor([[0.5, 0.25]], requires_grad=True)
     table = torch.randn(2, 7, requires_grad=True)
-    args = (q, k, v, None, ids[:, 4:], ids, torch.ones(1, 9, dtype=torch.bool), slopes, table, 0.3, 4, 0,
-            [0, 0, 1, 0, 0, 0], 0, blocks(8), [2, 4, 1], [5.0])  # fmt: skip
+    args = (q, k, v, None, ids[:, 4:], ids, torch.ones(1, 9, dtype=torch.bool), slopes, table, None, None, None,
+            None, None, 0.3, 4, 0, [0, 0, 1, 0, 0, 0], 0, blocks(8), [2, 4, 1], [5.0])  # fmt: skip
+    torch.library.opcheck(
+        torch.ops.attnlab.native_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration")
+    )
+    # band positions (varlen's), and a custom mask's tiles and partial-tile bits
+    qpos, kpos = torch.tensor([[0, 1, 0, 1, 2]]), torch.tensor([0, 1, 2, 3, 0, 1, 2, 0, 1])
+    args = (q, k, v, None, None, None, None, None, None, qpos, kpos, None, None, None, 0.3, 4, 0,
+            [1, 1, 1, 0, 0, 0], 0, blocks(8), [], [])  # fmt: skip
+    torch.library.opcheck(
+        torch.ops.attnlab.native_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration")
+    )
+    bm = masks.custom(lambda b, h, qp, kp: (qp - kp) % 3 != 0).block_mask(1, 2, 5, 9, q_offset=4, block=blocks(8))
+    bits, tile_id = bm.partial_bits()
+    args = (q, k, v, None, None, None, None, None, None, None, None, bm.states, tile_id, bits, 0.3, 4, 0,
+            [0] * 6, 0, blocks(8), [], [])  # fmt: skip
     torch.library.opcheck(
         torch.ops.attnlab.native_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration")
     )

@@ -178,6 +178,29 @@ def test_spill_bytes_count_local_memory_widths():
     assert resources.spill_bytes("LDG.E R2, desc[UR4][R4.64] ;") == (0, 0)
 
 
+def test_rows_name_the_variant_compiled_or_failed(monkeypatch):
+    v = resources.Variant("dq", 90, "float16", 128, mask="none", warps=8, stages=3, nq=1)
+    ident = ["kernel", "arch", "dtype", "D", "Nq", "mask", "tile", "warps", "stages"]
+    u = resources.Usage(v, (64, 32), registers=168, stack=0, shared=4096, spill_stores=0, spill_loads=0)
+    row = u.row()
+    assert list(row)[: len(ident)] == ident and list(row)[len(ident) :] == [
+        "registers",
+        "spill_stores",
+        "spill_loads",
+        "stack",
+        "shared",
+    ]
+    assert [row[k] for k in ident] == ["dq", "sm_90", "float16", 128, 1, "none", "64x32", 8, 3]
+
+    def fail(variant):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(resources, "measure", fail)
+    err = resources._row(v)
+    assert list(err) == [*ident, "error"] and err["tile"] == "?" and err["error"] == "RuntimeError: out of resources"
+    assert {k: err[k] for k in ident if k != "tile"} == {k: row[k] for k in ident if k != "tile"}
+
+
 def test_refuses_interpreted_kernels_in_process():
     """Here the kernels are defined for the interpreter: no silent compile of something else."""
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):

@@ -23,7 +23,7 @@ from attnlab.ops.dispatch import choose_backend as _auto
 from attnlab.ops.triton import config
 from attnlab.ops.triton.masking import block_lists, lower_mask, plan_for, tile_table
 from attnlab.ops.triton.scoremods import lower_score_mod
-from tests.helpers import mask_dense
+from tests.helpers import PARAM_GRAD_SLACK_EPS, mask_dense
 from tests.ops.conftest import make_qkv
 from tests.ops.triton.conftest import F32, TRITON
 
@@ -264,6 +264,7 @@ def test_gpu_benchmark_script_runs_its_checks_here():
     ]
     rows, ok = bench.check_correctness(cases, device="cpu")
     assert ok and [r[3] for r in rows] == ["ok", "ok"]
+    assert bench.PARAM_SLACK_EPS == PARAM_GRAD_SLACK_EPS  # the GPU check applies the suite's rule
     table = [(128, 8192, "causal", "attnlab-triton", 300.0, 250.0), (128, 8192, "causal", "sdpa-flash", 320.0, 280.0)]
     lines = bench.verdict(table, 700.0)
     assert lines[0].startswith("forward 0.94x") and "met" in lines[0] and "MISSED" not in lines[1]

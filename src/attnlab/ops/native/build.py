@@ -28,8 +28,19 @@ import warnings
 from pathlib import Path
 
 SOURCES = ("kernel.cpp", "decode.cpp")
-# included by kernel.cpp: part of the build directory's hash, so editing one rebuilds
-HEADERS = ("gemm_bf16.h", "gemm_f32.h", "rowmath.h")
+# included by kernel.cpp / decode.cpp: every *.h of this folder is part of the build
+# directory's hash (_compile globs them), so editing one rebuilds
+HEADERS = (
+    "fwd_tile.h",
+    "gemm_bf16.h",
+    "gemm_f32.h",
+    "mask_args.h",
+    "masking.h",
+    "rowmath.h",
+    "sched.h",
+    "scoremods.h",
+    "vecmath.h",
+)
 _BASE_FLAGS = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-std=c++17"]
 # ATen's CPU parallel backend is OpenMP, and at::parallel_for is a header template: compiled
 # without -fopenmp its `#pragma omp parallel` is silently dropped and every region of the

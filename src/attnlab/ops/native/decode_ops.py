@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from attnlab.ops.native import build
-from attnlab.ops.native.structure import DECODE_IMPLEMENTED, structure_of
+from attnlab.ops.native.structure import DECODE_IMPLEMENTED, band_of, structure_of
 
 __all__ = ["SPLIT", "band_of", "native_paged_decode", "native_quantized_decode", "plan"]
 
@@ -118,19 +118,6 @@ def native_quantized_decode(
 def _quantized_fake(q, kc, ks, kz, vc, vs, vz, k_tail, v_tail, *args):
     B, H, Nq, _ = q.shape
     return q.new_empty((B, H, Nq, v_tail.shape[-1])), q.new_empty((B, H, Nq), dtype=torch.float32)
-
-
-def band_of(s) -> list[int]:
-    """The six ints of a structure's band and sinks' reach (as :mod:`attnlab.ops.native.ops`)."""
-    sr = getattr(s, "sinks_right", None)
-    return [
-        int(s.left is not None),
-        0 if s.left is None else int(s.left),
-        int(s.right is not None),
-        0 if s.right is None else int(s.right),
-        int(sr is not None),
-        0 if sr is None else int(sr),
-    ]
 
 
 def plan(q, store_dtype, mask, score_mod, backend, B, grads=(), scale=None):

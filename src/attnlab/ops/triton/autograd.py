@@ -16,7 +16,8 @@ import triton
 from attnlab.ops.finite import all_finite, traced
 from attnlab.ops.flash import flash_backward, flash_forward, make_problem, tiled_function
 from attnlab.ops.triton import config
-from attnlab.ops.triton.backward import attn_bwd_delta, attn_bwd_dkdv, attn_bwd_dq
+from attnlab.ops.triton.backward import attn_bwd_delta, attn_bwd_dq
+from attnlab.ops.triton.backward_dkdv import attn_bwd_dkdv
 from attnlab.ops.triton.forward import attn_fwd
 from attnlab.ops.triton.masking import plan_for
 from attnlab.ops.triton.scoremods import lower_score_mod

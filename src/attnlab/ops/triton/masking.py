@@ -158,55 +158,10 @@ def lower_mask(mask, B, Nq, Nk, q_offset, kv_offset, device) -> MaskSpec | None:
 
 
 # ----------------------------------------------------------------------------- partial-tile table
-def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """bool ``(..., BN)`` -> int32 ``(..., ceil(BN/32))``; bit ``c % 32`` of word ``c // 32``."""
-    BN = bits.shape[-1]
-    W = -(-BN // 32)
-    if W * 32 != BN:
-        bits = torch.nn.functional.pad(bits, (0, W * 32 - BN))
-    w = bits.reshape(*bits.shape[:-1], W, 32).to(torch.int64)
-    words = (w << torch.arange(32, dtype=torch.int64)).sum(-1)
-    words = torch.where(words >= 2**31, words - 2**32, words)
-    return words.to(torch.int32)
-
-
 def tile_table(bm, device) -> MaskSpec:
-    """Evaluate ``bm.mask`` on the partial tiles of ``bm`` (once) and bit-pack them.
-
-    The predicate runs on the CPU, one call per q-block row, with the grids the masks
-    expect (``b`` (B,1,1,1), ``h`` (1,H,1,1), positions (1,1,BM,1) and (1,1,1,m)), as
-    BlockMask classification does; positions past the problem are clamped to its last
-    row/column (the kernel masks them anyway)."""
-    s = bm.states
-    nqb, nkb = s.shape[-2], s.shape[-1]
-    BM, BN = bm.block_q, bm.block_k
-    partial = (s == PARTIAL).flatten(0, 1).any(0)  # (nqb, nkb): partial for some (b, h)
-    tile_id = torch.full((nqb, nkb), -1, dtype=torch.int32)
-    b = torch.arange(bm.B).view(-1, 1, 1, 1)
-    h = torch.arange(bm.H).view(1, -1, 1, 1)
-    chunks, count = [], 0
-    for i in range(nqb):
-        js = torch.nonzero(partial[i]).flatten()
-        if js.numel() == 0:
-            continue
-        rows = (i * BM + torch.arange(BM)).clamp(max=bm.Nq - 1)
-        cols = (js.view(-1, 1) * BN + torch.arange(BN).view(1, -1)).clamp(max=bm.Nk - 1).flatten()
-        r = torch.as_tensor(
-            bm.mask(b, h, (rows + bm.q_offset).view(1, 1, BM, 1), (cols + bm.kv_offset).view(1, 1, 1, -1)),
-            dtype=torch.bool,
-        )
-        while r.dim() < 4:
-            r = r.unsqueeze(0)
-        r = r.expand(r.shape[0], r.shape[1], BM, cols.numel())
-        chunks.append(r.reshape(r.shape[0], r.shape[1], BM, js.numel(), BN).permute(3, 0, 1, 2, 4))
-        tile_id[i, js] = torch.arange(count, count + js.numel(), dtype=torch.int32)
-        count += js.numel()
-    if not chunks:
-        table = torch.zeros(1, 1, 1, BM, -(-BN // 32), dtype=torch.int32)
-    else:
-        Bp = max(c.shape[1] for c in chunks)
-        Hp = max(c.shape[2] for c in chunks)
-        table = torch.cat([_pack_bits(c.expand(-1, Bp, Hp, BM, BN)) for c in chunks])
+    """The bits of ``bm.mask`` on the partial tiles of ``bm`` (:meth:`BlockMask.partial_bits`,
+    evaluated once per BlockMask on the CPU, shared with the native kernel) on ``device``."""
+    table, tile_id = bm.partial_bits()
     return MaskSpec(table=table.to(device).contiguous(), tile_id=tile_id.to(device).contiguous())
 
 

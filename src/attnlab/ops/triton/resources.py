@@ -78,6 +78,21 @@ class Variant:
     stages: int = 2
     nq: int = 512  # queries: 1 = a decode step (the forward's rows capped to a 16-row tile)
 
+    def columns(self, tile: str) -> dict:
+        """The variant's columns of a row (:meth:`Usage.row`, or a failed compile's), ``tile``
+        as compiled (``"BMxBN"``, ``"?"`` when unknown)."""
+        return {
+            "kernel": self.kernel,
+            "arch": f"sm_{self.arch}",
+            "dtype": self.dtype,
+            "D": self.D,
+            "Nq": self.nq,
+            "mask": self.mask,
+            "tile": tile,
+            "warps": self.warps,
+            "stages": self.stages,
+        }
+
 
 @dataclasses.dataclass
 class Usage:
@@ -99,17 +114,7 @@ class Usage:
         return self.shared <= SHARED_LIMIT[self.variant.arch]
 
     def row(self) -> dict:
-        v = self.variant
-        return {
-            "kernel": v.kernel,
-            "arch": f"sm_{v.arch}",
-            "dtype": v.dtype,
-            "D": v.D,
-            "Nq": v.nq,
-            "mask": v.mask,
-            "tile": f"{self.tile[0]}x{self.tile[1]}",
-            "warps": v.warps,
-            "stages": v.stages,
+        return self.variant.columns(f"{self.tile[0]}x{self.tile[1]}") | {
             "registers": self.registers,
             "spill_stores": self.spill_stores,
             "spill_loads": self.spill_loads,
@@ -317,18 +322,7 @@ def _row(v: Variant, on_error: str = "record") -> dict:
     except Exception as e:  # the compiler's own errors (e.g. shared memory) are part of the record
         if on_error == "raise":
             raise
-        return {
-            "kernel": v.kernel,
-            "arch": f"sm_{v.arch}",
-            "dtype": v.dtype,
-            "D": v.D,
-            "Nq": v.nq,
-            "mask": v.mask,
-            "tile": "?",
-            "warps": v.warps,
-            "stages": v.stages,
-            "error": f"{type(e).__name__}: {str(e)[:200]}",
-        }
+        return v.columns("?") | {"error": f"{type(e).__name__}: {str(e)[:200]}"}
 
 
 def run(variants, on_error="record", jobs: int = 1) -> list[dict]:
