@@ -1,4 +1,4 @@
-"""The native backward's two schedules (kernel.cpp): "fused", one pass over (b, kv head) work
+"""The native backward's two schedules (backward.h): "fused", one pass over (b, kv head) work
 items that owns dK, dV and dQ (five tile products), and "split", the two atomics-free passes
 over kv blocks and q blocks (seven).  The kernel picks one by the thread count
 (ATTNLAB_NATIVE_BWD forces it); each must meet the float64 oracle under DESIGN.md's rule,

@@ -28,9 +28,12 @@ import warnings
 from pathlib import Path
 
 SOURCES = ("kernel.cpp", "decode.cpp")
-# included by kernel.cpp / decode.cpp: every *.h of this folder is part of the build
-# directory's hash (_compile globs them), so editing one rebuilds
+# included by kernel.cpp (through tiles.h, forward.h and backward.h, its attention code) and
+# decode.cpp: every *.h of this folder is part of the build directory's hash (_compile globs
+# them), so editing one rebuilds
 HEADERS = (
+    "backward.h",
+    "forward.h",
     "fwd_tile.h",
     "gemm_bf16.h",
     "gemm_f32.h",
@@ -39,6 +42,7 @@ HEADERS = (
     "rowmath.h",
     "sched.h",
     "scoremods.h",
+    "tiles.h",
     "vecmath.h",
 )
 _BASE_FLAGS = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-std=c++17"]

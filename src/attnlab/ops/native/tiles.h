@@ -1,0 +1,204 @@
+// The native kernel's shared pieces (included by kernel.cpp, through forward.h and backward.h):
+// the argument views (View, view_of, Dims), row loads (load_row, load_kt, score_row), the
+// float32 / bf16-pair packing of Q, Kᵀ and V panels (pack_t_blocked, pack_rows_pairs,
+// pack_kt_pairs, pack_v_pairs) and the bf16 path's switch (bf16_pairs).
+//
+// kernel.cpp is the extension's only translation unit that includes tiles.h, forward.h and
+// backward.h: their definitions stay in an anonymous namespace (internal linkage, as when they
+// were one file), so the compiler sees and optimises them exactly as before the split.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include "gemm_bf16.h"
+#include "gemm_f32.h"
+#include "masking.h"
+#include "vecmath.h"
+
+namespace {
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// a·b + c, fused where the CPU has FMA: Δ and dP use it in the same order, so they agree bit for bit
+#if defined(__FMA__)
+#define MADD(a, b, c) __builtin_fmaf((a), (b), (c))
+#else
+#define MADD(a, b, c) ((a) * (b) + (c))
+#endif
+
+using attnlab_vecmath::exp_f;
+using attnlab_vecmath::to_f;
+
+template <typename T>
+struct View {  // a 4-D tensor read through its strides
+  const T* p;
+  int64_t s0, s1, s2, s3;
+  const T* row(int64_t b, int64_t h, int64_t n) const { return p + b * s0 + h * s1 + n * s2; }
+};
+
+template <typename T>
+View<T> view_of(const at::Tensor& t) {
+  return View<T>{t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+}
+
+template <typename T>
+inline void load_row(float* dst, const T* src, int64_t n, int64_t stride) {
+  if (stride == 1) {
+    for (int64_t d = 0; d < n; ++d) dst[d] = to_f(src[d]);
+  } else {
+    for (int64_t d = 0; d < n; ++d) dst[d] = to_f(src[d * stride]);
+  }
+}
+
+struct Dims {
+  int64_t B, H, Hkv, G, Nq, Nk, D, Dv, bq, bk;
+};
+
+// S[r, 0:m] = scale · Q[r] · K[c0:c0+m]ᵀ, masked entries -inf (KT is D × bk, row-major).
+inline void score_row(float* S, const float* Qr, const float* KT, int64_t D, int64_t bk, int64_t m, float scale,
+                      const RowMask& rm, int64_t c0) {
+  for (int64_t c = 0; c < m; ++c) S[c] = 0.0f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float qv = Qr[d];
+    const float* kt = KT + d * bk;
+    for (int64_t c = 0; c < m; ++c) S[c] += qv * kt[c];
+  }
+  for (int64_t c = 0; c < m; ++c) S[c] *= scale;
+  if (!rm.full(c0, c0 + m)) rm.hide(S, c0, m);
+}
+
+template <typename T>
+void load_kt(float* KT, const View<T>& k, int64_t b, int64_t hk, int64_t c0, int64_t m, int64_t D, int64_t bk) {
+  for (int64_t c = 0; c < m; ++c) {
+    const T* src = k.row(b, hk, c0 + c);
+    for (int64_t d = 0; d < D; ++d) KT[d * bk + c] = to_f(src[d * k.s3]);
+  }
+}
+
+// ---------------------------------------------------------------- micro-kernels
+// gemm_f32.h (register-blocked GEMM) and rowmath.h (a tile row's max / exp / sum / dS), both
+// at the build's native vector width.
+// the GEMMs of every tile: gemm_f32.h's register-blocked micro-kernel (native vector width)
+using attnlab_gemm::matmul;
+
+// Xᵀ of a (B, Hkv, N, D) tensor in float32, packed per column block: (B, Hkv, nb, D, bk),
+// columns past N zero.  A tile's K panel (D × bk) is then contiguous: the micro-kernel
+// streams it row by row from L1 (a D × Nk layout puts its rows Nk floats apart, which for
+// Nk = 4096 maps every row to one L1 set).
+template <typename T>
+at::Tensor pack_t_blocked(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, int64_t D, int64_t bk,
+                          const at::TensorOptions& opt) {
+  const int64_t nb = (N + bk - 1) / bk;
+  at::Tensor out = at::empty({B, Hkv, nb, D, bk}, opt.dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, B * Hkv * nb, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t jb = w % nb, h = (w / nb) % Hkv, b = w / (nb * Hkv);
+      const int64_t c0 = jb * bk, m = std::min(N, c0 + bk) - c0;
+      float* panel = o + w * D * bk;
+      if (m < bk) std::fill(panel, panel + D * bk, 0.0f);
+      load_kt(panel, x, b, h, c0, m, D, bk);
+    }
+  });
+  return out;
+}
+
+// bf16 inputs: the tile GEMMs on bf16 pairs (gemm_bf16.h) or on float32 copies.
+// ATTNLAB_NATIVE_BF16=pairs / f32 forces one; the default is pairs where the build has
+// vdpbf16ps (twice the float32 rate) and f32 elsewhere (the emulated pairs are slower there).
+inline bool bf16_pairs() {
+  const char* e = std::getenv("ATTNLAB_NATIVE_BF16");
+  if (e != nullptr && std::strcmp(e, "pairs") == 0) return true;
+  if (e != nullptr && std::strcmp(e, "f32") == 0) return false;
+  return ATTNLAB_BF16_DP != 0;
+}
+
+template <typename T>
+inline uint16_t bf16_bits(T x) {
+  return attnlab_bf16::to_bf16(to_f(x));
+}
+template <>
+inline uint16_t bf16_bits(c10::BFloat16 x) {
+  return x.x;
+}
+
+// Q (B, H, N, D) as bf16 pairs along D: (B, H, N, Dw) words, Dw = ceil(D / 2), a zero past D
+template <typename T>
+at::Tensor pack_rows_pairs(const View<T>& x, int64_t B, int64_t H, int64_t N, int64_t D,
+                           const at::TensorOptions& opt) {
+  const int64_t Dw = (D + 1) / 2;
+  at::Tensor out = at::empty({B, H, N, Dw}, opt.dtype(at::kInt));
+  uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w)
+      for (int64_t i = 0; i < N; ++i) {
+        const T* src = x.row(w / H, w % H, i);
+        uint32_t* dst = o + (w * N + i) * Dw;
+        for (int64_t p = 0; p < Dw; ++p) {
+          const uint32_t lo16 = bf16_bits(src[2 * p * x.s3]);
+          const uint32_t hi16 = 2 * p + 1 < D ? bf16_bits(src[(2 * p + 1) * x.s3]) : 0u;
+          dst[p] = lo16 | (hi16 << 16);
+        }
+      }
+  });
+  return out;
+}
+
+// Kᵀ per kv block as pairs along D: (B, Hkv, nb, Dw, bk) words, word (p, c) = K[c, 2p..2p+1]
+// (transposed: the B operand of S = Q·Kᵀ); columns past N and the half past D are zero
+template <typename T>
+at::Tensor pack_kt_pairs(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, int64_t D, int64_t bk,
+                         const at::TensorOptions& opt) {
+  const int64_t nb = (N + bk - 1) / bk, Dw = (D + 1) / 2;
+  at::Tensor out = at::zeros({B, Hkv, nb, Dw, bk}, opt.dtype(at::kInt));
+  uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  at::parallel_for(0, B * Hkv * nb, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t jb = w % nb, h = (w / nb) % Hkv, b = w / (nb * Hkv);
+      const int64_t c0 = jb * bk, m = std::min(N, c0 + bk) - c0;
+      uint32_t* panel = o + w * Dw * bk;
+      for (int64_t c = 0; c < m; ++c) {
+        const T* src = x.row(b, h, c0 + c);
+        for (int64_t p = 0; p < Dw; ++p) {
+          const uint32_t lo16 = bf16_bits(src[2 * p * x.s3]);
+          const uint32_t hi16 = 2 * p + 1 < D ? bf16_bits(src[(2 * p + 1) * x.s3]) : 0u;
+          panel[p * bk + c] = lo16 | (hi16 << 16);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// V per kv block as pairs along the keys: (B, Hkv, nb, bk / 2, Dp) words, word (p, e) =
+// V[2p, e] | V[2p + 1, e] << 16 (the B operand of P·V); rows past N and columns past D zero
+template <typename T>
+at::Tensor pack_v_pairs(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, int64_t D, int64_t Dp, int64_t bk,
+                        const at::TensorOptions& opt) {
+  const int64_t nb = (N + bk - 1) / bk;
+  at::Tensor out = at::zeros({B, Hkv, nb, bk / 2, Dp}, opt.dtype(at::kInt));
+  uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  at::parallel_for(0, B * Hkv * nb, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t jb = w % nb, h = (w / nb) % Hkv, b = w / (nb * Hkv);
+      const int64_t c0 = jb * bk, m = std::min(N, c0 + bk) - c0;
+      uint32_t* panel = o + w * (bk / 2) * Dp;
+      for (int64_t c = 0; c < m; ++c) {
+        const T* src = x.row(b, h, c0 + c);
+        uint32_t* dst = panel + (c / 2) * Dp;
+        const int shift = (c % 2) * 16;
+        for (int64_t e = 0; e < D; ++e) dst[e] |= static_cast<uint32_t>(bf16_bits(src[e * x.s3])) << shift;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
