@@ -165,6 +165,13 @@ at::Tensor pack_rows_pairs(const View<T>& x, int64_t B, int64_t H, int64_t N, in
       for (int64_t i = 0; i < N; ++i) {
         const T* src = x.row(w / H, w % H, i);
         uint32_t* dst = o + (w * N + i) * Dw;
+        if (x.s3 == 1) {  // contiguous rows: no stride multiplies (the loop vectorises)
+          for (int64_t p = 0; p < D / 2; ++p)
+            dst[p] =
+                static_cast<uint32_t>(bf16_bits(src[2 * p])) | (static_cast<uint32_t>(bf16_bits(src[2 * p + 1])) << 16);
+          if (D % 2 != 0) dst[Dw - 1] = bf16_bits(src[D - 1]);
+          continue;
+        }
         for (int64_t p = 0; p < Dw; ++p) {
           const uint32_t lo16 = bf16_bits(src[2 * p * x.s3]);
           const uint32_t hi16 = 2 * p + 1 < D ? bf16_bits(src[(2 * p + 1) * x.s3]) : 0u;
@@ -190,6 +197,13 @@ at::Tensor pack_kt_pairs(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, in
       uint32_t* panel = o + w * Dw * bk;
       for (int64_t c = 0; c < m; ++c) {
         const T* src = x.row(b, h, c0 + c);
+        if (x.s3 == 1) {  // contiguous rows: no stride multiplies
+          for (int64_t p = 0; p < D / 2; ++p)
+            panel[p * bk + c] =
+                static_cast<uint32_t>(bf16_bits(src[2 * p])) | (static_cast<uint32_t>(bf16_bits(src[2 * p + 1])) << 16);
+          if (D % 2 != 0) panel[(Dw - 1) * bk + c] = bf16_bits(src[D - 1]);
+          continue;
+        }
         for (int64_t p = 0; p < Dw; ++p) {
           const uint32_t lo16 = bf16_bits(src[2 * p * x.s3]);
           const uint32_t hi16 = 2 * p + 1 < D ? bf16_bits(src[(2 * p + 1) * x.s3]) : 0u;
@@ -214,6 +228,22 @@ at::Tensor pack_v_pairs(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, int
       const int64_t jb = w % nb, h = (w / nb) % Hkv, b = w / (nb * Hkv);
       const int64_t c0 = jb * bk, m = std::min(N, c0 + bk) - c0;
       uint32_t* panel = o + w * (bk / 2) * Dp;
+      if (x.s3 == 1) {  // contiguous rows: two keys' rows interleaved at once (the loop vectorises)
+        int64_t c = 0;
+        for (; c + 2 <= m; c += 2) {
+          const T* r0 = x.row(b, h, c0 + c);
+          const T* r1 = x.row(b, h, c0 + c + 1);
+          uint32_t* dst = panel + (c / 2) * Dp;
+          for (int64_t e = 0; e < D; ++e)
+            dst[e] = static_cast<uint32_t>(bf16_bits(r0[e])) | (static_cast<uint32_t>(bf16_bits(r1[e])) << 16);
+        }
+        if (c < m) {  // an odd last key: the high halves stay zero
+          const T* r0 = x.row(b, h, c0 + c);
+          uint32_t* dst = panel + (c / 2) * Dp;
+          for (int64_t e = 0; e < D; ++e) dst[e] = bf16_bits(r0[e]);
+        }
+        continue;
+      }
       for (int64_t c = 0; c < m; ++c) {
         const T* src = x.row(b, h, c0 + c);
         uint32_t* dst = panel + (c / 2) * Dp;
@@ -329,14 +359,21 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           float mx;
           // the ids / keep / BlockMask tables hold whole kv blocks: full there is full on [c0, c1)
           const bool full = rm.band_full(c0, c1) && rm.extra_full(cb0, cb1);
+          int64_t e0 = 0, e1 = mp;  // 16-column chunks outside [e0, e1) are hidden: P there is 0
           if (m == mp && !sm.active() && full) {  // the common tile: scale and max in one pass
             mx = attnlab_fwd::row_scale_max(Sr, mp, scale);
           } else {
-            attnlab_rows::row_scale(Sr, m, scale);
+            if (!full && !sm.active()) {  // a band's row: its visible span (RowMask::span)
+              int64_t vlo, vhi;
+              rm.span(c0, m, vlo, vhi);
+              e0 = vlo / 16 * 16;
+              e1 = vlo < vhi ? (vhi + 15) / 16 * 16 : e0;
+            }
+            attnlab_rows::row_scale(Sr + e0, std::min(m, e1) - e0, scale);
             for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
             if (!full) rm.hide(Sr, c0, m);
             if (sm.active()) sm.apply_row(Sr, b, h, r0 + r, c0, m, rm);
-            mx = attnlab_rows::row_max(Sr, mp);
+            mx = e1 > e0 ? attnlab_rows::row_max(Sr + e0, e1 - e0) : NEG_INF;
           }
           const float m_new = std::isnan(mx) ? mx : std::max(mrow[r], mx);
           if (m_new == NEG_INF) {
@@ -349,8 +386,16 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           }
           alph[r] = exp_f(mrow[r] - m_new);
           // P rounded to bf16 (as flash-attn does) straight into P·V's operand; float32 row sum
-          const float sum = pairs ? attnlab_fwd::row_exp_bf16(Sr, Ph, mp, m_new)
-                                  : attnlab_rows::row_exp(Sr, Sr, mp, m_new);
+          // (exp of -inf is exactly 0: the chunks outside [e0, e1) add nothing to the sum's lanes)
+          if (pairs) {
+            std::fill(Ph, Ph + e0, uint16_t{0});
+            std::fill(Ph + e1, Ph + mp, uint16_t{0});
+          } else {
+            std::fill(Sr, Sr + e0, 0.0f);
+            std::fill(Sr + e1, Sr + mp, 0.0f);
+          }
+          const float sum = pairs ? attnlab_fwd::row_exp_bf16(Sr + e0, Ph + e0, e1 - e0, m_new)
+                                  : attnlab_rows::row_exp(Sr + e0, Sr + e0, e1 - e0, m_new);
           lrow[r] = lrow[r] * alph[r] + sum;
           mrow[r] = m_new;
         }
