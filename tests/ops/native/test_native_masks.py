@@ -66,6 +66,44 @@ CASES = {
             torch.tensor([100, 20]),
         ),
     ),
+    # RowMask::hide's interval fills: sorted ids (a row's document is a run of columns, met by
+    # both the sinks and the window), unsorted ids (the per-column path), ids absent from kv
+    "doc-sinks": (
+        1,
+        2,
+        1,
+        97,
+        97,
+        64,
+        lambda *a: (masks.sink_window(4, 20) & masks.document(torch.tensor([0] * 40 + [1] * 33 + [2] * 24)), None),
+    ),
+    "doc-unsorted": (
+        2,
+        2,
+        1,
+        97,
+        97,
+        40,
+        lambda *a: (
+            masks.sliding_window(50) & masks.document(torch.tensor([1] * 20 + [0] * 30 + [2] * 17 + [1] * 30)),
+            None,
+        ),
+    ),
+    "doc-prefix-qk": (
+        1,
+        2,
+        2,
+        60,
+        130,
+        64,
+        lambda *a: (
+            masks.prefix_lm(10)
+            & masks.document(
+                torch.tensor([0] * 50 + [3] * 40 + [2] * 40), torch.tensor([0] * 50 + [1] * 40 + [2] * 40)
+            ),
+            None,
+        ),
+    ),
     "custom-mod7": (2, 4, 2, 97, 130, 64, lambda *a: (MOD7, None)),
     "custom-mod7-1025": (1, 2, 1, 1025, 1025, 64, lambda *a: (MOD7, None)),
     "custom-heads": (2, 4, 1, 97, 97, 59, lambda *a: (HEADS, None)),

@@ -67,13 +67,15 @@ def test_hidden_nan_has_no_effect(native_ext):
     assert torch.count_nonzero(got[3][0, :, 30:]) == 0 and torch.count_nonzero(got[4][0, :, 30:]) == 0
 
 
-def test_strided_inputs_give_the_same_bits(native_ext):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_strided_inputs_give_the_same_bits(dtype, native_ext):
     """(B, N, H, D) transposes, a sliced head dim and a K with stride(-1) != 1 are read in
-    place through their strides: the same result as contiguous copies."""
+    place through their strides: the same result as contiguous copies (bf16: the pairs
+    packing's strided and contiguous loops agree)."""
     g = torch.Generator().manual_seed(5)
-    qb = torch.randn(2, 33, 4, 48, generator=g)
-    kb = torch.randn(2, 2, 51, 48, generator=g)
-    vt = torch.randn(2, 2, 24, 51, generator=g)
+    qb = torch.randn(2, 33, 4, 48, generator=g).to(dtype)
+    kb = torch.randn(2, 2, 51, 48, generator=g).to(dtype)
+    vt = torch.randn(2, 2, 24, 51, generator=g).to(dtype)
     q = qb.transpose(1, 2)[..., :40]  # (2, 4, 33, 40): a (B, N, H, D) transpose, head dim sliced
     k = kb[..., 4:44]  # (2, 2, 51, 40): sliced head dim
     v = vt.transpose(-1, -2)  # (2, 2, 51, 24) with stride(-1) = 51

@@ -125,14 +125,21 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           float mx;
           // the ids / keep / BlockMask tables hold whole kv blocks: full there is full on [c0, c1)
           const bool full = rm.band_full(c0, c1) && rm.extra_full(cb0, cb1);
+          int64_t e0 = 0, e1 = mp;  // 16-column chunks outside [e0, e1) are hidden: P there is 0
           if (m == mp && !sm.active() && full) {  // the common tile: scale and max in one pass
             mx = attnlab_fwd::row_scale_max(Sr, mp, scale);
           } else {
-            attnlab_rows::row_scale(Sr, m, scale);
+            if (!full && !sm.active()) {  // a band's row: its visible span (RowMask::span)
+              int64_t vlo, vhi;
+              rm.span(c0, m, vlo, vhi);
+              e0 = vlo / 16 * 16;
+              e1 = vlo < vhi ? (vhi + 15) / 16 * 16 : e0;
+            }
+            attnlab_rows::row_scale(Sr + e0, std::min(m, e1) - e0, scale);
             for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
             if (!full) rm.hide(Sr, c0, m);
             if (sm.active()) sm.apply_row(Sr, b, h, r0 + r, c0, m, rm);
-            mx = attnlab_rows::row_max(Sr, mp);
+            mx = e1 > e0 ? attnlab_rows::row_max(Sr + e0, e1 - e0) : NEG_INF;
           }
           const float m_new = std::isnan(mx) ? mx : std::max(mrow[r], mx);
           if (m_new == NEG_INF) {
@@ -145,8 +152,16 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           }
           alph[r] = exp_f(mrow[r] - m_new);
           // P rounded to bf16 (as flash-attn does) straight into P·V's operand; float32 row sum
-          const float sum = pairs ? attnlab_fwd::row_exp_bf16(Sr, Ph, mp, m_new)
-                                  : attnlab_rows::row_exp(Sr, Sr, mp, m_new);
+          // (exp of -inf is exactly 0: the chunks outside [e0, e1) add nothing to the sum's lanes)
+          if (pairs) {
+            std::fill(Ph, Ph + e0, uint16_t{0});
+            std::fill(Ph + e1, Ph + mp, uint16_t{0});
+          } else {
+            std::fill(Sr, Sr + e0, 0.0f);
+            std::fill(Sr + e1, Sr + mp, 0.0f);
+          }
+          const float sum = pairs ? attnlab_fwd::row_exp_bf16(Sr + e0, Ph + e0, e1 - e0, m_new)
+                                  : attnlab_rows::row_exp(Sr + e0, Sr + e0, e1 - e0, m_new);
           lrow[r] = lrow[r] * alph[r] + sum;
           mrow[r] = m_new;
         }

@@ -49,6 +49,7 @@ struct RowMask {  // one row's visible columns
   int64_t s1 = 0, b0 = 0, b1 = 0;
   // document id / key keep of this row (null: that clause is absent)
   int64_t qid = 0;
+  int64_t idlo = -1, idhi = -1;  // the columns of id qid, [idlo, idhi), where the kv ids are sorted (else -1)
   const int64_t* kvid = nullptr;  // the row's batch's kv ids (Nk)
   const uint8_t* keep = nullptr;  // the row's batch's keep vector (Nk)
   const int64_t* kmin = nullptr;  // per kv block: min / max kv id, kept count
@@ -138,8 +139,57 @@ struct RowMask {  // one row's visible columns
   }
   // S[c] = -inf where column c0 + c (c < m) is hidden; a BlockMask's partial tile is read a
   // word (32 columns) at a time and only its hidden bits are visited
+  // a pure band (no keep, no key positions, no BlockMask; ids only where sorted: the row's
+  // document is then the run [idlo, idhi)): its visible columns are two intervals
+  bool intervals() const {
+    return st == nullptr && keep == nullptr && kpos == nullptr && (kvid == nullptr || idlo >= 0);
+  }
+  // those intervals [a0, a1), [x0, x1) (intervals() true), a0 <= x0; an empty one sits on the other's start
+  void intervals(int64_t& a0, int64_t& a1, int64_t& x0, int64_t& x1) const {
+    a0 = 0, a1 = s1, x0 = b0, x1 = b1;
+    if (kvid != nullptr) {
+      a0 = idlo;
+      a1 = std::min(a1, idhi);
+      x0 = std::max(x0, idlo);
+      x1 = std::min(x1, idhi);
+    }
+    if (a1 <= a0) a0 = a1 = x0;  // empty: drop it
+    if (x1 <= x0) x0 = x1 = a0;
+    if (x0 < a0) {
+      std::swap(a0, x0);
+      std::swap(a1, x1);
+    }
+  }
+  // [lo, hi) within [0, m): the columns c0 + c the row may see lie there (all of [0, m) unless
+  // intervals(); lo == hi: none)
+  void span(int64_t c0, int64_t m, int64_t& lo, int64_t& hi) const {
+    lo = 0, hi = m;
+    if (!intervals()) return;
+    int64_t a0, a1, x0, x1;
+    intervals(a0, a1, x0, x1);
+    const int64_t e = c0 + m;
+    const bool ina = a0 < a1 && a1 > c0 && a0 < e, inx = x0 < x1 && x1 > c0 && x0 < e;
+    if (!ina && !inx) {
+      lo = hi = 0;
+      return;
+    }
+    lo = std::max(c0, ina ? a0 : x0) - c0;
+    hi = std::min(e, std::max(ina ? a1 : c0, inx ? x1 : c0)) - c0;
+  }
   void hide(float* S, int64_t c0, int64_t m) const {
     constexpr float ninf = -std::numeric_limits<float>::infinity();
+    if (intervals()) {  // the hidden ranges filled directly
+      int64_t a0, a1, x0, x1;
+      intervals(a0, a1, x0, x1);
+      const int64_t hi = c0 + m;
+      int64_t cur = c0;
+      if (a0 > cur) std::fill(S, S + (std::min(hi, a0) - c0), ninf);
+      cur = std::max(cur, a1);
+      if (x0 > cur && cur < hi) std::fill(S + (cur - c0), S + (std::min(hi, x0) - c0), ninf);
+      cur = std::max(cur, x1);
+      if (cur < hi) std::fill(S + (cur - c0), S + m, ninf);
+      return;
+    }
     if (st == nullptr) {
       for (int64_t c = 0; c < m; ++c)
         if (!visible(c0 + c)) S[c] = ninf;
@@ -193,6 +243,7 @@ struct Mask {
   // per (b', kv block) tables (tables()): min / max kv id, kept count; per kv block: min / max kpos
   int64_t bq = 1, bk = 1, nkb = 0;
   std::vector<int64_t> kmin, kmax, kcnt, kpmin, kpmax;
+  std::vector<uint8_t> ksorted;  // per b': the kv ids are non-decreasing
 
   static int64_t clamp(__int128 x, int64_t lo, int64_t hi) {
     return x < lo ? lo : (x > hi ? hi : static_cast<int64_t>(x));
@@ -254,6 +305,10 @@ struct Mask {
       const int64_t t = (kv_ids_bs == 0 ? 0 : b) * nkb;
       rm.kmin = kmin.data() + t;
       rm.kmax = kmax.data() + t;
+      if (!ksorted.empty() && ksorted[kv_ids_bs == 0 ? 0 : b]) {  // the row's document: a run of columns
+        rm.idlo = std::lower_bound(rm.kvid, rm.kvid + Nk, rm.qid) - rm.kvid;
+        rm.idhi = std::upper_bound(rm.kvid + rm.idlo, rm.kvid + Nk, rm.qid) - rm.kvid;
+      }
     }
     if (keep != nullptr) {
       rm.keep = keep + b * keep_bs;
@@ -275,6 +330,11 @@ struct Mask {
     if (q_ids != nullptr) {
       kmin.assign(Bids * nkb, 0);
       kmax.assign(Bids * nkb, 0);
+      ksorted.assign(Bids, 1);
+      for (int64_t b = 0; b < Bids; ++b) {
+        const int64_t* p = kv_ids + b * kv_ids_bs;
+        ksorted[b] = std::is_sorted(p, p + Nk);
+      }
       for (int64_t b = 0; b < Bids; ++b)
         for (int64_t j = 0; j < nkb; ++j) {
           const int64_t* p = kv_ids + b * kv_ids_bs;

@@ -141,6 +141,13 @@ at::Tensor pack_rows_pairs(const View<T>& x, int64_t B, int64_t H, int64_t N, in
       for (int64_t i = 0; i < N; ++i) {
         const T* src = x.row(w / H, w % H, i);
         uint32_t* dst = o + (w * N + i) * Dw;
+        if (x.s3 == 1) {  // contiguous rows: no stride multiplies (the loop vectorises)
+          for (int64_t p = 0; p < D / 2; ++p)
+            dst[p] =
+                static_cast<uint32_t>(bf16_bits(src[2 * p])) | (static_cast<uint32_t>(bf16_bits(src[2 * p + 1])) << 16);
+          if (D % 2 != 0) dst[Dw - 1] = bf16_bits(src[D - 1]);
+          continue;
+        }
         for (int64_t p = 0; p < Dw; ++p) {
           const uint32_t lo16 = bf16_bits(src[2 * p * x.s3]);
           const uint32_t hi16 = 2 * p + 1 < D ? bf16_bits(src[(2 * p + 1) * x.s3]) : 0u;
@@ -166,6 +173,13 @@ at::Tensor pack_kt_pairs(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, in
       uint32_t* panel = o + w * Dw * bk;
       for (int64_t c = 0; c < m; ++c) {
         const T* src = x.row(b, h, c0 + c);
+        if (x.s3 == 1) {  // contiguous rows: no stride multiplies
+          for (int64_t p = 0; p < D / 2; ++p)
+            panel[p * bk + c] =
+                static_cast<uint32_t>(bf16_bits(src[2 * p])) | (static_cast<uint32_t>(bf16_bits(src[2 * p + 1])) << 16);
+          if (D % 2 != 0) panel[(Dw - 1) * bk + c] = bf16_bits(src[D - 1]);
+          continue;
+        }
         for (int64_t p = 0; p < Dw; ++p) {
           const uint32_t lo16 = bf16_bits(src[2 * p * x.s3]);
           const uint32_t hi16 = 2 * p + 1 < D ? bf16_bits(src[(2 * p + 1) * x.s3]) : 0u;
@@ -190,6 +204,22 @@ at::Tensor pack_v_pairs(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, int
       const int64_t jb = w % nb, h = (w / nb) % Hkv, b = w / (nb * Hkv);
       const int64_t c0 = jb * bk, m = std::min(N, c0 + bk) - c0;
       uint32_t* panel = o + w * (bk / 2) * Dp;
+      if (x.s3 == 1) {  // contiguous rows: two keys' rows interleaved at once (the loop vectorises)
+        int64_t c = 0;
+        for (; c + 2 <= m; c += 2) {
+          const T* r0 = x.row(b, h, c0 + c);
+          const T* r1 = x.row(b, h, c0 + c + 1);
+          uint32_t* dst = panel + (c / 2) * Dp;
+          for (int64_t e = 0; e < D; ++e)
+            dst[e] = static_cast<uint32_t>(bf16_bits(r0[e])) | (static_cast<uint32_t>(bf16_bits(r1[e])) << 16);
+        }
+        if (c < m) {  // an odd last key: the high halves stay zero
+          const T* r0 = x.row(b, h, c0 + c);
+          uint32_t* dst = panel + (c / 2) * Dp;
+          for (int64_t e = 0; e < D; ++e) dst[e] = bf16_bits(r0[e]);
+        }
+        continue;
+      }
       for (int64_t c = 0; c < m; ++c) {
         const T* src = x.row(b, h, c0 + c);
         uint32_t* dst = panel + (c / 2) * Dp;
