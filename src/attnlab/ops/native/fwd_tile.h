@@ -1,4 +1,4 @@
-// attnlab native kernel: the forward's fused tile steps (kernel.cpp's forward_impl fast path).
+// attnlab native kernel: the forward's fused tile steps (forward.h's forward_impl fast path).
 //
 // * matmul_acc: C[r] = C[r] · alpha[r] + A[r] · B, the P·V product folded into the running
 //   output block.  The register tile is gemm_f32.h's (MR × 2W accumulators summed over k in

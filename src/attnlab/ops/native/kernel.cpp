@@ -13,8 +13,10 @@
 // For one row that is the union of two column intervals [0, s1) and [b0, b1).
 //
 // One at::parallel_for region per pass; each work item runs a tile loop with per-thread
-// float32 buffers: forward over (b, h, q-block); backward in two atomics-free passes,
-// dK/dV over (b, kv-head, kv-block) and dQ over (b, h, q-block).  Hidden entries
+// float32 buffers: forward over (b, h, q-block), largest first (sched.h); backward
+// atomics-free in one of two schedules (backward.h): fused, one item per (b, kv-head)
+// owning its dK, dV and dQ, or split, dK/dV over (b, kv-head, kv-block) then dQ over
+// (b, h, q-block).  Hidden entries
 // (masked) are exact zeros in every product, so a NaN/inf in a key or value a row cannot
 // see has no effect.  The tile products run on a register-blocked GEMM micro-kernel
 // (gemm_f32.h: 8x32 AVX-512, 6x16 AVX2, 6x8 portable; the build picks -mavx512* / -mavx2

@@ -4,7 +4,7 @@
 // They replace 16-float GCC vectors that a 256-bit build split into halves and spilled to
 // the stack on every operation.  Row lengths are multiples of 16 (tiles are padded with
 // -inf scores).  exp is Cephes' float32 polynomial (about 1 ulp); x < -87 and -inf give
-// exactly 0, exp(0) is exactly 1.  The fast and careful paths of kernel.cpp call the same
+// exactly 0, exp(0) is exactly 1.  The fast and careful paths (forward.h, backward.h) call the same
 // functions, so P and its row sum have the same bits on both.
 #pragma once
 
