@@ -8,7 +8,7 @@ import torch._dynamo as dynamo
 from attnlab import masks
 from attnlab.nn import Decoder
 from attnlab.nn.config import DecoderConfig
-from tests.helpers import EXACT
+from tests.helpers import EXACT, F32_FEW_ULPS
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,10 +76,17 @@ def test_bridged_gpt2_with_padding_traces_fullgraph(gpt2):
 
 
 def test_export_of_a_bridged_gpt2_matches_eager(gpt2):
+    # transformers' 4-D padding mask has no structure: eagerly on CPU it runs the native kernel
+    # through a BlockMask, exported it runs the flash op (no BlockMask is built while tracing), so
+    # the two agree to float32 rounding, not bit for bit (docs/compile.md); a mask read wrongly
+    # would be off by O(1)
     ids, keep = _padded()
     ep = torch.export.export(_Logits(gpt2), (ids, keep))
+    assert "attnlab.flash_fwd" in ep.graph_module.print_readable(print_output=False)
     want = gpt2(input_ids=ids, attention_mask=keep).logits
-    torch.testing.assert_close(ep.module()(ids, keep), want, **EXACT)
+    torch.testing.assert_close(ep.module()(ids, keep), want, **F32_FEW_ULPS)
     keep2 = keep.clone()
     keep2[0, :5] = 0  # another padding pattern: the exported program reads the mask's values
-    torch.testing.assert_close(ep.module()(ids, keep2), gpt2(input_ids=ids, attention_mask=keep2).logits, **EXACT)
+    torch.testing.assert_close(
+        ep.module()(ids, keep2), gpt2(input_ids=ids, attention_mask=keep2).logits, **F32_FEW_ULPS
+    )
