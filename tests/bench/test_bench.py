@@ -11,6 +11,7 @@ import torch
 from attnlab.bench import attention as bench
 from attnlab.bench.measure import memory_supported, peak_extra_bytes, time_call
 from attnlab.cli import main
+from tests.helpers import F32_FEW_ULPS
 
 MiB = 1 << 20
 
@@ -116,3 +117,16 @@ def test_memprobe_child_reports_the_working_set():
     sdpa = memprobe.measure(fields, "torch sdpa", "fwdbwd")
     assert flash is not None and 0 < flash < 16
     assert sdpa is not None and sdpa > 0
+
+
+@pytest.mark.skipif(not bench.flex_available(), reason="compiled FlexAttention needs a C++ compiler")
+def test_compiled_flex_contender_runs_again_after_its_compile():
+    # every timed rep after the first (compile) call reuses the compiled callable; it once
+    # returned an unbound local there, and the whole flex column of the table read
+    # "UnboundLocalError" (found in the 2026-12-04 run)
+    r = bench.Runner(bench.Case("tiny causal", "causal", 1, 2, 2, 64, 16, "float32"))
+    first, again = r._flex_call(), r._flex_call()
+    assert r.flex_compile_s is not None and r.flex_compile_s > 0
+    ref = torch.nn.functional.scaled_dot_product_attention(r.q, r.k, r.v, is_causal=True)
+    torch.testing.assert_close(again, ref, **F32_FEW_ULPS)
+    assert torch.equal(first, again)

@@ -216,7 +216,7 @@ class Runner:
             if self.dout is not None:
                 r.backward(self.dout)
             self.flex_compile_s = time.perf_counter() - t0
-        return flex()
+        return self._flex()
 
 
 _FLEX_OK = None
