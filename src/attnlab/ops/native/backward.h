@@ -23,6 +23,18 @@
 
 namespace {
 
+// dst[0:n] = src converted to T; returns z plus the sum of (x - x), which stays 0 exactly
+// where every x is finite (NaN otherwise): the stores' finiteness check.
+template <typename T>
+inline float store_row(T* dst, const float* src, int64_t n, float z) {
+  for (int64_t d = 0; d < n; ++d) {
+    const float x = src[d];
+    z += x - x;
+    dst[d] = static_cast<T>(x);
+  }
+  return z;
+}
+
 // float32 rows of a (B, H, N, D) tensor, D padded to Dp with zeros: the tensor itself where it
 // already is that (float32, contiguous, D == Dp), else a copy made once per call (O(N·D))
 inline at::Tensor rows_f32(const at::Tensor& x, int64_t Dp) {
@@ -164,16 +176,8 @@ struct BwdWork {
     for (int64_t c = 0; c < m; ++c) {
       T* dkr = a.dkp + ((b * dm.Hkv + hk) * dm.Nk + c0 + c) * D;
       T* dvr = a.dvp + ((b * dm.Hkv + hk) * dm.Nk + c0 + c) * Dv;
-      for (int64_t d = 0; d < D; ++d) {
-        const float x = dKa[c * a.Dp + d];
-        z += x - x;
-        dkr[d] = static_cast<T>(x);
-      }
-      for (int64_t e = 0; e < Dv; ++e) {
-        const float x = dVa[c * a.Dvp + e];
-        z += x - x;
-        dvr[e] = static_cast<T>(x);
-      }
+      z = store_row(dkr, dKa.data() + c * a.Dp, D, z);
+      z = store_row(dvr, dVa.data() + c * a.Dvp, Dv, z);
     }
     return z == 0.0f;
   }
@@ -220,11 +224,7 @@ struct BwdWork {
     float z = 0.0f;
     for (int64_t r = 0; r < n; ++r) {
       T* dst = a.dqp + ((b * dm.H + h) * dm.Nq + r0 + r) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const float x = dQa[r * a.Dp + d];
-        z += x - x;
-        dst[d] = static_cast<T>(x);
-      }
+      z = store_row(dst, dQa.data() + r * a.Dp, D, z);
     }
     return z == 0.0f;
   }

@@ -21,6 +21,20 @@
 
 namespace {
 
+// A finished row: out = acc / l and LSE = m + log l; a row that saw no key (l = 0) gives
+// output 0 and LSE -inf.  The fast and careful paths both end here.
+template <typename T>
+inline void finish_row(T* orow, const float* ar, int64_t Dv, float l, float m, float* lse) {
+  if (l == 0.0f) {
+    for (int64_t e = 0; e < Dv; ++e) orow[e] = static_cast<T>(0.0f);
+    *lse = NEG_INF;
+  } else {
+    const float inv = 1.0f / l;
+    for (int64_t e = 0; e < Dv; ++e) orow[e] = static_cast<T>(ar[e] * inv);
+    *lse = m + std::log(l);
+  }
+}
+
 template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
                   const Dims& dm, const Mask& mk, const ScoreMods& sm, float scale) {
@@ -180,14 +194,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         float z = l - l;
         for (int64_t e = 0; e < Dv; ++e) z += ar[e] - ar[e];
         finite = finite && z == 0.0f;
-        if (l == 0.0f) {
-          for (int64_t e = 0; e < Dv; ++e) orow[e] = static_cast<T>(0.0f);
-          lp[(b * dm.H + h) * dm.Nq + r0 + r] = NEG_INF;
-        } else {
-          const float inv = 1.0f / l;
-          for (int64_t e = 0; e < Dv; ++e) orow[e] = static_cast<T>(ar[e] * inv);
-          lp[(b * dm.H + h) * dm.Nq + r0 + r] = mrow[r] + std::log(l);
-        }
+        finish_row(orow, ar, Dv, l, mrow[r], lp + (b * dm.H + h) * dm.Nq + r0 + r);
       }
       return finite;
     };
@@ -241,14 +248,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         T* orow = op + ((b * dm.H + h) * dm.Nq + r0 + r) * Dv;
         const float l = lrow[r];
         float* ar = acc.data() + r * Dv;
-        if (l == 0.0f) {
-          for (int64_t e = 0; e < Dv; ++e) orow[e] = static_cast<T>(0.0f);
-          lp[(b * dm.H + h) * dm.Nq + r0 + r] = NEG_INF;
-        } else {
-          const float inv = 1.0f / l;
-          for (int64_t e = 0; e < Dv; ++e) orow[e] = static_cast<T>(ar[e] * inv);
-          lp[(b * dm.H + h) * dm.Nq + r0 + r] = mrow[r] + std::log(l);
-        }
+        finish_row(orow, ar, Dv, l, mrow[r], lp + (b * dm.H + h) * dm.Nq + r0 + r);
       }
     };
     for (int64_t it; queue.pop(it);)
