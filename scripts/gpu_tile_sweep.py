@@ -753,6 +753,12 @@ def main(argv=None) -> int:
                     "stages": w["stages"],
                     "score_vs_default": w["score_vs_default"],
                     "runner_up": [{"config": k, "score_vs_default": rows[k]["score_vs_default"]} for k in best[1:4]],
+                    # (warps, stages) at the winning tile within 3% of it: the autotune list
+                    "autotune": [
+                        [rows[k]["warps"], rows[k]["stages"]]
+                        for k in best
+                        if rows[k]["tile"] == w["tile"] and rows[k]["score_vs_default"] <= 1.03 * w["score_vs_default"]
+                    ],
                     "ms": {mk: w["by_mask"][mk]["ms"] for mk in MASKS},
                     "shipped_ms": dict(dms),
                 }
@@ -772,7 +778,7 @@ def main(argv=None) -> int:
                 break
             picks = {}
             for kernel, w in rec["winners"].get(str(D), {}).items():
-                picks[kernel] = (tuple(w["tile"]), [(w["warps"], w["stages"])])
+                picks[kernel] = (tuple(w["tile"]), [tuple(c) for c in w.get("autotune") or [(w["warps"], w["stages"])]])
             st = setups[D]
             e2e = {"picks": {k: [list(t), c] for k, (t, c) in picks.items()}}
             log(f"\n-- end to end D={D}: shipped vs picks {e2e['picks']}")
@@ -818,7 +824,10 @@ def config_patch(rec: dict) -> str:
     lines = []
     for D, ws in sorted(rec["winners"].items(), key=lambda kv: -int(kv[0])):
         tiles = ", ".join(f'"{k}": ({w["tile"][0]}, {w["tile"][1]})' for k, w in sorted(ws.items()))
-        cands = ", ".join(f'"{k}": [({w["warps"]}, {w["stages"]})]' for k, w in sorted(ws.items()))
+        cands = ", ".join(
+            f'"{k}": [' + ", ".join(f"({a}, {b})" for a, b in w.get("autotune") or [(w["warps"], w["stages"])]) + "]"
+            for k, w in sorted(ws.items())
+        )
         lines.append(f'GPU_TILES["16bit"][{D}] <- {{{tiles}}}   (kernels not listed: unchanged)')
         lines.append(f'AUTOTUNE["16bit"][{D}] <- {{{cands}, "delta": [(4, 1)]}}')
         for k, w in sorted(ws.items()):
