@@ -42,9 +42,13 @@ CANDIDATES = os.path.join(HERE, "gpu_tile_candidates.json")
 GROUP_ORDER = [("dkdv", 128), ("dq", 128), ("dkdv", 64), ("dq", 64), ("fwd", 128), ("fwd", 64)]
 MASKS = ("causal", "full")
 #: a candidate passes when max|x - ref| <= BOUND_REL * max|ref| for each output it writes
-#: (bf16 kernels against bf16 SDPA: a few bf16 ulps of the largest value; a wrong tile
-#: walk gives errors of the order of the values themselves)
-BOUND_REL = 2**-5
+#: (bf16 kernels against bf16 SDPA: healthy kernels measured 0.0009-0.0045 of max|ref| on
+#: the H200 at these shapes; racy dK/dV configurations 0.01-0.3)
+BOUND_REL = 2**-6
+#: and when ``RERUNS`` more launches on the same inputs give bit-identical outputs: on the
+#: H200 (triton 3.6) some dK/dV configurations, the shipped D = 128 32x64 (8, 2) among them,
+#: gave different (and wrong) dK from run to run at N = 8192
+RERUNS = 5
 #: notional matmul FLOPs per kernel, in units of the forward's 4·B·H·N²·D (dQ: Q·Kᵀ, dO·Vᵀ,
 #: dS·K; dK/dV: Q·Kᵀ, dO·Vᵀ, Pᵀ·dO, dSᵀ·Q); fwd+bwd end to end counts 3.5 as the benchmark does
 KERNEL_FLOPS = {"fwd": 1.0, "dq": 1.5, "dkdv": 2.0}
@@ -415,7 +419,12 @@ def measure(kernel: str, st: Setup, mask: str, cand: dict, fwd_default) -> dict:
     else:
         outs = {"dk": kw["DK"], "dv": kw["DV"]}
     chk = check(outs, st.ref[mask])
+    first = {key: t.clone() for key, t in outs.items()}
     ms = bench_ms(lambda: launch(kernel, grid, kw, w, s), st.device, a)
+    rerun = rerun_diff(outs, first, lambda: launch(kernel, grid, kw, w, s))
+    chk["deterministic"] = rerun == 0.0
+    chk["rerun_max_diff"] = rerun
+    chk["ok"] = bool(chk["ok"] and chk["deterministic"])
     fl = fwd_flops(D, mask, a)
     return {
         "ms": ms,
@@ -424,6 +433,24 @@ def measure(kernel: str, st: Setup, mask: str, cand: dict, fwd_default) -> dict:
         "check": chk,
         **kernel_facts(ck),
     }
+
+
+def rerun_diff(outs: dict, first: dict, run, reruns: int | None = None) -> float:
+    """Max |difference| between the first launch's outputs and those of the launch the timing
+    left plus ``RERUNS`` more (outputs filled with NaN before each: an element a launch
+    leaves unwritten shows as NaN -> inf)."""
+    import torch
+
+    worst = 0.0
+    for i in range(RERUNS if reruns is None else reruns):
+        if i:
+            for t in outs.values():
+                t.fill_(float("nan"))
+            run()
+        for key, t in outs.items():
+            d = (t.float() - first[key].float()).abs()
+            worst = max(worst, float(torch.nan_to_num(d, nan=float("inf")).max()))
+    return worst
 
 
 def cand_key(c: dict) -> str:
@@ -496,7 +523,19 @@ def end_to_end(st: Setup, name: str, picks: dict | None) -> dict:
                 out = attnlab.attention(q, k, v, mask=m, backend="triton")
                 dq, dk, dv = torch.autograd.grad(out, (q, k, v), st.do)
                 chk = check({"out": out, "dq": dq, "dk": dk, "dv": dv}, st.ref[mask])
-                del out, dq, dk, dv
+                first = {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}
+                diff = 0.0
+                for _ in range(2):  # the same call again: bit-identical results expected
+                    o2 = attnlab.attention(q, k, v, mask=m, backend="triton")
+                    again = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(o2, (q, k, v), st.do), strict=True))
+                    again["out"] = o2.detach()
+                    for key2, t in again.items():
+                        d = (t.float() - first[key2].float()).abs()
+                        diff = max(diff, float(torch.nan_to_num(d, nan=float("inf")).max()))
+                chk["rerun_max_diff"] = diff
+                chk["deterministic"] = diff == 0.0
+                chk["ok"] = bool(chk["ok"] and chk["deterministic"])
+                del out, dq, dk, dv, first, again, o2
 
                 def fwd(q=q, k=k, v=v, m=m):
                     with torch.no_grad():
@@ -531,7 +570,7 @@ def end_to_end(st: Setup, name: str, picks: dict | None) -> dict:
                 + (
                     f"fwd {r['fwd_ms']:.3f} ms {r['fwd_tflops']:.0f} TF ({_x(r['fwd_vs_sdpa_best'])} SDPA best)  "
                     f"fwd+bwd {r['fb_ms']:.3f} ms {r['fb_tflops']:.0f} TF ({_x(r['fb_vs_sdpa_best'])} SDPA best)  "
-                    f"check {'ok' if r['check']['ok'] else 'FAIL'}"
+                    f"check {'ok' if r['check']['ok'] else 'FAIL'} (rerun diff {r['check']['rerun_max_diff']:.3g})"
                     if "fwd_ms" in r
                     else r["error"][:200]
                 )
@@ -600,9 +639,10 @@ def table(kernel: str, D: int, rows: dict, default_ms: dict, st: Setup) -> list:
                 cells.append(f"{(m.get('error') or 'not run')[:36]:>33s}")
         facts = next((m for m in r["by_mask"].values() if "n_regs" in m), {})
         ok = all(m.get("check", {}).get("ok") for m in r["by_mask"].values() if "check" in m)
+        racy = any(not m["check"].get("deterministic", True) for m in r["by_mask"].values() if "check" in m)
         log(
             f"  {key:16s} {cells[0]}  {cells[1]}  {sc if sc != float('inf') else float('nan'):5.2f} "
-            f"{facts.get('n_regs', '?')}/{facts.get('n_spills', '?')} {'ok' if ok else 'FAIL'}{' *shipped' if r['default'] else ''}"
+            f"{facts.get('n_regs', '?')}/{facts.get('n_spills', '?')} {'ok' if ok else 'FAIL' + ('(racy)' if racy else '')}{' *shipped' if r['default'] else ''}"
         )
     return scored
 
@@ -728,14 +768,15 @@ def main(argv=None) -> int:
                     if pc is not None:
                         m["worker"] = pc
                     r["by_mask"][mask] = m
-                    if "ms" in m and r["default"] and m["check"]["ok"]:
+                    if "ms" in m and r["default"]:  # the time users get, racy or not
                         dms[mask] = min(dms.get(mask, float("inf")), m["ms"])
                     if "ms" in m:
                         log(
                             f"  {key:16s} {mask:6s} {m['ms']:8.3f} ms {m['tflops']:5.0f} TF  "
                             f"regs {m.get('n_regs', '?')} spills {m.get('n_spills', '?')}  "
                             f"check {'ok' if m['check']['ok'] else 'FAIL'} "
-                            f"(worst err/bound {max(v['err_over_bound'] for k2, v in m['check'].items() if k2 != 'ok'):.2f})"
+                            f"(worst err/bound {max(v['err_over_bound'] for v in m['check'].values() if isinstance(v, dict)):.2f}, "
+                            f"rerun diff {m['check']['rerun_max_diff']:.3g})"
                         )
                     rec["rows"] = [x for g in results.values() for x in g.values()]
                     write(rec, path)
