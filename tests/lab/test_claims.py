@@ -172,6 +172,20 @@ def test_main(tmp_path, capsys, monkeypatch):
     assert main(["claims", "zz-raises", "--no-progress"]) == 1
 
 
+def test_claims_on_worker_processes_give_what_one_process_gives(tmp_path, capsys):
+    ids = ["budget-example-is-softmax", "w-o-shape-dh-by-d", "softmax-rows-on-simplex"]
+    docs = []
+    for workers in ("1", "2"):
+        out = tmp_path / f"claims-{workers}.json"
+        assert main(["claims", *ids, "--workers", workers, "--json", str(out), "--no-progress"]) == 0
+        capsys.readouterr()
+        docs.append([{k: v for k, v in c.items() if k != "seconds"} for c in json.loads(out.read_text())["claims"]])
+    assert [c["id"] for c in docs[1]] == ids  # registration order, whichever worker finished first
+    assert docs[1] == docs[0]
+    with pytest.raises(ValueError, match="workers: expected a positive int"):
+        C.run_claims(ids, progress=False, workers=0)
+
+
 def test_run_claims_restores_threads():
     before = torch.get_num_threads()
     C.run_claims(["budget-example"], progress=False, threads=1)

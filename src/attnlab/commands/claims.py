@@ -8,6 +8,8 @@ Exit status: 0 when every selected experiment ran (verdicts are findings, not fa
 
 import sys
 
+from attnlab.commands.options import positive_int
+
 HELP = "the seeds' claims as experiments with verdicts; one claim id shows it whole"
 SHARED: dict[str, object] = {}
 
@@ -18,6 +20,13 @@ def add_arguments(p):
     )
     p.add_argument("--list", action="store_true", help="list the claims (id, seed, title) and exit, running nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="run the experiments on N spawned processes, one torch thread each (default 1: in this process)",
+    )
 
 
 def run(args) -> int:
@@ -32,7 +41,7 @@ def run(args) -> int:
     if args.list:
         print(R.format_list(claims))
         return 0
-    results = R.REGISTRY.run([c.id for c in claims], progress=not args.no_progress)
+    results = R.run_claims([c.id for c in claims], progress=not args.no_progress, workers=args.workers)
     print(R.format_table(results))
     if len(results) == 1:
         print("\n" + R.format_claim(results[0]))

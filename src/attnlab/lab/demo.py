@@ -8,6 +8,7 @@ the seeds' claims, prints a summary table and writes one offline HTML report.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -81,7 +82,7 @@ def demo(out: str = "out/report.html", *, quick: bool = False, force: bool = Fal
         from attnlab.lab.streaming import text_model
 
         text_model(progress=True)  # here, on every core: the claims run on one torch thread
-        results = run_claims()
+        results = run_claims(workers=min(2, os.cpu_count() or 1))  # one torch thread per worker
     r = Report(
         "attnlab demo",
         subtitle="Induction heads forming, attention sinks in a real model, KV-cache "

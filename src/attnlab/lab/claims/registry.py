@@ -364,14 +364,72 @@ def select(ids: Iterable[str] | None = None) -> list[Claim]:
 
 
 def run_claims(
-    ids: Iterable[str] | None = None, *, progress: bool = True, threads: int | None = 1
+    ids: Iterable[str] | None = None, *, progress: bool = True, threads: int | None = 1, workers: int = 1
 ) -> list[ClaimResult]:
     """Run the experiments of the claims matching ``ids`` (ids or substrings; all when
     None), with a tqdm bar on stderr when ``progress``, torch limited to ``threads``
     threads meanwhile.  An experiment that raises gives a result with ``verdict=None``
-    and ``error`` set; the others still run."""
+    and ``error`` set; the others still run.
+
+    ``workers > 1`` runs the experiments on that many spawned processes (a fresh
+    interpreter each: no forked OpenMP state), one claim at a time to whichever is free;
+    the results come back in registration order, as with one worker.  Each worker imports
+    :data:`attnlab.lab.claims.CLAIM_MODULES` itself, so only those claims run there, and
+    nothing patched in this process (a monkeypatch, a claim registered elsewhere) reaches
+    them: tests that patch keep ``workers=1``."""
     _load_modules()
-    return REGISTRY.run(ids, progress=progress, threads=threads)
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"workers: expected a positive int, got {workers!r}")
+    claims = REGISTRY.select(ids)
+    if workers == 1 or len(claims) < 2:
+        return REGISTRY.run(ids, progress=progress, threads=threads)
+    return _run_on_workers(claims, progress=progress, threads=threads, workers=workers)
+
+
+def _run_on_workers(claims: list[Claim], *, progress: bool, threads: int | None, workers: int) -> list[ClaimResult]:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    ctx = multiprocessing.get_context("spawn")
+    out: dict[str, ClaimResult] = {}
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(claims), desc=f"claims on {workers} processes", unit="claim", file=sys.stderr, leave=False)
+    with ProcessPoolExecutor(min(workers, len(claims)), mp_context=ctx) as pool:
+        futures = {pool.submit(_worker_run, c.id, threads): c for c in claims}
+        for f in as_completed(futures):
+            c = futures[f]
+            try:
+                fields = f.result()
+            except Exception as e:  # noqa: BLE001 - a worker that died is reported as that claim's error
+                fields = (None, {}, "", None, "", 0.0, f"worker: {type(e).__name__}: {e}")
+            verdict, *rest = fields
+            out[c.id] = ClaimResult(c, None if verdict is None else Verdict(verdict), *rest)
+            if bar is not None:
+                bar.set_postfix_str(c.id)
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    return [out[c.id] for c in claims]
+
+
+def _worker_run(claim_id: str, threads: int | None) -> tuple:
+    """In a worker process: run one registered claim, return its result's fields (the
+    verdict as its value; the claim itself stays in the parent)."""
+    _load_modules()
+    with _threads(threads):
+        r = _run_one(REGISTRY[claim_id])
+    return (
+        None if r.verdict is None else r.verdict.value,
+        r.evidence,
+        r.explanation,
+        r.conditions,
+        r.key_figure,
+        r.seconds,
+        r.error,
+    )
 
 
 # ----------------------------------------------------------------------------- output
