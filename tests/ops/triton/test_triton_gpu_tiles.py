@@ -52,3 +52,10 @@ def test_shipped_gpu_tiles_against_reference(gpu_tiles, shape, maskname, dtype):
     want = config.gpu_tiles(config.head_block(D), dtype)
     capped = {n: (min(bm, config.pow2(Nq)), min(bn, config.pow2(Nk))) for n, (bm, bn) in want.items()}
     assert gpu_tiles and all(got == capped for dt, got in gpu_tiles if dt == dtype), gpu_tiles
+
+
+def test_dkdv_candidates_run_one_stage_only():
+    """dK/dV with 2 or 3 pipeline stages gave wrong, run-to-run different dK on an H200
+    (docs/triton.md, "The dK/dV race"): no shipped dK/dV candidate may pipeline."""
+    dkdv = [(g, d, c) for g in config.AUTOTUNE for d in config.AUTOTUNE[g] for c in config.AUTOTUNE[g][d]["dkdv"]]
+    assert dkdv and all(stages == config.DKDV_STAGES == 1 for _, _, (_, stages) in dkdv), dkdv

@@ -32,7 +32,7 @@ GROUPS = ("16bit", "float32")
 # dtype group -> head-dim bucket (largest head-dim block) -> kernel -> (BM, BN)
 GPU_TILES = {
     "16bit": {
-        64: {"fwd": (128, 64), "dq": (128, 32), "dkdv": (32, 64)},
+        64: {"fwd": (128, 64), "dq": (128, 32), "dkdv": (64, 64)},
         128: {"fwd": (128, 64), "dq": (64, 64), "dkdv": (32, 64)},
         256: {"fwd": (64, 32), "dq": (64, 32), "dkdv": (32, 64)},
     },
@@ -46,30 +46,36 @@ GPU_TILES = {
 # dtype group -> head-dim bucket -> kernel -> candidate (num_warps, num_stages).
 # 16-bit: at D = 64, 128 and 256 every candidate compiles spill-free for sm_80 and sm_90
 # (``python -m attnlab.ops.triton.resources``, tests/ops/triton/test_resources.py; the
-# figures are in docs/triton.md).  A 4-warp program at D = 128 holds a 128-row float32
-# accumulator at 128 registers per thread on top of its operands and spilled, so D = 128
-# offers 8 warps only; 4-warp dQ spilled at D = 64 on sm_80, 4-warp dK/dV at D = 256 by
-# kilobytes, dQ's (4, 1) at D = 256 by 8 bytes on sm_90.  float32 (its own tiles above):
+# figures are in docs/triton.md).  A 4-warp forward at D = 128 holds a 128-row float32
+# accumulator at 128 registers per thread on top of its operands and spilled, so the D = 128
+# forward offers 8 warps only; 4-warp dQ spilled at D = 64 on sm_80, 4-warp dK/dV at D = 256 by
+# kilobytes, dQ's (4, 1) at D = 256 by 8 bytes on sm_90.
+# **dK/dV runs with num_stages = 1 only** (:data:`DKDV_STAGES`): on an H200 (triton 3.6) every
+# dK/dV configuration tried with 2 or 3 stages was at some point wrong and run-to-run different
+# in dK at N = 8192 (up to 20% of max|dK|; each program writes its own block, so this is the
+# compiler's asynchronous dots racing on shared memory, not the kernel's logic), while all six
+# one-stage configurations were exact and bit-identical (docs/triton.md, "The dK/dV race").  The
+# choices below were timed there: dK/dV 64x64 (4, 1) at D = 64 and 32x64 (4, 1) at D = 128
+# (0.69x and 0.74x the old shipped time), dQ (4, 2) at D = 128 (0.48x).  float32 (no tensor-core
+# dots, not timed on the GPU) keeps the same rule.  float32 (its own tiles above):
 # one candidate each, spill-free on both archs; 16 keys per tile at D >= 128, and dK/dV at
 # D = 256 only with one stage (16x16 at 4, 8 and 16 warps with 2 stages spilled); the
 # configurations that spilled are listed in docs/triton.md.
 AUTOTUNE = {
     "16bit": {
-        64: {
-            "fwd": [(4, 3), (8, 3), (8, 2)],
-            "dq": [(8, 2), (8, 3)],
-            "dkdv": [(4, 2), (8, 2), (4, 3)],
-            "delta": [(4, 1)],
-        },
-        128: {"fwd": [(8, 2), (8, 3)], "dq": [(8, 2), (8, 3)], "dkdv": [(8, 2), (8, 3)], "delta": [(4, 1)]},
-        256: {"fwd": [(4, 3), (8, 2), (4, 1)], "dq": [(8, 2)], "dkdv": [(8, 2), (8, 1)], "delta": [(4, 1)]},
+        64: {"fwd": [(4, 3), (8, 3), (8, 2)], "dq": [(8, 2), (8, 3)], "dkdv": [(4, 1)], "delta": [(4, 1)]},
+        128: {"fwd": [(8, 2), (8, 3)], "dq": [(4, 2)], "dkdv": [(4, 1)], "delta": [(4, 1)]},
+        256: {"fwd": [(4, 3), (8, 2), (4, 1)], "dq": [(8, 2)], "dkdv": [(8, 1)], "delta": [(4, 1)]},
     },
     "float32": {
-        64: {"fwd": [(8, 2)], "dq": [(8, 2)], "dkdv": [(4, 2)], "delta": [(4, 1)]},
-        128: {"fwd": [(8, 2)], "dq": [(8, 2)], "dkdv": [(8, 2)], "delta": [(4, 1)]},
+        64: {"fwd": [(8, 2)], "dq": [(8, 2)], "dkdv": [(4, 1)], "delta": [(4, 1)]},
+        128: {"fwd": [(8, 2)], "dq": [(8, 2)], "dkdv": [(8, 1)], "delta": [(4, 1)]},
         256: {"fwd": [(4, 2)], "dq": [(8, 2)], "dkdv": [(8, 1)], "delta": [(4, 1)]},
     },
 }
+
+#: the only num_stages the dK/dV kernel is given (see the note above :data:`AUTOTUNE`)
+DKDV_STAGES = 1
 
 #: (kernel, autotune key) -> the config triton.autotune picked, filled as kernels run on a GPU
 CHOSEN: dict = {}
