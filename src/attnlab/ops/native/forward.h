@@ -166,7 +166,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             alph[r] = 1.0f;
             continue;
           }
-          alph[r] = exp_f(mrow[r] - m_new);
+          alph[r] = pairs ? attnlab_fwd::exp_s(mrow[r] - m_new) : exp_f(mrow[r] - m_new);
           // P rounded to bf16 (as flash-attn does) straight into P·V's operand; float32 row sum
           // (exp of -inf is exactly 0: the chunks outside [e0, e1) add nothing to the sum's lanes)
           if (pairs) {
@@ -196,9 +196,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         T* orow = op + ((b * dm.H + h) * dm.Nq + r0 + r) * Dv;
         const float l = lrow[r];
         const float* ar = accp.data() + r * Dvp;
-        float z = l - l;
-        for (int64_t e = 0; e < Dv; ++e) z += ar[e] - ar[e];
-        finite = finite && z == 0.0f;
+        finite = finite && std::isfinite(l) && attnlab_fwd::all_finite(ar, Dv);
         finish_row(orow, ar, Dv, l, mrow[r], lp + (b * dm.H + h) * dm.Nq + r0 + r);
       }
       return finite;

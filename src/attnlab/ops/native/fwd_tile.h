@@ -9,7 +9,9 @@
 // * row_scale_max: x *= s and its max in one pass (a full row without score mod).
 // * row_max: the max of an unscaled row (the bf16 path's common tile: no scaling pass, the
 //   scale is folded into the exponent below).
-// * row_exp2_bf16: exp(s - m) as 2^((s - m) · log2 e) (exp2_v: a degree-6 polynomial and an
+// * all_finite: the fast path's check of a finished row (an inf or NaN sends the q block to
+//   the careful path).
+// * row_exp2_bf16 (and exp_s, the bf16 path's rescale factor): exp(s - m) as 2^((s - m) · log2 e) (exp2_v: a degree-6 polynomial and an
 //   exponent scaling, about 1 ulp as rowmath.h's exp_v, not its bits) and its float32 sum,
 //   written as bf16 (round to nearest even: vcvtneps2bf16 where the build has AVX512_BF16,
 //   gemm_bf16.h's to_bf16 on every lane elsewhere) straight into the P operand of P·V: no
@@ -187,17 +189,20 @@ constexpr float LOG2E = 1.44269504088896341f;
 // (vscalefps on AVX-512).
 inline vf exp2_v(vf t) {
   const vf lo = attnlab_rows::splat(-125.0f);
-  const vf tc = t < lo ? lo : t;  // NaN stays NaN
 #if ATTNLAB_GEMM_W == 16
-  __m512 tm;
-  std::memcpy(&tm, &tc, sizeof tm);
-  const __m512 nm = _mm512_roundscale_ps(tm, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  vf n;
-  std::memcpy(&n, &nm, sizeof n);
+  __m512 tm, lm;
+  std::memcpy(&tm, &t, sizeof tm);
+  std::memcpy(&lm, &lo, sizeof lm);
+  const __m512 tc = _mm512_max_ps(lm, tm);  // the second operand where either is NaN: NaN stays NaN
+  const __m512 nm = _mm512_roundscale_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 fm = _mm512_sub_ps(tc, nm);
+  vf f;
+  std::memcpy(&f, &fm, sizeof f);
 #else
+  const vf tc = t < lo ? lo : t;                  // NaN stays NaN
   const vf n = (tc + 12582912.0f) - 12582912.0f;  // round to nearest
-#endif
   const vf f = tc - n;
+#endif
   vf p = attnlab_rows::splat(1.5345810970757157e-4f);
   p = p * f + 1.3399930903688073e-3f;
   p = p * f + 9.6184890717267990e-3f;
@@ -208,15 +213,31 @@ inline vf exp2_v(vf t) {
 #if ATTNLAB_GEMM_W == 16
   __m512 pm;
   std::memcpy(&pm, &p, sizeof pm);
-  pm = _mm512_scalef_ps(pm, nm);
+  const __mmask16 keep = _mm512_cmp_ps_mask(tm, lm, _CMP_NLT_UQ);  // t >= -125 or NaN
+  pm = _mm512_maskz_scalef_ps(keep, pm, nm);
   std::memcpy(&p, &pm, sizeof p);
+  return p;
 #else
   const attnlab_rows::vi e = (__builtin_convertvector(n, attnlab_rows::vi) + 127) << 23;
   vf sc;
   std::memcpy(&sc, &e, sizeof sc);
   p = p * sc;
-#endif
   return t < lo ? vf{} : p;
+#endif
+}
+
+// exp(x) for one float (x <= 0 up to rounding: the online softmax's rescale factor) by exp2_v
+inline float exp_s(float x) { return exp2_v(attnlab_rows::splat(x * LOG2E))[0]; }
+
+// no inf or NaN in x[0:n] (an OR of exponent tests: vectorises, unlike a float sum in order)
+inline bool all_finite(const float* x, int64_t n) {
+  uint32_t bad = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    uint32_t u;
+    std::memcpy(&u, x + e, sizeof u);
+    bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+  }
+  return bad == 0;
 }
 
 // The bf16 path's P row: out[0:n] = bf16(exp(s - m)) (n a multiple of W); returns the float32
