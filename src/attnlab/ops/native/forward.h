@@ -140,8 +140,10 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           // the ids / keep / BlockMask tables hold whole kv blocks: full there is full on [c0, c1)
           const bool full = rm.band_full(c0, c1) && rm.extra_full(cb0, cb1);
           int64_t e0 = 0, e1 = mp;  // 16-column chunks outside [e0, e1) are hidden: P there is 0
+          bool raw = false;  // Sr unscaled: the bf16 path's exp folds the scale in
           if (m == mp && !sm.active() && full) {  // the common tile: scale and max in one pass
-            mx = attnlab_fwd::row_scale_max(Sr, mp, scale);
+            raw = pairs && scale > 0.0f && scale < INFINITY;  // the max commutes with the scale
+            mx = raw ? attnlab_fwd::row_max(Sr, mp) * scale : attnlab_fwd::row_scale_max(Sr, mp, scale);
           } else {
             if (!full && !sm.active()) {  // a band's row: its visible span (RowMask::span)
               int64_t vlo, vhi;
@@ -164,7 +166,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             alph[r] = 1.0f;
             continue;
           }
-          alph[r] = exp_f(mrow[r] - m_new);
+          alph[r] = pairs ? attnlab_fwd::exp_s(mrow[r] - m_new) : exp_f(mrow[r] - m_new);
           // P rounded to bf16 (as flash-attn does) straight into P·V's operand; float32 row sum
           // (exp of -inf is exactly 0: the chunks outside [e0, e1) add nothing to the sum's lanes)
           if (pairs) {
@@ -174,8 +176,11 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             std::fill(Sr, Sr + e0, 0.0f);
             std::fill(Sr + e1, Sr + mp, 0.0f);
           }
-          const float sum = pairs ? attnlab_fwd::row_exp_bf16(Sr + e0, Ph + e0, e1 - e0, m_new)
-                                  : attnlab_rows::row_exp(Sr + e0, Sr + e0, e1 - e0, m_new);
+          using attnlab_fwd::LOG2E;
+          const float sum =
+              !pairs ? attnlab_rows::row_exp(Sr + e0, Sr + e0, e1 - e0, m_new)
+              : raw  ? attnlab_fwd::row_exp2_bf16<true>(Sr, Ph, mp, scale * LOG2E, m_new * LOG2E)
+                     : attnlab_fwd::row_exp2_bf16<false>(Sr + e0, Ph + e0, e1 - e0, LOG2E, m_new);
           lrow[r] = lrow[r] * alph[r] + sum;
           mrow[r] = m_new;
         }
@@ -191,9 +196,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         T* orow = op + ((b * dm.H + h) * dm.Nq + r0 + r) * Dv;
         const float l = lrow[r];
         const float* ar = accp.data() + r * Dvp;
-        float z = l - l;
-        for (int64_t e = 0; e < Dv; ++e) z += ar[e] - ar[e];
-        finite = finite && z == 0.0f;
+        finite = finite && std::isfinite(l) && attnlab_fwd::all_finite(ar, Dv);
         finish_row(orow, ar, Dv, l, mrow[r], lp + (b * dm.H + h) * dm.Nq + r0 + r);
       }
       return finite;

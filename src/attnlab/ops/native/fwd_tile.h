@@ -7,9 +7,16 @@
 //   FMA): the same bits, one pass over the block and its stores fewer.  A is float32 (B
 //   float32) or bf16 pairs (B bf16 pairs, gemm_bf16.h's `dp`: vdpbf16ps where the build has it).
 // * row_scale_max: x *= s and its max in one pass (a full row without score mod).
-// * row_exp_bf16: exp(x - mx) and its float32 sum as rowmath.h's row_exp computes them (the
-//   same bits), written as bf16 (round to nearest even, gemm_bf16.h's to_bf16 on every lane)
-//   straight into the P operand of P·V: no float32 P row, no scalar pack pass.
+// * row_max: the max of an unscaled row (the bf16 path's common tile: no scaling pass, the
+//   scale is folded into the exponent below).
+// * all_finite: the fast path's check of a finished row (an inf or NaN sends the q block to
+//   the careful path).
+// * row_exp2_bf16 (and exp_s, the bf16 path's rescale factor): exp(s - m) as 2^((s - m) · log2 e) (exp2_v: a degree-6 polynomial and an
+//   exponent scaling, about 1 ulp as rowmath.h's exp_v, not its bits) and its float32 sum,
+//   written as bf16 (round to nearest even: vcvtneps2bf16 where the build has AVX512_BF16,
+//   gemm_bf16.h's to_bf16 on every lane elsewhere) straight into the P operand of P·V: no
+//   float32 P row, no scalar pack pass.  The bf16 path's P differs from the careful path's in
+//   any case (rounded to bf16), so it need not share rowmath.h's exp bits.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +25,10 @@
 #include "gemm_bf16.h"
 #include "gemm_f32.h"
 #include "rowmath.h"
+
+#if ATTNLAB_GEMM_W == 16 || ATTNLAB_BF16_DP
+#include <immintrin.h>
+#endif
 
 namespace attnlab_fwd {
 
@@ -118,27 +129,133 @@ inline float row_scale_max(float* x, int64_t n, float s) {
   return attnlab_rows::hmax(m);
 }
 
-// float32 -> bf16 bits on every lane: gemm_bf16.h's to_bf16 (nearest even; NaN stays NaN)
+// float32 -> bf16 bits on every lane: gemm_bf16.h's to_bf16 (nearest even; NaN stays NaN).
+// With AVX512_BF16 one vcvtneps2bf16: the same bits for every normal, zero, inf or NaN input
+// (it reads denormals as zero: the P it converts is 0 or at least 2^-125.5, never denormal)
 inline vh to_bf16_v(vf x) {
+#if ATTNLAB_BF16_DP && ATTNLAB_GEMM_W == 16
+  __m512 xm;
+  std::memcpy(&xm, &x, sizeof xm);
+  const __m256bh hb = _mm512_cvtneps_pbh(xm);
+  vh h;
+  std::memcpy(&h, &hb, sizeof h);
+  return h;
+#else
   vu u;
   std::memcpy(&u, &x, sizeof u);
   const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   const vu nan = (u >> 16) | 0x40u;
   const vu r = (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
   return __builtin_convertvector(r, vh);
+#endif
 }
 
-// out[0:n] = bf16(exp(x[0:n] - mx)) (n a multiple of W); returns the float32 sum (rowmath.h's
-// row_exp: the same P, the same sum)
-inline float row_exp_bf16(const float* x, uint16_t* out, int64_t n, float mx) {
+// horizontal max / sum as a tree (4 steps on AVX-512, not a chain of 16): the bf16 path only
+// (the float32 path keeps rowmath.h's order, the careful path's bits)
+inline float hmax_tree(vf m) {
+#if ATTNLAB_GEMM_W == 16
+  __m512 x;
+  std::memcpy(&x, &m, sizeof x);
+  return _mm512_reduce_max_ps(x);
+#else
+  return attnlab_rows::hmax(m);
+#endif
+}
+inline float hsum_tree(vf s) {
+#if ATTNLAB_GEMM_W == 16
+  __m512 x;
+  std::memcpy(&x, &s, sizeof x);
+  return _mm512_reduce_add_ps(x);
+#else
+  return attnlab_rows::hsum(s);
+#endif
+}
+
+// max(x[0:n]) (n a multiple of W), the row read once, nothing stored
+inline float row_max(const float* x, int64_t n) {
+  vf m = vload(x);
+  for (int64_t c = W; c < n; c += W) {
+    const vf y = vload(x + c);
+    m = m > y ? m : y;
+  }
+  return hmax_tree(m);
+}
+
+constexpr float LOG2E = 1.44269504088896341f;
+
+// 2^t for t <= 0 (up to rounding): t < -125 and -inf give exactly 0 (so no result is
+// denormal), NaN stays NaN.  2^t = 2^n · 2^f, n = round(t), f in [-1/2, 1/2]: a degree-6
+// polynomial (relative error under 1e-7, as rowmath.h's exp_v) and an exponent scaling
+// (vscalefps on AVX-512).
+inline vf exp2_v(vf t) {
+  const vf lo = attnlab_rows::splat(-125.0f);
+#if ATTNLAB_GEMM_W == 16
+  __m512 tm, lm;
+  std::memcpy(&tm, &t, sizeof tm);
+  std::memcpy(&lm, &lo, sizeof lm);
+  const __m512 tc = _mm512_max_ps(lm, tm);  // the second operand where either is NaN: NaN stays NaN
+  const __m512 nm = _mm512_roundscale_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 fm = _mm512_sub_ps(tc, nm);
+  vf f;
+  std::memcpy(&f, &fm, sizeof f);
+#else
+  const vf tc = t < lo ? lo : t;                  // NaN stays NaN
+  const vf n = (tc + 12582912.0f) - 12582912.0f;  // round to nearest
+  const vf f = tc - n;
+#endif
+  vf p = attnlab_rows::splat(1.5345810970757157e-4f);
+  p = p * f + 1.3399930903688073e-3f;
+  p = p * f + 9.6184890717267990e-3f;
+  p = p * f + 5.5503286421298980e-2f;
+  p = p * f + 2.4022646248340607e-1f;
+  p = p * f + 6.9314718246459961e-1f;
+  p = p * f + 1.0f;
+#if ATTNLAB_GEMM_W == 16
+  __m512 pm;
+  std::memcpy(&pm, &p, sizeof pm);
+  const __mmask16 keep = _mm512_cmp_ps_mask(tm, lm, _CMP_NLT_UQ);  // t >= -125 or NaN
+  pm = _mm512_maskz_scalef_ps(keep, pm, nm);
+  std::memcpy(&p, &pm, sizeof p);
+  return p;
+#else
+  const attnlab_rows::vi e = (__builtin_convertvector(n, attnlab_rows::vi) + 127) << 23;
+  vf sc;
+  std::memcpy(&sc, &e, sizeof sc);
+  p = p * sc;
+  return t < lo ? vf{} : p;
+#endif
+}
+
+// exp(x) for one float (x <= 0 up to rounding: the online softmax's rescale factor) by exp2_v
+inline float exp_s(float x) { return exp2_v(attnlab_rows::splat(x * LOG2E))[0]; }
+
+// no inf or NaN in x[0:n] (an OR of exponent tests: vectorises, unlike a float sum in order)
+inline bool all_finite(const float* x, int64_t n) {
+  uint32_t bad = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    uint32_t u;
+    std::memcpy(&u, x + e, sizeof u);
+    bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+  }
+  return bad == 0;
+}
+
+// The bf16 path's P row: out[0:n] = bf16(exp(s - m)) (n a multiple of W); returns the float32
+// sum of the unrounded values.  exp(s - m) = 2^((s - m) · log2 e): RAW, x holds unscaled
+// scores (s = x · scale, scale > 0) and the exponent is one FMA, x · c - mb (c = scale ·
+// log2 e, mb = m · log2 e); else x holds s and the exponent is (x - mb) · c (mb = m, c = log2 e:
+// the row's max gives exactly 1).
+template <bool RAW>
+inline float row_exp2_bf16(const float* x, uint16_t* out, int64_t n, float c, float mb) {
   vf s = vf{};
-  for (int64_t c = 0; c < n; c += W) {
-    const vf p = attnlab_rows::exp_v(vload(x + c) - mx);
+  for (int64_t k = 0; k < n; k += W) {
+    const vf t = RAW ? vload(x + k) * c - mb : (vload(x + k) - mb) * c;
+    const vf p = exp2_v(t);
     const vh h = to_bf16_v(p);
-    std::memcpy(out + c, &h, sizeof h);
+    std::memcpy(out + k, &h, sizeof h);
     s += p;
   }
-  return attnlab_rows::hsum(s);
+  return hsum_tree(s);
 }
 
 }  // namespace attnlab_fwd
