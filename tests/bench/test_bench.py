@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnlab.bench import attention as bench
-from attnlab.bench.measure import memory_supported, peak_extra_bytes, time_call
+from attnlab.bench.measure import best_time, memory_supported, peak_extra_bytes, time_call
 from attnlab.cli import main
 from tests.helpers import F32_FEW_ULPS
 
@@ -36,6 +36,42 @@ def test_time_call_is_a_median_of_positive_times():
     naps = iter([0.2, 0.2, 0.0, 0.0, 0.05, 0.05, 0.05])
     t = time_call(lambda: time.sleep(next(naps)), reps=5, warmup=2)
     assert 0.05 <= t < 0.2
+
+
+def test_best_time_is_the_fastest_timed_run():
+    # two 200 ms warm-ups (not timed), then runs of 80, 30 and 80 ms: the best is the 30 ms one
+    # (where the median would be 80 ms and a timed warm-up 200)
+    naps = iter([0.2, 0.2, 0.08, 0.03, 0.08])
+    t = best_time(lambda: time.sleep(next(naps)), reps=3, warmup=2)
+    assert 0.03 <= t < 0.08
+
+
+def test_matmul_ceiling_is_the_best_size_and_run(monkeypatch):
+    seen = []
+
+    def fake_best_time(fn, reps, warmup, budget_s):
+        fn()  # a real (tiny) matmul into the preallocated output
+        seen.append((reps, warmup))
+        return {1: 2.0, 2: 4.0}[len(seen)]  # size 64: 2 s; size 128: 4 s
+
+    monkeypatch.setattr(bench, "best_time", fake_best_time)
+    rates = bench.matmul_rates(torch.float32, sizes=(64, 128))
+    assert rates == {64: pytest.approx(2 * 64**3 / 2.0 / 1e9), 128: pytest.approx(2 * 128**3 / 4.0 / 1e9)}
+    assert all(r >= 3 and w >= 1 for r, w in seen)  # several timed runs, warmed up
+    seen.clear()
+    assert bench.matmul_rate(torch.float32, sizes=(64, 128)) == pytest.approx(2 * 128**3 / 4.0 / 1e9)
+    monkeypatch.undo()  # a real one: positive and finite
+    assert 0 < bench.matmul_rate(torch.float32, sizes=(32,), reps=2) < 1e6
+
+
+def test_run_takes_the_better_ceiling_of_before_and_after(monkeypatch):
+    ceilings = iter([10.0, 25.0])  # measured before the cases, then after them
+    monkeypatch.setattr(bench, "matmul_rate", lambda dtype: next(ceilings))
+    case = bench.Case("tiny causal", "causal", 1, 1, 1, 64, 16, "float32")
+    res = bench.run([case], reps=1, with_flex=False, progress=False, memory=False)
+    assert res["matmul_gflops"] == {"float32": 25.0}
+    for r in res["cases"][0]["results"]:
+        assert r["pct_of_matmul"] == pytest.approx(100 * r["gflops"] / 25.0)
 
 
 def test_tiny_case_end_to_end_reports_ratios_and_auto_choice():

@@ -1,8 +1,10 @@
 // The native kernel's forward pass (forward_impl): one at::parallel_for region over
 // (b, h, q block) work items (sched.h's queue, the most kv blocks first); each runs the fast
 // tile loop (S and P·V on the register-blocked micro-kernels, fwd_tile.h, float32 or bf16
-// pairs) and, where its result is not finite, again on the careful path that skips hidden
-// entries.  Included by kernel.cpp only (see tiles.h: an anonymous namespace, one unit).
+// pairs) in row groups of 16, each on the columns its rows may see -- as wide tiles across kv
+// blocks where every row's columns are intervals (bands, sinks, sorted documents), else per
+// kv block -- and, where its result is not finite, again on the careful path that skips
+// hidden entries.  Included by kernel.cpp only (see tiles.h: an anonymous namespace, one unit).
 #pragma once
 
 #include <algorithm>
@@ -34,6 +36,20 @@ inline void finish_row(T* orow, const float* ar, int64_t Dv, float l, float m, f
     *lse = m + std::log(l);
   }
 }
+
+// The fast path's row groups: a q block runs in groups of RG rows, each on the columns its own
+// rows may see (a window's group sees RG + left columns, the whole block bq + left).  Where
+// every row's visible columns are intervals (RowMask::intervals), a group runs them as wide
+// tiles of up to WIDE columns across kv blocks (one softmax step and one P·V per row and
+// tile), else per kv block.  One thread, 2026-12-04, (1,4,8192,64), against per kv block
+// tiles: window256 +10 % (f32, bf16), doc8 +6 %, causal and prefix +4-6 %; 2048 columns at
+// least as fast as 512 and 1024, 8192; RG 8 and 32 no faster than 16.
+constexpr int64_t RG = 16;
+constexpr int64_t WIDE = 2048;
+// a row group's columns: [0, s1) ∪ [b0, end), within [il, ih) (its rows' document runs)
+struct Env {
+  int64_t s1, b0, end, il, ih;
+};
 
 template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
@@ -70,11 +86,28 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   std::vector<int64_t> visits(items, 0);  // kv blocks each work item (b, h, q block) visits
   for (int64_t it = 0; it < items; ++it) {
     const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
-    for (int64_t jk = 0; jk < nkb; ++jk)
-      visits[it] += block_visits(mk, b, h, iq * dm.bq, std::min(dm.Nq, (iq + 1) * dm.bq), jk * dm.bk,
-                                 std::min(dm.Nk, (jk + 1) * dm.bk));
+    const int64_t r0 = iq * dm.bq, r1 = std::min(dm.Nq, r0 + dm.bq);
+    int64_t qlo = mk.qp_of(b, r0), qhi = mk.qp_of(b, r1 - 1);
+    if (mk.qpos != nullptr)
+      for (int64_t i = r0; i < r1; ++i) {
+        qlo = std::min(qlo, mk.qp_of(b, i));
+        qhi = std::max(qhi, mk.qp_of(b, i));
+      }
+    int64_t s1a, b0a, b1a, s1z, b0z, b1z;  // the band's envelope: no block outside it is visited
+    mk.ranges_at(b, qlo, s1a, b0a, b1a);
+    mk.ranges_at(b, qhi, s1z, b0z, b1z);
+    const int64_t lo = s1z > 0 ? 0 : b0a, hi = std::max(s1z, b1z);
+    for (int64_t jk = lo / dm.bk; jk < std::min(nkb, (hi + dm.bk - 1) / dm.bk); ++jk)
+      visits[it] += block_visits(mk, b, h, r0, r1, jk * dm.bk, std::min(dm.Nk, (jk + 1) * dm.bk));
   }
   attnlab_sched::Queue queue(items, [&](int64_t it) { return visits[it]; });
+  // wide tiles (see fast) for masks whose rows are intervals, without score mod, scale > 0:
+  // at most CW columns each, ATTNLAB_NATIVE_WIDE=<columns> (a multiple of 16; 0: kv block tiles only)
+  const char* wenv = std::getenv("ATTNLAB_NATIVE_WIDE");
+  const int64_t CW = wenv != nullptr ? std::max<int64_t>(0, std::atoll(wenv)) / 16 * 16 : WIDE;
+  bool wide_ok = CW > 0 && !sm.active() && scale > 0.0f && mk.keep == nullptr && mk.kpos == nullptr &&
+                 mk.states == nullptr;
+  for (const uint8_t s : mk.ksorted) wide_ok = wide_ok && s != 0;
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     const int64_t D = dm.D, Dv = dm.Dv, bq = dm.bq, bk = dm.bk;
     std::vector<float> Qb(bq * D), KT(D * bk), Vb(bk * Dv), S(bk), Pc(bk), acc(bq * Dv), mrow(bq), lrow(bq), tile(Dv);
@@ -82,6 +115,11 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const int64_t Dvp = (Dv + 15) / 16 * 16;
     std::vector<float> St(bq * bk), accp(bq * Dvp), alph(bq);
     std::vector<uint32_t> Pw(pairs ? bq * bk / 2 : 0);  // P rounded to bf16 pairs
+    const int64_t ngmax = (bq + RG - 1) / RG;
+    std::vector<Env> genv(ngmax);  // per row group: the columns its rows may see
+    std::vector<int64_t> gc0(ngmax), gc1(ngmax);
+    std::vector<float> Sw(wide_ok ? RG * CW : 0);  // a wide tile's S (float32 P), RG × CW
+    std::vector<uint32_t> Pww(wide_ok && pairs ? RG * CW / 2 : 0);  // its bf16 P pairs
     // The fast path: S and P·V tiles through the register-blocked matmul.  A hidden entry is
     // P = 0 there, so a NaN/inf in a hidden value would leak (0·NaN): a q block whose result
     // is not finite runs again on the careful path below, where hidden entries are skipped.
@@ -94,37 +132,145 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const float* KTf = pairs ? nullptr : kt32p + kvh * nkb * D * bk;  // packed: one D × bk panel per kv block
       const float* Vf = pairs ? nullptr : v32p + kvh * dm.Nk * Dvp;
       for (int64_t r = 0; r < n; ++r) {
-        rms[r] = mk.row(b, h, r0 + r);
+        rms[r] = mk.row(b, h, r0 + r, r > 0 ? &rms[r - 1] : nullptr);
         mrow[r] = NEG_INF;
         lrow[r] = 0.0f;
       }
       std::fill(accp.begin(), accp.begin() + n * Dvp, 0.0f);
-      int64_t qlo = mk.qp_of(b, r0), qhi = mk.qp_of(b, r1 - 1);  // the q block's band positions
-      if (mk.qpos != nullptr)  // they need not grow with the row (varlen's restart)
-        for (int64_t i = r0; i < r1; ++i) {
-          qlo = std::min(qlo, mk.qp_of(b, i));
-          qhi = std::max(qhi, mk.qp_of(b, i));
-        }
-      for (int64_t jk = 0; jk < nkb; ++jk) {
-        const int64_t cb0 = jk * bk, cb1 = std::min(dm.Nk, cb0 + bk);  // the kv block
-        if (!block_visits(mk, b, h, r0, r1, cb0, cb1)) continue;
-        // S and P·V run on the block's columns that some row of the q block may see, from a
-        // 16-column boundary: the band's envelope (b0, b1 and the sinks' end grow with the band
-        // position; ranges_at gives the whole [0, end) where the band is per column or a
-        // BlockMask's), so a window's or a causal diagonal's hidden columns cost nothing
+      // The q block's row groups (RG rows) and the columns each may see: the band's envelope of
+      // its rows (ranges_at at its lowest and highest band position: b0, b1 and the sinks' end
+      // grow with it; ranges_at gives the whole [0, end) where the band is per column or a
+      // BlockMask's), within the span of its rows' document runs (sorted kv ids).  A group of a
+      // window sees RG + left columns, where the whole block would run bq + left.
+      const int64_t ng = (n + RG - 1) / RG;
+      int64_t jlo = nkb, jhi = 0;  // the kv blocks some group may see
+      for (int64_t g = 0; g < ng; ++g) {
+        const int64_t ga = g * RG, gb = std::min(n, ga + RG);
+        int64_t qlo = mk.qp_of(b, r0 + ga), qhi = mk.qp_of(b, r0 + gb - 1);
+        if (mk.qpos != nullptr)  // band positions need not grow with the row (varlen's restart)
+          for (int64_t i = r0 + ga; i < r0 + gb; ++i) {
+            qlo = std::min(qlo, mk.qp_of(b, i));
+            qhi = std::max(qhi, mk.qp_of(b, i));
+          }
         int64_t s1a, b0a, b1a, s1z, b0z, b1z;
         mk.ranges_at(b, qlo, s1a, b0a, b1a);
         mk.ranges_at(b, qhi, s1z, b0z, b1z);
-        int64_t lo = s1z > cb0 ? cb0 : std::max(cb0, b0a), hi = std::min(cb1, std::max(s1z, b1z));
-        if (hi <= lo) lo = cb0, hi = cb1;
-        const int64_t o = (lo - cb0) / 16 * 16;  // column offset in the packed panels
-        const int64_t c0 = cb0 + o, c1 = hi, m = c1 - c0, mp = (m + 15) / 16 * 16;
+        int64_t il = 0, ih = dm.Nk;
+        if (rms[ga].kvid != nullptr && rms[ga].idlo >= 0) {
+          il = rms[ga].idlo, ih = rms[ga].idhi;
+          for (int64_t r = ga + 1; r < gb; ++r) {
+            if (rms[r].idlo < 0) {
+              il = 0, ih = dm.Nk;
+              break;
+            }
+            il = std::min(il, rms[r].idlo);
+            ih = std::max(ih, rms[r].idhi);
+          }
+        }
+        genv[g] = {s1z, b0a, std::max(s1z, b1z), il, ih};
+        const int64_t lo = std::max(s1z > 0 ? 0 : b0a, il), hi = std::min(std::max(s1z, b1z), ih);
+        if (hi > lo) {
+          jlo = std::min(jlo, lo / bk);
+          jhi = std::max(jhi, std::min(nkb, (hi + bk - 1) / bk));
+        }
+      }
+      // One row's softmax step on its S row Sr (columns c0 + [0, m), padded to mp): the running
+      // max, alpha (the old sums' rescale) and P (float32 in Sr, bf16 pairs in Ph on the pairs
+      // path), zero where hidden; full: every column visible
+      auto soft_row = [&](int64_t r, float* Sr, uint16_t* Ph, int64_t c0, int64_t m, int64_t mp, bool full) {
+        const RowMask& rm = rms[r];
+        float mx;
+        int64_t e0 = 0, e1 = mp;  // 16-column chunks outside [e0, e1) are hidden: P there is 0
+        bool raw = false;         // Sr unscaled: the bf16 path's exp folds the scale in
+        if (m == mp && !sm.active() && full) {  // the common tile: scale and max in one pass
+          raw = pairs && scale > 0.0f && scale < INFINITY;  // the max commutes with the scale
+          mx = raw ? attnlab_fwd::row_max(Sr, mp) * scale : attnlab_fwd::row_scale_max(Sr, mp, scale);
+        } else if (!full && !sm.active() && scale > 0.0f) {
+          // a masked row: its visible span (RowMask::span) only, hidden entries -inf before the
+          // scale (-inf · scale is -inf) so that scale and max run in one pass
+          int64_t vlo, vhi;
+          rm.span(c0, m, vlo, vhi);
+          e0 = vlo / 16 * 16;
+          e1 = vlo < vhi ? (vhi + 15) / 16 * 16 : e0;
+          const int64_t em = std::min(m, e1);
+          for (int64_t c = std::max(m, e0); c < e1; ++c) Sr[c] = NEG_INF;
+          if (em > e0) rm.hide(Sr + e0, c0 + e0, em - e0);
+          mx = e1 > e0 ? attnlab_fwd::row_scale_max(Sr + e0, e1 - e0, scale) : NEG_INF;
+        } else {
+          if (!full && !sm.active()) {  // a band's row: its visible span (RowMask::span)
+            int64_t vlo, vhi;
+            rm.span(c0, m, vlo, vhi);
+            e0 = vlo / 16 * 16;
+            e1 = vlo < vhi ? (vhi + 15) / 16 * 16 : e0;
+          }
+          attnlab_rows::row_scale(Sr + e0, std::min(m, e1) - e0, scale);
+          for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
+          if (!full) rm.hide(Sr, c0, m);
+          if (sm.active()) sm.apply_row(Sr, b, h, r0 + r, c0, m, rm);
+          mx = e1 > e0 ? attnlab_rows::row_max(Sr + e0, e1 - e0) : NEG_INF;
+        }
+        const float m_new = std::isnan(mx) ? mx : std::max(mrow[r], mx);
+        if (m_new == NEG_INF) {
+          if (pairs)
+            std::fill(Ph, Ph + mp, uint16_t{0});
+          else
+            std::fill(Sr, Sr + mp, 0.0f);
+          alph[r] = 1.0f;
+          return;
+        }
+        // exp(0) is exactly 1: a row max that did not move costs no exp
+        alph[r] = m_new == mrow[r] ? 1.0f : pairs ? attnlab_fwd::exp_s(mrow[r] - m_new) : exp_f(mrow[r] - m_new);
+        // P rounded to bf16 (as flash-attn does) straight into P·V's operand; float32 row sum
+        // (exp of -inf is exactly 0: the chunks outside [e0, e1) add nothing to the sum's lanes)
+        if (pairs) {
+          std::fill(Ph, Ph + e0, uint16_t{0});
+          std::fill(Ph + e1, Ph + mp, uint16_t{0});
+        } else {
+          std::fill(Sr, Sr + e0, 0.0f);
+          std::fill(Sr + e1, Sr + mp, 0.0f);
+        }
+        using attnlab_fwd::LOG2E;
+        const float sum = !pairs ? attnlab_rows::row_exp(Sr + e0, Sr + e0, e1 - e0, m_new)
+                          : raw  ? attnlab_fwd::row_exp2_bf16<true>(Sr, Ph, mp, scale * LOG2E, m_new * LOG2E)
+                                 : attnlab_fwd::row_exp2_bf16<false>(Sr + e0, Ph + e0, e1 - e0, LOG2E, m_new);
+        lrow[r] = lrow[r] * alph[r] + sum;
+        mrow[r] = m_new;
+      };
+      // S and P·V of rows [ra, rb) (every row intervals(); no score mod, scale > 0) on columns
+      // [c0, c1) (c0 a multiple of 16, c1 - c0 <= CW) as one tile: S from each kv block's panel
+      // it meets, one softmax step per row, one P·V (V is contiguous across kv blocks)
+      auto wide_rows = [&](int64_t ra, int64_t rb, int64_t c0, int64_t c1) {
+        const int64_t m = c1 - c0, mp = (m + 15) / 16 * 16, nr = rb - ra;
+        for (int64_t p0 = c0; p0 < c0 + mp;) {  // the part [p0, pe) in kv block jk
+          const int64_t jk = p0 / bk, pe = std::min(c0 + mp, (jk + 1) * bk), o = p0 - jk * bk;
+          if (pairs)
+            attnlab_fwd::matmul(qhp + (qrow + ra) * Dw, Dw, khp + (kvh * nkb + jk) * Dw * bk + o, bk,
+                                Sw.data() + (p0 - c0), CW, nr, pe - p0, Dw);
+          else
+            attnlab_fwd::matmul(Qf + ra * D, D, KTf + jk * D * bk + o, bk, Sw.data() + (p0 - c0), CW, nr, pe - p0,
+                                D);
+          p0 = pe;
+        }
+        for (int64_t r = ra; r < rb; ++r)
+          soft_row(r, Sw.data() + (r - ra) * CW, reinterpret_cast<uint16_t*>(Pww.data() + (r - ra) * (CW / 2)), c0,
+                   m, mp, rms[r].covers(c0, c1));
         if (pairs)
-          attnlab_fwd::matmul(qhp + qrow * Dw, Dw, khp + (kvh * nkb + jk) * Dw * bk + o, bk, St.data(), bk, n, mp,
-                              Dw);
+          attnlab_fwd::matmul_acc(Pww.data(), CW / 2, vhp + (kvh * nkb * (bk / 2) + c0 / 2) * Dvp, Dvp,
+                                  accp.data() + ra * Dvp, Dvp, nr, Dvp, mp / 2, alph.data() + ra);
         else
-          attnlab_fwd::matmul(Qf, D, KTf + jk * D * bk + o, bk, St.data(), bk, n, mp, D);
-        for (int64_t r = 0; r < n; ++r) {
+          attnlab_fwd::matmul_acc(Sw.data(), CW, Vf + c0 * Dvp, Dvp, accp.data() + ra * Dvp, Dvp, nr, Dvp, m,
+                                  alph.data() + ra);
+      };
+      // S and P·V of rows [ra, rb) on columns [c0, c1) of kv block jk (c0 - cb0 a multiple of 16)
+      auto tile_rows = [&](int64_t ra, int64_t rb, int64_t jk, int64_t cb0, int64_t cb1, int64_t c0, int64_t c1) {
+        const int64_t o = c0 - cb0;  // column offset in the packed panels
+        const int64_t m = c1 - c0, mp = (m + 15) / 16 * 16, nr = rb - ra;
+        if (pairs)
+          attnlab_fwd::matmul(qhp + (qrow + ra) * Dw, Dw, khp + (kvh * nkb + jk) * Dw * bk + o, bk,
+                              St.data() + ra * bk, bk, nr, mp, Dw);
+        else
+          attnlab_fwd::matmul(Qf + ra * D, D, KTf + jk * D * bk + o, bk, St.data() + ra * bk, bk, nr, mp, D);
+        for (int64_t r = ra; r < rb; ++r) {
           float* Sr = St.data() + r * bk;
           const RowMask& rm = rms[r];
           uint16_t* Ph = reinterpret_cast<uint16_t*>(Pw.data() + r * (bk / 2));  // this row's bf16 P (pairs path)
@@ -136,60 +282,58 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             alph[r] = 1.0f;
             continue;
           }
-          float mx;
           // the ids / keep / BlockMask tables hold whole kv blocks: full there is full on [c0, c1)
-          const bool full = rm.band_full(c0, c1) && rm.extra_full(cb0, cb1);
-          int64_t e0 = 0, e1 = mp;  // 16-column chunks outside [e0, e1) are hidden: P there is 0
-          bool raw = false;  // Sr unscaled: the bf16 path's exp folds the scale in
-          if (m == mp && !sm.active() && full) {  // the common tile: scale and max in one pass
-            raw = pairs && scale > 0.0f && scale < INFINITY;  // the max commutes with the scale
-            mx = raw ? attnlab_fwd::row_max(Sr, mp) * scale : attnlab_fwd::row_scale_max(Sr, mp, scale);
-          } else {
-            if (!full && !sm.active()) {  // a band's row: its visible span (RowMask::span)
-              int64_t vlo, vhi;
-              rm.span(c0, m, vlo, vhi);
-              e0 = vlo / 16 * 16;
-              e1 = vlo < vhi ? (vhi + 15) / 16 * 16 : e0;
-            }
-            attnlab_rows::row_scale(Sr + e0, std::min(m, e1) - e0, scale);
-            for (int64_t c = m; c < mp; ++c) Sr[c] = NEG_INF;
-            if (!full) rm.hide(Sr, c0, m);
-            if (sm.active()) sm.apply_row(Sr, b, h, r0 + r, c0, m, rm);
-            mx = e1 > e0 ? attnlab_rows::row_max(Sr + e0, e1 - e0) : NEG_INF;
-          }
-          const float m_new = std::isnan(mx) ? mx : std::max(mrow[r], mx);
-          if (m_new == NEG_INF) {
-            if (pairs)
-              std::fill(Ph, Ph + mp, uint16_t{0});
-            else
-              std::fill(Sr, Sr + mp, 0.0f);
-            alph[r] = 1.0f;
-            continue;
-          }
-          alph[r] = pairs ? attnlab_fwd::exp_s(mrow[r] - m_new) : exp_f(mrow[r] - m_new);
-          // P rounded to bf16 (as flash-attn does) straight into P·V's operand; float32 row sum
-          // (exp of -inf is exactly 0: the chunks outside [e0, e1) add nothing to the sum's lanes)
-          if (pairs) {
-            std::fill(Ph, Ph + e0, uint16_t{0});
-            std::fill(Ph + e1, Ph + mp, uint16_t{0});
-          } else {
-            std::fill(Sr, Sr + e0, 0.0f);
-            std::fill(Sr + e1, Sr + mp, 0.0f);
-          }
-          using attnlab_fwd::LOG2E;
-          const float sum =
-              !pairs ? attnlab_rows::row_exp(Sr + e0, Sr + e0, e1 - e0, m_new)
-              : raw  ? attnlab_fwd::row_exp2_bf16<true>(Sr, Ph, mp, scale * LOG2E, m_new * LOG2E)
-                     : attnlab_fwd::row_exp2_bf16<false>(Sr + e0, Ph + e0, e1 - e0, LOG2E, m_new);
-          lrow[r] = lrow[r] * alph[r] + sum;
-          mrow[r] = m_new;
+          soft_row(r, Sr, Ph, c0, m, mp, rm.band_full(c0, c1) && rm.extra_full(cb0, cb1));
         }
         // acc = acc · alpha + P·V (float32 accumulation), one pass
         if (pairs)
-          attnlab_fwd::matmul_acc(Pw.data(), bk / 2, vhp + ((kvh * nkb + jk) * (bk / 2) + o / 2) * Dvp, Dvp,
-                                  accp.data(), Dvp, n, Dvp, mp / 2, alph.data());
+          attnlab_fwd::matmul_acc(Pw.data() + ra * (bk / 2), bk / 2, vhp + ((kvh * nkb + jk) * (bk / 2) + o / 2) * Dvp,
+                                  Dvp, accp.data() + ra * Dvp, Dvp, nr, Dvp, mp / 2, alph.data() + ra);
         else
-          attnlab_fwd::matmul_acc(St.data(), bk, Vf + c0 * Dvp, Dvp, accp.data(), Dvp, n, Dvp, m, alph.data());
+          attnlab_fwd::matmul_acc(St.data() + ra * bk, bk, Vf + c0 * Dvp, Dvp, accp.data() + ra * Dvp, Dvp, nr, Dvp,
+                                  m, alph.data() + ra);
+      };
+      // A q block whose row groups each see at most CW columns, every row two intervals (a band,
+      // its sinks, a sorted document): each group runs its columns as one tile that spans kv
+      // blocks (S per kv block's panel, one softmax and one P·V per row), not one per kv block
+      bool wide = wide_ok;
+      for (int64_t r = 0; wide && r < n; ++r) wide = rms[r].intervals();
+      if (wide) {
+        for (int64_t g = 0; g < ng; ++g) {
+          const Env& e = genv[g];
+          // the sinks' columns [0, s1) and the band's [b0, end), each within the document runs
+          // [il, ih) and from a 16-column boundary, one range where they meet (the tiles must not
+          // overlap: a column in two would count twice), in tiles of at most CW columns
+          int64_t pc[2][2] = {{std::max<int64_t>(0, e.il) / 16 * 16, std::min(e.s1, e.ih)},
+                              {std::max(e.b0, e.il) / 16 * 16, std::min(e.end, e.ih)}};
+          if (pc[0][1] > pc[0][0] && pc[1][1] > pc[1][0] && pc[1][0] < pc[0][1]) {
+            pc[1][0] = std::min(pc[0][0], pc[1][0]);
+            pc[1][1] = std::max(pc[0][1], pc[1][1]);
+            pc[0][1] = pc[0][0];
+          }
+          for (const auto& pr : pc)
+            for (int64_t c = pr[0]; c < pr[1]; c += CW)
+              wide_rows(g * RG, std::min(n, (g + 1) * RG), c, std::min(pr[1], c + CW));
+        }
+        jhi = jlo;  // no kv block loop
+      }
+      for (int64_t jk = jlo; jk < jhi; ++jk) {
+        const int64_t cb0 = jk * bk, cb1 = std::min(dm.Nk, cb0 + bk);  // the kv block
+        if (!block_visits(mk, b, h, r0, r1, cb0, cb1)) continue;
+        // each group's columns of the block, from a 16-column boundary (none: gc0 = -1); a
+        // window's or a causal diagonal's hidden columns cost nothing
+        for (int64_t g = 0; g < ng; ++g) {
+          const Env& e = genv[g];
+          const int64_t lo = std::max({cb0, e.s1 > cb0 ? cb0 : e.b0, e.il}), hi = std::min({cb1, e.end, e.ih});
+          gc0[g] = hi > lo ? cb0 + (lo - cb0) / 16 * 16 : -1;
+          gc1[g] = hi;
+        }
+        for (int64_t g = 0; g < ng;) {  // groups that share their columns run as one
+          int64_t g2 = g + 1;
+          while (g2 < ng && gc0[g2] == gc0[g] && gc1[g2] == gc1[g]) ++g2;
+          if (gc0[g] >= 0) tile_rows(g * RG, std::min(n, g2 * RG), jk, cb0, cb1, gc0[g], gc1[g]);
+          g = g2;
+        }
       }
       bool finite = true;
       for (int64_t r = 0; r < n; ++r) {

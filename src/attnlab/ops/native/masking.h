@@ -160,6 +160,14 @@ struct RowMask {  // one row's visible columns
       std::swap(a1, x1);
     }
   }
+  // every column of [c0, c1) visible (intervals() true): within one interval, or within their
+  // union where they meet
+  bool covers(int64_t c0, int64_t c1) const {
+    int64_t a0, a1, x0, x1;
+    intervals(a0, a1, x0, x1);
+    if (x0 <= a1) a1 = std::max(a1, x1);
+    return (c0 >= a0 && c1 <= a1) || (c0 >= x0 && c1 <= x1);
+  }
   // [lo, hi) within [0, m): the columns c0 + c the row may see lie there (all of [0, m) unless
   // intervals(); lo == hi: none)
   void span(int64_t c0, int64_t m, int64_t& lo, int64_t& hi) const {
@@ -283,8 +291,10 @@ struct Mask {
     ranges_at(b, qp_of(b, i), s1, b0, b1);
   }
   bool extra() const { return q_ids != nullptr || keep != nullptr || kpos != nullptr; }
-  // row i of batch b and query head h, every clause
-  RowMask row(int64_t b, int64_t h, int64_t i) const {
+  // row i of batch b and query head h, every clause.  Where the kv ids are sorted the row's
+  // document run [idlo, idhi) comes from two binary searches, or from prev (the row before, of
+  // the same batch) when it has the same id; run false leaves it unset (-1: the per-column rule)
+  RowMask row(int64_t b, int64_t h, int64_t i, const RowMask* prev = nullptr, bool run = true) const {
     RowMask rm;
     rm.qp = qp_of(b, i);
     ranges_at(b, rm.qp, rm.s1, rm.b0, rm.b1);
@@ -305,9 +315,14 @@ struct Mask {
       const int64_t t = (kv_ids_bs == 0 ? 0 : b) * nkb;
       rm.kmin = kmin.data() + t;
       rm.kmax = kmax.data() + t;
-      if (!ksorted.empty() && ksorted[kv_ids_bs == 0 ? 0 : b]) {  // the row's document: a run of columns
-        rm.idlo = std::lower_bound(rm.kvid, rm.kvid + Nk, rm.qid) - rm.kvid;
-        rm.idhi = std::upper_bound(rm.kvid + rm.idlo, rm.kvid + Nk, rm.qid) - rm.kvid;
+      if (run && !ksorted.empty() && ksorted[kv_ids_bs == 0 ? 0 : b]) {  // the row's document: a run of columns
+        if (prev != nullptr && prev->kvid == rm.kvid && prev->qid == rm.qid && prev->idlo >= 0) {
+          rm.idlo = prev->idlo;
+          rm.idhi = prev->idhi;
+        } else {
+          rm.idlo = std::lower_bound(rm.kvid, rm.kvid + Nk, rm.qid) - rm.kvid;
+          rm.idhi = std::upper_bound(rm.kvid + rm.idlo, rm.kvid + Nk, rm.qid) - rm.kvid;
+        }
       }
     }
     if (keep != nullptr) {
@@ -377,7 +392,7 @@ inline bool block_visits(const Mask& mk, int64_t b, int64_t h, int64_t r0, int64
         if (st[iq * mk.tnkb + j] != 0) return true;
     return false;
   }
-  const RowMask rm = mk.row(b, h, r0);  // the kv block's tables
+  const RowMask rm = mk.row(b, h, r0, nullptr, false);  // the kv block's tables (no document run: unused)
   int64_t qlo = mk.q_offset + r0, qhi = mk.q_offset + r1 - 1;
   if (mk.qpos != nullptr) {  // band positions need not grow with the row (varlen's restart)
     qlo = qhi = mk.qp_of(b, r0);
