@@ -53,7 +53,11 @@ def test_demo_runs_and_its_report_opens(tmp_path, capsys, induction_models, reca
     # the demo itself, on the models this test run trained once (root conftest: the induction pair and
     # the recall run, in the lab cache); claims: their section is tested below on a few claims
     assert main(["demo", "--no-claims", "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
+    cap = capsys.readouterr()
+    printed = cap.out
+    # each step's time after it (stderr): steps 1-4 (no claims) and writing the report
+    steps = re.findall(r"^(\[\d/5\] .*|writing the report)\n\s+\((\d+) s\)$", cap.err, re.M)
+    assert [s[0][:5] for s in steps] == ["[1/5]", "[2/5]", "[3/5]", "[4/5]", "writi"], cap.err
     for part in (
         "== induction heads ==",
         "== attention sinks (MiniLM) ==",

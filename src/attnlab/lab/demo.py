@@ -17,8 +17,19 @@ import torch
 
 from attnlab.lab import pages
 
+_STEP: dict[str, float] = {}
+
+
+def _step_done() -> None:
+    """Print the time the current step took (on stderr), if one is running, and end it."""
+    if "t" in _STEP:
+        print(f"      ({time.perf_counter() - _STEP.pop('t'):.0f} s)", file=sys.stderr, flush=True)
+
 
 def _say(msg: str) -> None:
+    """Start a step: its line on stderr, after the time the previous step took."""
+    _step_done()
+    _STEP["t"] = time.perf_counter()
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -57,6 +68,7 @@ def demo(out: str = "out/report.html", *, quick: bool = False, force: bool = Fal
     from attnlab.report import Report
 
     t0 = time.perf_counter()
+    _STEP.clear()
     torch.manual_seed(0)
     _say("[1/5] induction heads: training a 2-layer and a 1-layer attention-only model (cached after the first run)")
     ind = induction.run(quick=quick, force=force)
@@ -83,6 +95,7 @@ def demo(out: str = "out/report.html", *, quick: bool = False, force: bool = Fal
 
         text_model(progress=True)  # here, on every core: the claims run on one torch thread
         results = run_claims(workers=min(2, os.cpu_count() or 1))  # one torch thread per worker
+    _say("writing the report")
     r = Report(
         "attnlab demo",
         subtitle="Induction heads forming, attention sinks in a real model, KV-cache "
@@ -100,6 +113,7 @@ def demo(out: str = "out/report.html", *, quick: bool = False, force: bool = Fal
     if results:
         pages.claims_section(r, results)
     path = r.write(out)
+    _step_done()
     print(_summary(ind, snk, gens, rec, results, time.perf_counter() - t0))
     print(f"\nreport: {path.resolve()}  (one offline HTML file; open it in a browser)")
     return path
