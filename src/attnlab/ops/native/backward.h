@@ -6,7 +6,6 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -17,6 +16,7 @@
 #include "gemm_f32.h"
 #include "masking.h"
 #include "rowmath.h"
+#include "sched.h"
 #include "scoremods.h"
 #include "tiles.h"
 #include "vecmath.h"
@@ -446,21 +446,20 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                      do32.data_ptr<float>()};
   const int64_t threads = at::get_num_threads();
   if (bwd_fused(dm.B * dm.Hkv, threads)) {
-    const int64_t items = dm.B * dm.Hkv;
-    std::atomic<int64_t> next{0};  // work items handed out one at a time
+    attnlab_sched::Queue queue(dm.B * dm.Hkv);  // work items handed out one at a time
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       BwdWork<T> w(a);
-      for (int64_t it; (it = next.fetch_add(1)) < items;) w.fused(it);
+      attnlab_sched::drain(queue, [&](int64_t it) { w.fused(it); });
     });
     return;
   }
   // ---- split, pass 1: dK, dV per (b, kv head, kv block), over the G query heads and the q blocks
-  const int64_t items1 = dm.B * dm.Hkv * a.nkb, items2 = dm.B * dm.H * a.nqb;
-  std::atomic<int64_t> next1{0}, next2{0};
+  attnlab_sched::Queue queue1(dm.B * dm.Hkv * a.nkb), queue2(dm.B * dm.H * a.nqb);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     BwdWork<T> w(a);
-    for (int64_t it; (it = next1.fetch_add(1)) < items1;)
+    attnlab_sched::drain(queue1, [&](int64_t it) {
       if (!w.dkv_fast(it)) w.dkv_careful(it);
+    });
   });
   // ---- split, pass 2: dQ per (b, h, q block), over the kv blocks its rows see.  float32 copies
   // of Kᵀ, Vᵀ (packed per kv block) and K (D padded to 16), made once: tiles read them in place.
@@ -474,8 +473,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   const float* k32p = k32.data_ptr<float>();
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     BwdWork<T> w(a);
-    for (int64_t it; (it = next2.fetch_add(1)) < items2;)
+    attnlab_sched::drain(queue2, [&](int64_t it) {
       if (!w.dq_fast(it, kt32p, vt32p, k32p)) w.dq_careful(it);
+    });
   });
 }
 
