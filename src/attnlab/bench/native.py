@@ -10,6 +10,13 @@ over the kernel's (> 1: faster than SDPA).  The header says which kernel variant
 how long the first load (build) took.  ``--only SUBSTRING`` times the cases whose name
 contains it (``--only fwd+bwd``), alone.
 
+``--slow F`` measures how the kernel's schedules cope with one slow thread, load-robustly:
+each case's native call alone, in interleaved rounds, as is and with thread 1 of every
+parallel region paced to ``1 / (1 + F)`` of its speed (``ATTNLAB_NATIVE_SLOW=F``, sched.h;
+``F = 1``: the thread's core shared with another process).  ``slow/quiet`` is the ratio of the
+medians; ``ideal`` is what a perfect schedule gets, ``T / (T - 1 + 1 / (1 + F))`` on ``T``
+threads (4/3 on two threads at ``F = 1``).
+
 ``--memory`` adds the peak extra memory of forward+backward, causal float32, one head,
 D = 64, N = 32768, for the native kernel and torch SDPA, each in a fresh child process
 (:mod:`attnlab.bench.memprobe`: tracked allocations as the OS sees them); the target is
@@ -20,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -99,6 +108,56 @@ def run_case(c: Case, reps: int) -> dict:
     return res
 
 
+def _step(c: Case):
+    """The case's native call (forward, or forward and backward) on fixed inputs."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(c.B, c.H, c.N, c.D, generator=g).to(c.dtype).requires_grad_(c.grad) for _ in range(3))
+    m = _mask(c)
+
+    def step():
+        if not c.grad:
+            with torch.no_grad():
+                return attnlab.attention(q, k, v, mask=m, backend="native")
+        out = attnlab.attention(q, k, v, mask=m, backend="native")
+        out.backward(torch.ones_like(out))
+        return out
+
+    return step
+
+
+def slow_case(c: Case, reps: int, slow: float) -> dict:
+    """Median seconds of the native call as is and with thread 1 paced (``ATTNLAB_NATIVE_SLOW``),
+    in interleaved rounds after a warm-up of each."""
+    step = _step(c)
+    old = os.environ.get("ATTNLAB_NATIVE_SLOW")
+    times: dict[str, list[float]] = {"quiet": [], "slow": []}
+    try:
+        for r in range(reps + 1):
+            for name in times:
+                if name == "slow":
+                    os.environ["ATTNLAB_NATIVE_SLOW"] = repr(slow)
+                else:
+                    os.environ.pop("ATTNLAB_NATIVE_SLOW", None)
+                t0 = time.perf_counter()
+                step()
+                if r > 0:  # round 0 warms up
+                    times[name].append(time.perf_counter() - t0)
+    finally:
+        if old is None:
+            os.environ.pop("ATTNLAB_NATIVE_SLOW", None)
+        else:
+            os.environ["ATTNLAB_NATIVE_SLOW"] = old
+    t = torch.get_num_threads()
+    quiet, paced = statistics.median(times["quiet"]), statistics.median(times["slow"])
+    return {
+        "case": c.name,
+        "quiet": quiet,
+        "slow": paced,
+        "ratio": paced / quiet,
+        "ideal": t / (t - 1 + 1 / (1 + slow)) if t > 1 else 1 + slow,
+    }
+
+
 MEMORY_LIMIT_MIB = 64.0
 
 
@@ -135,6 +194,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--only", default=None, help="time only the cases whose name contains this")
     ap.add_argument("--json", default=None)
     ap.add_argument("--memory", action="store_true", help="peak extra MiB of fwd+bwd at N=32768 (child processes)")
+    ap.add_argument("--slow", type=float, default=None, help="time with thread 1 paced to 1/(1+F) of its speed")
     a = ap.parse_args(argv)
     from attnlab.ops.native import build
 
@@ -143,6 +203,8 @@ def main(argv=None) -> dict:
     load_s = time.perf_counter() - t0
     header = f"{build.status()}; first load {load_s:.1f} s; torch threads {torch.get_num_threads()}"
     print(header)
+    if a.slow is not None:
+        return _main_slow(a, header)
     print(f"{'case':<26}{'sdpa s':>9}{'flash s':>9}{'native s':>10}{'flash x':>9}{'native x':>9}")
     rows = []
     for c in cases(a.quick):
@@ -159,6 +221,23 @@ def main(argv=None) -> dict:
     if a.memory:
         out["memory"] = memory_rows()
 
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+def _main_slow(a, header: str) -> dict:
+    print(f"thread 1 paced to 1/(1+{a.slow:g}) of its speed; native only, interleaved rounds")
+    print(f"{'case':<26}{'quiet s':>9}{'slow s':>9}{'slow/quiet':>11}{'ideal':>7}")
+    rows = []
+    for c in cases(a.quick):
+        if a.only is not None and a.only not in c.name:
+            continue
+        r = slow_case(c, a.reps, a.slow)
+        rows.append(r)
+        print(f"{c.name:<26}{r['quiet']:>9.4f}{r['slow']:>9.4f}{r['ratio']:>11.3f}{r['ideal']:>7.3f}", flush=True)
+    out = {"header": header, "slow": a.slow, "rows": rows}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -1,12 +1,15 @@
-// The native kernel's backward: Δ (delta_impl) and the two schedules (backward_impl), "fused"
-// (one pass per (b, kv head)) and "split" (a dK/dV pass over kv blocks, a dQ pass over q
-// blocks), their tile loops in BwdWork (fast paths on the micro-kernel, careful paths that
-// skip hidden entries).  Included by kernel.cpp only (see tiles.h: an anonymous namespace,
+// The native kernel's backward: Δ (delta_impl), the plan (bwd_plan: chunks, costs, schedule)
+// and the two schedules (backward_impl), "fused" (one pass over (b, kv head, chunk of kv
+// blocks)) and "split" (a dK/dV pass over kv blocks, a dQ pass over q blocks), their tile
+// loops in BwdWork (fast paths on the micro-kernel, careful paths that skip hidden entries).  Included by kernel.cpp only (see tiles.h: an anonymous namespace,
 // one unit).
 #pragma once
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
+#include <functional>
+#include <queue>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -17,6 +20,7 @@
 #include "gemm_f32.h"
 #include "masking.h"
 #include "rowmath.h"
+#include "sched.h"
 #include "scoremods.h"
 #include "tiles.h"
 #include "vecmath.h"
@@ -46,18 +50,161 @@ inline at::Tensor rows_f32(const at::Tensor& x, int64_t Dp) {
 
 // The backward's two schedules.  "split": two atomics-free passes, dK/dV over (b, kv head,
 // kv block) and dQ over (b, h, q block), each recomputing S and dP (7 tile products).
-// "fused": one pass over (b, kv head) work items, a thread owning the head's dK, dV and dQ,
-// so every tile's S and dP serve all three (5 tile products, FlashAttention-2's count), with
-// parallelism B·Hkv.  Fused where that many items keep the threads busy enough to beat
-// split's extra 2/5 of work (items / (threads · rounds) ≥ 5/7); ATTNLAB_NATIVE_BWD=fused /
-// split forces one.  Both give the same bits.
-inline bool bwd_fused(int64_t items, int64_t threads) {
+// "fused": one pass over (b, kv head, kv chunk) work items, a thread owning the chunk's dK and
+// dV and its share of dQ, so every tile's S and dP serve all three (5 tile products,
+// FlashAttention-2's count).
+//
+// Chunks: each (b, kv head)'s kv blocks are cut into C runs of consecutive blocks (C from the
+// problem alone: bwd_chunks), so a few heads still make enough items that a thread running at
+// half speed (its core shared with another process) does not hold the pass on a head's last
+// item.  Where C > 1 an item's dQ sums go to its own slab of a float32 buffer (its q rows of the
+// G query heads; chunk 0's to dq itself where that is float32 rows of Dp), and the thread that
+// finishes a head's last chunk adds each q block's slabs in chunk order; split's dQ item
+// sums its kv blocks chunk by chunk and adds the chunks' sums in the same order, so both give
+// the same bits, for any thread count.  C = 1 is the plain per-head pass (dQ in place).
+//
+// bwd_plan counts the tiles every item visits; fused where its makespan on the threads (items
+// largest first, each to the first idle thread) times 5 is at most split's two makespans times
+// 4 and 3; ATTNLAB_NATIVE_BWD=fused / split forces one.  Every pass hands its items out largest
+// first (sched.h).
+constexpr int64_t BWD_ITEMS = 16;           // fused items aimed at: C = ⌈16 / (B·Hkv)⌉ ...
+constexpr int64_t BWD_CHUNK_BLOCKS = 4;     // ... chunks of at least 4 kv blocks ...
+constexpr int64_t BWD_SLABS_MAX = 16 << 20; // ... and at most 16 MiB of dQ slabs
+
+struct BwdPlan {
+  int64_t C = 1;                              // kv chunks per (b, kv head)
+  std::vector<int64_t> jb;                    // chunk c: kv blocks [jb[c], jb[c + 1])
+  std::vector<int64_t> cost_f, cost1, cost2;  // tiles of the fused, dK/dV and dQ items
+  // per (b, kv head, kv block): the first and one past the last q block that visits it (any of
+  // the G heads; lo ≥ hi: none)
+  std::vector<int64_t> qlo, qhi;
+  // C > 1, fused: item (b, kv head, c)'s slab, q blocks [slab_q0, slab_q1) of the G heads
+  // (G × rows × Dp floats at slab_off; chunk 0 in dq itself where dq_in_place)
+  std::vector<int64_t> slab_q0, slab_q1, slab_off;
+  int64_t slab_floats = 0;
+  bool dq_in_place = false;
+  bool fused = true;
+  int64_t lo(int64_t c) const { return jb[c]; }
+  int64_t hi(int64_t c) const { return jb[c + 1]; }
+};
+
+// the time of a pass whose items cost cost[i], handed out largest first, each to the first
+// idle of `threads` threads (list scheduling, as sched.h's Queue does)
+inline int64_t makespan(std::vector<int64_t> cost, int64_t threads) {
+  std::sort(cost.begin(), cost.end(), std::greater<int64_t>());
+  std::priority_queue<int64_t, std::vector<int64_t>, std::greater<int64_t>> idle;
+  for (int64_t t = 0; t < std::max<int64_t>(threads, 1); ++t) idle.push(0);
+  int64_t end = 0;
+  for (const int64_t c : cost) {
+    const int64_t t = idle.top() + c;
+    idle.pop();
+    idle.push(t);
+    end = std::max(end, t);
+  }
+  return end;
+}
+
+// chunk boundaries of C runs over nkb kv blocks, as equal as they come
+inline std::vector<int64_t> chunk_bounds(int64_t nkb, int64_t C) {
+  std::vector<int64_t> jb(C + 1);
+  for (int64_t c = 0; c <= C; ++c) jb[c] = c * nkb / C;
+  return jb;
+}
+
+// G × (the chunk's q rows) × Dp floats per (b, kv head, chunk): the fused pass's dQ slabs (none
+// for chunk 0 where dq takes its sums in place)
+inline int64_t slab_floats(const Dims& dm, int64_t nkb, int64_t Dp, bool in_place, const std::vector<int64_t>& jb,
+                           const std::vector<int64_t>& qlo, const std::vector<int64_t>& qhi,
+                           std::vector<int64_t>* q0 = nullptr, std::vector<int64_t>* q1 = nullptr,
+                           std::vector<int64_t>* off = nullptr) {
+  const int64_t C = static_cast<int64_t>(jb.size()) - 1;
+  int64_t total = 0;
+  for (int64_t hi = 0; hi < dm.B * dm.Hkv; ++hi)
+    for (int64_t c = 0; c < C; ++c) {
+      int64_t lo = INT64_MAX, up = 0;
+      for (int64_t jk = jb[c]; jk < jb[c + 1]; ++jk)
+        if (qlo[hi * nkb + jk] < qhi[hi * nkb + jk]) {
+          lo = std::min(lo, qlo[hi * nkb + jk]);
+          up = std::max(up, qhi[hi * nkb + jk]);
+        }
+      if (lo >= up) lo = up = 0;
+      const int64_t rows = std::min(dm.Nq, up * dm.bq) - std::min(dm.Nq, lo * dm.bq);
+      if (q0 != nullptr) {
+        (*q0)[hi * C + c] = lo;
+        (*q1)[hi * C + c] = up;
+        (*off)[hi * C + c] = total;
+      }
+      if (!(in_place && c == 0)) total += dm.G * rows * Dp;
+    }
+  return total;
+}
+
+// The chunks and the schedule of one backward call.  C depends on the problem only (shape,
+// mask, mods), never on the thread count: it sets the order of dQ's sums.
+// ATTNLAB_NATIVE_BWD_CHUNKS=n (tests) sets C = min(n, kv blocks) whatever the memory.  Score
+// mods with learnable parameters keep C = 1: their gradient sums live per (b, h, q block)
+// (ScoreMods slots), which one item must own.
+inline BwdPlan bwd_plan(const Dims& dm, const Mask& mk, const ScoreMods& sm, int64_t nqb, int64_t nkb, int64_t Dp,
+                        bool dq_in_place, int64_t threads) {
+  BwdPlan pl;
+  pl.dq_in_place = dq_in_place;
+  const int64_t BH = dm.B * dm.Hkv;
+  pl.cost1.assign(BH * nkb, 0);
+  pl.cost2.assign(dm.B * dm.H * nqb, 0);
+  pl.qlo.assign(BH * nkb, INT64_MAX);
+  pl.qhi.assign(BH * nkb, 0);
+  // (on the calling thread: one parallel region more costs more than this under load)
+  for (int64_t b = 0; b < dm.B; ++b)
+    for (int64_t h = 0; h < dm.H; ++h)
+      for (int64_t iq = 0; iq < nqb; ++iq) {
+        const int64_t r0 = iq * dm.bq, r1 = std::min(dm.Nq, r0 + dm.bq), kvh = b * dm.Hkv + h / dm.G;
+        int64_t& c2 = pl.cost2[(b * dm.H + h) * nqb + iq];
+        for (int64_t jk = 0; jk < nkb; ++jk) {
+          if (!block_visits(mk, b, h, r0, r1, jk * dm.bk, std::min(dm.Nk, (jk + 1) * dm.bk))) continue;
+          ++c2;
+          const int64_t x = kvh * nkb + jk;
+          ++pl.cost1[x];
+          pl.qlo[x] = std::min(pl.qlo[x], iq);
+          pl.qhi[x] = std::max(pl.qhi[x], iq + 1);
+        }
+      }
+  const bool mod_grads = sm.dslope_items != nullptr || sm.dtable_items != nullptr;
+  const char* ce = std::getenv("ATTNLAB_NATIVE_BWD_CHUNKS");
+  if (mod_grads) {
+    pl.C = 1;
+  } else if (ce != nullptr && std::atoll(ce) > 0) {
+    pl.C = std::min<int64_t>(std::atoll(ce), std::max<int64_t>(nkb, 1));
+  } else {
+    pl.C = std::min((BWD_ITEMS + BH - 1) / BH, std::max<int64_t>(nkb / BWD_CHUNK_BLOCKS, 1));
+    while (pl.C > 1 &&
+           slab_floats(dm, nkb, Dp, dq_in_place, chunk_bounds(nkb, pl.C), pl.qlo, pl.qhi) * 4 > BWD_SLABS_MAX)
+      --pl.C;
+  }
+  pl.jb = chunk_bounds(nkb, pl.C);
+  pl.cost_f.assign(BH * pl.C, 0);
+  for (int64_t hi = 0; hi < BH; ++hi)
+    for (int64_t c = 0; c < pl.C; ++c)
+      for (int64_t jk = pl.lo(c); jk < pl.hi(c); ++jk) pl.cost_f[hi * pl.C + c] += pl.cost1[hi * nkb + jk];
   const char* e = std::getenv("ATTNLAB_NATIVE_BWD");
-  if (e != nullptr && std::strcmp(e, "fused") == 0) return true;
-  if (e != nullptr && std::strcmp(e, "split") == 0) return false;
-  threads = std::max<int64_t>(threads, 1);
-  const int64_t rounds = (items + threads - 1) / threads;
-  return 7 * items >= 5 * threads * rounds;
+  if (e != nullptr && std::strcmp(e, "fused") == 0)
+    pl.fused = true;
+  else if (e != nullptr && std::strcmp(e, "split") == 0)
+    pl.fused = false;
+  else
+    pl.fused = 5 * makespan(pl.cost_f, threads) <= 4 * makespan(pl.cost1, threads) + 3 * makespan(pl.cost2, threads);
+  if (pl.fused && pl.C > 1) {
+    pl.slab_q0.assign(BH * pl.C, 0);
+    pl.slab_q1.assign(BH * pl.C, 0);
+    pl.slab_off.assign(BH * pl.C, 0);
+    pl.slab_floats =
+        slab_floats(dm, nkb, Dp, dq_in_place, pl.jb, pl.qlo, pl.qhi, &pl.slab_q0, &pl.slab_q1, &pl.slab_off);
+  }
+  return pl;
+}
+
+// dst[0:n] += src[0:n]: the chunks' dQ sums, added alike in both schedules
+inline void add_rows(float* dst, const float* src, int64_t n) {
+  for (int64_t x = 0; x < n; ++x) dst[x] += src[x];
 }
 
 template <typename T>
@@ -88,7 +235,8 @@ struct BwdWork {
   std::vector<RowMask> rms;
   // fast paths
   std::vector<float> KTz, VTz, Kz, dKa, dVa, dQa, St, dPt, Lr, Dr;
-  std::vector<float> dQh;  // fused: the G heads' dQ where dq is not float32 (lazily sized)
+  std::vector<float> dQh;  // fused, one chunk: the G heads' dQ where dq is not float32 (lazily sized)
+  std::vector<float> dQc;  // split's dQ item: one chunk's sum (C > 1)
 
   explicit BwdWork(const BwdArgs<T>& args)
       : a(args), D(args.dm.D), Dv(args.dm.Dv), bq(args.dm.bq), bk(args.dm.bk) {
@@ -120,6 +268,7 @@ struct BwdWork {
     dPt.resize(bq * bk);
     Lr.resize(bq);
     Dr.resize(bq);
+    dQc.resize(bq * a.Dp);
   }
 
   // the kv block's Kᵀ and Vᵀ panels (D × bk, Dv × bk; columns past m zero), with_k: K's rows
@@ -204,8 +353,10 @@ struct BwdWork {
     return store_dkv(b, hk, c0, m);
   }
 
-  // the fast path of split's dQ item (b, h, q block) on the call's packed Kᵀ, Vᵀ and K
-  bool dq_fast(int64_t it, const float* kt32p, const float* vt32p, const float* k32p) {
+  // the fast path of split's dQ item (b, h, q block) on the call's packed Kᵀ, Vᵀ and K: the kv
+  // blocks it sees summed chunk by chunk (pl.C > 1: each chunk's sum from zero, then the chunks'
+  // sums added in order, as the fused pass's slabs are)
+  bool dq_fast(int64_t it, const float* kt32p, const float* vt32p, const float* k32p, const BwdPlan& pl) {
     const Dims& dm = a.dm;
     a.sm.zero_slot(it);  // this work item's slope / table gradient sums
     const int64_t iq = it % a.nqb, h = (it / a.nqb) % dm.H, b = it / (a.nqb * dm.H);
@@ -214,12 +365,20 @@ struct BwdWork {
     const float* Qp = a.q32 + ((b * dm.H + h) * dm.Nq + r0) * a.Dp;
     const float* dOp = a.do32 + ((b * dm.H + h) * dm.Nq + r0) * a.Dvp;
     std::fill(dQa.begin(), dQa.begin() + n * a.Dp, 0.0f);
-    for (int64_t jk = 0; jk < a.nkb; ++jk) {
-      const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0, mp = (m + 15) / 16 * 16;
-      if (!block_visits(a.mk, b, h, r0, r1, c0, c1)) continue;
-      tile_pds(Qp, dOp, kt32p + (kvh * a.nkb + jk) * D * bk, vt32p + (kvh * a.nkb + jk) * Dv * bk, b, h, r0, n, c0, m, mp, a.sm.dslope(it), a.sm.dtable(it));
-      attnlab_gemm::gemm<false, true>(dPt.data(), bk, k32p + (kvh * dm.Nk + c0) * a.Dp, a.Dp, dQa.data(), a.Dp, n,
-                                      a.Dp, m);  // dQ += dS·K
+    float* dQs = pl.C > 1 ? dQc.data() : dQa.data();  // the chunk's sum
+    for (int64_t ch = 0; ch < pl.C; ++ch) {
+      bool seen = false;
+      for (int64_t jk = pl.lo(ch); jk < pl.hi(ch); ++jk) {
+        const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0, mp = (m + 15) / 16 * 16;
+        if (!block_visits(a.mk, b, h, r0, r1, c0, c1)) continue;
+        if (!seen && pl.C > 1) std::fill(dQs, dQs + n * a.Dp, 0.0f);
+        seen = true;
+        tile_pds(Qp, dOp, kt32p + (kvh * a.nkb + jk) * D * bk, vt32p + (kvh * a.nkb + jk) * Dv * bk, b, h, r0, n, c0,
+                 m, mp, a.sm.dslope(it), a.sm.dtable(it));
+        attnlab_gemm::gemm<false, true>(dPt.data(), bk, k32p + (kvh * dm.Nk + c0) * a.Dp, a.Dp, dQs, a.Dp, n, a.Dp,
+                                        m);  // dQ += dS·K
+      }
+      if (seen && pl.C > 1) add_rows(dQa.data(), dQs, n * a.Dp);
     }
     float z = 0.0f;
     for (int64_t r = 0; r < n; ++r) {
@@ -229,28 +388,40 @@ struct BwdWork {
     return z == 0.0f;
   }
 
-  // the fused item (b, kv head): for each kv block, every q block of the G query heads that
-  // sees it: S, dP, then dV += Pᵀ·dO, dK += dSᵀ·Q, dQ += dS·K (five products per tile).  dQ
-  // accumulates in dq itself where that is float32 rows of Dp (else in dQh), over the kv blocks
-  // in order as split's dQ item sums them.  Where a result is not finite the head's items run
-  // on the careful paths.
-  void fused(int64_t hi) {
+  // the fused item (b, kv head, chunk ch): for each kv block of the chunk, every q block of the
+  // G query heads that sees it: S, dP, then dV += Pᵀ·dO, dK += dSᵀ·Q, dQ += dS·K (five products
+  // per tile).  dQ accumulates in dq itself where that is float32 rows of Dp (pl.C > 1: chunk
+  // 0's sums), else in dQh (pl.C = 1) or the item's slab, over the kv blocks in order as
+  // split's dQ item sums them; pl.C = 1 stores it here, pl.C > 1 leaves the chunks' sums to
+  // reduce_dq.  A kv block or q block whose result is not finite runs again on its careful path.
+  void fused(int64_t it, const BwdPlan& pl, float* slabs) {
     const Dims& dm = a.dm;
+    const int64_t ch = it % pl.C, hi = it / pl.C;
     const int64_t b = hi / dm.Hkv, hk = hi % dm.Hkv, G = dm.G, h0 = hk * G;
-    const bool in_place = std::is_same_v<T, float> && D == a.Dp;
+    const bool in_place = pl.dq_in_place;
     const int64_t ldq = a.Dp;
-    float* dQ;  // (G, Nq, Dp)
-    if (in_place) {
-      dQ = reinterpret_cast<float*>(a.dqp) + (b * dm.H + h0) * dm.Nq * D;
+    // the q rows [q0, q0 + rows) of the G heads, head g's row r at dQ + g · hs + (r - q0) · ldq
+    int64_t q0 = 0, rows = dm.Nq;
+    if (pl.C > 1) {
+      q0 = std::min(dm.Nq, pl.slab_q0[it] * bq);
+      rows = std::min(dm.Nq, pl.slab_q1[it] * bq) - q0;
+    }
+    float* dQ;
+    int64_t hs = rows * ldq;
+    if (in_place && (pl.C == 1 || ch == 0)) {
+      dQ = reinterpret_cast<float*>(a.dqp) + ((b * dm.H + h0) * dm.Nq + q0) * D;
+      hs = dm.Nq * D;
+    } else if (pl.C > 1) {
+      dQ = slabs + pl.slab_off[it];
     } else {
       dQh.resize(G * dm.Nq * a.Dp);
       dQ = dQh.data();
     }
-    std::fill(dQ, dQ + G * dm.Nq * ldq, 0.0f);
-    for (int64_t h = h0; h < h0 + G; ++h)
-      for (int64_t iq = 0; iq < a.nqb; ++iq) a.sm.zero_slot((b * dm.H + h) * a.nqb + iq);
-    bool finite = true;
-    for (int64_t jk = 0; jk < a.nkb; ++jk) {
+    for (int64_t g = 0; g < G; ++g) std::fill(dQ + g * hs, dQ + g * hs + rows * ldq, 0.0f);
+    if (pl.C == 1)
+      for (int64_t h = h0; h < h0 + G; ++h)
+        for (int64_t iq = 0; iq < a.nqb; ++iq) a.sm.zero_slot((b * dm.H + h) * a.nqb + iq);
+    for (int64_t jk = pl.lo(ch); jk < pl.hi(ch); ++jk) {
       const int64_t c0 = jk * bk, c1 = std::min(dm.Nk, c0 + bk), m = c1 - c0, mp = (m + 15) / 16 * 16;
       load_block(b, hk, c0, m, true);
       std::fill(dKa.begin(), dKa.begin() + m * a.Dp, 0.0f);
@@ -265,27 +436,58 @@ struct BwdWork {
           tile_pds(Qp, dOp, KTz.data(), VTz.data(), b, h, r0, n, c0, m, mp, a.sm.dslope(it2), a.sm.dtable(it2));
           attnlab_gemm::gemm<true, true>(St.data(), bk, dOp, a.Dvp, dVa.data(), a.Dvp, m, a.Dvp, n);
           attnlab_gemm::gemm<true, true>(dPt.data(), bk, Qp, a.Dp, dKa.data(), a.Dp, m, a.Dp, n);
-          attnlab_gemm::gemm<false, true>(dPt.data(), bk, Kz.data(), a.Dp, dQ + ((h - h0) * dm.Nq + r0) * ldq, ldq,
+          attnlab_gemm::gemm<false, true>(dPt.data(), bk, Kz.data(), a.Dp, dQ + (h - h0) * hs + (r0 - q0) * ldq, ldq,
                                           n, a.Dp, m);
         }
       }
-      finite = store_dkv(b, hk, c0, m) && finite;
+      if (!store_dkv(b, hk, c0, m)) dkv_careful((b * dm.Hkv + hk) * a.nkb + jk);
+    }
+    if (pl.C > 1) return;
+    for (int64_t h = h0; h < h0 + G; ++h)
+      for (int64_t iq = 0; iq < a.nqb; ++iq) {
+        const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq);
+        float z = 0.0f;
+        for (int64_t i = r0; i < r1; ++i) {
+          const float* src = dQ + (h - h0) * hs + i * ldq;
+          T* dst = a.dqp + ((b * dm.H + h) * dm.Nq + i) * D;
+          if (in_place) {
+            for (int64_t d = 0; d < D; ++d) z += src[d] - src[d];
+          } else {
+            z = store_row(dst, src, D, z);
+          }
+        }
+        if (z != 0.0f) dq_careful((b * dm.H + h) * a.nqb + iq);
+      }
+  }
+
+  // the fused pass's dQ (pl.C > 1) of q block `it` (b, h, q block), once every chunk of its kv
+  // head is done: the slabs of the chunks that it sees added in chunk order (as dq_fast adds
+  // its chunks' sums), then stored; not finite: the careful path
+  void reduce_dq(int64_t it, const BwdPlan& pl, const float* slabs) {
+    const Dims& dm = a.dm;
+    const int64_t iq = it % a.nqb, h = (it / a.nqb) % dm.H, b = it / (a.nqb * dm.H);
+    const int64_t hk = h / dm.G, h0 = hk * dm.G;
+    const int64_t r0 = iq * bq, r1 = std::min(dm.Nq, r0 + bq), n = r1 - r0;
+    std::fill(dQa.begin(), dQa.begin() + n * a.Dp, 0.0f);
+    for (int64_t ch = 0; ch < pl.C; ++ch) {
+      const int64_t si = (b * dm.Hkv + hk) * pl.C + ch;
+      if (iq < pl.slab_q0[si] || iq >= pl.slab_q1[si]) continue;  // no kv block of the chunk sees it
+      bool seen = false;
+      for (int64_t jk = pl.lo(ch); jk < pl.hi(ch) && !seen; ++jk)
+        seen = block_visits(a.mk, b, h, r0, r1, jk * bk, std::min(dm.Nk, (jk + 1) * bk));
+      if (!seen) continue;
+      const int64_t q0 = std::min(dm.Nq, pl.slab_q0[si] * bq), rows = std::min(dm.Nq, pl.slab_q1[si] * bq) - q0;
+      const float* src = pl.dq_in_place && ch == 0
+                             ? reinterpret_cast<const float*>(a.dqp) + ((b * dm.H + h) * dm.Nq + r0) * D
+                             : slabs + pl.slab_off[si] + ((h - h0) * rows + r0 - q0) * a.Dp;
+      add_rows(dQa.data(), src, n * a.Dp);
     }
     float z = 0.0f;
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t i = 0; i < dm.Nq; ++i) {
-        const float* src = dQ + (g * dm.Nq + i) * ldq;
-        T* dst = a.dqp + ((b * dm.H + h0 + g) * dm.Nq + i) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          const float x = src[d];
-          z += x - x;
-          if (!in_place) dst[d] = static_cast<T>(x);
-        }
-      }
-    if (finite && z == 0.0f) return;
-    for (int64_t jk = 0; jk < a.nkb; ++jk) dkv_careful((b * dm.Hkv + hk) * a.nkb + jk);
-    for (int64_t h = h0; h < h0 + G; ++h)
-      for (int64_t iq = 0; iq < a.nqb; ++iq) dq_careful((b * dm.H + h) * a.nqb + iq);
+    for (int64_t r = 0; r < n; ++r) {
+      T* dst = a.dqp + ((b * dm.H + h) * dm.Nq + r0 + r) * D;
+      z = store_row(dst, dQa.data() + r * a.Dp, D, z);
+    }
+    if (z != 0.0f) dq_careful(it);
   }
 
   // the careful paths: hidden entries skipped (an exact zero whatever K, V hold), per row
@@ -418,6 +620,10 @@ struct BwdWork {
   }
 };
 
+// the last backward call's schedule: its chunk count C, negative where it ran split (diagnostics:
+// the extension's last_bwd_plan)
+inline std::atomic<int64_t> last_bwd_plan{0};
+
 template <typename T>
 void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& lse, const at::Tensor& delta, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
@@ -445,22 +651,38 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                      q32.data_ptr<float>(),
                      do32.data_ptr<float>()};
   const int64_t threads = at::get_num_threads();
-  if (bwd_fused(dm.B * dm.Hkv, threads)) {
-    const int64_t items = dm.B * dm.Hkv;
-    std::atomic<int64_t> next{0};  // work items handed out one at a time
+  const BwdPlan pl = bwd_plan(dm, mk, sm, a.nqb, a.nkb, Dp, std::is_same_v<T, float> && dm.D == Dp, threads);
+  last_bwd_plan.store(pl.fused ? pl.C : -pl.C);
+  if (pl.fused) {
+    at::Tensor slabs;  // pl.C > 1: the items' dQ sums
+    if (pl.slab_floats > 0) slabs = at::empty({pl.slab_floats}, q.options().dtype(at::kFloat));
+    float* sp = pl.slab_floats > 0 ? slabs.data_ptr<float>() : nullptr;
+    attnlab_sched::Queue queue(dm.B * dm.Hkv * pl.C, [&](int64_t i) { return pl.cost_f[i]; });
+    // chunks of each (b, kv head) not yet done: the thread that finishes its last one adds
+    // up the head's dQ (reduce_dq; the same sums in the same order whichever thread it is)
+    std::vector<std::atomic<int64_t>> left(static_cast<size_t>(dm.B * dm.Hkv));
+    for (auto& x : left) x.store(pl.C, std::memory_order_relaxed);
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       BwdWork<T> w(a);
-      for (int64_t it; (it = next.fetch_add(1)) < items;) w.fused(it);
+      attnlab_sched::drain(queue, [&](int64_t it) {
+        w.fused(it, pl, sp);
+        const int64_t hi = it / pl.C;
+        if (pl.C == 1 || left[hi].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+        const int64_t b = hi / dm.Hkv, hk = hi % dm.Hkv;
+        for (int64_t h = hk * dm.G; h < (hk + 1) * dm.G; ++h)
+          for (int64_t iq = 0; iq < a.nqb; ++iq) w.reduce_dq((b * dm.H + h) * a.nqb + iq, pl, sp);
+      });
     });
     return;
   }
   // ---- split, pass 1: dK, dV per (b, kv head, kv block), over the G query heads and the q blocks
-  const int64_t items1 = dm.B * dm.Hkv * a.nkb, items2 = dm.B * dm.H * a.nqb;
-  std::atomic<int64_t> next1{0}, next2{0};
+  attnlab_sched::Queue queue1(dm.B * dm.Hkv * a.nkb, [&](int64_t i) { return pl.cost1[i]; });
+  attnlab_sched::Queue queue2(dm.B * dm.H * a.nqb, [&](int64_t i) { return pl.cost2[i]; });
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     BwdWork<T> w(a);
-    for (int64_t it; (it = next1.fetch_add(1)) < items1;)
+    attnlab_sched::drain(queue1, [&](int64_t it) {
       if (!w.dkv_fast(it)) w.dkv_careful(it);
+    });
   });
   // ---- split, pass 2: dQ per (b, h, q block), over the kv blocks its rows see.  float32 copies
   // of Kᵀ, Vᵀ (packed per kv block) and K (D padded to 16), made once: tiles read them in place.
@@ -474,8 +696,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   const float* k32p = k32.data_ptr<float>();
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     BwdWork<T> w(a);
-    for (int64_t it; (it = next2.fetch_add(1)) < items2;)
-      if (!w.dq_fast(it, kt32p, vt32p, k32p)) w.dq_careful(it);
+    attnlab_sched::drain(queue2, [&](int64_t it) {
+      if (!w.dq_fast(it, kt32p, vt32p, k32p, pl)) w.dq_careful(it);
+    });
   });
 }
 

@@ -398,8 +398,9 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         finish_row(orow, ar, Dv, l, mrow[r], lp + (b * dm.H + h) * dm.Nq + r0 + r);
       }
     };
-    for (int64_t it; queue.pop(it);)
+    attnlab_sched::drain(queue, [&](int64_t it) {
       if (!fast(it)) careful(it);
+    });
   });
 }
 

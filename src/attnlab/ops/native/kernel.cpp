@@ -13,10 +13,10 @@
 // For one row that is the union of two column intervals [0, s1) and [b0, b1).
 //
 // One at::parallel_for region per pass; each work item runs a tile loop with per-thread
-// float32 buffers: forward over (b, h, q-block), largest first (sched.h); backward
-// atomics-free in one of two schedules (backward.h): fused, one item per (b, kv-head)
-// owning its dK, dV and dQ, or split, dK/dV over (b, kv-head, kv-block) then dQ over
-// (b, h, q-block).  Hidden entries
+// float32 buffers, items handed out largest first (sched.h): forward over (b, h, q-block);
+// backward atomics-free in one of two schedules (backward.h): fused, one item per (b,
+// kv-head, chunk of kv-blocks) owning its dK, dV and its dQ sums (added up by q-block after),
+// or split, dK/dV over (b, kv-head, kv-block) then dQ over (b, h, q-block).  Hidden entries
 // (masked) are exact zeros in every product, so a NaN/inf in a key or value a row cannot
 // see has no effect.  The tile products run on a register-blocked GEMM micro-kernel
 // (gemm_f32.h: 8x32 AVX-512, 6x16 AVX2, 6x8 portable; the build picks -mavx512* / -mavx2
@@ -275,4 +275,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bwd", &native_bwd, "attnlab native attention backward -> [dq, dk, dv, dslopes, dtable]");
   m.def("features", &native_features, "the instruction sets this build was compiled for");
   m.def("parallel_threads", &native_parallel_threads, "distinct threads that ran one parallel_for region of n items");
+  m.def(
+      "last_bwd_plan", [] { return last_bwd_plan.load(); },
+      "the last backward call's kv chunks per (b, kv head); negative where it ran the split schedule");
 }

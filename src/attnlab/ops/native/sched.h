@@ -9,16 +9,20 @@
 //     attnlab_sched::Queue queue(n_items, cost);   // cost(i) -> int64_t, or no cost: i order
 //     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
 //       <per-thread buffers>
-//       for (int64_t it; queue.pop(it);) work(it);
+//       attnlab_sched::drain(queue, [&](int64_t it) { work(it); });
 //     });
 //
 // Which thread runs an item never changes its result (items are independent and write
 // disjoint outputs), so the order is free: results are the same bits for any thread count.
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <numeric>
 #include <vector>
 
@@ -61,5 +65,36 @@ class Queue {
   std::vector<int64_t> order_;  // empty: index order
   std::atomic<int64_t> next_{0};
 };
+
+// The bench knob ATTNLAB_NATIVE_SLOW=f (f > 0; unset or 0: off, the default): thread 1 of each
+// region spins f times each item's own run time after it, as a thread whose core another
+// process shares runs at 1 / (1 + f) of its speed (f = 1: half speed, one core busy).  It
+// measures how a schedule copes with a slow thread without loading the machine
+// (attnlab.bench.native --slow); it changes no result, only when items finish.
+inline double slow_factor() {
+  const char* e = std::getenv("ATTNLAB_NATIVE_SLOW");
+  const double f = e == nullptr ? 0.0 : std::atof(e);
+  return f > 0.0 ? f : 0.0;
+}
+
+// this thread's share of a queue's items: work(it) for each item it pops (paced, under the
+// bench knob above, on thread 1)
+template <typename Work>
+void drain(Queue& queue, Work&& work) {
+  const double slow = at::get_thread_num() == 1 ? slow_factor() : 0.0;
+  if (slow == 0.0) {
+    for (int64_t it; queue.pop(it);) work(it);
+    return;
+  }
+  using clock = std::chrono::steady_clock;
+  for (int64_t it; queue.pop(it);) {
+    const auto t0 = clock::now();
+    work(it);
+    const auto t1 = clock::now();
+    const auto until = t1 + std::chrono::duration_cast<clock::duration>((t1 - t0) * slow);
+    while (clock::now() < until) {
+    }
+  }
+}
 
 }  // namespace attnlab_sched
