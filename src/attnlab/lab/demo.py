@@ -26,22 +26,6 @@ def _step_done() -> None:
         print(f"      ({time.perf_counter() - _STEP.pop('t'):.0f} s)", file=sys.stderr, flush=True)
 
 
-def _prebuild_native():
-    """Start compiling the native CPU kernel in a child process, or None (disabled, already
-    loaded here).  On a fresh machine the build takes about a minute of both cores; started
-    now it runs beside the induction training, which leaves a core idle, instead of stalling
-    the first step that needs the kernel.  The build directory's lock (``build.load``) makes
-    that step wait for this build and load its result rather than build again."""
-    import subprocess
-
-    from attnlab.ops.native import build
-
-    if build.disabled() or build.loaded():
-        return None
-    code = "from attnlab.ops.native import build; build.load()"
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 def _say(msg: str) -> None:
     """Start a step: its line on stderr, after the time the previous step took."""
     _step_done()
@@ -85,7 +69,6 @@ def demo(out: str = "out/report.html", *, quick: bool = False, force: bool = Fal
 
     t0 = time.perf_counter()
     _STEP.clear()
-    prebuild = _prebuild_native()
     torch.manual_seed(0)
     _say("[1/5] induction heads: training a 2-layer and a 1-layer attention-only model (cached after the first run)")
     ind = induction.run(quick=quick, force=force)
@@ -131,8 +114,6 @@ def demo(out: str = "out/report.html", *, quick: bool = False, force: bool = Fal
         pages.claims_section(r, results)
     path = r.write(out)
     _step_done()
-    if prebuild is not None:
-        prebuild.wait()  # long done: the claims needed the kernel
     print(_summary(ind, snk, gens, rec, results, time.perf_counter() - t0))
     print(f"\nreport: {path.resolve()}  (one offline HTML file; open it in a browser)")
     return path
