@@ -14,14 +14,14 @@ STAMP      := $(VENV)/.installed-test-$(SUM)
 
 $(DEMO_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	test -f $(STAMP) || $(BIN)/python -m pip install -q -e '.[transformers]'
+	test -f $(STAMP) || $(BIN)/python -m pip install -q --no-compile -e '.[transformers]'
 	rm -f $(VENV)/.installed-demo-*
 	touch $(DEMO_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,transformers,triton,interp-parity]'
+	$(BIN)/python -m pip install -q --no-compile -e '.[test,transformers,triton,interp-parity]'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP) $(DEMO_STAMP)
 
