@@ -63,22 +63,28 @@ def test_schedules_give_the_same_bits(dtype, native_ext, monkeypatch):
             assert torch.count_nonzero(a) > 0
 
 
+def _assert_hidden_keys_change_nothing(Nq: int, Nk: int, cut: int):
+    """Batch 0's keys from ``cut`` on are padding (NaN keys, inf values): the gradients equal
+    those without them, and dK/dV there are exactly zero."""
+    q, k, v = make_qkv(2, 2, 1, Nq, Nk, 32)
+    m = masks.causal() & masks.padding([cut, Nk])
+    ref = _grads(q, k, v, mask=m)
+    k2, v2 = k.clone(), v.clone()
+    k2[0, :, cut:] = float("nan")
+    v2[0, :, cut:] = float("inf")
+    got = _grads(q, k2, v2, mask=m)
+    assert torch.equal(got[0], ref[0])
+    for a, b in zip(got[1:], ref[1:], strict=True):
+        assert torch.equal(a[:, :, :cut], b[:, :, :cut]) and torch.equal(a[1], b[1])
+        assert torch.count_nonzero(a[0, :, cut:]) == 0
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_hidden_nan_has_no_effect_in_each_schedule(schedule, native_ext, monkeypatch):
     """A NaN / inf key or value no row may see sends the fast tiles' result non-finite; the
     careful path recomputes it: the same gradients as without them, zeros where no row looks."""
     monkeypatch.setenv("ATTNLAB_NATIVE_BWD", schedule)
-    q, k, v = make_qkv(2, 2, 1, 70, 90, 32)
-    m = masks.causal() & masks.padding([80, 90])
-    ref = _grads(q, k, v, mask=m)
-    k2, v2 = k.clone(), v.clone()
-    k2[0, :, 80:] = float("nan")
-    v2[0, :, 80:] = float("inf")
-    got = _grads(q, k2, v2, mask=m)
-    assert torch.equal(got[0], ref[0])
-    for a, b in zip(got[1:], ref[1:], strict=True):
-        assert torch.equal(a[:, :, :80], b[:, :, :80]) and torch.equal(a[1], b[1])
-        assert torch.count_nonzero(a[0, :, 80:]) == 0
+    _assert_hidden_keys_change_nothing(70, 90, 80)
 
 
 # ---- chunks: a few (b, kv head) make several fused items; dQ summed chunk by chunk alike
@@ -138,17 +144,7 @@ def test_chunked_hidden_nan_has_no_effect(chunks, native_ext, monkeypatch):
     """A chunk whose kv block or dQ sum is not finite runs that block or q block carefully."""
     monkeypatch.setenv("ATTNLAB_NATIVE_BWD", "fused")
     monkeypatch.setenv("ATTNLAB_NATIVE_BWD_CHUNKS", str(chunks))
-    q, k, v = make_qkv(2, 2, 1, 150, 200, 32)
-    m = masks.causal() & masks.padding([170, 200])
-    ref = _grads(q, k, v, mask=m)
-    k2, v2 = k.clone(), v.clone()
-    k2[0, :, 170:] = float("nan")
-    v2[0, :, 170:] = float("inf")
-    got = _grads(q, k2, v2, mask=m)
-    assert torch.equal(got[0], ref[0])
-    for a, b in zip(got[1:], ref[1:], strict=True):
-        assert torch.equal(a[:, :, :170], b[:, :, :170]) and torch.equal(a[1], b[1])
-        assert torch.count_nonzero(a[0, :, 170:]) == 0
+    _assert_hidden_keys_change_nothing(150, 200, 170)
 
 
 @pytest.mark.parametrize("c", [mods.CASES[1], mods.CASES[2]], ids=mods._id)
