@@ -65,8 +65,11 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t Dvp0 = (dm.Dv + 15) / 16 * 16, Dw = (dm.D + 1) / 2;
   const bool pairs = std::is_same_v<T, c10::BFloat16> && bf16_pairs();
   at::Tensor q32, kt32, v32;
+  // a contiguous bf16 Q of even D is already in pairs form (word p of a row = its values 2p,
+  // 2p + 1): read in place, not copied
+  const bool q_words = pairs && q.is_contiguous() && dm.D % 2 == 0;
   if (pairs) {
-    q32 = pack_rows_pairs(qv, dm.B, dm.H, dm.Nq, dm.D, q.options());
+    if (!q_words) q32 = pack_rows_pairs(qv, dm.B, dm.H, dm.Nq, dm.D, q.options());
     kt32 = pack_kt_pairs(kv, dm.B, dm.Hkv, dm.Nk, dm.D, dm.bk, q.options());
     v32 = pack_v_pairs(vv, dm.B, dm.Hkv, dm.Nk, dm.Dv, Dvp0, dm.bk, q.options());
   } else {
@@ -78,7 +81,9 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const float* q32p = pairs ? nullptr : q32.data_ptr<float>();
   const float* kt32p = pairs ? nullptr : kt32.data_ptr<float>();
   const float* v32p = pairs ? nullptr : v32.data_ptr<float>();
-  const uint32_t* qhp = pairs ? reinterpret_cast<const uint32_t*>(q32.data_ptr<int32_t>()) : nullptr;
+  const uint32_t* qhp = !pairs  ? nullptr
+                        : q_words ? reinterpret_cast<const uint32_t*>(q.data_ptr())
+                                  : reinterpret_cast<const uint32_t*>(q32.data_ptr<int32_t>());
   const uint32_t* khp = pairs ? reinterpret_cast<const uint32_t*>(kt32.data_ptr<int32_t>()) : nullptr;
   const uint32_t* vhp = pairs ? reinterpret_cast<const uint32_t*>(v32.data_ptr<int32_t>()) : nullptr;
   // work items handed out one at a time, the most kv blocks first (sched.h): a thread whose
@@ -118,8 +123,11 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const int64_t ngmax = (bq + RG - 1) / RG;
     std::vector<Env> genv(ngmax);  // per row group: the columns its rows may see
     std::vector<int64_t> gc0(ngmax), gc1(ngmax);
-    std::vector<float> Sw(wide_ok ? RG * CW : 0);  // a wide tile's S (float32 P), RG × CW
-    std::vector<uint32_t> Pww(wide_ok && pairs ? RG * CW / 2 : 0);  // its bf16 P pairs
+    // a wide tile's S (float32 P), RG rows of its width + 16 floats (not CW: rows CW = 2048
+    // floats apart all map to the same L1 sets, and a group's 16 rows of a window's ~288
+    // columns thrashed its 8 ways), and its bf16 P pairs at half that stride
+    std::vector<float> Sw(wide_ok ? RG * (CW + 16) : 0);
+    std::vector<uint32_t> Pww(wide_ok && pairs ? RG * (CW + 16) / 2 : 0);
     // The fast path: S and P·V tiles through the register-blocked matmul.  A hidden entry is
     // P = 0 there, so a NaN/inf in a hidden value would leak (0·NaN): a q block whose result
     // is not finite runs again on the careful path below, where hidden entries are skipped.
@@ -187,7 +195,9 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           mx = raw ? attnlab_fwd::row_max(Sr, mp) * scale : attnlab_fwd::row_scale_max(Sr, mp, scale);
         } else if (!full && !sm.active() && scale > 0.0f) {
           // a masked row: its visible span (RowMask::span) only, hidden entries -inf before the
-          // scale (-inf · scale is -inf) so that scale and max run in one pass
+          // scale (-inf · scale is -inf) so that scale and max run in one pass; on the bf16
+          // path the span stays unscaled, as the common tile's (the scale folded into the exp)
+          raw = pairs && scale < INFINITY;
           int64_t vlo, vhi;
           rm.span(c0, m, vlo, vhi);
           e0 = vlo / 16 * 16;
@@ -195,7 +205,9 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           const int64_t em = std::min(m, e1);
           for (int64_t c = std::max(m, e0); c < e1; ++c) Sr[c] = NEG_INF;
           if (em > e0) rm.hide(Sr + e0, c0 + e0, em - e0);
-          mx = e1 > e0 ? attnlab_fwd::row_scale_max(Sr + e0, e1 - e0, scale) : NEG_INF;
+          mx = e1 <= e0 ? NEG_INF
+               : raw    ? attnlab_fwd::row_max(Sr + e0, e1 - e0) * scale
+                        : attnlab_fwd::row_scale_max(Sr + e0, e1 - e0, scale);
         } else {
           if (!full && !sm.active()) {  // a band's row: its visible span (RowMask::span)
             int64_t vlo, vhi;
@@ -218,8 +230,13 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           alph[r] = 1.0f;
           return;
         }
-        // exp(0) is exactly 1: a row max that did not move costs no exp
-        alph[r] = m_new == mrow[r] ? 1.0f : pairs ? attnlab_fwd::exp_s(mrow[r] - m_new) : exp_f(mrow[r] - m_new);
+        // exp(0) is exactly 1 and exp(-inf) exactly 0: a row max that did not move, and a row's
+        // first visible tile (a window row's only one), cost no exp (a scalar exp's latency
+        // was a sixth of the bf16 softmax step's time at window 256)
+        alph[r] = m_new == mrow[r]    ? 1.0f
+                  : mrow[r] == NEG_INF ? 0.0f
+                  : pairs              ? attnlab_fwd::exp_s(mrow[r] - m_new)
+                                       : exp_f(mrow[r] - m_new);
         // P rounded to bf16 (as flash-attn does) straight into P·V's operand; float32 row sum
         // (exp of -inf is exactly 0: the chunks outside [e0, e1) add nothing to the sum's lanes)
         if (pairs) {
@@ -231,7 +248,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         }
         using attnlab_fwd::LOG2E;
         const float sum = !pairs ? attnlab_rows::row_exp(Sr + e0, Sr + e0, e1 - e0, m_new)
-                          : raw  ? attnlab_fwd::row_exp2_bf16<true>(Sr, Ph, mp, scale * LOG2E, m_new * LOG2E)
+                          : raw  ? attnlab_fwd::row_exp2_bf16<true>(Sr + e0, Ph + e0, e1 - e0, scale * LOG2E,
+                                                                            m_new * LOG2E)
                                  : attnlab_fwd::row_exp2_bf16<false>(Sr + e0, Ph + e0, e1 - e0, LOG2E, m_new);
         lrow[r] = lrow[r] * alph[r] + sum;
         mrow[r] = m_new;
@@ -241,24 +259,25 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       // it meets, one softmax step per row, one P·V (V is contiguous across kv blocks)
       auto wide_rows = [&](int64_t ra, int64_t rb, int64_t c0, int64_t c1) {
         const int64_t m = c1 - c0, mp = (m + 15) / 16 * 16, nr = rb - ra;
+        const int64_t ld = mp + 16;  // the tile's row stride (floats; its P pairs: ld / 2 words)
         for (int64_t p0 = c0; p0 < c0 + mp;) {  // the part [p0, pe) in kv block jk
           const int64_t jk = p0 / bk, pe = std::min(c0 + mp, (jk + 1) * bk), o = p0 - jk * bk;
           if (pairs)
             attnlab_fwd::matmul(qhp + (qrow + ra) * Dw, Dw, khp + (kvh * nkb + jk) * Dw * bk + o, bk,
-                                Sw.data() + (p0 - c0), CW, nr, pe - p0, Dw);
+                                Sw.data() + (p0 - c0), ld, nr, pe - p0, Dw);
           else
-            attnlab_fwd::matmul(Qf + ra * D, D, KTf + jk * D * bk + o, bk, Sw.data() + (p0 - c0), CW, nr, pe - p0,
+            attnlab_fwd::matmul(Qf + ra * D, D, KTf + jk * D * bk + o, bk, Sw.data() + (p0 - c0), ld, nr, pe - p0,
                                 D);
           p0 = pe;
         }
         for (int64_t r = ra; r < rb; ++r)
-          soft_row(r, Sw.data() + (r - ra) * CW, reinterpret_cast<uint16_t*>(Pww.data() + (r - ra) * (CW / 2)), c0,
+          soft_row(r, Sw.data() + (r - ra) * ld, reinterpret_cast<uint16_t*>(Pww.data() + (r - ra) * (ld / 2)), c0,
                    m, mp, rms[r].covers(c0, c1));
         if (pairs)
-          attnlab_fwd::matmul_acc(Pww.data(), CW / 2, vhp + (kvh * nkb * (bk / 2) + c0 / 2) * Dvp, Dvp,
+          attnlab_fwd::matmul_acc(Pww.data(), ld / 2, vhp + (kvh * nkb * (bk / 2) + c0 / 2) * Dvp, Dvp,
                                   accp.data() + ra * Dvp, Dvp, nr, Dvp, mp / 2, alph.data() + ra);
         else
-          attnlab_fwd::matmul_acc(Sw.data(), CW, Vf + c0 * Dvp, Dvp, accp.data() + ra * Dvp, Dvp, nr, Dvp, m,
+          attnlab_fwd::matmul_acc(Sw.data(), ld, Vf + c0 * Dvp, Dvp, accp.data() + ra * Dvp, Dvp, nr, Dvp, m,
                                   alph.data() + ra);
       };
       // S and P·V of rows [ra, rb) on columns [c0, c1) of kv block jk (c0 - cb0 a multiple of 16)

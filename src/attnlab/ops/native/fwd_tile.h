@@ -171,14 +171,22 @@ inline float hsum_tree(vf s) {
 #endif
 }
 
-// max(x[0:n]) (n a multiple of W), the row read once, nothing stored
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// max(x[0:n]) (n a multiple of W), the row read once, nothing stored.  Four running maxima
+// (one chained max per vector waited on its latency each step: a 17-vector row spent more
+// cycles there than in its loads); the max of a set is the same whatever the grouping
 inline float row_max(const float* x, int64_t n) {
-  vf m = vload(x);
-  for (int64_t c = W; c < n; c += W) {
-    const vf y = vload(x + c);
-    m = m > y ? m : y;
+  vf m0 = vload(x), m1 = m0, m2 = m0, m3 = m0;
+  int64_t c = W;
+  for (; c + 4 * W <= n; c += 4 * W) {
+    m0 = vmax(m0, vload(x + c));
+    m1 = vmax(m1, vload(x + c + W));
+    m2 = vmax(m2, vload(x + c + 2 * W));
+    m3 = vmax(m3, vload(x + c + 3 * W));
   }
-  return hmax_tree(m);
+  for (; c < n; c += W) m0 = vmax(m0, vload(x + c));
+  return hmax_tree(vmax(vmax(m0, m1), vmax(m2, m3)));
 }
 
 constexpr float LOG2E = 1.44269504088896341f;

@@ -16,6 +16,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "gemm_bf16.h"
 #include "gemm_f32.h"
@@ -158,20 +163,72 @@ at::Tensor pack_rows_pairs(const View<T>& x, int64_t B, int64_t H, int64_t N, in
   return out;
 }
 
+#if defined(__AVX512F__)
+// dst[j * ld + i] = rows[i][p + j] for i, j < 16: a 16 × 16 transpose of 32-bit words in
+// registers (16 row loads, 32 unpacks, 16 lane shuffles, 16 stores; the scalar loop it
+// replaces ran 256 loads and 256 stores)
+inline void transpose16_words(const uint32_t* const rows[16], int64_t p, uint32_t* dst, int64_t ld) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i] + p);
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: (r2i, r2i+1) at columns 4L, 4L+1 / 4L+2, 4L+3
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + j], lane L: rows 4i..4i+3 at column 4L + j
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // column 4L + j: lane L of r[j], r[4 + j], r[8 + j], r[12 + j]
+    const __m512i a0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), b0 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
+    const __m512i a1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd), b1 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
+    _mm512_storeu_si512(dst + j * ld, _mm512_shuffle_i32x4(a0, b0, 0x88));
+    _mm512_storeu_si512(dst + (8 + j) * ld, _mm512_shuffle_i32x4(a0, b0, 0xdd));
+    _mm512_storeu_si512(dst + (4 + j) * ld, _mm512_shuffle_i32x4(a1, b1, 0x88));
+    _mm512_storeu_si512(dst + (12 + j) * ld, _mm512_shuffle_i32x4(a1, b1, 0xdd));
+  }
+}
+#endif
+
 // Kᵀ per kv block as pairs along D: (B, Hkv, nb, Dw, bk) words, word (p, c) = K[c, 2p..2p+1]
 // (transposed: the B operand of S = Q·Kᵀ); columns past N and the half past D are zero
 template <typename T>
 at::Tensor pack_kt_pairs(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, int64_t D, int64_t bk,
                          const at::TensorOptions& opt) {
   const int64_t nb = (N + bk - 1) / bk, Dw = (D + 1) / 2;
-  at::Tensor out = at::zeros({B, Hkv, nb, Dw, bk}, opt.dtype(at::kInt));
+  // every word of a key's column is written below: only the columns past N are zeroed (no
+  // memset of the whole output first)
+  at::Tensor out = at::empty({B, Hkv, nb, Dw, bk}, opt.dtype(at::kInt));
   uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
   at::parallel_for(0, B * Hkv * nb, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t jb = w % nb, h = (w / nb) % Hkv, b = w / (nb * Hkv);
       const int64_t c0 = jb * bk, m = std::min(N, c0 + bk) - c0;
       uint32_t* panel = o + w * Dw * bk;
-      for (int64_t c = 0; c < m; ++c) {
+      if (m < bk)
+        for (int64_t p = 0; p < Dw; ++p) std::fill(panel + p * bk + m, panel + (p + 1) * bk, 0u);
+      int64_t c = 0;
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        // bf16 rows of even length are already pairs (word p = K[c, 2p] | K[c, 2p + 1] << 16,
+        // little-endian): the panel is a transpose of 32-bit words, 16 keys at a time (16
+        // sequential row reads, one 16-word store per p)
+        if (x.s3 == 1 && D % 2 == 0)
+          for (; c + 16 <= m; c += 16) {
+            const uint32_t* rows[16];
+            for (int64_t i = 0; i < 16; ++i) rows[i] = reinterpret_cast<const uint32_t*>(x.row(b, h, c0 + c + i));
+            int64_t p = 0;
+#if defined(__AVX512F__)
+            for (; p + 16 <= Dw; p += 16) transpose16_words(rows, p, panel + p * bk + c, bk);
+#endif
+            for (; p < Dw; ++p) {
+              uint32_t* dst = panel + p * bk + c;
+#pragma GCC unroll 16
+              for (int64_t i = 0; i < 16; ++i) dst[i] = rows[i][p];
+            }
+          }
+      }
+      for (; c < m; ++c) {
         const T* src = x.row(b, h, c0 + c);
         if (x.s3 == 1) {  // contiguous rows: no stride multiplies
           for (int64_t p = 0; p < D / 2; ++p)
@@ -197,7 +254,10 @@ template <typename T>
 at::Tensor pack_v_pairs(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, int64_t D, int64_t Dp, int64_t bk,
                         const at::TensorOptions& opt) {
   const int64_t nb = (N + bk - 1) / bk;
-  at::Tensor out = at::zeros({B, Hkv, nb, bk / 2, Dp}, opt.dtype(at::kInt));
+  // contiguous rows write every word of the rows they fill: only the padding (columns past D,
+  // word rows past the last key) is zeroed there; strided rows OR their halves into zeros
+  at::Tensor out = x.s3 == 1 ? at::empty({B, Hkv, nb, bk / 2, Dp}, opt.dtype(at::kInt))
+                             : at::zeros({B, Hkv, nb, bk / 2, Dp}, opt.dtype(at::kInt));
   uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
   at::parallel_for(0, B * Hkv * nb, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t w = lo; w < hi; ++w) {
@@ -205,6 +265,10 @@ at::Tensor pack_v_pairs(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, int
       const int64_t c0 = jb * bk, m = std::min(N, c0 + bk) - c0;
       uint32_t* panel = o + w * (bk / 2) * Dp;
       if (x.s3 == 1) {  // contiguous rows: two keys' rows interleaved at once (the loop vectorises)
+        const int64_t filled = (m + 1) / 2;  // word rows holding a key
+        if (Dp > D)
+          for (int64_t p = 0; p < filled; ++p) std::fill(panel + p * Dp + D, panel + (p + 1) * Dp, 0u);
+        std::fill(panel + filled * Dp, panel + (bk / 2) * Dp, 0u);
         int64_t c = 0;
         for (; c + 2 <= m; c += 2) {
           const T* r0 = x.row(b, h, c0 + c);
