@@ -337,11 +337,33 @@ def _wants_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
+# Where SDPA maps the problem too, the native CPU kernel from these sizes (measured side by side,
+# docs/benchmarks.md): float32 from 128 query rows (forward 1.2x SDPA at (1,8,4096,64),
+# forward+backward 1.5x at (1,8,2048,64); below that, and for decode steps, SDPA's smaller
+# per-call cost wins: one query row over 16k keys ran 3x faster there); bfloat16 from 1024
+# query-key pairs (torch's bf16 SDPA on the CPU: 1.4-6x slower from there, forward+backward
+# included; one query row over 1k-16k keys 6-13x).  float16 and float64 keep SDPA.
+_NATIVE_OVER_SDPA_MIN_ROWS = {torch.float32: 128}
+_NATIVE_OVER_SDPA_MIN_PAIRS = {torch.bfloat16: 1024}
+
+
+def _native_beats_sdpa(q, k) -> bool:
+    Nq, Nk = q.shape[2], k.shape[2]
+    if q.dtype in _NATIVE_OVER_SDPA_MIN_ROWS:
+        return Nq >= _NATIVE_OVER_SDPA_MIN_ROWS[q.dtype]
+    if q.dtype in _NATIVE_OVER_SDPA_MIN_PAIRS:
+        return Nq * Nk >= _NATIVE_OVER_SDPA_MIN_PAIRS[q.dtype]
+    return False
+
+
 def choose_backend(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=None) -> str:
-    """The backend ``backend="auto"`` runs for a validated request (before the dense-mask shortcut)."""
+    """The backend ``backend="auto"`` runs for a validated request (before the dense-mask shortcut):
+    :func:`torch_backend`'s choice, where the native CPU kernel implements the problem replaced
+    by it wherever that would be the torch-ops flash path, and where it would be SDPA for the
+    sizes the native kernel was measured faster at (``_native_beats_sdpa``)."""
     choice = torch_backend(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v)
-    if choice == "flash" and q.device.type == "cpu" and q.shape[2] and k.shape[2]:
-        # the native kernel replaces the torch-ops flash path wherever it implements the problem
+    upgrade = choice == "flash" or (choice == "sdpa" and _native_beats_sdpa(q, k))
+    if upgrade and q.device.type == "cpu" and q.shape[2] and k.shape[2]:
         from attnlab.ops.native.ops import plan
 
         if plan(q, k, k if v is None else v, mask, score_mod, q_offset, kv_offset)[0] is not None:

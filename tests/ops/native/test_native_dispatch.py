@@ -107,6 +107,32 @@ def test_auto_picks_native_where_it_would_pick_flash(native_ext):
     assert _auto(q.double(), k.double(), masks.sliding_window(6), None, 10, 0, True) == "flash"
 
 
+@pytest.mark.parametrize(
+    "dtype, Nq, Nk, grad, mask, want",
+    [
+        (torch.float32, 128, 128, False, None, "native"),  # dense: SDPA maps it, native measured faster
+        (torch.float32, 128, 128, True, "causal", "native"),
+        (torch.float32, 127, 4096, False, None, "sdpa"),  # fewer query rows: SDPA's per-call cost wins
+        (torch.float32, 1, 16384, False, None, "sdpa"),  # a decode step
+        (torch.bfloat16, 32, 32, True, "causal", "native"),  # 1024 pairs
+        (torch.bfloat16, 1, 1024, False, None, "native"),  # a bf16 decode step: torch's bf16 SDPA is slow
+        (torch.bfloat16, 31, 32, True, None, "sdpa"),  # fwd+bwd below 1024 pairs
+        (torch.float16, 256, 256, False, None, "sdpa"),  # unmeasured: torch's kernel
+    ],
+)
+def test_auto_picks_native_over_sdpa_from_the_measured_sizes(dtype, Nq, Nk, grad, mask, want, native_ext):
+    q, k, _v = make_qkv(1, 2, 2, Nq, Nk, 64, dtype=dtype)
+    q.requires_grad_(grad)
+    m = masks.causal() if mask == "causal" else None
+    assert _auto(q, k, m, None, 0, 0, False) == want
+
+
+def test_auto_keeps_sdpa_where_the_kernel_is_off(monkeypatch):
+    monkeypatch.setenv("ATTNLAB_NATIVE", "0")
+    q, k, _v = make_qkv(1, 2, 2, 256, 256, 64)
+    assert _auto(q, k, None, None, 0, 0, False) == "sdpa"
+
+
 @pytest.mark.parametrize("case", ["score_mod", "float64", "bias"])
 def test_unsupported_problems_fall_back(case, native_ext):
     """backend="native" on a problem the kernel does not implement runs the flash path."""

@@ -75,8 +75,12 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   } else {
     q32 = q.to(at::kFloat).contiguous();
     kt32 = pack_t_blocked(kv, dm.B, dm.Hkv, dm.Nk, dm.D, dm.bk, q.options());
-    v32 = at::zeros({dm.B, dm.Hkv, dm.Nk, Dvp0}, q.options().dtype(at::kFloat));
-    v32.narrow(3, 0, dm.Dv).copy_(v);
+    if (v.scalar_type() == at::kFloat && v.is_contiguous() && dm.Dv == Dvp0) {
+      v32 = v;  // already the layout the tile loop reads: no copy
+    } else {
+      v32 = at::zeros({dm.B, dm.Hkv, dm.Nk, Dvp0}, q.options().dtype(at::kFloat));
+      v32.narrow(3, 0, dm.Dv).copy_(v);
+    }
   }
   const float* q32p = pairs ? nullptr : q32.data_ptr<float>();
   const float* kt32p = pairs ? nullptr : kt32.data_ptr<float>();

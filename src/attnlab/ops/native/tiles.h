@@ -93,6 +93,34 @@ void load_kt(float* KT, const View<T>& k, int64_t b, int64_t hk, int64_t c0, int
 // the GEMMs of every tile: gemm_f32.h's register-blocked micro-kernel (native vector width)
 using attnlab_gemm::matmul;
 
+#if defined(__AVX512F__)
+// dst[j * ld + i] = rows[i][p + j] for i, j < 16: a 16 × 16 transpose of 32-bit words in
+// registers (16 row loads, 32 unpacks, 16 lane shuffles, 16 stores; the scalar loop it
+// replaces ran 256 loads and 256 stores)
+inline void transpose16_words(const uint32_t* const rows[16], int64_t p, uint32_t* dst, int64_t ld) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i] + p);
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: (r2i, r2i+1) at columns 4L, 4L+1 / 4L+2, 4L+3
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + j], lane L: rows 4i..4i+3 at column 4L + j
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // column 4L + j: lane L of r[j], r[4 + j], r[8 + j], r[12 + j]
+    const __m512i a0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), b0 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
+    const __m512i a1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd), b1 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
+    _mm512_storeu_si512(dst + j * ld, _mm512_shuffle_i32x4(a0, b0, 0x88));
+    _mm512_storeu_si512(dst + (8 + j) * ld, _mm512_shuffle_i32x4(a0, b0, 0xdd));
+    _mm512_storeu_si512(dst + (4 + j) * ld, _mm512_shuffle_i32x4(a1, b1, 0x88));
+    _mm512_storeu_si512(dst + (12 + j) * ld, _mm512_shuffle_i32x4(a1, b1, 0xdd));
+  }
+}
+#endif
+
 // Xᵀ of a (B, Hkv, N, D) tensor in float32, packed per column block: (B, Hkv, nb, D, bk),
 // columns past N zero.  A tile's K panel (D × bk) is then contiguous: the micro-kernel
 // streams it row by row from L1 (a D × Nk layout puts its rows Nk floats apart, which for
@@ -109,6 +137,22 @@ at::Tensor pack_t_blocked(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, i
       const int64_t c0 = jb * bk, m = std::min(N, c0 + bk) - c0;
       float* panel = o + w * D * bk;
       if (m < bk) std::fill(panel, panel + D * bk, 0.0f);
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, float>) {
+        // float32 rows: a transpose of 32-bit words, 16 keys × 16 dims at a time in registers
+        // (load_kt's scalar loop wrote one float per store: a decode step's Kᵀ of 16k keys took
+        // longer than its attention)
+        if (x.s3 == 1 && m == bk && bk % 16 == 0 && D % 16 == 0) {
+          for (int64_t c = 0; c < bk; c += 16) {
+            const uint32_t* rows[16];
+            for (int64_t i = 0; i < 16; ++i) rows[i] = reinterpret_cast<const uint32_t*>(x.row(b, h, c0 + c + i));
+            for (int64_t d = 0; d < D; d += 16)
+              transpose16_words(rows, d, reinterpret_cast<uint32_t*>(panel) + d * bk + c, bk);
+          }
+          continue;
+        }
+      }
+#endif
       load_kt(panel, x, b, h, c0, m, D, bk);
     }
   });
@@ -163,33 +207,6 @@ at::Tensor pack_rows_pairs(const View<T>& x, int64_t B, int64_t H, int64_t N, in
   return out;
 }
 
-#if defined(__AVX512F__)
-// dst[j * ld + i] = rows[i][p + j] for i, j < 16: a 16 × 16 transpose of 32-bit words in
-// registers (16 row loads, 32 unpacks, 16 lane shuffles, 16 stores; the scalar loop it
-// replaces ran 256 loads and 256 stores)
-inline void transpose16_words(const uint32_t* const rows[16], int64_t p, uint32_t* dst, int64_t ld) {
-  __m512i r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i] + p);
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: (r2i, r2i+1) at columns 4L, 4L+1 / 4L+2, 4L+3
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // r[4i + j], lane L: rows 4i..4i+3 at column 4L + j
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {  // column 4L + j: lane L of r[j], r[4 + j], r[8 + j], r[12 + j]
-    const __m512i a0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), b0 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
-    const __m512i a1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd), b1 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
-    _mm512_storeu_si512(dst + j * ld, _mm512_shuffle_i32x4(a0, b0, 0x88));
-    _mm512_storeu_si512(dst + (8 + j) * ld, _mm512_shuffle_i32x4(a0, b0, 0xdd));
-    _mm512_storeu_si512(dst + (4 + j) * ld, _mm512_shuffle_i32x4(a1, b1, 0x88));
-    _mm512_storeu_si512(dst + (12 + j) * ld, _mm512_shuffle_i32x4(a1, b1, 0xdd));
-  }
-}
-#endif
 
 // Kᵀ per kv block as pairs along D: (B, Hkv, nb, Dw, bk) words, word (p, c) = K[c, 2p..2p+1]
 // (transposed: the B operand of S = Q·Kᵀ); columns past N and the half past D are zero
