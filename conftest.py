@@ -52,7 +52,7 @@ def pytest_configure(config):
 # idle (while one waits on the main variant's build, on a lab model another trains, on a sleeping
 # rank), and the build directory's flock makes the test's child wait for a build under way, then load
 # it.  At worst the test waits as it did.  Only where the work is certain to be wanted: the xdist
-# controller of a run of the whole testpaths, with no -k / -m selection.
+# controller of a run of the whole testpaths, with no -k / -m / --lf selection.
 _PORTABLE_BUILD: list = []
 
 
@@ -65,6 +65,7 @@ def pytest_sessionstart(session):
         and not config.getoption("keyword", "")
         and not config.getoption("markexpr", "")
         and not config.getoption("collectonly", False)
+        and not config.getoption("lf", False)
     )
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None) or not whole_run:
         return
