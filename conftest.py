@@ -44,6 +44,65 @@ def pytest_configure(config):
         sys.modules["torch"].set_num_threads(threads)
 
 
+# ----------------------------------------------------------------------------- the portable native build
+# tests/ops/native/test_native_gemm.py::test_portable_variant_matches_oracle builds the portable variant
+# of the native kernel in a child process: ~40 CPU s of compiling, one worker waiting on it.  In a full
+# `pytest -n N` run (`make test`) that build starts here instead, when the session starts, in a
+# background process at the lowest CPU priority (nice 19): it runs on whatever core the workers leave
+# idle (while one waits on the main variant's build, on a lab model another trains, on a sleeping
+# rank), and the build directory's flock makes the test's child wait for a build under way, then load
+# it.  At worst the test waits as it did.  Only where the work is certain to be wanted: the xdist
+# controller of a run of the whole testpaths, with no -k / -m / --lf selection.
+_PORTABLE_BUILD: list = []
+
+
+def pytest_sessionstart(session):
+    import subprocess
+
+    config = session.config
+    whole_run = (
+        config.args_source == pytest.Config.ArgsSource.TESTPATHS
+        and not config.getoption("keyword", "")
+        and not config.getoption("markexpr", "")
+        and not config.getoption("collectonly", False)
+        and not config.getoption("lf", False)
+    )
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None) or not whole_run:
+        return
+    if os.environ.get("ATTNLAB_NATIVE", "1").strip().lower() in ("0", "false", "off", "no"):
+        return
+    from tests.ops.native import portable
+
+    p = subprocess.Popen(
+        [sys.executable, "-c", portable.BUILD],
+        env=portable.env(),
+        cwd=portable.ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group: ninja and the compiler end with it
+    )
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, p.pid, 19)  # before it starts ninja (it imports torch first)
+    _PORTABLE_BUILD.append(p)
+
+
+def pytest_unconfigure(config):
+    """A portable build still running when the session ends (an interrupted run) is stopped with
+    SIGINT, as Ctrl-C would: torch's cpp_extension then removes its ``lock`` file in the build
+    directory on the way out (a process killed outright leaves it, and every later build of that
+    directory waits on it for ever), and ninja stops its compiler."""
+    import signal
+    import subprocess
+
+    while _PORTABLE_BUILD:
+        p = _PORTABLE_BUILD.pop()
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Run a module's tests on one torch thread (tiny problems: a second OpenMP thread only

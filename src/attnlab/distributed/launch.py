@@ -74,8 +74,18 @@ def _context(start_method, env):
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         # the server imports torch and attnlab once; every group after that forks from it
-        ctx.set_forkserver_preload(["attnlab.distributed.launch"])
+        ctx.set_forkserver_preload(_PRELOAD)
     return ctx
+
+
+# What the forkserver imports before it forks any rank.  Besides torch and attnlab: torch._dynamo,
+# which torch imports on the first call of a custom op (torch.library's wrappers are
+# ``torch._disable_dynamo``-decorated, and that decorator imports torch._dynamo -- with sympy,
+# triton and inductor's config -- the first time it runs), so on a rank's first native attention
+# call; about a CPU second each, paid by every rank of every group.  torch.utils.cpp_extension too,
+# which the native kernel's loader imports (attnlab.ops.native.build).  Imports only: no thread
+# is started, the fork stays safe.
+_PRELOAD = ["attnlab.distributed.launch", "torch._dynamo", "torch.utils.cpp_extension"]
 
 
 def run_local(
