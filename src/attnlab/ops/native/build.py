@@ -155,22 +155,47 @@ def _compile():
     with open(str(build_dir) + ".lock", "w") as lk:
         fcntl.flock(lk, fcntl.LOCK_EX)  # one build per machine; the others wait, then load it
         try:
-            mod = cpp_load(
+            # a library of torch ops, not a Python module: torch.ops.load_library loads it and its
+            # TORCH_LIBRARY blocks register torch.ops.attnlab_native.* (kernel.cpp) and
+            # torch.ops.attnlab_decode.* (decode.cpp)
+            cpp_load(
                 name=ext,
                 sources=[str(here / s) for s in SOURCES],
                 extra_cflags=_BASE_FLAGS + _PARALLEL_FLAGS + flags,
                 extra_ldflags=_PARALLEL_FLAGS,
                 build_directory=str(build_dir),
                 verbose=False,
+                is_python_module=False,
             )
         finally:
             fcntl.flock(lk, fcntl.LOCK_UN)
     _state["seconds"] = time.perf_counter() - t0
-    return mod
+    return Ops(ext)
 
 
-def load():
-    """The compiled extension module, or None (disabled, or it cannot be built: one warning)."""
+class Ops:
+    """The loaded build: its torch ops (``torch.ops.attnlab_native``) by their names --
+    ``fwd``, ``bwd`` (ops.py's custom ops call them), ``features()``, ``parallel_threads(n)``,
+    ``last_bwd_plan()``."""
+
+    def __init__(self, name: str):
+        import torch
+
+        self.name = name
+        self._ops = torch.ops.attnlab_native
+
+    def __getattr__(self, op: str):
+        if op.startswith("_"):  # not an op (and no recursion before __init__ has run: copy, pickle)
+            raise AttributeError(op)
+        return getattr(self._ops, op)
+
+    def __repr__(self) -> str:
+        return f"<attnlab native ops {self.name}>"
+
+
+def load() -> Ops | None:
+    """The compiled extension's ops (:class:`Ops`), or None (disabled, or it cannot be built: one
+    warning)."""
     if disabled():
         return None
     if "module" in _state:
@@ -212,4 +237,4 @@ def status() -> str:
     )
 
 
-__all__ = ["HEADERS", "SOURCES", "chosen_variant", "cpu_flags", "disabled", "load", "status", "variant"]
+__all__ = ["HEADERS", "SOURCES", "Ops", "chosen_variant", "cpu_flags", "disabled", "load", "status", "variant"]

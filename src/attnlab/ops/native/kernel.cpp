@@ -23,12 +23,15 @@
 // from the CPU's flags) and the softmax rows on native-width loops (rowmath.h).
 //
 // Files: this one holds the argument checks (dims_of, mask_of, mods_of), the entry points
-// native_fwd / native_bwd / native_features / native_parallel_threads and the module;
+// native_fwd / native_bwd / native_features / native_parallel_threads and their registration
+// as torch ops (torch.ops.attnlab_native.*: ATen and torch/library.h, not torch/extension.h,
+// whose pybind11 headers took 19.5 s of each build's parse where these take 5.7 s);
 // tiles.h the views, row loads and K/V panel packing; forward.h the forward pass; backward.h
 // Δ and the backward's fused and split schedules.  They are one translation unit (decode.cpp
 // is the extension's other one), their definitions in an anonymous namespace.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <chrono>
 #include <cstdint>
@@ -104,7 +107,7 @@ Mask mask_of(const c10::optional<at::Tensor>& kv_len, const c10::optional<at::Te
 // the score mod's terms (ScoreMods::Kind codes, softcap values in order) and its tensors:
 // slopes (B|1, H) and table (H, 2R + 1), float32 contiguous
 ScoreMods mods_of(const c10::optional<at::Tensor>& slopes, const c10::optional<at::Tensor>& table,
-                  const std::vector<int64_t>& mods, const std::vector<double>& caps, int64_t q_offset,
+                  std::vector<int64_t> mods, const std::vector<double>& caps, int64_t q_offset,
                   int64_t kv_offset, const Dims& dm) {
   ScoreMods sm;
   TORCH_CHECK(static_cast<int64_t>(mods.size()) <= ScoreMods::MAX_TERMS, "attnlab native: too many score terms");
@@ -151,9 +154,9 @@ std::vector<at::Tensor> native_fwd(const at::Tensor& q, const at::Tensor& k, con
                                    const c10::optional<at::Tensor>& kv_len, const c10::optional<at::Tensor>& q_ids,
                                    const c10::optional<at::Tensor>& kv_ids, const c10::optional<at::Tensor>& keep,
                                    const c10::optional<at::Tensor>& slopes, const c10::optional<at::Tensor>& table,
-                                   int64_t bq, int64_t bk, const std::vector<int64_t>& mods,
-                                   const std::vector<double>& caps, const std::vector<at::Tensor>& mask_ext,
-                                   const std::vector<int64_t>& mask_block) {
+                                   int64_t bq, int64_t bk, std::vector<int64_t> mods,
+                                   std::vector<double> caps, std::vector<at::Tensor> mask_ext,
+                                   std::vector<int64_t> mask_block) {
   // bf16 pairs are half the bytes of float32: the K tile that ops.blocks sizes for L1 in float32
   // (D × bk) holds a kv block twice as long (measured: 5 % at D = 128, 2-4 % at D = 64), and four
   // times as long up to 256 columns (one thread, 2026-12-04: D = 128 causal 6 %, full 3 %;
@@ -182,9 +185,9 @@ std::vector<at::Tensor> native_bwd(const at::Tensor& dout_in, const c10::optiona
                                    const c10::optional<at::Tensor>& kv_len, const c10::optional<at::Tensor>& q_ids,
                                    const c10::optional<at::Tensor>& kv_ids, const c10::optional<at::Tensor>& keep,
                                    const c10::optional<at::Tensor>& slopes, const c10::optional<at::Tensor>& table,
-                                   int64_t bq, int64_t bk, const std::vector<int64_t>& mods,
-                                   const std::vector<double>& caps, const std::vector<at::Tensor>& mask_ext,
-                                   const std::vector<int64_t>& mask_block) {
+                                   int64_t bq, int64_t bk, std::vector<int64_t> mods,
+                                   std::vector<double> caps, std::vector<at::Tensor> mask_ext,
+                                   std::vector<int64_t> mask_block) {
   const Dims dm = dims_of(q, k, v, bq, bk);
   const Mask mk = mask_of(kv_len, q_ids, kv_ids, keep, has_left, left, has_right, right, sinks, has_sinks_right,
                           sinks_right, q_offset, kv_offset, mask_ext, mask_block, dm);
@@ -270,12 +273,24 @@ int64_t native_parallel_threads(int64_t n_items) {
   return static_cast<int64_t>(seen.size());
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fwd", &native_fwd, "attnlab native attention forward -> [out, lse]");
-  m.def("bwd", &native_bwd, "attnlab native attention backward -> [dq, dk, dv, dslopes, dtable]");
-  m.def("features", &native_features, "the instruction sets this build was compiled for");
-  m.def("parallel_threads", &native_parallel_threads, "distinct threads that ran one parallel_for region of n items");
-  m.def(
-      "last_bwd_plan", [] { return last_bwd_plan.load(); },
-      "the last backward call's kv chunks per (b, kv head); negative where it ran the split schedule");
+int64_t native_last_bwd_plan() { return last_bwd_plan.load(); }
+
+// The ops, in a namespace of their own (attnlab's Python custom ops, attnlab::native_fwd and
+// native_bwd, call these).  One build is loaded per process: the library registers once.
+#define ATTNLAB_MASK_ARGS                                                                                   \
+  "float scale, int q_offset, int kv_offset, bool has_left, int left, bool has_right, int right, int sinks, " \
+  "bool has_sinks_right, int sinks_right, Tensor? kv_len, Tensor? q_ids, Tensor? kv_ids, Tensor? keep, "       \
+  "Tensor? slopes, Tensor? table, int bq, int bk, int[] mods, float[] caps, Tensor[] mask_ext, int[] mask_block"
+TORCH_LIBRARY(attnlab_native, m) {
+  // attnlab native attention forward -> [out, lse]
+  m.def("fwd(Tensor q, Tensor k, Tensor v, " ATTNLAB_MASK_ARGS ") -> Tensor[]", &native_fwd);
+  // attnlab native attention backward -> [dq, dk, dv, dslopes, dtable]
+  m.def("bwd(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, " ATTNLAB_MASK_ARGS
+        ") -> Tensor[]",
+        &native_bwd);
+  m.def("features() -> str", &native_features);  // the instruction sets this build was compiled for
+  // distinct threads that ran one parallel_for region of n items
+  m.def("parallel_threads(int n_items) -> int", &native_parallel_threads);
+  // the last backward call's kv chunks per (b, kv head); negative where it ran the split schedule
+  m.def("last_bwd_plan() -> int", &native_last_bwd_plan);
 }

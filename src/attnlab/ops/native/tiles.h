@@ -8,7 +8,7 @@
 // were one file), so the compiler sees and optimises them exactly as before the split.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
