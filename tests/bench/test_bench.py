@@ -116,7 +116,9 @@ def test_tiny_case_end_to_end_reports_ratios_and_auto_choice(monkeypatch):
             # is 10^4 times slower than SDPA on a 512-token problem
             assert r["pct_of_matmul"] < 1000 and 1e-4 < r["vs_torch_sdpa"] < 1e4
     auto = next(r for r in cz["results"] if r["backend"] == "attnlab auto")
-    assert auto["auto_choice"] == "sdpa"  # float32 causal Nq == Nk maps onto SDPA
+    # float32 causal, 512 query rows: SDPA maps it, and the native kernel (where it builds) was
+    # measured faster from 128 rows (dispatch._native_beats_sdpa)
+    assert auto["auto_choice"] == ("native" if native else "sdpa")
     text = bench.format_table(res)
     assert "tiny window" in text and "x sdpa" in text
     assert json.loads(json.dumps(res, default=str))["cases"][0]["results"][0]["backend"] == "attnlab auto"
