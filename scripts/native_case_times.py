@@ -8,13 +8,13 @@ Cases: w256 / w16 (sliding window), doc8 (8 documents & causal), prefix (N/4), c
 
 import os
 import sys
-import time
 
 import torch
 
 torch.set_num_threads(int(os.environ.get("NT", "1")))
 import attnlab  # noqa: E402
 from attnlab import masks  # noqa: E402
+from attnlab.bench.measure import best_time  # noqa: E402
 
 N, H, D = 8192, 4, int(os.environ.get("D", "64"))
 CASES = {
@@ -39,14 +39,7 @@ def main() -> None:
             def f(m=CASES[name]):
                 return attnlab.attention(q, k, v, mask=m, backend="native")
 
-            f()
-            f()
-            ts = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                f()
-                ts.append(time.perf_counter() - t0)
-            out.append(f"{name}={min(ts) * 1e3:.3f}")
+            out.append(f"{name}={best_time(f, reps=reps, warmup=2) * 1e3:.3f}")
     print(" ".join(out))
 
 

@@ -121,6 +121,30 @@ inline void transpose16_words(const uint32_t* const rows[16], int64_t p, uint32_
 }
 #endif
 
+// Transposed 32-bit words of keys [c0, c0 + m) of (b, h), whose contiguous rows hold W words
+// each (float32 values, or bf16 pairs): panel[p * bk + c] = word p of key c0 + c, 16 keys at a
+// time (16 words at a time through transpose16_words where the build has AVX-512).  Returns the
+// keys done, a multiple of 16: the caller packs the rest.
+template <typename T>
+int64_t transpose_keys(const View<T>& x, int64_t b, int64_t h, int64_t c0, int64_t m, int64_t W, int64_t bk,
+                       uint32_t* panel) {
+  int64_t c = 0;
+  for (; c + 16 <= m; c += 16) {
+    const uint32_t* rows[16];
+    for (int64_t i = 0; i < 16; ++i) rows[i] = reinterpret_cast<const uint32_t*>(x.row(b, h, c0 + c + i));
+    int64_t p = 0;
+#if defined(__AVX512F__)
+    for (; p + 16 <= W; p += 16) transpose16_words(rows, p, panel + p * bk + c, bk);
+#endif
+    for (; p < W; ++p) {
+      uint32_t* dst = panel + p * bk + c;
+#pragma GCC unroll 16
+      for (int64_t i = 0; i < 16; ++i) dst[i] = rows[i][p];
+    }
+  }
+  return c;
+}
+
 // Xᵀ of a (B, Hkv, N, D) tensor in float32, packed per column block: (B, Hkv, nb, D, bk),
 // columns past N zero.  A tile's K panel (D × bk) is then contiguous: the micro-kernel
 // streams it row by row from L1 (a D × Nk layout puts its rows Nk floats apart, which for
@@ -137,23 +161,12 @@ at::Tensor pack_t_blocked(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, i
       const int64_t c0 = jb * bk, m = std::min(N, c0 + bk) - c0;
       float* panel = o + w * D * bk;
       if (m < bk) std::fill(panel, panel + D * bk, 0.0f);
-#if defined(__AVX512F__)
-      if constexpr (std::is_same_v<T, float>) {
-        // float32 rows: a transpose of 32-bit words, 16 keys × 16 dims at a time in registers
-        // (load_kt's scalar loop wrote one float per store: a decode step's Kᵀ of 16k keys took
-        // longer than its attention)
-        if (x.s3 == 1 && m == bk && bk % 16 == 0 && D % 16 == 0) {
-          for (int64_t c = 0; c < bk; c += 16) {
-            const uint32_t* rows[16];
-            for (int64_t i = 0; i < 16; ++i) rows[i] = reinterpret_cast<const uint32_t*>(x.row(b, h, c0 + c + i));
-            for (int64_t d = 0; d < D; d += 16)
-              transpose16_words(rows, d, reinterpret_cast<uint32_t*>(panel) + d * bk + c, bk);
-          }
-          continue;
-        }
-      }
-#endif
-      load_kt(panel, x, b, h, c0, m, D, bk);
+      int64_t c = 0;
+      if constexpr (std::is_same_v<T, float>)
+        // float32 rows: a transpose of 32-bit words in registers (load_kt's scalar loop wrote one
+        // float per store: a decode step's Kᵀ of 16k keys took longer than its attention)
+        if (x.s3 == 1) c = transpose_keys(x, b, h, c0, m, D, bk, reinterpret_cast<uint32_t*>(panel));
+      load_kt(panel + c, x, b, h, c0 + c, m - c, D, bk);
     }
   });
   return out;
@@ -230,20 +243,7 @@ at::Tensor pack_kt_pairs(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, in
         // bf16 rows of even length are already pairs (word p = K[c, 2p] | K[c, 2p + 1] << 16,
         // little-endian): the panel is a transpose of 32-bit words, 16 keys at a time (16
         // sequential row reads, one 16-word store per p)
-        if (x.s3 == 1 && D % 2 == 0)
-          for (; c + 16 <= m; c += 16) {
-            const uint32_t* rows[16];
-            for (int64_t i = 0; i < 16; ++i) rows[i] = reinterpret_cast<const uint32_t*>(x.row(b, h, c0 + c + i));
-            int64_t p = 0;
-#if defined(__AVX512F__)
-            for (; p + 16 <= Dw; p += 16) transpose16_words(rows, p, panel + p * bk + c, bk);
-#endif
-            for (; p < Dw; ++p) {
-              uint32_t* dst = panel + p * bk + c;
-#pragma GCC unroll 16
-              for (int64_t i = 0; i < 16; ++i) dst[i] = rows[i][p];
-            }
-          }
+        if (x.s3 == 1 && D % 2 == 0) c = transpose_keys(x, b, h, c0, m, Dw, bk, panel);
       }
       for (; c < m; ++c) {
         const T* src = x.row(b, h, c0 + c);
