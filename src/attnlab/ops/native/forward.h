@@ -121,6 +121,15 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const int64_t D = dm.D, Dv = dm.Dv, bq = dm.bq, bk = dm.bk;
     std::vector<float> Qb(bq * D), KT(D * bk), Vb(bk * Dv), S(bk), Pc(bk), acc(bq * Dv), mrow(bq), lrow(bq), tile(Dv);
     std::vector<RowMask> rms(bq);
+    // per row: its visible columns as two intervals (RowMask::intervals, ivs[4r..4r+4): a0, a1,
+    // x0, x1) where ivok[r], read by the bf16 path's softmax step
+    std::vector<int64_t> ivs(4 * bq);
+    std::vector<uint8_t> ivok(bq);
+    // per row of the tile at hand (span_pass): its one visible range [slo, shi) and the max of
+    // its scores there (smx, scaled) where the bf16 span path applies (sok)
+    std::vector<int64_t> slo(bq), shi(bq);
+    std::vector<float> smx(bq);
+    std::vector<uint8_t> sok(bq);
     const int64_t Dvp = (Dv + 15) / 16 * 16;
     std::vector<float> St(bq * bk), accp(bq * Dvp), alph(bq);
     std::vector<uint32_t> Pw(pairs ? bq * bk / 2 : 0);  // P rounded to bf16 pairs
@@ -144,7 +153,9 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const float* KTf = pairs ? nullptr : kt32p + kvh * nkb * D * bk;  // packed: one D × bk panel per kv block
       const float* Vf = pairs ? nullptr : v32p + kvh * dm.Nk * Dvp;
       for (int64_t r = 0; r < n; ++r) {
-        rms[r] = mk.row(b, h, r0 + r, r > 0 ? &rms[r - 1] : nullptr);
+        mk.row_into(rms[r], b, h, r0 + r, r > 0 ? &rms[r - 1] : nullptr);
+        ivok[r] = rms[r].intervals();
+        if (ivok[r]) rms[r].intervals(ivs[4 * r], ivs[4 * r + 1], ivs[4 * r + 2], ivs[4 * r + 3]);
         mrow[r] = NEG_INF;
         lrow[r] = 0.0f;
       }
@@ -186,11 +197,55 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           jhi = std::max(jhi, std::min(nkb, (hi + bk - 1) / bk));
         }
       }
+      // The bf16 path's first step on rows [ra, rb) of a tile (row r's scores at S0 + (r - ra) ·
+      // ld, columns c0 + [0, m)): where a row's visible columns there are one range (a band, a
+      // causal diagonal, a sorted document's run, a band meeting its sinks: RowMask::intervals),
+      // that range and the max of its scores (span_max: its edges masked in registers, no -inf
+      // written), every row's max before any row's exp (the rows' steps then overlap)
+      auto span_pass = [&](int64_t ra, int64_t rb, const float* S0, int64_t ld, int64_t c0, int64_t m) {
+        const bool on = pairs && !sm.active() && scale > 0.0f && scale < INFINITY;
+        const int64_t e = c0 + m;
+        for (int64_t r = ra; r < rb; ++r) {
+          sok[r] = 0;
+          if (!on || !ivok[r]) continue;
+          const int64_t* iv = ivs.data() + 4 * r;
+          const int64_t alo = std::max(iv[0], c0), ahi = std::min(iv[1], e);
+          const int64_t xlo = std::max(iv[2], c0), xhi = std::min(iv[3], e);
+          const bool ha = alo < ahi, hx = xlo < xhi;
+          if (ha && hx && ahi < xlo) continue;  // two separate pieces (a0 <= x0): the general step
+          const int64_t lo = ha ? alo : hx ? xlo : 0, hi = ha && hx ? std::max(ahi, xhi) : ha ? ahi : hx ? xhi : 0;
+          sok[r] = 1;
+          slo[r] = lo;
+          shi[r] = hi;
+          smx[r] = lo < hi ? attnlab_fwd::span_max(S0 + (r - ra) * ld, lo - c0, hi - c0) * scale : NEG_INF;
+        }
+      };
       // One row's softmax step on its S row Sr (columns c0 + [0, m), padded to mp): the running
       // max, alpha (the old sums' rescale) and P (float32 in Sr, bf16 pairs in Ph on the pairs
-      // path), zero where hidden; full: every column visible
-      auto soft_row = [&](int64_t r, float* Sr, uint16_t* Ph, int64_t c0, int64_t m, int64_t mp, bool full) {
+      // path), zero where hidden; full_of(): every column visible (asked only where needed)
+      auto soft_row = [&](int64_t r, float* Sr, uint16_t* Ph, int64_t c0, int64_t m, int64_t mp, auto full_of) {
         const RowMask& rm = rms[r];
+        // The bf16 path on a row whose visible columns in the tile are one range [lo, hi)
+        // (span_pass: its max already taken): exp on that range only, its edges masked in
+        // registers (span_exp2_bf16), the scale folded into the exponent
+        if (sok[r]) {
+          const int64_t lo = slo[r], hi = shi[r];
+          const float mx = smx[r];
+          const float m_new = std::isnan(mx) ? mx : std::max(mrow[r], mx);
+          if (m_new == NEG_INF || lo >= hi) {  // nothing visible here: P = 0, the sums unchanged
+            std::fill(Ph, Ph + mp, uint16_t{0});
+            alph[r] = 1.0f;
+            return;
+          }
+          alph[r] = m_new == mrow[r] ? 1.0f : mrow[r] == NEG_INF ? 0.0f : attnlab_fwd::exp_s(mrow[r] - m_new);
+          using attnlab_fwd::LOG2E;
+          const float sum =
+              attnlab_fwd::span_exp2_bf16<true>(Sr, Ph, mp, lo - c0, hi - c0, scale * LOG2E, m_new * LOG2E);
+          lrow[r] = lrow[r] * alph[r] + sum;
+          mrow[r] = m_new;
+          return;
+        }
+        const bool full = full_of();
         float mx;
         int64_t e0 = 0, e1 = mp;  // 16-column chunks outside [e0, e1) are hidden: P there is 0
         bool raw = false;         // Sr unscaled: the bf16 path's exp folds the scale in
@@ -274,9 +329,10 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 D);
           p0 = pe;
         }
+        span_pass(ra, rb, Sw.data(), ld, c0, m);
         for (int64_t r = ra; r < rb; ++r)
           soft_row(r, Sw.data() + (r - ra) * ld, reinterpret_cast<uint16_t*>(Pww.data() + (r - ra) * (ld / 2)), c0,
-                   m, mp, rms[r].covers(c0, c1));
+                   m, mp, [&] { return rms[r].covers(c0, c1); });
         if (pairs)
           attnlab_fwd::matmul_acc(Pww.data(), ld / 2, vhp + (kvh * nkb * (bk / 2) + c0 / 2) * Dvp, Dvp,
                                   accp.data() + ra * Dvp, Dvp, nr, Dvp, mp / 2, alph.data() + ra);
@@ -293,6 +349,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               St.data() + ra * bk, bk, nr, mp, Dw);
         else
           attnlab_fwd::matmul(Qf + ra * D, D, KTf + jk * D * bk + o, bk, St.data() + ra * bk, bk, nr, mp, D);
+        span_pass(ra, rb, St.data() + ra * bk, bk, c0, m);
         for (int64_t r = ra; r < rb; ++r) {
           float* Sr = St.data() + r * bk;
           const RowMask& rm = rms[r];
@@ -306,7 +363,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             continue;
           }
           // the ids / keep / BlockMask tables hold whole kv blocks: full there is full on [c0, c1)
-          soft_row(r, Sr, Ph, c0, m, mp, rm.band_full(c0, c1) && rm.extra_full(cb0, cb1));
+          soft_row(r, Sr, Ph, c0, m, mp, [&] { return rm.band_full(c0, c1) && rm.extra_full(cb0, cb1); });
         }
         // acc = acc · alpha + P·V (float32 accumulation), one pass
         if (pairs)

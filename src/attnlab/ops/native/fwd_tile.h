@@ -11,14 +11,16 @@
 //   scale is folded into the exponent below).
 // * all_finite: the fast path's check of a finished row (an inf or NaN sends the q block to
 //   the careful path).
-// * row_exp2_bf16 (and exp_s, the bf16 path's rescale factor): exp(s - m) as 2^((s - m) · log2 e) (exp2_v: a degree-6 polynomial and an
-//   exponent scaling, about 1 ulp as rowmath.h's exp_v, not its bits) and its float32 sum,
+// * row_exp2_bf16 / span_exp2_bf16 (and exp_s, the bf16 path's rescale factor): exp(s - m) as
+//   2^((s - m) · log2 e) (exp2_v: a degree-5 polynomial and an exponent scaling, within
+//   2e-7 relative, not rowmath.h's bits) and its float32 sum,
 //   written as bf16 (round to nearest even: vcvtneps2bf16 where the build has AVX512_BF16,
 //   gemm_bf16.h's to_bf16 on every lane elsewhere) straight into the P operand of P·V: no
 //   float32 P row, no scalar pack pass.  The bf16 path's P differs from the careful path's in
 //   any case (rounded to bf16), so it need not share rowmath.h's exp bits.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -192,9 +194,12 @@ inline float row_max(const float* x, int64_t n) {
 constexpr float LOG2E = 1.44269504088896341f;
 
 // 2^t for t <= 0 (up to rounding): t < -125 and -inf give exactly 0 (so no result is
-// denormal), NaN stays NaN.  2^t = 2^n · 2^f, n = round(t), f in [-1/2, 1/2]: a degree-6
-// polynomial (relative error under 1e-7, as rowmath.h's exp_v) and an exponent scaling
-// (vscalefps on AVX-512).
+// denormal), NaN stays NaN.  2^t = 2^n · 2^f, n = round(t) (to nearest even, by adding and
+// subtracting 1.5 · 2^23: two adds, not vrndscaleps), f in [-1/2, 1/2]: a degree-5
+// polynomial with p(0) = 1 exactly (a near-minimax fit of 2^f, relative error under 2e-7 in
+// float32 Horner: 3 ulp; P is rounded to bf16, 2^-9, after it) and an exponent scaling
+// (vscalefps on AVX-512).  Degree 5, not 6: the exp step is bound by the FMA pipes (one FMA
+// less: window256 and doc8 bf16 2.5-4 % faster, one thread, 2026-12-04).
 inline vf exp2_v(vf t) {
   const vf lo = attnlab_rows::splat(-125.0f);
 #if ATTNLAB_GEMM_W == 16
@@ -202,7 +207,8 @@ inline vf exp2_v(vf t) {
   std::memcpy(&tm, &t, sizeof tm);
   std::memcpy(&lm, &lo, sizeof lm);
   const __m512 tc = _mm512_max_ps(lm, tm);  // the second operand where either is NaN: NaN stays NaN
-  const __m512 nm = _mm512_roundscale_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 mg = _mm512_set1_ps(12582912.0f);
+  const __m512 nm = _mm512_sub_ps(_mm512_add_ps(tc, mg), mg);
   const __m512 fm = _mm512_sub_ps(tc, nm);
   vf f;
   std::memcpy(&f, &fm, sizeof f);
@@ -211,12 +217,11 @@ inline vf exp2_v(vf t) {
   const vf n = (tc + 12582912.0f) - 12582912.0f;  // round to nearest
   const vf f = tc - n;
 #endif
-  vf p = attnlab_rows::splat(1.5345810970757157e-4f);
-  p = p * f + 1.3399930903688073e-3f;
-  p = p * f + 9.6184890717267990e-3f;
-  p = p * f + 5.5503286421298980e-2f;
-  p = p * f + 2.4022646248340607e-1f;
-  p = p * f + 6.9314718246459961e-1f;
+  vf p = attnlab_rows::splat(0.001326472731307149f);
+  p = p * f + 0.009671512991189957f;
+  p = p * f + 0.05550733581185341f;
+  p = p * f + 0.24022242426872253f;
+  p = p * f + 0.6931470036506653f;
   p = p * f + 1.0f;
 #if ATTNLAB_GEMM_W == 16
   __m512 pm;
@@ -263,6 +268,80 @@ inline float row_exp2_bf16(const float* x, uint16_t* out, int64_t n, float c, fl
     std::memcpy(out + k, &h, sizeof h);
     s += p;
   }
+  return hsum_tree(s);
+}
+
+
+// The bf16 path's softmax step on a row whose visible columns in the tile are one range
+// [lo, hi) (0 <= lo < hi <= n, n a multiple of W): the vectors that meet it are read, the lanes
+// of its two edge vectors outside it masked in registers (-inf for the max, 0 for P), so no
+// -inf is written into the row and no column outside it is visited.  Lanes outside the range
+// may hold anything (a hidden key's inf or NaN score): they are never used.
+using attnlab_rows::vi;
+inline vi lane_index() {
+  vi v;
+  for (int j = 0; j < W; ++j) v[j] = j;
+  return v;
+}
+// lanes k + [0, W) of [lo, hi): all ones where inside
+inline vi lanes_in(vi io, int64_t k, int64_t lo, int64_t hi) {
+  const int32_t a = static_cast<int32_t>(std::max<int64_t>(lo - k, -1)),
+                z = static_cast<int32_t>(std::min<int64_t>(hi - k, W + 1));
+  return (io >= a) & (io < z);
+}
+
+// max of x[lo, hi) (unscaled: the scale commutes with the max, scale > 0): row_max's four
+// running maxima on the vectors between the two edge vectors
+inline float span_max(const float* x, int64_t lo, int64_t hi) {
+  const int64_t a = lo / W * W, z = (hi + W - 1) / W * W;
+  const vi io = lane_index();
+  const vf ninf = attnlab_rows::splat(-__builtin_inff());
+  const vf first = lanes_in(io, a, lo, hi) ? vload(x + a) : ninf;
+  if (z - a == W) return hmax_tree(first);
+  const vf last = lanes_in(io, z - W, lo, hi) ? vload(x + z - W) : ninf;
+  vf m0 = first, m1 = last, m2 = ninf, m3 = ninf;
+  int64_t c = a + W;
+  for (; c + 4 * W <= z - W; c += 4 * W) {
+    m0 = vmax(m0, vload(x + c));
+    m1 = vmax(m1, vload(x + c + W));
+    m2 = vmax(m2, vload(x + c + 2 * W));
+    m3 = vmax(m3, vload(x + c + 3 * W));
+  }
+  for (; c < z - W; c += W) m0 = vmax(m0, vload(x + c));
+  return hmax_tree(vmax(vmax(m0, m1), vmax(m2, m3)));
+}
+
+// one vector of span_exp2_bf16: P at columns k + [0, W), written as bf16; returns it (float32)
+template <bool RAW>
+inline vf exp2_bf16_at(const float* x, uint16_t* out, int64_t k, float c, float mb) {
+  const vf t = RAW ? vload(x + k) * c - mb : (vload(x + k) - mb) * c;
+  const vf p = exp2_v(t);
+  const vh h = to_bf16_v(p);
+  std::memcpy(out + k, &h, sizeof h);
+  return p;
+}
+template <bool RAW>
+inline vf exp2_bf16_edge(const float* x, uint16_t* out, int64_t k, float c, float mb, vi io, int64_t lo, int64_t hi) {
+  const vf t = RAW ? vload(x + k) * c - mb : (vload(x + k) - mb) * c;
+  const vf p = lanes_in(io, k, lo, hi) ? exp2_v(t) : vf{};
+  const vh h = to_bf16_v(p);
+  std::memcpy(out + k, &h, sizeof h);
+  return p;
+}
+
+// out[0:n] = bf16(exp(s - m)) on [lo, hi), exactly 0 elsewhere; returns the float32 sum of the
+// unrounded values (row_exp2_bf16's values and sum where [lo, hi) is the whole row: the same
+// bits, a masked lane adds an exact 0 as exp(-inf) did)
+template <bool RAW>
+inline float span_exp2_bf16(const float* x, uint16_t* out, int64_t n, int64_t lo, int64_t hi, float c, float mb) {
+  const int64_t a = lo / W * W, z = (hi + W - 1) / W * W;
+  const vi io = lane_index();
+  const vh zero = vh{};
+  for (int64_t k = 0; k < a; k += W) std::memcpy(out + k, &zero, sizeof zero);
+  for (int64_t k = z; k < n; k += W) std::memcpy(out + k, &zero, sizeof zero);
+  vf s = exp2_bf16_edge<RAW>(x, out, a, c, mb, io, lo, hi);
+  for (int64_t k = a + W; k < z - W; k += W) s += exp2_bf16_at<RAW>(x, out, k, c, mb);
+  if (z - W > a) s += exp2_bf16_edge<RAW>(x, out, z - W, c, mb, io, lo, hi);
   return hsum_tree(s);
 }
 

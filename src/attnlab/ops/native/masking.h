@@ -296,6 +296,13 @@ struct Mask {
   // the same batch) when it has the same id; run false leaves it unset (-1: the per-column rule)
   RowMask row(int64_t b, int64_t h, int64_t i, const RowMask* prev = nullptr, bool run = true) const {
     RowMask rm;
+    row_into(rm, b, h, i, prev, run);
+    return rm;
+  }
+  // row() written into rm in place (a row() assigned to a vector's element copied its 200-odd
+  // bytes through the stack, a store-forwarding stall per row)
+  void row_into(RowMask& rm, int64_t b, int64_t h, int64_t i, const RowMask* prev = nullptr, bool run = true) const {
+    rm = RowMask{};
     rm.qp = qp_of(b, i);
     ranges_at(b, rm.qp, rm.s1, rm.b0, rm.b1);
     rm.bk = bk;
@@ -307,7 +314,7 @@ struct Mask {
       rm.bits = bits + b * bits_bs + h * bits_hs + (i - iq * tbq) * W;
       rm.tstride = bits_ts;
       rm.tbk = tbk;
-      return rm;
+      return;
     }
     if (q_ids != nullptr) {
       rm.qid = q_ids[b * q_ids_bs + i];
@@ -335,7 +342,6 @@ struct Mask {
       rm.kpmax = kpmax.data();
       rm.pb = posband();
     }
-    return rm;
   }
   // the per-kv-block tables for tiles of bq x bk, batches Bids (ids) and Bkeep (keep)
   void tables(int64_t bq_, int64_t bk_, int64_t Bids, int64_t Bkeep) {
