@@ -110,13 +110,26 @@ inline void matmul_acc(const E* A, int64_t lda, const E* B, int64_t ldb, float* 
     band_rest<MR - 1>(static_cast<int>(n - r), A + r * lda, lda, B, ldb, C + r * ldc, ldc, N, K, alpha + r);
 }
 
-// C[0:n, 0:N] = A · B (the S = Q·Kᵀ tile)
+// C[0:n, 0:N] = A · B (the S = Q·Kᵀ tile).  Where N ends in one vector of W columns past its
+// 2W-wide tiles (a window's 272 columns: 8 · 32 + 16), that last vector runs on 2 · MR rows at
+// once on AVX-512 (16 accumulators): on MR rows its 8 accumulators waited on the dot product's
+// latency, 2.6 times the cost per column of the 2W-wide tiles (perf, window256 bf16).  The
+// same sums in the same order: the same bits.
 template <typename E>
 inline void matmul(const E* A, int64_t lda, const E* B, int64_t ldb, float* C, int64_t ldc, int64_t n, int64_t N,
                    int64_t K) {
+  const int64_t N2 = N / (2 * W) * (2 * W);
+  const bool rest16 = W == 16 && N - N2 == W && n >= 2 * MR;
+  const int64_t Nb = rest16 ? N2 : N;
   int64_t r = 0;
-  for (; r + MR <= n; r += MR) band<MR>(A + r * lda, lda, B, ldb, C + r * ldc, ldc, N, K, nullptr);
-  if (r < n) band_rest<MR - 1>(static_cast<int>(n - r), A + r * lda, lda, B, ldb, C + r * ldc, ldc, N, K, nullptr);
+  for (; r + MR <= n; r += MR) band<MR>(A + r * lda, lda, B, ldb, C + r * ldc, ldc, Nb, K, nullptr);
+  if (r < n) band_rest<MR - 1>(static_cast<int>(n - r), A + r * lda, lda, B, ldb, C + r * ldc, ldc, Nb, K, nullptr);
+  if (!rest16) return;
+  r = 0;
+  for (; r + 2 * MR <= n; r += 2 * MR) band<2 * MR>(A + r * lda, lda, B + N2, ldb, C + r * ldc + N2, ldc, W, K, nullptr);
+  for (; r + MR <= n; r += MR) band<MR>(A + r * lda, lda, B + N2, ldb, C + r * ldc + N2, ldc, W, K, nullptr);
+  if (r < n)
+    band_rest<MR - 1>(static_cast<int>(n - r), A + r * lda, lda, B + N2, ldb, C + r * ldc + N2, ldc, W, K, nullptr);
 }
 
 // x[0:n] *= s; returns max(x[0:n]) (n a multiple of W): row_scale then row_max, one pass
