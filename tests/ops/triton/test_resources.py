@@ -14,7 +14,11 @@ rather than compiled on every test run.
 This session's kernels are defined for the interpreter (conftest.py), so the compiles
 run in one subprocess for the whole module (its rows cached for the run), without
 ``TRITON_INTERPRET``, on ``--jobs`` worker processes; triton's on-disk cache keeps the
-cubins, so a second run takes seconds (cold: about 3 s per kernel on an idle core).
+cubins, so a second run takes seconds (cold: about 1-1.5 CPU s per kernel, plus about
+0.25 s of ``cuobjdump -sass`` per kernel, cached or not).  That one subprocess compiles
+every selected test's variants (the shipped configurations, the decode steps and the old
+spilling dK/dV), each once: a subprocess and its workers cost a few CPU seconds to start
+(torch, triton), and each variant compiled twice would pay its ``cuobjdump`` again.
 """
 
 from __future__ import annotations
@@ -46,15 +50,20 @@ COMPILE_TIMEOUT_S = 3600  # the cold compile of the whole matrix on a loaded 2-c
 JOBS = max(1, min(4, os.cpu_count() or 1))
 
 
-def _compile(*args) -> list[dict]:
+def _compile(*args, variants=None) -> list[dict]:
+    """The rows of ``python -m attnlab.ops.triton.resources --json - *args``; with ``variants``
+    (a list of :class:`resources.Variant`), exactly those, in order (``--variants -``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, stated (silences its warning)
+    listed = None if variants is None else json.dumps([v.fields() for v in variants])
     r = subprocess.run(
-        [sys.executable, "-m", "attnlab.ops.triton.resources", "--json", "-", *args],
+        [sys.executable, "-m", "attnlab.ops.triton.resources", "--json", "-", *args]
+        + ([] if listed is None else ["--variants", "-"]),
         check=False,
         capture_output=True,
         text=True,
+        input=listed,
         env=env,
         cwd=str(ROOT),
         timeout=COMPILE_TIMEOUT_S,
@@ -63,25 +72,50 @@ def _compile(*args) -> list[dict]:
     return json.loads(r.stdout)
 
 
+def _shipped_variants(kernel, arch, dtype, D) -> list:
+    """Every autotune candidate of one shipped configuration, causal (what ``--mask causal``
+    with these axes compiles)."""
+    return resources.default_variants((arch,), (kernel,), (dtype,), (D,), ("causal",))
+
+
+def _decode_variants(arch, dtype, D) -> list:
+    """The decode steps (one query) of the forward's candidates at one configuration (what
+    ``--kernel fwd --decode --mask causal`` adds to the 512-query forward)."""
+    vs = resources.default_variants((arch,), ("fwd",), (dtype,), (D,), ("causal",), decode=True)
+    return [v for v in vs if v.nq == 1]
+
+
+#: the old dK/dV default at D = 128 (32×128, 4 warps, 2 stages) for sm_90, bfloat16
+SPILLING = resources.Variant("dkdv", 90, "bfloat16", 128, "causal", (32, 128), 4, 2)
+
+
 @pytest.fixture(scope="module")
-def defaults(request) -> dict:
-    """The rows of every selected case, compiled once for the run (``-k`` narrows it)."""
-    picked = [
-        item.callspec.params
-        for item in request.session.items
-        if getattr(item, "originalname", None) == "test_shipped_config_compiles_spill_free"
-        and hasattr(item, "callspec")
-    ]
-    axes = {
-        "--kernel": sorted({p["kernel"] for p in picked}),
-        "--arch": sorted({str(p["arch"]) for p in picked}),
-        "--dtype": sorted({p["dtype"] for p in picked}),
-        "--head-dim": sorted({str(p["D"]) for p in picked}),
-    }
-    rows = _compile("--mask", "causal", "--jobs", str(JOBS), *(x for k, v in axes.items() for x in (k, *v)))
+def compiled(request) -> dict:
+    """The rows of every selected test's variants, compiled once for the run in one subprocess
+    (``-k`` narrows it): ``("shipped", kernel, arch, dtype, D)``, ``("decode", arch, dtype, D)``
+    and ``("spilling",)`` -> rows, grouped by the compiled rows' own columns."""
+    groups: list = []
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module:
+            continue
+        name, p = getattr(item, "originalname", None), getattr(getattr(item, "callspec", None), "params", {})
+        if name == "test_shipped_config_compiles_spill_free":
+            groups.append(("shipped", _shipped_variants(p["kernel"], p["arch"], p["dtype"], p["D"])))
+        elif name == "test_decode_step_compiles_spill_free":
+            groups.append(("decode", _decode_variants(p["arch"], p["dtype"], p["D"])))
+        elif name == "test_a_spilling_config_is_reported":
+            groups.append(("spilling", [SPILLING]))
+    variants = [v for _, vs in groups for v in vs]
+    rows = iter(_compile("--jobs", str(JOBS), variants=variants) if variants else [])
     out: dict = {}
-    for r in rows:
-        out.setdefault((r["kernel"], int(r["arch"][3:]), r["dtype"], r["D"]), []).append(r)
+    for tag, vs in groups:
+        for _ in vs:
+            r = next(rows)
+            key = (tag,) if tag == "spilling" else (tag, r["kernel"], int(r["arch"][3:]), r["dtype"], r["D"])
+            if tag == "decode":
+                key = key[:1] + key[2:]
+            out.setdefault(key, []).append(r)
+    assert next(rows, None) is None
     return out
 
 
@@ -92,8 +126,8 @@ def test_every_head_dim_bucket_and_dtype_is_compiled():
 
 
 @pytest.mark.parametrize("kernel,arch,dtype,D", CASES, ids=[f"{k}-sm{a}-{dt}-D{d}" for k, a, dt, d in CASES])
-def test_shipped_config_compiles_spill_free(defaults, kernel, arch, dtype, D):
-    rows = defaults[(kernel, arch, dtype, D)]
+def test_shipped_config_compiles_spill_free(compiled, kernel, arch, dtype, D):
+    rows = compiled[("shipped", kernel, arch, dtype, D)]
     want = config.candidates(kernel, config.head_block(D), dtype)
     assert sorted((r["warps"], r["stages"]) for r in rows) == sorted(want)  # every autotune candidate
     tile = config.gpu_tiles(config.head_block(D), dtype)[kernel]
@@ -113,56 +147,38 @@ DECODE_DTYPES = ("float32",)
 DECODE_CASES = [(a, dt, d) for a in resources.ARCHS for dt in DECODE_DTYPES for d in HEAD_DIMS]
 
 
-@pytest.fixture(scope="module")
-def decode_rows() -> dict:
-    rows = _compile(
-        "--kernel", "fwd", "--decode", "--mask", "causal", "--jobs", str(JOBS),
-        "--dtype", *DECODE_DTYPES, "--head-dim", *map(str, HEAD_DIMS),
-    )  # fmt: skip
-    out: dict = {}
-    for r in rows:
-        if r["Nq"] == 1:
-            out.setdefault((int(r["arch"][3:]), r["dtype"], r["D"]), []).append(r)
-    return out
-
-
 @pytest.mark.parametrize("arch,dtype,D", DECODE_CASES, ids=[f"sm{a}-{dt}-D{d}" for a, dt, d in DECODE_CASES])
-def test_decode_step_compiles_spill_free(decode_rows, arch, dtype, D):
-    rows = decode_rows[(arch, dtype, D)]
+def test_decode_step_compiles_spill_free(compiled, arch, dtype, D):
+    rows = compiled[("decode", arch, dtype, D)]
     assert sorted((r["warps"], r["stages"]) for r in rows) == sorted(
         config.candidates("fwd", config.head_block(D), dtype)
     )
     bn = config.gpu_tiles(config.head_block(D), dtype)["fwd"][1]
     for r in rows:
         assert "error" not in r, r
-        assert r["tile"] == f"16x{bn}"  # the rows capped to one power of two above Nq = 1
+        assert r["Nq"] == 1 and r["tile"] == f"16x{bn}"  # the rows capped to one power of two above Nq = 1
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] <= resources.STACK_LIMIT, r
         assert 0 < r["registers"] <= resources.REG_LIMIT and 0 < r["shared"] <= resources.SHARED_LIMIT[arch], r
 
 
-def test_a_spilling_config_is_reported():
+def test_a_spilling_config_is_reported(compiled):
     """The old dK/dV default at D = 128 (32×128, 4 warps) spills on sm_90: the reader sees it."""
-    (r,) = _compile(
-        "--kernel",
-        "dkdv",
-        "--arch",
-        "90",
-        "--dtype",
-        "bfloat16",
-        "--head-dim",
-        "128",
-        "--mask",
-        "causal",
-        "--tile",
-        "32",
-        "128",
-        "--warps",
-        "4",
-        "--stages",
-        "2",
-    )
+    (r,) = compiled[("spilling",)]
+    ident = [r[c] for c in ("kernel", "arch", "dtype", "D", "Nq", "mask", "tile", "warps", "stages")]
+    assert ident == ["dkdv", "sm_90", "bfloat16", 128, 512, "causal", "32x128", 4, 2]
     assert r["registers"] == resources.REG_LIMIT and r["stack"] > 0 and r["spill_stores"] > 0 and r["spill_loads"] > 0
     assert not r["spill_free"]
+
+
+def test_the_command_line_overrides_the_tile_and_config(monkeypatch, capsys):
+    """``--tile`` / ``--warps`` / ``--stages`` replace the shipped tile and candidates: this command
+    line compiles exactly the spilling variant above (the fixture compiles it through ``--variants``)."""
+    seen: list = []
+    monkeypatch.setattr(resources, "run", lambda vs, **kw: seen.extend(vs) or [])
+    argv = "--kernel dkdv --arch 90 --dtype bfloat16 --head-dim 128 --mask causal --tile 32 128 --warps 4 --stages 2"
+    assert resources.main([*argv.split(), "--json", "-"]) == 0
+    assert seen == [SPILLING] and capsys.readouterr().out == "[]"
+    assert [resources.Variant.from_fields(json.loads(json.dumps(v.fields()))) for v in seen] == seen
 
 
 def test_spill_bytes_count_local_memory_widths():

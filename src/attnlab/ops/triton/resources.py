@@ -78,6 +78,16 @@ class Variant:
     stages: int = 2
     nq: int = 512  # queries: 1 = a decode step (the forward's rows capped to a 16-row tile)
 
+    def fields(self) -> dict:
+        """The variant as JSON fields (:meth:`from_fields` reads them back): what
+        ``--variants`` takes."""
+        return dataclasses.asdict(self) | {"tile": None if self.tile is None else list(self.tile)}
+
+    @classmethod
+    def from_fields(cls, d: dict) -> Variant:
+        tile = d.get("tile")
+        return cls(**(d | {"tile": None if tile is None else tuple(tile)}))
+
     def columns(self, tile: str) -> dict:
         """The variant's columns of a row (:meth:`Usage.row`, or a failed compile's), ``tile``
         as compiled (``"BMxBN"``, ``"?"`` when unknown)."""
@@ -388,14 +398,28 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the rows as JSON to this file ('-' = stdout)")
     p.add_argument("--check", action="store_true", help="exit 1 unless every row compiled, spill-free and fitting")
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes (0 = one per CPU)")
+    p.add_argument(
+        "--variants",
+        default=None,
+        help="compile exactly these variants, a JSON list of Variant.fields() ('-' = stdin), in order; "
+        "the selection options above are ignored",
+    )
     a = p.parse_args(argv)
     if tool("cuobjdump") is None:
         print("cuobjdump not found: install triton (pip install 'attnlab[triton]')", file=sys.stderr)
         return 2
-    vs = default_variants(
-        a.arch, a.kernel, a.dtype, a.head_dim, a.mask, candidates=not a.first_candidate, decode=a.decode
-    )
-    if a.tile is not None or a.warps is not None:
+    if a.variants is not None:
+        if a.variants == "-":
+            listed = json.load(sys.stdin)
+        else:
+            with open(a.variants) as f:
+                listed = json.load(f)
+        vs = [Variant.from_fields(d) for d in listed]
+    else:
+        vs = default_variants(
+            a.arch, a.kernel, a.dtype, a.head_dim, a.mask, candidates=not a.first_candidate, decode=a.decode
+        )
+    if a.variants is None and (a.tile is not None or a.warps is not None):
         vs = list(
             dict.fromkeys(
                 dataclasses.replace(
