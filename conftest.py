@@ -44,11 +44,13 @@ def pytest_configure(config):
         sys.modules["torch"].set_num_threads(threads)
 
 
-# ----------------------------------------------------------------------------- the portable native build
-# tests/ops/native/test_native_gemm.py::test_portable_variant_matches_oracle builds the portable variant
-# of the native kernel in a child process: ~40 CPU s of compiling, one worker waiting on it.  In a full
-# `pytest -n N` run (`make test`) that build starts here instead, when the session starts, in a
-# background process at the lowest CPU priority (nice 19): it runs on whatever core the workers leave
+# ----------------------------------------------------------------------------- the native builds
+# In a fresh clone the first test that calls the native kernel waits on its build (~25 s on 2 cores),
+# and tests/ops/native/test_native_gemm.py::test_portable_variant_matches_oracle builds the portable
+# variant in a child process: ~40 CPU s of compiling, one worker waiting on it.  In a full
+# `pytest -n N` run (`make test`) both builds start here instead, when the session starts: the
+# machine's variant at normal priority (it overlaps collection and the first tests), the portable
+# one in a background process at the lowest CPU priority (nice 19): it runs on whatever core the workers leave
 # idle (while one waits on the main variant's build, on a lab model another trains, on a sleeping
 # rank), and the build directory's flock makes the test's child wait for a build under way, then load
 # it.  At worst the test waits as it did.  Only where the work is certain to be wanted: the xdist
@@ -73,6 +75,18 @@ def pytest_sessionstart(session):
         return
     from tests.ops.native import portable
 
+    # the machine's own variant first, at normal priority: the first test that runs the kernel
+    # (in a fresh clone, one in tests/faults) otherwise waited ~25 s on its build; started here
+    # it overlaps collection and the first tests, and that test's flock waits for what is left
+    main = subprocess.Popen(
+        [sys.executable, "-c", portable.BUILD_MAIN],
+        env=portable.env_main(),
+        cwd=portable.ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    _PORTABLE_BUILD.append(main)
     p = subprocess.Popen(
         [sys.executable, "-c", portable.BUILD],
         env=portable.env(),
@@ -87,7 +101,7 @@ def pytest_sessionstart(session):
 
 
 def pytest_unconfigure(config):
-    """A portable build still running when the session ends (an interrupted run) is stopped with
+    """A build still running when the session ends (an interrupted run) is stopped with
     SIGINT, as Ctrl-C would: torch's cpp_extension then removes its ``lock`` file in the build
     directory on the way out (a process killed outright leaves it, and every later build of that
     directory waits on it for ever), and ninja stops its compiler."""

@@ -22,6 +22,20 @@ build.load()
 """
 
 
+#: builds (or loads the cached) variant this machine runs, every source (the root conftest starts
+#: it first in a full run: the suite's first native call would otherwise wait on it)
+BUILD_MAIN = """
+from attnlab.ops.native import build
+build.load()
+"""
+
+
+def env_main() -> dict[str, str]:
+    """The main build's environment: the caller's, with this checkout's attnlab first on the path
+    (a variant or bf16 path forced by the caller is kept: it is the one the tests will load)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
 def env() -> dict[str, str]:
     """The child's environment: the portable variant (no -m flag), the bf16-pairs forward
     (emulated without avx512_bf16), and this checkout's attnlab and tests first on the path."""
