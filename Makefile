@@ -47,7 +47,7 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 	$(BIN)/mypy src/attnlab > $(VENV)/mypy.log 2>&1 & types=$$!; \
-	$(BIN)/python -m pytest -n 2 --dist worksteal --durations=15; tests=$$?; \
+	$(BIN)/python -m pytest -n 2 --durations=15; tests=$$?; \
 	wait $$types; typed=$$?; echo "mypy src/attnlab:"; cat $(VENV)/mypy.log; \
 	test $$tests = 0 && test $$typed = 0
 

@@ -100,23 +100,6 @@ def pytest_sessionstart(session):
     _PORTABLE_BUILD.append(p)
 
 
-# The modules whose first test waits longest in a fresh clone (Triton's sm_80/sm_90 compiles ~96 s,
-# the lab's trained models 20-27 s each), scheduled first: collected in place they could start
-# late and run on one worker while the other, its queue empty, idled.
-_LONG_FIRST = (
-    "tests/ops/triton/test_resources.py",
-    "tests/lab/test_claims_lab.py",
-    "tests/interp/test_patching.py",
-    "tests/lab/test_claims_alternatives.py",
-)
-
-
-def pytest_collection_modifyitems(session, config, items):
-    first = [it for it in items if it.nodeid.startswith(_LONG_FIRST)]
-    if first and len(first) < len(items):
-        items[:] = first + [it for it in items if not it.nodeid.startswith(_LONG_FIRST)]
-
-
 def pytest_unconfigure(config):
     """A build still running when the session ends (an interrupted run) is stopped with
     SIGINT, as Ctrl-C would: torch's cpp_extension then removes its ``lock`` file in the build
