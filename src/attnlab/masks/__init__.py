@@ -41,7 +41,7 @@ tile classification), :mod:`~attnlab.masks.builtins`, :mod:`~attnlab.masks.extra
 
 from __future__ import annotations
 
-from attnlab.masks.base import Mask
+from attnlab.masks.base import Mask, describe
 from attnlab.masks.blockmask import EMPTY, FULL, PARTIAL, BlockMask
 from attnlab.masks.builtins import (
     causal,
@@ -73,6 +73,7 @@ __all__ = [
     "custom",
     "dense",
     "dense_mask",
+    "describe",
     "document",
     "key_padding",
     "mask_from_key",

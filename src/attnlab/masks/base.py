@@ -209,3 +209,12 @@ def _check_mask(m, op):
     if not isinstance(m, Mask):
         raise TypeError(f"mask {op}: expected an attnlab mask, got {type(m).__name__}")
     return m
+
+
+def describe(mask: object) -> str:
+    """``repr(mask)`` for messages, or its class name while ``torch.compile`` traces (a
+    dataclass's repr guards against recursion by thread id, which does not trace: a BlockMask in
+    a reason string broke a ``fullgraph=True`` compile)."""
+    if torch.compiler.is_compiling():
+        return f"<{type(mask).__name__}>"
+    return repr(mask)

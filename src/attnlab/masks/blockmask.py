@@ -95,6 +95,13 @@ class BlockMask:
                 self._tile_bytes += t.numel()
         return t
 
+    @property
+    def has_partial_bits(self) -> bool:
+        """Whether :meth:`partial_bits` is evaluated and cached already: then reading it costs no
+        predicate call, and a ``torch.compile``'d call can hand the tiles to the native kernel
+        (evaluating a predicate does not trace; call ``partial_bits()`` once before compiling)."""
+        return self._bits is not None
+
     def partial_bits(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(bits, tile_id)``: the predicate on the partial tiles only, bit-packed; evaluated
         once and cached on this BlockMask (the forward, the backward and later calls reuse it).

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attnlab.masks import BlockMask, Mask
+from attnlab.masks import BlockMask, Mask, describe
 from attnlab.ops.flash import refuse_double_backward
 
 # A causal mask whose queries sit after the first key (a prefill chunk over a cache) is
@@ -59,7 +59,7 @@ def sdpa_unsupported(q, k, mask, score_mod, q_offset, kv_offset, return_lse) -> 
         return None
     if mask is not None:
         if not is_causal_mask(mask):
-            return f"SDPA maps only no mask, causal() or key_padding(), got {mask!r}"
+            return f"SDPA maps only no mask, causal() or key_padding(), got {describe(mask)}"
         if q_offset < kv_offset:
             return (
                 f"with q_offset {q_offset} < kv_offset {kv_offset} the first rows see no key; SDPA would give "

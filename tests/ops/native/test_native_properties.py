@@ -255,6 +255,51 @@ def test_compiled_call_runs_the_native_op(native_ext):
         assert torch.equal(a, b)
 
 
+def _graph_ops(f, *args):
+    """``f`` compiled with fullgraph=True (aot_eager after recording), its result and the
+    call targets of the graph dynamo traced."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    out = torch.compile(f, fullgraph=True, backend=record)(*args)
+    return out, {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+
+
+def test_compiled_block_mask_with_evaluated_tiles_runs_the_native_op(native_ext):
+    """A mask with no structure is read through its BlockMask's evaluated partial tiles, which
+    tracing cannot compute: a BlockMask whose partial_bits() ran before compiling is handed to
+    the kernel as it is (forward and backward give the eager native bits); one without them
+    runs the flash op, still one graph; neither breaks fullgraph=True (a BlockMask's dataclass
+    repr in a reason string did)."""
+    q, k, v = make_qkv(1, 2, 1, 40, 56, 16, seed=4)
+    m = masks.custom(lambda b, h, qi, kv: (qi - kv) % 3 != 1)
+    bm = m.block_mask(1, 2, 40, 56, q_offset=16, block=(16, 16))
+    assert not bm.has_partial_bits
+
+    def f(q, k, v, mask):
+        return attnlab.attention(q, k, v, mask=mask, backend="auto")
+
+    flash_out, ops = _graph_ops(f, q, k, v, bm)
+    assert "attnlab.flash_fwd" in ops and "attnlab.native_fwd" not in ops
+    oracle = attnlab.attention(q.double(), k.double(), v.double(), mask=m, backend="reference")
+    assert_close_rule(flash_out, attnlab.attention(q, k, v, mask=m, backend="reference"), oracle, torch.float32)
+
+    bm.partial_bits()
+    assert bm.has_partial_bits
+    eager = _grads(q, k, v, mask=bm, backend="native")
+    qc, kc, vc = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, ops = _graph_ops(f, qc, kc, vc, bm)
+    assert "attnlab.native_fwd" in ops
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    grads = torch.autograd.grad(out, (qc, kc, vc), g)
+    assert torch.equal(out, eager[0])
+    for a, b in zip(grads, eager[2:], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_threads_give_the_same_bits(native_ext):
     """One parallel region of independent work items: 2 threads compute what 1 thread does,
     bit for bit (forward and both backward passes)."""

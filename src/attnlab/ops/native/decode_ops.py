@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnlab.masks import describe
 from attnlab.ops.native import build
 from attnlab.ops.native.structure import DECODE_IMPLEMENTED, band_of, structure_of
 
@@ -145,7 +146,7 @@ def plan(q, store_dtype, mask, score_mod, backend, B, grads=(), scale=None):
         return None, "torch.func transform"
     s = structure_of(mask)
     if s is None:
-        return None, f"mask {mask!r} has no structure the kernel implements"
+        return None, f"mask {describe(mask)} has no structure the kernel implements"
     if not s.fields() <= DECODE_IMPLEMENTED:
         return None, f"mask fields {sorted(s.fields() - DECODE_IMPLEMENTED)} are not implemented by the decode kernel"
     if s.kv_len is not None and (

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnlab.masks import BlockMask, MaskStructure
+from attnlab.masks import BlockMask, MaskStructure, describe
 from attnlab.ops.flash import DOUBLE_BACKWARD, DoubleBackwardError
 from attnlab.ops.native import build
 from attnlab.ops.native.structure import IMPLEMENTED, band_of, structure_of
@@ -263,9 +263,17 @@ def plan(q, k, v, mask, score_mod, q_offset, kv_offset):
         if why is not None:
             return None, why
         out: MaskStructure | BlockMask = s
+    elif compiling:
+        # classifying tiles and evaluating a predicate do not trace: a BlockMask whose partial
+        # tiles are evaluated already (partial_bits() called before compiling) is read as it is,
+        # at its own tiles (the kernel reads any); anything else runs the flash op
+        if not (isinstance(mask, BlockMask) and mask.has_partial_bits):
+            return None, (
+                f"mask {describe(mask)} under torch.compile: build its BlockMask and call its partial_bits() "
+                "before compiling to run the native kernel"
+            )
+        out = mask
     else:
-        if compiling:  # classifying and evaluating a predicate does not trace
-            return None, f"mask {mask!r} is evaluated through a BlockMask (not under torch.compile)"
         B, H, Nq, Nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         out = tiles_for(mask, B, H, Nq, Nk, q_offset, kv_offset, blocks(q.shape[-1]))
     if not (build.loaded() if compiling else build.load() is not None):
