@@ -55,7 +55,7 @@ def pytest_configure(config):
 # rank), and the build directory's flock makes the test's child wait for a build under way, then load
 # it.  At worst the test waits as it did.  Only where the work is certain to be wanted: the xdist
 # controller of a run of the whole testpaths, with no -k / -m / --lf selection.
-_PORTABLE_BUILD: list = []
+_BUILDS: list = []
 
 
 def pytest_sessionstart(session):
@@ -75,29 +75,25 @@ def pytest_sessionstart(session):
         return
     from tests.ops.native import portable
 
+    def start(code: str, env: dict, nice: int) -> None:
+        p = subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=env,
+            cwd=portable.ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: ninja and the compiler end with it
+        )
+        if nice:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, p.pid, nice)  # before it starts ninja (it imports torch first)
+        _BUILDS.append(p)
+
     # the machine's own variant first, at normal priority: the first test that runs the kernel
     # (in a fresh clone, one in tests/faults) otherwise waited ~25 s on its build; started here
     # it overlaps collection and the first tests, and that test's flock waits for what is left
-    main = subprocess.Popen(
-        [sys.executable, "-c", portable.BUILD_MAIN],
-        env=portable.env_main(),
-        cwd=portable.ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    _PORTABLE_BUILD.append(main)
-    p = subprocess.Popen(
-        [sys.executable, "-c", portable.BUILD],
-        env=portable.env(),
-        cwd=portable.ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,  # its own process group: ninja and the compiler end with it
-    )
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, p.pid, 19)  # before it starts ninja (it imports torch first)
-    _PORTABLE_BUILD.append(p)
+    start(portable.BUILD_MAIN, portable.env_main(), 0)
+    start(portable.BUILD, portable.env(), 19)
 
 
 def pytest_unconfigure(config):
@@ -108,8 +104,8 @@ def pytest_unconfigure(config):
     import signal
     import subprocess
 
-    while _PORTABLE_BUILD:
-        p = _PORTABLE_BUILD.pop()
+    while _BUILDS:
+        p = _BUILDS.pop()
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGINT)

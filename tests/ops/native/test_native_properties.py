@@ -14,7 +14,7 @@ import attnlab
 from attnlab import masks
 from attnlab.ops.native.ops import blocks, plan
 from tests.helpers import assert_close_rule
-from tests.ops.conftest import make_qkv, run_case
+from tests.ops.conftest import dense_allowed, make_qkv, run_case
 
 
 def _grads(q, k, v, seed=3, **kw):
@@ -110,19 +110,7 @@ def test_bf16_meets_flex_rule(shape, mask, native_ext):
     m = {None: None, "causal": masks.causal(), "window": masks.sliding_window(16)}[mask]
     q, k, v = make_qkv(B, H, Hkv, Nq, Nk, D, dtype=torch.bfloat16, seed=11)
     qo = Nk - Nq
-    allowed = (
-        torch.ones(B, H, Nq, Nk, dtype=torch.bool)
-        if m is None
-        else torch.broadcast_to(
-            m(
-                torch.arange(B).view(-1, 1, 1, 1),
-                torch.arange(H).view(1, -1, 1, 1),
-                (torch.arange(Nq) + qo).view(1, 1, -1, 1),
-                torch.arange(Nk).view(1, 1, 1, -1),
-            ),
-            (B, H, Nq, Nk),
-        )
-    )
+    allowed = dense_allowed(m, B, H, Nq, Nk, qo)
     scale = 1 / math.sqrt(D)
     gout = torch.randn(B, H, Nq, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     res = {}
@@ -215,15 +203,7 @@ def test_bf16_forward_random_masks_meet_flex_rule(Hkv, G, Nq, Nk, D, Dv, kind, w
     q, k, v = make_qkv(1, Hkv * G, Hkv, Nq, Nk, D, Dv, dtype=torch.bfloat16, seed=seed)
     qo = Nk - Nq
     assert plan(q, k, v, m, None, qo, 0)[0] is not None
-    allowed = torch.broadcast_to(
-        m(
-            torch.zeros(1, 1, 1, 1, dtype=torch.long),
-            torch.arange(Hkv * G).view(1, -1, 1, 1),
-            (torch.arange(Nq) + qo).view(1, 1, -1, 1),
-            torch.arange(Nk).view(1, 1, 1, -1),
-        ),
-        (1, Hkv * G, Nq, Nk),
-    )
+    allowed = dense_allowed(m, 1, Hkv * G, Nq, Nk, qo)
     seen = allowed.any(-1)
     scale = 1 / math.sqrt(D)
     with torch.no_grad():

@@ -188,21 +188,50 @@ inline float hsum_tree(vf s) {
 
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
-// max(x[0:n]) (n a multiple of W), the row read once, nothing stored.  Four running maxima
-// (one chained max per vector waited on its latency each step: a 17-vector row spent more
-// cycles there than in its loads); the max of a set is the same whatever the grouping
-inline float row_max(const float* x, int64_t n) {
-  vf m0 = vload(x), m1 = m0, m2 = m0, m3 = m0;
-  int64_t c = W;
-  for (; c + 4 * W <= n; c += 4 * W) {
+// The bf16 path's softmax step on a row whose visible columns in the tile are one range
+// [lo, hi) (0 <= lo < hi <= n, n a multiple of W): the vectors that meet it are read, the lanes
+// of its two edge vectors outside it masked in registers (-inf for the max, 0 for P), so no
+// -inf is written into the row and no column outside it is visited.  Lanes outside the range
+// may hold anything (a hidden key's inf or NaN score): they are never used.
+using attnlab_rows::vi;
+inline vi lane_index() {
+  vi v;
+  for (int j = 0; j < W; ++j) v[j] = j;
+  return v;
+}
+// lanes k + [0, W) of [lo, hi): all ones where inside
+inline vi lanes_in(vi io, int64_t k, int64_t lo, int64_t hi) {
+  const int32_t a = static_cast<int32_t>(std::max<int64_t>(lo - k, -1)),
+                z = static_cast<int32_t>(std::min<int64_t>(hi - k, W + 1));
+  return (io >= a) & (io < z);
+}
+
+// max of x[lo, hi) (unscaled: the scale commutes with the max, scale > 0): four running maxima
+// on the vectors between the two edge vectors (one chained max per vector waited on its latency
+// each step: a 17-vector row spent more cycles there than in its loads; the max of a set is the
+// same whatever the grouping)
+inline float span_max(const float* x, int64_t lo, int64_t hi) {
+  const int64_t a = lo / W * W, z = (hi + W - 1) / W * W;
+  const vi io = lane_index();
+  const vf ninf = attnlab_rows::splat(-__builtin_inff());
+  const vf first = lanes_in(io, a, lo, hi) ? vload(x + a) : ninf;
+  if (z - a == W) return hmax_tree(first);
+  const vf last = lanes_in(io, z - W, lo, hi) ? vload(x + z - W) : ninf;
+  vf m0 = first, m1 = last, m2 = ninf, m3 = ninf;
+  int64_t c = a + W;
+  for (; c + 4 * W <= z - W; c += 4 * W) {
     m0 = vmax(m0, vload(x + c));
     m1 = vmax(m1, vload(x + c + W));
     m2 = vmax(m2, vload(x + c + 2 * W));
     m3 = vmax(m3, vload(x + c + 3 * W));
   }
-  for (; c < n; c += W) m0 = vmax(m0, vload(x + c));
+  for (; c < z - W; c += W) m0 = vmax(m0, vload(x + c));
   return hmax_tree(vmax(vmax(m0, m1), vmax(m2, m3)));
 }
+
+// max(x[0:n]) (n a multiple of W, n >= W), the row read once, nothing stored: span_max on the
+// whole row
+inline float row_max(const float* x, int64_t n) { return span_max(x, 0, n); }
 
 constexpr float LOG2E = 1.44269504088896341f;
 
@@ -266,6 +295,18 @@ inline bool all_finite(const float* x, int64_t n) {
   return bad == 0;
 }
 
+// one vector of the bf16 P row: P at columns k + [0, W) (EDGE: 0 on the lanes outside keep),
+// written as bf16; returns it (float32)
+template <bool RAW, bool EDGE = false>
+inline vf exp2_bf16_at(const float* x, uint16_t* out, int64_t k, float c, float mb, vi keep = vi{}) {
+  const vf t = RAW ? vload(x + k) * c - mb : (vload(x + k) - mb) * c;
+  vf p = exp2_v(t);
+  if constexpr (EDGE) p = keep ? p : vf{};
+  const vh h = to_bf16_v(p);
+  std::memcpy(out + k, &h, sizeof h);
+  return p;
+}
+
 // The bf16 path's P row: out[0:n] = bf16(exp(s - m)) (n a multiple of W); returns the float32
 // sum of the unrounded values.  exp(s - m) = 2^((s - m) · log2 e): RAW, x holds unscaled
 // scores (s = x · scale, scale > 0) and the exponent is one FMA, x · c - mb (c = scale ·
@@ -274,72 +315,8 @@ inline bool all_finite(const float* x, int64_t n) {
 template <bool RAW>
 inline float row_exp2_bf16(const float* x, uint16_t* out, int64_t n, float c, float mb) {
   vf s = vf{};
-  for (int64_t k = 0; k < n; k += W) {
-    const vf t = RAW ? vload(x + k) * c - mb : (vload(x + k) - mb) * c;
-    const vf p = exp2_v(t);
-    const vh h = to_bf16_v(p);
-    std::memcpy(out + k, &h, sizeof h);
-    s += p;
-  }
+  for (int64_t k = 0; k < n; k += W) s += exp2_bf16_at<RAW>(x, out, k, c, mb);
   return hsum_tree(s);
-}
-
-
-// The bf16 path's softmax step on a row whose visible columns in the tile are one range
-// [lo, hi) (0 <= lo < hi <= n, n a multiple of W): the vectors that meet it are read, the lanes
-// of its two edge vectors outside it masked in registers (-inf for the max, 0 for P), so no
-// -inf is written into the row and no column outside it is visited.  Lanes outside the range
-// may hold anything (a hidden key's inf or NaN score): they are never used.
-using attnlab_rows::vi;
-inline vi lane_index() {
-  vi v;
-  for (int j = 0; j < W; ++j) v[j] = j;
-  return v;
-}
-// lanes k + [0, W) of [lo, hi): all ones where inside
-inline vi lanes_in(vi io, int64_t k, int64_t lo, int64_t hi) {
-  const int32_t a = static_cast<int32_t>(std::max<int64_t>(lo - k, -1)),
-                z = static_cast<int32_t>(std::min<int64_t>(hi - k, W + 1));
-  return (io >= a) & (io < z);
-}
-
-// max of x[lo, hi) (unscaled: the scale commutes with the max, scale > 0): row_max's four
-// running maxima on the vectors between the two edge vectors
-inline float span_max(const float* x, int64_t lo, int64_t hi) {
-  const int64_t a = lo / W * W, z = (hi + W - 1) / W * W;
-  const vi io = lane_index();
-  const vf ninf = attnlab_rows::splat(-__builtin_inff());
-  const vf first = lanes_in(io, a, lo, hi) ? vload(x + a) : ninf;
-  if (z - a == W) return hmax_tree(first);
-  const vf last = lanes_in(io, z - W, lo, hi) ? vload(x + z - W) : ninf;
-  vf m0 = first, m1 = last, m2 = ninf, m3 = ninf;
-  int64_t c = a + W;
-  for (; c + 4 * W <= z - W; c += 4 * W) {
-    m0 = vmax(m0, vload(x + c));
-    m1 = vmax(m1, vload(x + c + W));
-    m2 = vmax(m2, vload(x + c + 2 * W));
-    m3 = vmax(m3, vload(x + c + 3 * W));
-  }
-  for (; c < z - W; c += W) m0 = vmax(m0, vload(x + c));
-  return hmax_tree(vmax(vmax(m0, m1), vmax(m2, m3)));
-}
-
-// one vector of span_exp2_bf16: P at columns k + [0, W), written as bf16; returns it (float32)
-template <bool RAW>
-inline vf exp2_bf16_at(const float* x, uint16_t* out, int64_t k, float c, float mb) {
-  const vf t = RAW ? vload(x + k) * c - mb : (vload(x + k) - mb) * c;
-  const vf p = exp2_v(t);
-  const vh h = to_bf16_v(p);
-  std::memcpy(out + k, &h, sizeof h);
-  return p;
-}
-template <bool RAW>
-inline vf exp2_bf16_edge(const float* x, uint16_t* out, int64_t k, float c, float mb, vi io, int64_t lo, int64_t hi) {
-  const vf t = RAW ? vload(x + k) * c - mb : (vload(x + k) - mb) * c;
-  const vf p = lanes_in(io, k, lo, hi) ? exp2_v(t) : vf{};
-  const vh h = to_bf16_v(p);
-  std::memcpy(out + k, &h, sizeof h);
-  return p;
 }
 
 // out[0:n] = bf16(exp(s - m)) on [lo, hi), exactly 0 elsewhere; returns the float32 sum of the
@@ -352,9 +329,9 @@ inline float span_exp2_bf16(const float* x, uint16_t* out, int64_t n, int64_t lo
   const vh zero = vh{};
   for (int64_t k = 0; k < a; k += W) std::memcpy(out + k, &zero, sizeof zero);
   for (int64_t k = z; k < n; k += W) std::memcpy(out + k, &zero, sizeof zero);
-  vf s = exp2_bf16_edge<RAW>(x, out, a, c, mb, io, lo, hi);
+  vf s = exp2_bf16_at<RAW, true>(x, out, a, c, mb, lanes_in(io, a, lo, hi));
   for (int64_t k = a + W; k < z - W; k += W) s += exp2_bf16_at<RAW>(x, out, k, c, mb);
-  if (z - W > a) s += exp2_bf16_edge<RAW>(x, out, z - W, c, mb, io, lo, hi);
+  if (z - W > a) s += exp2_bf16_at<RAW, true>(x, out, z - W, c, mb, lanes_in(io, z - W, lo, hi));
   return hsum_tree(s);
 }
 
