@@ -5,11 +5,17 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 SUM     := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # The demo's install skips byte-compiling (--no-compile: 16 s less of a fresh install; modules are
-# compiled as they are first imported).  The tests' install compiles every installed module before
-# the run (compiling on first import inside it slowed the spawned ranks of the distributed fault
-# tests past their bounds), on every core: pip compiles on one (a fresh install 58 s, 32 s of it
-# compiling; --no-compile and compileall on 2 cores: 25 s + 17 s).  Files that do not compile
-# (torch ships Python 3.12 syntax in its testing helpers) are left as pip leaves them.
+# compiled as they are first imported).  The tests' install compiles, on every core, the packages
+# every test process imports (scripts/precompile.py: attnlab's requirements, pytest, hypothesis,
+# triton and what they require; compiling them on first import inside the run slowed the spawned
+# ranks of the distributed fault tests past their bounds).  pip would compile all of the venv on
+# one core (a fresh install 58 s, 32 s of it compiling); all of it on 2 cores took 22 s, these 7 s.
+# The rest (transformers' model folders, pandas, scipy, ...: the tests import a tenth of it)
+# compiles on first import, once: bytecode is written (a PYTHONDONTWRITEBYTECODE in the caller's
+# environment would make every worker and spawned process compile attnlab, the test modules and
+# those packages again, and pytest rewrite every test module's asserts again: 11 s of collection
+# per worker instead of 5).
+unexport PYTHONDONTWRITEBYTECODE
 # Two stamps: the demo needs attnlab and transformers (the pretrained MiniLM) only; the
 # tests add pytest, triton, transformer-lens (with wandb, datasets, pandas, pyarrow) and
 # playwright.  The test stamp implies the demo one (a superset is installed).
@@ -28,7 +34,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q --no-compile -e '.[test,transformers,triton,interp-parity]'
-	$(BIN)/python -c "import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)"
+	$(BIN)/python scripts/precompile.py
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP) $(DEMO_STAMP)
 

@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -87,6 +88,9 @@ def _decode_variants(arch, dtype, D) -> list:
 
 #: the old dK/dV default at D = 128 (32×128, 4 warps, 2 stages) for sm_90, bfloat16
 SPILLING = resources.Variant("dkdv", 90, "bfloat16", 128, "causal", (32, 128), 4, 2)
+#: a shipped spill-free kernel whose SASS listing is read anyway (``--list-sass``): the rule that
+#: skips the listing of a kernel with no stack frame and no local arrays, checked on a real cubin
+LISTED = resources.default_variants((90,), ("dkdv",), ("bfloat16",), (128,), ("causal",))[0]
 
 
 @pytest.fixture(scope="module")
@@ -105,13 +109,18 @@ def compiled(request) -> dict:
             groups.append(("decode", _decode_variants(p["arch"], p["dtype"], p["D"])))
         elif name == "test_a_spilling_config_is_reported":
             groups.append(("spilling", [SPILLING]))
+        elif name == "test_a_kernel_with_no_stack_frame_lists_no_spill":
+            groups.insert(0, ("listed", [LISTED]))  # first: `--list-sass 1` reads its listing
     variants = [v for _, vs in groups for v in vs]
-    rows = iter(_compile("--jobs", str(JOBS), variants=variants) if variants else [])
+    listed = str(int(bool(groups) and groups[0][0] == "listed"))
+    rows = iter(_compile("--jobs", str(JOBS), "--list-sass", listed, variants=variants) if variants else [])
     out: dict = {}
     for tag, vs in groups:
         for _ in vs:
             r = next(rows)
-            key = (tag,) if tag == "spilling" else (tag, r["kernel"], int(r["arch"][3:]), r["dtype"], r["D"])
+            key = (
+                (tag,) if tag in ("spilling", "listed") else (tag, r["kernel"], int(r["arch"][3:]), r["dtype"], r["D"])
+            )
             if tag == "decode":
                 key = key[:1] + key[2:]
             out.setdefault(key, []).append(r)
@@ -167,7 +176,45 @@ def test_a_spilling_config_is_reported(compiled):
     ident = [r[c] for c in ("kernel", "arch", "dtype", "D", "Nq", "mask", "tile", "warps", "stages")]
     assert ident == ["dkdv", "sm_90", "bfloat16", 128, 512, "causal", "32x128", 4, 2]
     assert r["registers"] == resources.REG_LIMIT and r["stack"] > 0 and r["spill_stores"] > 0 and r["spill_loads"] > 0
-    assert not r["spill_free"]
+    assert r["listed"] and not r["spill_free"]  # a stack frame: the listing was read
+
+
+def test_a_kernel_with_no_stack_frame_lists_no_spill(compiled):
+    """The listing of a shipped kernel with no stack frame and no local arrays, read anyway, holds
+    no local-memory access: what the other rows assume without reading it."""
+    (r,) = compiled[("listed",)]
+    assert [r[c] for c in ("kernel", "arch", "dtype", "D", "mask")] == ["dkdv", "sm_90", "bfloat16", 128, "causal"]
+    assert r["listed"] and r["stack"] == 0 and r["local"] == 0 and r["registers"] > 0
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0
+
+
+_RESOURCE_LINE = """
+Resource usage:
+ Common:
+  GLOBAL:11 CONSTANT[4]:8
+ Function attn_fwd:
+  REG:{reg} STACK:{stack} SHARED:0 LOCAL:{local} CONSTANT[0]:896 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+
+
+@pytest.mark.parametrize("stack,local,listing", [(0, 0, False), (0, 0, True), (176, 0, False), (0, 16, False)])
+def test_the_listing_is_read_only_where_local_memory_exists_or_asked(monkeypatch, stack, local, listing):
+    """``read_cubin`` runs ``cuobjdump -sass`` (0.3 s a kernel) only for a stack frame, local arrays
+    or ``listing=True``, and counts its spills from it; otherwise the counts are 0, unlisted."""
+    calls: list = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd[1])
+        out = _RESOURCE_LINE.format(reg=255, stack=stack, local=local) if cmd[1] == "--dump-resource-usage" else ""
+        out = out or "  STL.64 [R1+0x8], R4 ;\n  LDL [R1], R2 ;\n"
+        return SimpleNamespace(stdout=out, returncode=0)
+
+    monkeypatch.setattr(resources.subprocess, "run", fake_run)
+    got = resources.read_cubin(b"\0", listing=listing)
+    want_listed = listing or stack > 0 or local > 0
+    assert calls == ["--dump-resource-usage", "-sass"] if want_listed else calls == ["--dump-resource-usage"]
+    assert got["listed"] == want_listed and (got["stack"], got["local"], got["registers"]) == (stack, local, 255)
+    assert (got["spill_stores"], got["spill_loads"]) == ((8, 4) if want_listed else (0, 0))
 
 
 def test_the_command_line_overrides_the_tile_and_config(monkeypatch, capsys):
@@ -205,10 +252,12 @@ def test_rows_name_the_variant_compiled_or_failed(monkeypatch):
         "spill_loads",
         "stack",
         "shared",
+        "local",
+        "listed",
     ]
     assert [row[k] for k in ident] == ["dq", "sm_90", "float16", 128, 1, "none", "64x32", 8, 3]
 
-    def fail(variant):
+    def fail(variant, listing=False):
         raise RuntimeError("out of resources")
 
     monkeypatch.setattr(resources, "measure", fail)

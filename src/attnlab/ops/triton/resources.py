@@ -5,12 +5,17 @@
 is read with the ``cuobjdump`` that ships inside the triton package:
 
 * ``cuobjdump --dump-resource-usage`` gives the registers per thread (``REG``), the
-  stack frame (``STACK``, bytes per thread) and the static shared memory;
+  stack frame (``STACK``, bytes per thread), the local arrays (``LOCAL``) and the static
+  shared memory;
 * ``cuobjdump -sass`` gives the spill traffic: every ``STL``/``LDL`` (store to / load
   from local memory) is a spill, since the kernels declare no local arrays (float32's
   FMA-lowered IEEE dots use local memory heavily: docs/triton.md); the bytes
   are summed from the access widths (``STL.64`` = 8 bytes, ...), the same figures as
-  ``ptxas -v``'s "bytes spill stores / loads".
+  ``ptxas -v``'s "bytes spill stores / loads".  A kernel with no stack frame and no local
+  arrays has no local memory for an ``STL``/``LDL`` to address, so its spill traffic is 0
+  without the listing (0.3 s of ``cuobjdump -sass`` per kernel, against 2 ms for the
+  resource line): the listing is read only where ``STACK`` or ``LOCAL`` is not 0, or when
+  asked (``--list-sass``; the tests check the rule on a listed spill-free kernel).
 
 Each kernel is specialised exactly as a launch would specialise it: the launch
 arguments come from the real launchers (:func:`attnlab.ops.triton.autograd._forward`
@@ -113,6 +118,8 @@ class Usage:
     shared: int  # bytes per block: the kernel's dynamic shared memory (triton's metadata.shared)
     spill_stores: int  # bytes per thread (static count of STL widths)
     spill_loads: int
+    local: int = 0  # bytes per thread of local arrays (cuobjdump's LOCAL)
+    listed: bool = True  # the spill counts were read from the SASS listing (else: no stack, no local memory)
 
     @property
     def spill_free(self) -> bool:
@@ -130,6 +137,8 @@ class Usage:
             "spill_loads": self.spill_loads,
             "stack": self.stack,
             "shared": self.shared,
+            "local": self.local,
+            "listed": self.listed,
         }
 
 
@@ -243,13 +252,16 @@ def compile_variant(v: Variant):
     return triton.compile(src, target=target, options=options.__dict__), tile
 
 
-_RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)")
+_RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 _LOCAL = re.compile(r"\b(STL|LDL)(\.[A-Z0-9.]+)?\s")
 _WIDTH = {"8": 1, "U8": 1, "S8": 1, "16": 2, "U16": 2, "S16": 2, "64": 8, "128": 16}
 
 
-def read_cubin(cubin: bytes) -> dict:
-    """``{"registers", "stack", "shared", "spill_stores", "spill_loads"}`` of a one-kernel cubin."""
+def read_cubin(cubin: bytes, listing: bool = False) -> dict:
+    """``{"registers", "stack", "shared", "local", "spill_stores", "spill_loads", "listed"}`` of a
+    one-kernel cubin.  The SASS listing is read where the kernel has a stack frame or local arrays,
+    or with ``listing=True``; otherwise the spill counts are 0 (nothing to spill to) and
+    ``listed`` is False."""
     exe = tool("cuobjdump")
     if exe is None:
         raise RuntimeError("cuobjdump not found in the triton package (triton/backends/nvidia/bin)")
@@ -258,17 +270,23 @@ def read_cubin(cubin: bytes) -> dict:
         with open(path, "wb") as f:
             f.write(cubin)
         res = subprocess.run([exe, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([exe, "-sass", path], capture_output=True, text=True, check=True).stdout
-    m = _RES.search(res)
-    if m is None:
-        raise RuntimeError(f"cuobjdump printed no resource line:\n{res}")
-    stores, loads = spill_bytes(sass)
+        m = _RES.search(res)
+        if m is None:
+            raise RuntimeError(f"cuobjdump printed no resource line:\n{res}")
+        registers, stack, shared, local = (int(g) for g in m.groups())
+        listed = listing or stack > 0 or local > 0
+        stores = loads = 0
+        if listed:
+            sass = subprocess.run([exe, "-sass", path], capture_output=True, text=True, check=True).stdout
+            stores, loads = spill_bytes(sass)
     return {
-        "registers": int(m.group(1)),
-        "stack": int(m.group(2)),
-        "shared": int(m.group(3)),
+        "registers": registers,
+        "stack": stack,
+        "shared": shared,
+        "local": local,
         "spill_stores": stores,
         "spill_loads": loads,
+        "listed": listed,
     }
 
 
@@ -285,11 +303,12 @@ def spill_bytes(sass: str) -> tuple[int, int]:
     return spills["STL"], spills["LDL"]
 
 
-def measure(v: Variant) -> Usage:
-    """Compile ``v`` and read its resources (cached per process)."""
-    if v not in _CACHE:
+def measure(v: Variant, listing: bool = False) -> Usage:
+    """Compile ``v`` and read its resources (cached per process); ``listing``: read the SASS
+    listing whatever the stack frame (:func:`read_cubin`)."""
+    if v not in _CACHE or (listing and not _CACHE[v].listed):
         ck, tile = compile_variant(v)
-        got = read_cubin(ck.asm["cubin"])
+        got = read_cubin(ck.asm["cubin"], listing)
         got["shared"] = max(got["shared"], int(ck.metadata.shared))  # static (cuobjdump) or dynamic (launch)
         _CACHE[v] = Usage(v, tile, **got)
     return _CACHE[v]
@@ -325,9 +344,9 @@ def default_variants(
     return out
 
 
-def _row(v: Variant, on_error: str = "record") -> dict:
+def _row(v: Variant, on_error: str = "record", listing: bool = False) -> dict:
     try:
-        u = measure(v)
+        u = measure(v, listing)
         return u.row() | {"spill_free": u.spill_free, "fits": u.fits}
     except Exception as e:  # the compiler's own errors (e.g. shared memory) are part of the record
         if on_error == "raise":
@@ -335,20 +354,21 @@ def _row(v: Variant, on_error: str = "record") -> dict:
         return v.columns("?") | {"error": f"{type(e).__name__}: {str(e)[:200]}"}
 
 
-def run(variants, on_error="record", jobs: int = 1) -> list[dict]:
+def run(variants, on_error="record", jobs: int = 1, list_sass: int = 0) -> list[dict]:
     """Rows (see :meth:`Usage.row`) for ``variants``, in order; a failed compile gives a row
     with ``error`` (``on_error="raise"`` re-raises).  ``jobs > 1`` compiles in that many
-    worker processes (spawned: each defines the kernels for the GPU afresh)."""
+    worker processes (spawned: each defines the kernels for the GPU afresh).  The first
+    ``list_sass`` variants (-1: all) have their SASS listing read whatever their stack frame."""
     variants = list(variants)
+    listing = [list_sass < 0 or i < list_sass for i in range(len(variants))]
     if jobs <= 1 or len(variants) <= 1:
-        return [_row(v, on_error) for v in variants]
+        return [_row(v, on_error, lst) for v, lst in zip(variants, listing, strict=True)]
     import concurrent.futures
-    import functools
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(min(jobs, len(variants)), mp_context=ctx) as pool:
-        return list(pool.map(functools.partial(_row, on_error=on_error), variants))
+        return list(pool.map(_row, variants, [on_error] * len(variants), listing))
 
 
 _COLS = (
@@ -399,6 +419,14 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 unless every row compiled, spill-free and fitting")
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes (0 = one per CPU)")
     p.add_argument(
+        "--list-sass",
+        type=int,
+        default=0,
+        metavar="N",
+        help="read the SASS listing of the first N variants (-1 = all) even with no stack frame and no "
+        "local arrays, where their spill counts are 0 without it",
+    )
+    p.add_argument(
         "--variants",
         default=None,
         help="compile exactly these variants, a JSON list of Variant.fields() ('-' = stdin), in order; "
@@ -428,7 +456,7 @@ def main(argv=None) -> int:
                 for v in vs
             )
         )
-    rows = run(vs, jobs=a.jobs or os.cpu_count() or 1)
+    rows = run(vs, jobs=a.jobs or os.cpu_count() or 1, list_sass=a.list_sass)
     if a.json == "-":
         json.dump(rows, sys.stdout)
     else:
