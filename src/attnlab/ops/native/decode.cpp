@@ -23,7 +23,8 @@
 // read in place.  Out in q's dtype, lse float32 (natural log); rows that see no key give
 // 0 and -inf.
 // ATen and the operator registry only (no pybind, no torch/extension.h): a shorter compile
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

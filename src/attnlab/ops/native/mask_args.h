@@ -9,7 +9,7 @@
 // own, bq x bk, are best: then a kernel tile is one BlockMask tile; any other is read correctly).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 

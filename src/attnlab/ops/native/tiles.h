@@ -8,7 +8,9 @@
 // were one file), so the compiler sees and optimises them exactly as before the split.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
