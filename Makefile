@@ -30,9 +30,17 @@ $(DEMO_STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-demo-*
 	touch $(DEMO_STAMP)
 
+# The tests' install comes in two steps: attnlab's own requirements (torch, ninja, ...: CORE, read
+# from pyproject.toml's dependencies), then the native kernel's two builds start in the background
+# (tests/ops/native/portable.py; ~50 s of compiling) on the core pip leaves idle while it installs
+# the extras (~20 s on one core); the tests find them built or wait on the build under way.
+CORE := $(shell sed -n '/^dependencies = \[/,/^\]/s/^ *"\([^"]*\)".*/\1/p' pyproject.toml)
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q --no-compile $(CORE)
+	$(BIN)/python tests/ops/native/portable.py
 	$(BIN)/python -m pip install -q --no-compile -e '.[test,transformers,triton,interp-parity]'
 	$(BIN)/python scripts/precompile.py
 	rm -f $(VENV)/.installed-*

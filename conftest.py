@@ -59,8 +59,6 @@ _BUILDS: list = []
 
 
 def pytest_sessionstart(session):
-    import subprocess
-
     config = session.config
     whole_run = (
         config.args_source == pytest.Config.ArgsSource.TESTPATHS
@@ -75,25 +73,11 @@ def pytest_sessionstart(session):
         return
     from tests.ops.native import portable
 
-    def start(code: str, env: dict, nice: int) -> None:
-        p = subprocess.Popen(
-            [sys.executable, "-c", code],
-            env=env,
-            cwd=portable.ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # its own process group: ninja and the compiler end with it
-        )
-        if nice:
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, p.pid, nice)  # before it starts ninja (it imports torch first)
-        _BUILDS.append(p)
-
     # the machine's own variant first, at normal priority: the first test that runs the kernel
     # (in a fresh clone, one in tests/faults) otherwise waited ~25 s on its build; started here
     # it overlaps collection and the first tests, and that test's flock waits for what is left
-    start(portable.BUILD_MAIN, portable.env_main(), 0)
-    start(portable.BUILD, portable.env(), 19)
+    # (make test's install has usually started both already: these then wait or load)
+    _BUILDS.extend(portable.start_builds())
 
 
 def pytest_unconfigure(config):

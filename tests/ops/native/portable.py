@@ -1,14 +1,19 @@
-"""The portable build of the native kernel that test_native_gemm.py's child process checks.
+"""The native kernel's two builds a full test run needs, and how to start them early.
 
-Shared with the root conftest, which starts this build early in a full ``pytest -n N`` run, in
-the background at the lowest CPU priority, so that the test finds it built (its flock makes the
-test's child wait for a build under way, then load it).  No torch import here: the conftest
-reads this module in the pytest-xdist controller.
+The portable build is what test_native_gemm.py's child process checks; the machine's own
+variant is what every other native test loads.  The root conftest starts both when a full
+``pytest -n N`` run starts, and ``make test``'s install starts them as soon as torch is in the
+venv (``python tests/ops/native/portable.py``), on the core pip leaves idle while it installs
+the rest: the tests then find them built, or wait on the build under way (its flock), then load
+it.  No torch import here: the conftest reads this module in the pytest-xdist controller.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -45,3 +50,29 @@ def env() -> dict[str, str]:
         "ATTNLAB_NATIVE_BF16": "pairs",
         "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
+
+
+def start_builds() -> list[subprocess.Popen]:
+    """Start both builds in the background (or load them, when cached) and return at once: the
+    machine's own variant at normal priority (the suite's first native call waits on it), the
+    portable one at the lowest CPU priority (nice 19: it runs on whatever core is left idle).
+    Each runs in its own process group, so ninja and the compiler end with it."""
+    procs = []
+    for code, child_env, nice in ((BUILD_MAIN, env_main(), 0), (BUILD, env(), 19)):
+        p = subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=child_env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        if nice:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, p.pid, nice)  # before it starts ninja (it imports torch first)
+        procs.append(p)
+    return procs
+
+
+if __name__ == "__main__":
+    start_builds()  # make test's install: the builds go on after this returns
