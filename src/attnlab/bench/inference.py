@@ -44,18 +44,16 @@ def _median_time(fn, reps):
 
 
 def decode_speed(reps=3, new_tokens=128, shapes=((4, 256, 4096, 1), (4, 256, 4096, 8), (2, 128, 1024, 1))):
-    import transformers
+    from transformers.models.gpt2 import GPT2Config, GPT2LMHeadModel
 
     from attnlab.generate import generate
     from attnlab.models import load
 
     rows = []
     for L, D, V, B in shapes:
-        cfg = transformers.GPT2Config(
-            n_layer=L, n_embd=D, n_head=4, vocab_size=V, n_positions=1024, bos_token_id=0, eos_token_id=0
-        )
+        cfg = GPT2Config(n_layer=L, n_embd=D, n_head=4, vocab_size=V, n_positions=1024, bos_token_id=0, eos_token_id=0)
         torch.manual_seed(0)
-        hf = transformers.GPT2LMHeadModel(cfg).eval()
+        hf = GPT2LMHeadModel(cfg).eval()
         with tempfile.TemporaryDirectory() as d:
             hf.save_pretrained(d)
             ours, _ = load(d)

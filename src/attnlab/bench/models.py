@@ -55,11 +55,11 @@ SENTENCES = [
 
 
 def _gpt2_pair(shape: GPTShape, dtype):
-    import transformers
+    from transformers.models.gpt2 import GPT2Config, GPT2LMHeadModel
 
     from attnlab.models import load
 
-    cfg = transformers.GPT2Config(
+    cfg = GPT2Config(
         n_layer=shape.n_layer,
         n_embd=shape.n_embd,
         n_head=shape.n_head,
@@ -70,7 +70,7 @@ def _gpt2_pair(shape: GPTShape, dtype):
         attn_pdrop=0.0,
     )
     torch.manual_seed(0)
-    hf = transformers.GPT2LMHeadModel(cfg)
+    hf = GPT2LMHeadModel(cfg)
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         ours, _ = load(d)
@@ -111,8 +111,8 @@ def cases(quick: bool):
 
 
 def run(reps: int = 5, quick: bool = False, progress: bool = True) -> dict:
-    import transformers
     from tqdm import tqdm
+    from transformers.models.bert import BertModel
 
     from attnlab.models import load, minilm_path
     from attnlab.nn import mean_pool
@@ -157,7 +157,7 @@ def run(reps: int = 5, quick: bool = False, progress: bool = True) -> dict:
     out["cases"].append(_case("gpt2 train step f32", "tokens/s", tokens, t, {}))
 
     ours, tok = load("minilm")
-    hf = transformers.BertModel.from_pretrained(str(minilm_path())).eval()  # transformers' default attention (sdpa)
+    hf = BertModel.from_pretrained(str(minilm_path())).eval()  # transformers' default attention (sdpa)
     sents = (SENTENCES * 7)[: 64 if not quick else 16]
     batch = tok(sents)
 
