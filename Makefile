@@ -35,6 +35,9 @@ $(DEMO_STAMP): pyproject.toml
 # (tests/ops/native/portable.py; ~50 s of compiling) on the core pip leaves idle while it installs
 # the extras (~20 s on one core); the tests find them built or wait on the build under way.
 CORE := $(shell sed -n '/^dependencies = \[/,/^\]/s/^ *"\([^"]*\)".*/\1/p' pyproject.toml)
+ifeq ($(filter torch==%,$(CORE)),)
+$(error pyproject.toml: no pinned torch in its `dependencies = [...]` block (one quoted requirement per line), CORE read "$(CORE)")
+endif
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
