@@ -12,8 +12,9 @@
 // * all_finite: the fast path's check of a finished row (an inf or NaN sends the q block to
 //   the careful path).
 // * row_exp2_bf16 / span_exp2_bf16 (and exp_s, the bf16 path's rescale factor): exp(s - m) as
-//   2^((s - m) · log2 e) (exp2_v: a degree-5 polynomial and an exponent scaling, within
-//   2e-7 relative, not rowmath.h's bits) and its float32 sum,
+//   2^((s - m) · log2 e) (exp2_v: a polynomial and an exponent scaling, not rowmath.h's
+//   bits: degree 4 for P, within 2.9e-6 relative, degree 5 for the rescale factors, within
+//   2e-7) and its float32 sum,
 //   written as bf16 (round to nearest even: vcvtneps2bf16 where the build has AVX512_BF16,
 //   gemm_bf16.h's to_bf16 on every lane elsewhere) straight into the P operand of P·V: no
 //   float32 P row, no scalar pack pass.  The bf16 path's P differs from the careful path's in
@@ -237,12 +238,19 @@ constexpr float LOG2E = 1.44269504088896341f;
 
 // 2^t for t <= 0 (up to rounding): t < -125 and -inf give exactly 0 (so no result is
 // denormal), NaN stays NaN.  2^t = 2^n · 2^f, n = round(t) (to nearest even, by adding and
-// subtracting 1.5 · 2^23: two adds, not vrndscaleps), f in [-1/2, 1/2]: a degree-5
-// polynomial with p(0) = 1 exactly (a near-minimax fit of 2^f, relative error under 2e-7 in
-// float32 Horner: 3 ulp; P is rounded to bf16, 2^-9, after it) and an exponent scaling
-// (vscalefps on AVX-512).  Degree 5, not 6: the exp step is bound by the FMA pipes (one FMA
-// less: window256 and doc8 bf16 2.5-4 % faster, one thread, 2026-12-04).
+// subtracting 1.5 · 2^23: two adds, not vrndscaleps), f in [-1/2, 1/2]: a polynomial with
+// p(0) = 1 exactly (near-minimax fits of 2^f) and an exponent scaling (vscalefps on AVX-512).
+// The exp step is bound by the FMA pipes, so its degree is what P needs: DEG = 5 (relative
+// error under 2e-7 in float32 Horner: 3 ulp) for the rescale factors (exp_s), which multiply
+// the running sums tile after tile; DEG = 4 (under 2.9e-6) for P, which is rounded to bf16
+// (2^-9) after it, and whose unrounded values sum to the row's l (the LSE then within 2.3e-6
+// of float64: test_bf16_lse_is_the_float32_softmax_normaliser).  Degree 6 -> 5 (2026-12-04)
+// took window256 and doc8 bf16 to 0.975 and 0.96 of their time at one thread; 5 -> 4 for P
+// (2026-12-05, scripts/ab_native.sh, best of 5 alternating rounds) to 0.97-1.00 and 0.96-0.97
+// at one thread (two runs), 0.975 and 0.984 at two.
+template <int DEG = 5>
 inline vf exp2_v(vf t) {
+  static_assert(DEG == 4 || DEG == 5, "exp2_v: degree 4 (P) or 5 (the rescale factors)");
   const vf lo = attnlab_rows::splat(-125.0f);
 #if ATTNLAB_GEMM_W == 16
   __m512 tm, lm;
@@ -259,11 +267,19 @@ inline vf exp2_v(vf t) {
   const vf n = (tc + 12582912.0f) - 12582912.0f;  // round to nearest
   const vf f = tc - n;
 #endif
-  vf p = attnlab_rows::splat(0.001326472731307149f);
-  p = p * f + 0.009671512991189957f;
-  p = p * f + 0.05550733581185341f;
-  p = p * f + 0.24022242426872253f;
-  p = p * f + 0.6931470036506653f;
+  vf p;
+  if constexpr (DEG == 5) {
+    p = attnlab_rows::splat(0.001326472731307149f);
+    p = p * f + 0.009671512991189957f;
+    p = p * f + 0.05550733581185341f;
+    p = p * f + 0.24022242426872253f;
+    p = p * f + 0.6931470036506653f;
+  } else {  // relative error under 2.9e-6 in float32 Horner, p(0) = 1 exactly
+    p = attnlab_rows::splat(0.009582744911313057f);
+    p = p * f + 0.05590614303946495f;
+    p = p * f + 0.24024099111557007f;
+    p = p * f + 0.6931242346763611f;
+  }
   p = p * f + 1.0f;
 #if ATTNLAB_GEMM_W == 16
   __m512 pm;
@@ -300,7 +316,7 @@ inline bool all_finite(const float* x, int64_t n) {
 template <bool RAW, bool EDGE = false>
 inline vf exp2_bf16_at(const float* x, uint16_t* out, int64_t k, float c, float mb, vi keep = vi{}) {
   const vf t = RAW ? vload(x + k) * c - mb : (vload(x + k) - mb) * c;
-  vf p = exp2_v(t);
+  vf p = exp2_v<4>(t);
   if constexpr (EDGE) p = keep ? p : vf{};
   const vh h = to_bf16_v(p);
   std::memcpy(out + k, &h, sizeof h);
