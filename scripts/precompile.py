@@ -15,7 +15,8 @@ other optional parts, about two thirds of its bytecode, of which the tests impor
 in its testing helpers) are left as pip leaves them.
 
 Usage: ``python scripts/precompile.py [DIST ...]`` with the venv's python (default: the roots
-above); ``--list`` prints the distributions instead.
+above, each skipped where it is not installed; a DIST named here must be); ``--list`` prints
+the distributions instead.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ def main(argv=None) -> int:
     p.add_argument("dists", nargs="*", default=list(ROOTS))
     p.add_argument("--list", action="store_true", help="print the distributions and their file counts")
     a = p.parse_args(argv)
+    named = [d for d in a.dists if d not in ROOTS]  # asked for by name: must be installed
+    missing = [d for d in named if not closure([d])]
+    if missing:
+        p.error(f"not installed in this environment: {', '.join(missing)}")
     dists = closure(a.dists)
     if a.list:
         for d in dists:
