@@ -46,6 +46,47 @@ def test_best_time_is_the_fastest_timed_run():
     assert 0.03 <= t < 0.08
 
 
+def test_warm_time_is_the_fastest_call_after_one_untimed_call():
+    # an untimed 200 ms first call (the cold one), then 80, 30 and 80 ms: 30 ms
+    naps = iter([0.2, 0.08, 0.03, 0.08])
+    assert 0.03 <= bench.warm_time(lambda: time.sleep(next(naps)), reps=3) < 0.08
+    # the budget stops the timed calls, never before one
+    calls = []
+    t = bench.warm_time(lambda: calls.append(time.sleep(0.02)), reps=50, budget_s=0.0)
+    assert len(calls) == 2 and t >= 0.02
+
+
+def test_warm_times_are_back_to_back_calls_after_the_interleaved_rounds(monkeypatch):
+    log: list[str] = []
+
+    class Fake:
+        def __init__(self, case):
+            self.case = case
+
+        def backends(self, with_flex=True):
+            return {n: (lambda n=n: log.append(n)) for n in ("a", "b", "c")}
+
+    case = bench.Case("fake", "causal", 1, 1, 1, 64, 16, "float32")
+
+    class Bar:
+        n = 0
+
+        def set_postfix_str(self, s):
+            pass
+
+        def update(self, k):
+            Bar.n += k
+
+    recs = bench._run_case(case, Fake(case), ["a", "b", "c"], 2, False, False, Bar(), warm=True)
+    # warm-ups, two interleaved rounds, then each backend's untimed call and two timed ones in a row
+    assert log == ["a", "b", "c"] * 3 + ["a"] * 3 + ["b"] * 3 + ["c"] * 3
+    assert all(r["warm_seconds"] > 0 and r["seconds"] > 0 for r in recs)
+    assert Bar.n == 3 * (2 + 1 + 1)  # the progress bar counts warm-up, reps and the warm time
+    log.clear()
+    recs = bench._run_case(case, Fake(case), ["a", "b", "c"], 2, False, False, Bar(), warm=False)
+    assert log == ["a", "b", "c"] * 3 and not any("warm_seconds" in r for r in recs)
+
+
 def test_matmul_ceiling_is_the_best_size_and_run(monkeypatch):
     seen = []
 
@@ -72,6 +113,7 @@ def test_run_takes_the_better_ceiling_of_before_and_after(monkeypatch):
     assert res["matmul_gflops"] == {"float32": 25.0}
     for r in res["cases"][0]["results"]:
         assert r["pct_of_matmul"] == pytest.approx(100 * r["gflops"] / 25.0)
+        assert r["warm_pct_of_matmul"] == pytest.approx(100 * r["warm_gflops"] / 25.0)
 
 
 def test_tiny_case_end_to_end_reports_ratios_and_auto_choice(monkeypatch):
@@ -112,6 +154,10 @@ def test_tiny_case_end_to_end_reports_ratios_and_auto_choice(monkeypatch):
             assert r["gflops"] == pytest.approx(c["flops"] / r["seconds"] / 1e9)
             assert r["pct_of_matmul"] == pytest.approx(100 * r["gflops"] / res["matmul_gflops"]["float32"])
             assert r["vs_torch_sdpa"] == pytest.approx(anchor["seconds"] / r["seconds"])
+            # the warm time: the same work over the fastest back-to-back call, against the same ceiling
+            assert r["warm_seconds"] > 0
+            assert r["warm_gflops"] == pytest.approx(c["flops"] / r["warm_seconds"] / 1e9)
+            assert r["warm_pct_of_matmul"] == pytest.approx(100 * r["warm_gflops"] / res["matmul_gflops"]["float32"])
             # physical bounds: no attention call runs 10x above the machine's own matmul rate, none
             # is 10^4 times slower than SDPA on a 512-token problem
             assert r["pct_of_matmul"] < 1000 and 1e-4 < r["vs_torch_sdpa"] < 1e4
@@ -120,7 +166,7 @@ def test_tiny_case_end_to_end_reports_ratios_and_auto_choice(monkeypatch):
     # measured faster from 128 rows (dispatch._native_beats_sdpa)
     assert auto["auto_choice"] == ("native" if native else "sdpa")
     text = bench.format_table(res)
-    assert "tiny window" in text and "x sdpa" in text
+    assert "tiny window" in text and "x sdpa" in text and "w%mm" in text
     assert json.loads(json.dumps(res, default=str))["cases"][0]["results"][0]["backend"] == "attnlab auto"
 
 

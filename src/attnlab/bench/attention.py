@@ -11,6 +11,14 @@ cases: :func:`matmul_rate`).  Memory
 cases report the peak extra resident memory of forward and of forward+backward
 (see :mod:`attnlab.bench.measure`).  Absolute times on a shared 2-core machine are
 noise; read the ratios.
+
+Two times per backend.  The median of the interleaved rounds (A, B, C, A, B, C, ...) is the
+one the ratios to SDPA use: drift and order hit every backend alike, and every call starts
+where a user's would, after other work (here: the other backends, whose dense masks and
+compiled graphs leave the caches cold and the allocator's pages handed back).  The *warm*
+time is the fastest of back-to-back calls of the same backend after one untimed call
+(:func:`warm_time`), measured as the ceiling is: the share of the ceiling (``warm %mm``)
+compares the two like for like.
 """
 
 from __future__ import annotations
@@ -156,6 +164,15 @@ def matmul_rates(dtype: torch.dtype, sizes=MATMUL_SIZES, reps: int = 7, warmup: 
     return out
 
 
+WARM_BUDGET_S = 3.0
+
+
+def warm_time(fn: Callable[[], object], reps: int = 3, budget_s: float = WARM_BUDGET_S) -> float:
+    """Seconds of ``fn()`` called back to back, as the ceiling is measured: one untimed call,
+    then the fastest of ``reps`` (fewer where ``budget_s`` runs out; at least one)."""
+    return best_time(fn, reps=reps, warmup=1, budget_s=budget_s)
+
+
 def matmul_rate(dtype: torch.dtype, sizes=MATMUL_SIZES, reps: int = 7) -> float:
     """The machine's same-dtype matmul ceiling (GFLOP/s): the best rate over ``sizes``, each
     the fastest of ``reps`` runs after a warm-up.  A median of one size (what this was before)
@@ -261,9 +278,17 @@ def flex_available() -> bool:
     return _FLEX_OK
 
 
-def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool = True, memory: bool = True) -> dict:
-    """Time every backend of every case; with ``memory``, also measure each one's peak
-    extra memory in a child process (:mod:`attnlab.bench.memprobe`)."""
+def run(
+    cases: list[Case],
+    reps: int = 3,
+    with_flex: bool = True,
+    progress: bool = True,
+    memory: bool = True,
+    warm: bool = True,
+) -> dict:
+    """Time every backend of every case (the interleaved rounds' median; with ``warm``, also
+    the fastest of back-to-back calls, :func:`warm_time`); with ``memory``, also measure each
+    one's peak extra memory in a child process (:mod:`attnlab.bench.memprobe`)."""
     from tqdm import tqdm
 
     results: dict[str, Any] = {"machine": machine_info(), "cases": [], "matmul_gflops": {}}
@@ -276,13 +301,14 @@ def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool
         names = ["attnlab auto", "attnlab flash", "torch sdpa"] if c.memory_only else list(r.backends(with_flex))
         plan.append((c, r, names))
     n_reps = {c.name: 1 if c.memory_only else reps for c, _, _ in plan}
-    total = sum(len(names) * (n_reps[c.name] + 1) for c, _, names in plan)
+    per_backend = {c.name: n_reps[c.name] + 1 + (1 if warm and not c.memory_only else 0) for c, _, _ in plan}
+    total = sum(len(names) * per_backend[c.name] for c, _, names in plan)
     bar = tqdm(
         total=total, desc="bench attention", unit="run", disable=not progress, file=sys.stderr, dynamic_ncols=True
     )
     by_case = {}
     for c, r, names in plan:
-        recs = _run_case(c, r, names, n_reps[c.name], with_flex, memory, bar)
+        recs = _run_case(c, r, names, n_reps[c.name], with_flex, memory, bar, warm and not c.memory_only)
         by_case[c.name] = (c, recs)
     bar.close()
     for dt in dtypes:  # again after the cases: a ceiling read while the machine was busy is low
@@ -296,15 +322,21 @@ def run(cases: list[Case], reps: int = 3, with_flex: bool = True, progress: bool
                 x["gflops"] = flops / x["seconds"] / 1e9
                 x["pct_of_matmul"] = 100.0 * x["gflops"] / ceil
                 x["vs_torch_sdpa"] = anchor / x["seconds"] if anchor else None
+            if "warm_seconds" in x:
+                x["warm_gflops"] = flops / x["warm_seconds"] / 1e9
+                x["warm_pct_of_matmul"] = 100.0 * x["warm_gflops"] / ceil
         results["cases"].append(
             {**asdict(c), "flops": flops, "density": allowed_pairs(c) / (c.B * c.H * c.N * c.N), "results": recs}
         )
     return results
 
 
-def _run_case(c: Case, r: Runner, names: list[str], reps: int, with_flex: bool, memory: bool, bar) -> list[dict]:
+def _run_case(
+    c: Case, r: Runner, names: list[str], reps: int, with_flex: bool, memory: bool, bar, warm: bool = False
+) -> list[dict]:
     """Warm every backend up, then time them in interleaved rounds (backend A, B, C,
-    A, B, C, ...) so that drift and order effects hit all of them alike; medians."""
+    A, B, C, ...) so that drift and order effects hit all of them alike; medians.  With
+    ``warm``, then each backend's fastest back-to-back call (:func:`warm_time`)."""
     import statistics
 
     fns = r.backends(with_flex)
@@ -341,6 +373,16 @@ def _run_case(c: Case, r: Runner, names: list[str], reps: int, with_flex: bool, 
             t = attempt(n, f"rep {i + 1}/{reps}")
             if t is not None:
                 times[n].append(t)
+    for n in names:
+        if warm and times[n]:
+            bar.set_postfix_str(f"{c.name[:34]} | {n} | warm")
+            rec_t = warm_time(fns[n], reps=reps)
+            if n == "flex compiled":
+                time.sleep(0.5)  # as in attempt(): inductor's workers settle
+            recs[n]["warm_seconds"] = rec_t
+            bar.update(1)
+        elif warm:
+            bar.update(1)
     for n in names:
         rec = recs[n]
         if times[n]:
@@ -388,7 +430,7 @@ def format_table(res: dict) -> str:
         "matmul ceiling (GFLOP/s): " + ", ".join(f"{k} {v:.0f}" for k, v in res["matmul_gflops"].items()),
         "",
     ]
-    hdr = f"{'case':<40} {'backend':<24} {'ms':>9} {'GFLOP/s':>8} {'%mm':>5} {'x sdpa':>7}  notes"
+    hdr = f"{'case':<40} {'backend':<24} {'ms':>9} {'GFLOP/s':>8} {'%mm':>5} {'x sdpa':>7} {'warm ms':>9} {'w%mm':>5}  notes"
     lines += [hdr, "-" * len(hdr)]
     for c in res["cases"]:
         for x in c["results"]:
@@ -402,12 +444,19 @@ def format_table(res: dict) -> str:
             if x.get("peak_extra_mib") is not None:
                 notes.append(f"peak extra fwd+bwd {x['peak_extra_mib']:.1f} MiB")
             if "error" in x:
-                lines.append(f"{c['name']:<40} {x['backend']:<24} {'-':>9} {'':>8} {'':>5} {'':>7}  {x['error']}")
+                lines.append(
+                    f"{c['name']:<40} {x['backend']:<24} {'-':>9} {'':>8} {'':>5} {'':>7} {'':>9} {'':>5}  {x['error']}"
+                )
                 continue
             ratio = f"{x['vs_torch_sdpa']:.2f}" if x.get("vs_torch_sdpa") else "-"
+            warm = (
+                f"{x['warm_seconds'] * 1e3:>9.1f} {x['warm_pct_of_matmul']:>5.0f}"
+                if "warm_seconds" in x
+                else f"{'-':>9} {'-':>5}"
+            )
             lines.append(
                 f"{c['name']:<40} {x['backend']:<24} {x['seconds'] * 1e3:>9.1f} {x['gflops']:>8.1f} "
-                f"{x['pct_of_matmul']:>5.0f} {ratio:>7}  {'; '.join(notes)}"
+                f"{x['pct_of_matmul']:>5.0f} {ratio:>7} {warm}  {'; '.join(notes)}"
             )
         lines.append("")
     return "\n".join(lines)
@@ -421,13 +470,14 @@ def main(
     flex: bool = True,
     only: str | None = None,
     memory: bool = True,
+    warm: bool = True,
 ) -> dict:
     cases = default_cases()
     if quick:
         cases = [c for c in cases if c.quick]
     if only:
         cases = [c for c in cases if only in c.name]
-    res = run(cases, reps=reps, with_flex=flex, memory=memory)
+    res = run(cases, reps=reps, with_flex=flex, memory=memory, warm=warm)
     print(format_table(res))
     if json_path:
         with open(json_path, "w") as f:

@@ -11,6 +11,9 @@ def add_arguments(p):
     p.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
     p.add_argument("--only", metavar="TEXT", help="only the cases whose name contains TEXT")
     p.add_argument("--no-memory", action="store_true", help="skip the per-backend memory probes")
+    p.add_argument(
+        "--no-warm", action="store_true", help="skip the warm times (each backend's fastest back-to-back call)"
+    )
 
 
 def run(args) -> int:
@@ -23,5 +26,6 @@ def run(args) -> int:
         flex=not args.no_flex,
         only=args.only,
         memory=not args.no_memory,
+        warm=not args.no_warm,
     )
     return 0
