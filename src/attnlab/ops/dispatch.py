@@ -177,7 +177,7 @@ def attention(
         if why is not None:
             raise ValueError(f"backend='triton': {why}; use backend='flash' or 'auto'")
     elif backend == "auto":
-        backend = choose_backend(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=v)
+        backend = choose_backend(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=v, scale=scale)
         if (
             backend == "flash"
             and mask is not None
@@ -217,9 +217,18 @@ def attention(
 
 def _native(q, k, v, kw):
     """The native C++ CPU kernel (:mod:`attnlab.ops.native`) where it implements the
-    problem (its mask's structure, a built-in score mod's terms); the flash path otherwise."""
+    problem (its mask's structure, a built-in score mod's terms); the flash path otherwise.
+    A decode step (a query row per head, no gradient) runs on the decode kernel
+    (:mod:`attnlab.ops.native.dense_decode`) where its answer is finite."""
+    from attnlab.ops.native import dense_decode
     from attnlab.ops.native.ops import native_attention, plan
 
+    args = (kw["mask"], kw["score_mod"], kw["scale"], kw["q_offset"], kw["kv_offset"])
+    d, _ = dense_decode.plan(q, k, v, *args)
+    if d is not None:
+        r = dense_decode.attend(q, k, v, d, scale=kw["scale"], q_offset=kw["q_offset"], kv_offset=kw["kv_offset"])
+        if r is not None:
+            return r
     s, _ = plan(q, k, v, kw["mask"], kw["score_mod"], kw["q_offset"], kw["kv_offset"])
     if s is None:
         return _flash(q, k, v, kw)
@@ -347,6 +356,13 @@ _NATIVE_OVER_SDPA_MIN_ROWS = {torch.float32: 128}
 _NATIVE_OVER_SDPA_MIN_PAIRS = {torch.bfloat16: 1024}
 
 
+#: a decode step (dense_decode.plan's rows) runs on the native decode kernel under ``auto`` from
+#: these key counts: torch's bf16 SDPA is slow at any length; float32 SDPA plus the NaN/inf check
+#: of its route costs about as much as the decode route at 256 keys, 1.4x it at 1024
+#: (``python scripts/decode_route.py``, docs/native.md); float16 unmeasured (SDPA)
+_DECODE_MIN_KEYS = {torch.float32: 512, torch.bfloat16: 1}
+
+
 def _native_beats_sdpa(q, k) -> bool:
     Nq, Nk = q.shape[2], k.shape[2]
     if q.dtype in _NATIVE_OVER_SDPA_MIN_ROWS:
@@ -356,13 +372,26 @@ def _native_beats_sdpa(q, k) -> bool:
     return False
 
 
-def choose_backend(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=None) -> str:
+def choose_backend(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v=None, scale=None) -> str:
     """The backend ``backend="auto"`` runs for a validated request (before the dense-mask shortcut):
     :func:`torch_backend`'s choice, where the native CPU kernel implements the problem replaced
     by it wherever that would be the torch-ops flash path, and where it would be SDPA for the
     sizes the native kernel was measured faster at (``_native_beats_sdpa``)."""
     choice = torch_backend(q, k, mask, score_mod, q_offset, kv_offset, return_lse, v)
     upgrade = choice == "flash" or (choice == "sdpa" and _native_beats_sdpa(q, k))
+    if (
+        choice == "sdpa"
+        and not upgrade
+        and q.device.type == "cpu"
+        and k.shape[2] >= _DECODE_MIN_KEYS.get(q.dtype, 1 << 62)
+    ):
+        # a decode step: the native decode kernel reads each key once, where SDPA's route
+        # first checks every input for NaN/inf (docs/native.md, "Decode steps on dense keys")
+        from attnlab.ops.native import dense_decode
+
+        sc = 1.0 if scale is None else scale
+        if dense_decode.plan(q, k, k if v is None else v, mask, score_mod, sc, q_offset, kv_offset)[0] is not None:
+            return "native"
     if upgrade and q.device.type == "cpu" and q.shape[2] and k.shape[2]:
         from attnlab.ops.native.ops import plan
 

@@ -113,7 +113,12 @@ def test_auto_picks_native_where_it_would_pick_flash(native_ext):
         (torch.float32, 128, 128, False, None, "native"),  # dense: SDPA maps it, native measured faster
         (torch.float32, 128, 128, True, "causal", "native"),
         (torch.float32, 127, 4096, False, None, "sdpa"),  # fewer query rows: SDPA's per-call cost wins
-        (torch.float32, 1, 16384, False, None, "sdpa"),  # a decode step
+        (torch.float32, 1, 16384, False, None, "native"),  # a decode step: the decode kernel (dense_decode)
+        (torch.float32, 1, 16384, True, None, "sdpa"),  # ... unless a gradient is wanted
+        (torch.float32, 5, 4096, False, None, "sdpa"),  # more rows than a decode step
+        (torch.float32, 1, 256, False, None, "sdpa"),  # a short float32 decode step: SDPA as cheap
+        (torch.bfloat16, 1, 256, False, None, "native"),  # a short bf16 decode step (below 1024 pairs)
+        (torch.float16, 1, 1024, False, None, "sdpa"),  # unmeasured: torch's kernel
         (torch.bfloat16, 32, 32, True, "causal", "native"),  # 1024 pairs
         (torch.bfloat16, 1, 1024, False, None, "native"),  # a bf16 decode step: torch's bf16 SDPA is slow
         (torch.bfloat16, 31, 32, True, None, "sdpa"),  # fwd+bwd below 1024 pairs

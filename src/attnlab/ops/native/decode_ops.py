@@ -24,7 +24,7 @@ from attnlab.masks import describe
 from attnlab.ops.native import build
 from attnlab.ops.native.structure import DECODE_IMPLEMENTED, band_of, structure_of
 
-__all__ = ["SPLIT", "band_of", "native_paged_decode", "native_quantized_decode", "plan"]
+__all__ = ["SPLIT", "band_of", "native_paged_decode", "native_quantized_decode", "paged_op", "plan"]
 
 SPLIT = 0
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -34,6 +34,12 @@ def _lib():
     if build.load() is None:
         raise RuntimeError("attnlab native decode kernel is not available (attnlab.ops.native.build.status())")
     return torch.ops.attnlab_decode
+
+
+def paged_op():
+    """The paged decode operator itself (``torch.ops.attnlab_decode.paged``, same arguments as
+    :func:`native_paged_decode`), for callers that have ruled out gradients and tracing."""
+    return _lib().paged
 
 
 @torch.library.custom_op("attnlab::native_paged_decode", mutates_args=())
