@@ -42,6 +42,7 @@ HEADERS = (
     "rowmath.h",
     "sched.h",
     "scoremods.h",
+    "scratch.h",
     "tiles.h",
     "vecmath.h",
 )
@@ -176,7 +177,7 @@ def _compile():
 class Ops:
     """The loaded build: its torch ops (``torch.ops.attnlab_native``) by their names --
     ``fwd``, ``bwd`` (ops.py's custom ops call them), ``features()``, ``parallel_threads(n)``,
-    ``last_bwd_plan()``."""
+    ``last_bwd_plan()``, ``release_scratch()`` (:func:`release_scratch`)."""
 
     def __init__(self, name: str):
         import torch
@@ -218,6 +219,16 @@ def load() -> Ops | None:
     return _state["module"]
 
 
+def release_scratch() -> int:
+    """Frees the native kernel's scratch for its large K/V packs (``scratch.h``: packs of 8 MiB
+    and more are views into buffers the process keeps between calls, grown to the largest
+    call's, so that a long-context call does not fault in fresh pages every time); returns
+    the bytes freed (0 where the kernel is not loaded).  ``ATTNLAB_NATIVE_SCRATCH=0`` turns
+    the scratch off (every pack allocated per call)."""
+    mod = _state.get("module")
+    return 0 if mod is None else int(mod.release_scratch())
+
+
 def loaded() -> bool:
     """True when the extension is already loaded (no build, no file access: safe to call
     while torch.compile traces)."""
@@ -237,4 +248,15 @@ def status() -> str:
     )
 
 
-__all__ = ["HEADERS", "SOURCES", "Ops", "chosen_variant", "cpu_flags", "disabled", "load", "status", "variant"]
+__all__ = [
+    "HEADERS",
+    "SOURCES",
+    "Ops",
+    "chosen_variant",
+    "cpu_flags",
+    "disabled",
+    "load",
+    "release_scratch",
+    "status",
+    "variant",
+]

@@ -65,20 +65,21 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t Dvp0 = (dm.Dv + 15) / 16 * 16, Dw = (dm.D + 1) / 2;
   const bool pairs = std::is_same_v<T, c10::BFloat16> && bf16_pairs();
   at::Tensor q32, kt32, v32;
+  attnlab_scratch::Scratch ws;  // the large packs: views into the process's scratch (scratch.h)
   // a contiguous bf16 Q of even D is already in pairs form (word p of a row = its values 2p,
   // 2p + 1): read in place, not copied
   const bool q_words = pairs && q.is_contiguous() && dm.D % 2 == 0;
   if (pairs) {
     if (!q_words) q32 = pack_rows_pairs(qv, dm.B, dm.H, dm.Nq, dm.D, q.options());
-    kt32 = pack_kt_pairs(kv, dm.B, dm.Hkv, dm.Nk, dm.D, dm.bk, q.options());
-    v32 = pack_v_pairs(vv, dm.B, dm.Hkv, dm.Nk, dm.Dv, Dvp0, dm.bk, q.options());
+    kt32 = pack_kt_pairs(kv, dm.B, dm.Hkv, dm.Nk, dm.D, dm.bk, q.options(), ws);
+    v32 = pack_v_pairs(vv, dm.B, dm.Hkv, dm.Nk, dm.Dv, Dvp0, dm.bk, q.options(), ws);
   } else {
     q32 = q.to(at::kFloat).contiguous();
-    kt32 = pack_t_blocked(kv, dm.B, dm.Hkv, dm.Nk, dm.D, dm.bk, q.options());
+    kt32 = pack_t_blocked(kv, dm.B, dm.Hkv, dm.Nk, dm.D, dm.bk, q.options(), &ws, 0);
     if (v.scalar_type() == at::kFloat && v.is_contiguous() && dm.Dv == Dvp0) {
       v32 = v;  // already the layout the tile loop reads: no copy
     } else {
-      v32 = at::zeros({dm.B, dm.Hkv, dm.Nk, Dvp0}, q.options().dtype(at::kFloat));
+      v32 = ws.empty(1, {dm.B, dm.Hkv, dm.Nk, Dvp0}, q.options().dtype(at::kFloat)).zero_();
       v32.narrow(3, 0, dm.Dv).copy_(v);
     }
   }

@@ -278,6 +278,9 @@ int64_t native_parallel_threads(int64_t n_items) {
 
 int64_t native_last_bwd_plan() { return last_bwd_plan.load(); }
 
+// frees the packs' scratch (scratch.h); the bytes it held
+int64_t native_release_scratch() { return attnlab_scratch::release(); }
+
 // The ops, in a namespace of their own (attnlab's Python custom ops, attnlab::native_fwd and
 // native_bwd, call these).  One build is loaded per process: the library registers once.
 #define ATTNLAB_MASK_ARGS                                                                                   \
@@ -296,4 +299,6 @@ TORCH_LIBRARY(attnlab_native, m) {
   m.def("parallel_threads(int n_items) -> int", &native_parallel_threads);
   // the last backward call's kv chunks per (b, kv head); negative where it ran the split schedule
   m.def("last_bwd_plan() -> int", &native_last_bwd_plan);
+  // frees the process's scratch for the large packs (scratch.h) -> the bytes it held
+  m.def("release_scratch() -> int", &native_release_scratch);
 }

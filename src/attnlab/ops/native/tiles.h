@@ -27,6 +27,7 @@
 #include "gemm_bf16.h"
 #include "gemm_f32.h"
 #include "masking.h"
+#include "scratch.h"
 #include "vecmath.h"
 
 namespace {
@@ -153,9 +154,10 @@ int64_t transpose_keys(const View<T>& x, int64_t b, int64_t h, int64_t c0, int64
 // Nk = 4096 maps every row to one L1 set).
 template <typename T>
 at::Tensor pack_t_blocked(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, int64_t D, int64_t bk,
-                          const at::TensorOptions& opt) {
+                          const at::TensorOptions& opt, attnlab_scratch::Scratch* ws = nullptr, int slot = 0) {
   const int64_t nb = (N + bk - 1) / bk;
-  at::Tensor out = at::empty({B, Hkv, nb, D, bk}, opt.dtype(at::kFloat));
+  at::Tensor out = ws != nullptr ? ws->empty(slot, {B, Hkv, nb, D, bk}, opt.dtype(at::kFloat))
+                                 : at::empty({B, Hkv, nb, D, bk}, opt.dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   at::parallel_for(0, B * Hkv * nb, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t w = lo; w < hi; ++w) {
@@ -227,11 +229,11 @@ at::Tensor pack_rows_pairs(const View<T>& x, int64_t B, int64_t H, int64_t N, in
 // (transposed: the B operand of S = Q·Kᵀ); columns past N and the half past D are zero
 template <typename T>
 at::Tensor pack_kt_pairs(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, int64_t D, int64_t bk,
-                         const at::TensorOptions& opt) {
+                         const at::TensorOptions& opt, attnlab_scratch::Scratch& ws) {
   const int64_t nb = (N + bk - 1) / bk, Dw = (D + 1) / 2;
   // every word of a key's column is written below: only the columns past N are zeroed (no
   // memset of the whole output first)
-  at::Tensor out = at::empty({B, Hkv, nb, Dw, bk}, opt.dtype(at::kInt));
+  at::Tensor out = ws.empty(0, {B, Hkv, nb, Dw, bk}, opt.dtype(at::kInt));
   uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
   at::parallel_for(0, B * Hkv * nb, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t w = lo; w < hi; ++w) {
@@ -271,12 +273,12 @@ at::Tensor pack_kt_pairs(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, in
 // V[2p, e] | V[2p + 1, e] << 16 (the B operand of P·V); rows past N and columns past D zero
 template <typename T>
 at::Tensor pack_v_pairs(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, int64_t D, int64_t Dp, int64_t bk,
-                        const at::TensorOptions& opt) {
+                        const at::TensorOptions& opt, attnlab_scratch::Scratch& ws) {
   const int64_t nb = (N + bk - 1) / bk;
   // contiguous rows write every word of the rows they fill: only the padding (columns past D,
   // word rows past the last key) is zeroed there; strided rows OR their halves into zeros
-  at::Tensor out = x.s3 == 1 ? at::empty({B, Hkv, nb, bk / 2, Dp}, opt.dtype(at::kInt))
-                             : at::zeros({B, Hkv, nb, bk / 2, Dp}, opt.dtype(at::kInt));
+  at::Tensor out = ws.empty(1, {B, Hkv, nb, bk / 2, Dp}, opt.dtype(at::kInt));
+  if (x.s3 != 1) out.zero_();
   uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
   at::parallel_for(0, B * Hkv * nb, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t w = lo; w < hi; ++w) {

@@ -1,0 +1,82 @@
+// attnlab native kernel: the process's scratch for the large per-call copies (the packed K and V
+// panels), kept between calls.
+//
+// A pass packs Kᵀ and V once per call, O(N·D) bytes each.  Allocated per call, a pack above
+// glibc's mmap threshold (at most 32 MiB, lower after trims) comes from fresh pages every call:
+// (1, 8, 16384, 128) bf16 packs are 2 × 32 MiB, 16,386 page faults per call, about 15 ms of a
+// 21 ms forward (2026-12-05, 2 threads; docs/native.md, "The packs' scratch").  Scratch keeps
+// one buffer per slot, grown to the largest request and reused: a call's packs above MIN_BYTES
+// are views into it (no allocation, no fault).  Smaller packs are allocated per call as before
+// (glibc reuses their memory without faults).
+//
+// One call at a time holds the scratch (a try_lock on construction, released on destruction);
+// a concurrent call (another Python thread) allocates its own packs.  The memory stays with
+// the process (the largest packs seen so far) until release_scratch();
+// ATTNLAB_NATIVE_SCRATCH=0 turns it off (every pack allocated per call).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+namespace attnlab_scratch {
+
+constexpr int SLOTS = 3;                    // 0: the K pack, 1: the V pack, 2: the backward's K copy
+constexpr int64_t MIN_BYTES = 8ll << 20;   // smaller packs: allocated per call
+
+struct Store {
+  std::mutex m;
+  at::Tensor buf[SLOTS];  // uint8, grown on demand
+};
+inline Store& store() {
+  static Store s;
+  return s;
+}
+
+inline bool enabled() {
+  const char* e = std::getenv("ATTNLAB_NATIVE_SCRATCH");
+  return e == nullptr || std::strcmp(e, "0") != 0;
+}
+
+// The scratch for one call: empty(slot, sizes, options) is a view into slot's buffer where
+// this call holds the scratch and the tensor is at least MIN_BYTES, else at::empty.
+class Scratch {
+ public:
+  Scratch() : lock_(store().m, std::defer_lock) {
+    if (enabled()) lock_.try_lock();
+  }
+  at::Tensor empty(int slot, at::IntArrayRef sizes, const at::TensorOptions& opt) {
+    int64_t n = 1;
+    for (const int64_t s : sizes) n *= s;
+    const int64_t bytes = n * static_cast<int64_t>(opt.dtype().itemsize());
+    if (!lock_.owns_lock() || bytes < MIN_BYTES) return at::empty(sizes, opt);
+    at::Tensor& b = store().buf[slot];
+    if (!b.defined() || b.numel() < bytes) {
+      b = at::Tensor();  // the old buffer first: never both at once
+      b = at::empty({bytes}, opt.dtype(at::kByte));
+    }
+    return at::from_blob(b.data_ptr(), sizes, opt);
+  }
+
+ private:
+  std::unique_lock<std::mutex> lock_;
+};
+
+// Frees the scratch's buffers (the next large call allocates them again); returns the bytes freed.
+// Waits for a call that holds the scratch to finish.
+inline int64_t release() {
+  std::lock_guard<std::mutex> g(store().m);
+  int64_t freed = 0;
+  for (at::Tensor& b : store().buf) {
+    if (b.defined()) freed += b.numel();
+    b = at::Tensor();
+  }
+  return freed;
+}
+
+}  // namespace attnlab_scratch
