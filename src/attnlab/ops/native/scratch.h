@@ -3,9 +3,9 @@
 //
 // A pass packs Kᵀ and V once per call, O(N·D) bytes each.  Allocated per call, a pack above
 // glibc's mmap threshold (at most 32 MiB, lower after trims) comes from fresh pages every call:
-// (1, 8, 16384, 128) bf16 packs are 2 × 32 MiB, 16,386 page faults per call, about 15 ms of a
-// 21 ms forward (2026-12-05, 2 threads; docs/native.md, "The packs' scratch").  Scratch keeps
-// one buffer per slot, grown to the largest request and reused: a call's packs above MIN_BYTES
+// (1, 8, 16384, 128) bf16 packs are 2 × 32 MiB, 16,386 page faults per call, 16 ms of a 29.5 ms
+// forward with 64 queries (2026-12-05, 2 threads; docs/native.md, "The packs' scratch").  Scratch
+// keeps one buffer per slot, grown to the largest request and reused: a call's packs above MIN_BYTES
 // are views into it (no allocation, no fault).  Smaller packs are allocated per call as before
 // (glibc reuses their memory without faults).
 //
