@@ -12,10 +12,11 @@ Measured (2 threads, causal decode at the end of the keys, median µs, against t
 and ``auto`` before this route, ``python scripts/decode_route.py``): see docs/native.md,
 "Decode steps on dense keys".
 
-Contract: the decode kernel sets a hidden score to ``-inf`` before its max (a NaN/inf in a
-hidden key cannot reach the row), but its ``P·V`` adds ``0 · v`` for a hidden key, so a NaN/inf
-*value* a row cannot see would reach it (``0 · NaN``), and a NaN/inf the row can see gives a
-non-finite row as well.  The output is checked (``(B, H, Nq, Dv)``: a few rows): where any entry
+Contract: the decode kernel visits the keys its rows' visible spans cover and sets a hidden
+score to ``-inf`` before its max (a NaN/inf in a hidden key cannot reach the row), but its
+``P·V`` adds ``0 · v`` for a key hidden from one row inside another row's span (several float32
+rows under causal), so a NaN/inf *value* that row cannot see would reach it (``0 · NaN``); a
+NaN/inf a row can see gives a non-finite row as well.  The output is checked (``(B, H, Nq, Dv)``: a few rows): where any entry
 is not finite, :func:`attend` returns ``None`` and the caller runs the tile kernel, whose
 careful path keeps attnlab's contract (hidden entries contribute nothing, visible ones
 propagate).
