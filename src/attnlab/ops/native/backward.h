@@ -688,8 +688,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   // of Kᵀ, Vᵀ (packed per kv block) and K (D padded to 16), made once: tiles read them in place.
   const View<T> kv = view_of<T>(k), vv = view_of<T>(v);
   attnlab_scratch::Scratch ws;  // the large packs: views into the process's scratch (scratch.h)
-  const at::Tensor kt32 = pack_t_blocked(kv, dm.B, dm.Hkv, dm.Nk, dm.D, dm.bk, q.options(), &ws, 0);
-  const at::Tensor vt32 = pack_t_blocked(vv, dm.B, dm.Hkv, dm.Nk, dm.Dv, dm.bk, q.options(), &ws, 1);
+  const at::Tensor kt32 = pack_t_blocked(kv, dm.B, dm.Hkv, dm.Nk, dm.D, dm.bk, q.options(), ws, 0);
+  const at::Tensor vt32 = pack_t_blocked(vv, dm.B, dm.Hkv, dm.Nk, dm.Dv, dm.bk, q.options(), ws, 1);
   at::Tensor k32 = ws.empty(2, {dm.B, dm.Hkv, dm.Nk, Dp}, q.options().dtype(at::kFloat)).zero_();
   k32.narrow(3, 0, dm.D).copy_(k);
   const float* kt32p = kt32.data_ptr<float>();

@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnlab.masks import BlockMask
-from attnlab.ops.native import build, decode_ops
-from attnlab.ops.native.structure import DECODE_IMPLEMENTED, band_of, structure_of
+from attnlab.ops.finite import traced
+from attnlab.ops.native import decode_ops
+from attnlab.ops.native.structure import band_of
 
 __all__ = ["MAX_ROWS", "MAX_ROWS_F32", "attend", "plan"]
 
@@ -38,48 +38,28 @@ __all__ = ["MAX_ROWS", "MAX_ROWS_F32", "attend", "plan"]
 MAX_ROWS = 1
 #: float32 (the decode kernel's products are the tile kernel's, without its packing)
 MAX_ROWS_F32 = 4
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def plan(q, k, v, mask, score_mod, scale, q_offset, kv_offset):
     """``(structure, None)`` where the decode route runs this (validated) request, else
-    ``(None, why)``."""
-    if not isinstance(q, Tensor) or q.dim() != 4:
-        return None, "no (B, H, Nq, D) query"
-    Nq = q.shape[2]
-    if Nq == 0 or k.shape[2] == 0:
+    ``(None, why)``: the dense-specific conditions here, the rest (dtype, score mod, gradient,
+    scale, tracing, the mask's fields, the build) :func:`decode_ops.plan`'s, as for a cache."""
+    if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[2] == 0 or k.shape[2] == 0:
         return None, "empty"
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return None, f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (float32, bfloat16, float16, one dtype)"
+    Nq = q.shape[2]
     if Nq > (MAX_ROWS_F32 if q.dtype == torch.float32 else MAX_ROWS):
         return None, f"{Nq} query rows (a decode step has few: the tile kernel runs more)"
-    if q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
-        return None, "not on the CPU"
-    if score_mod is not None:
-        return None, "a score mod"
-    if isinstance(scale, Tensor):
-        return None, "a tensor scale"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return None, f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (one dtype)"
+    if k.device.type != "cpu" or v.device.type != "cpu":
+        return None, "keys or values not on the CPU"
     if not isinstance(kv_offset, int) or not isinstance(q_offset, int):
         return None, "offsets"  # (per-batch query positions arrive as a mask's q_shift)
     if k.stride(3) != 1 or v.stride(3) != 1:
         return None, "keys or values without unit channel stride"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return None, "a gradient is wanted (the decode kernel is inference only)"
-    if torch.compiler.is_compiling() or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (q, k, v)):
+    if traced(q, k, v):
         return None, "traced"
-    if isinstance(mask, BlockMask):
-        mask = mask.mask
-    s = structure_of(mask)
-    if s is None or not s.fields() <= DECODE_IMPLEMENTED:
-        return None, "a mask the decode kernel does not evaluate"
-    B = q.shape[0]
-    if s.kv_len is not None and (
-        not isinstance(s.kv_len, Tensor) or s.kv_len.device.type != "cpu" or s.kv_len.numel() != B
-    ):
-        return None, "kv_len not a (B,) CPU tensor"
-    if build.disabled() or build.load() is None:
-        return None, "the native kernel is not available"
-    return s, None
+    return decode_ops.plan(q, k.dtype, mask, score_mod, "native", q.shape[0], (k, v), scale)
 
 
 def attend(q, k, v, s, *, scale: float, q_offset: int, kv_offset: int) -> tuple[Tensor, Tensor] | None:

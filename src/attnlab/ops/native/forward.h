@@ -75,7 +75,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     v32 = pack_v_pairs(vv, dm.B, dm.Hkv, dm.Nk, dm.Dv, Dvp0, dm.bk, q.options(), ws);
   } else {
     q32 = q.to(at::kFloat).contiguous();
-    kt32 = pack_t_blocked(kv, dm.B, dm.Hkv, dm.Nk, dm.D, dm.bk, q.options(), &ws, 0);
+    kt32 = pack_t_blocked(kv, dm.B, dm.Hkv, dm.Nk, dm.D, dm.bk, q.options(), ws, 0);
     if (v.scalar_type() == at::kFloat && v.is_contiguous() && dm.Dv == Dvp0) {
       v32 = v;  // already the layout the tile loop reads: no copy
     } else {

@@ -154,10 +154,9 @@ int64_t transpose_keys(const View<T>& x, int64_t b, int64_t h, int64_t c0, int64
 // Nk = 4096 maps every row to one L1 set).
 template <typename T>
 at::Tensor pack_t_blocked(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, int64_t D, int64_t bk,
-                          const at::TensorOptions& opt, attnlab_scratch::Scratch* ws = nullptr, int slot = 0) {
+                          const at::TensorOptions& opt, attnlab_scratch::Scratch& ws, int slot) {
   const int64_t nb = (N + bk - 1) / bk;
-  at::Tensor out = ws != nullptr ? ws->empty(slot, {B, Hkv, nb, D, bk}, opt.dtype(at::kFloat))
-                                 : at::empty({B, Hkv, nb, D, bk}, opt.dtype(at::kFloat));
+  at::Tensor out = ws.empty(slot, {B, Hkv, nb, D, bk}, opt.dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   at::parallel_for(0, B * Hkv * nb, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t w = lo; w < hi; ++w) {
