@@ -80,6 +80,24 @@ def test_a_repeated_call_faults_in_no_fresh_pages_and_release_frees_the_buffers(
     assert build.release_scratch() == 0
 
 
+@pytest.mark.parametrize("off", ["0", " Off ", "FALSE", "no"])
+def test_the_scratch_turns_off_with_the_values_attnlab_native_takes(off, monkeypatch):
+    dtype, H, Nk, D = PROBLEMS["bfloat16"]
+    q, k, v = (
+        rand(1, H, 16, D, seed=8, dtype=dtype),
+        rand(1, H, Nk, D, seed=9, dtype=dtype),
+        rand(1, H, Nk, D, seed=10, dtype=dtype),
+    )
+    build.release_scratch()
+    with torch.no_grad():
+        monkeypatch.setenv("ATTNLAB_NATIVE_SCRATCH", off)
+        attnlab.attention(q, k, v, backend="native")
+        assert build.release_scratch() == 0  # nothing kept
+        monkeypatch.setenv("ATTNLAB_NATIVE_SCRATCH", "1")
+        attnlab.attention(q, k, v, backend="native")
+        assert build.release_scratch() >= 2 * (8 << 20)
+
+
 def test_concurrent_calls_agree_with_serial_ones():
     _, H, Nk, D = PROBLEMS["float32"]
     inputs = [tuple(rand(1, H, n, D, seed=10 * i + j) for j, n in enumerate((32, Nk, Nk))) for i in range(4)]

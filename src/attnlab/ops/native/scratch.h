@@ -12,17 +12,19 @@
 // One call at a time holds the scratch (a try_lock on construction, released on destruction);
 // a concurrent call (another Python thread) allocates its own packs.  The memory stays with
 // the process (the largest packs seen so far) until release_scratch();
-// ATTNLAB_NATIVE_SCRATCH=0 turns it off (every pack allocated per call).
+// ATTNLAB_NATIVE_SCRATCH=0 (or false/off/no) turns it off (every pack allocated per call).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 
+#include <cctype>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <string>
 
 namespace attnlab_scratch {
 
@@ -38,9 +40,15 @@ inline Store& store() {
   return s;
 }
 
+// ATTNLAB_NATIVE_SCRATCH=0 / false / off / no (any case, blanks ignored) turns the
+// scratch off: the values build.disabled() reads for ATTNLAB_NATIVE
 inline bool enabled() {
   const char* e = std::getenv("ATTNLAB_NATIVE_SCRATCH");
-  return e == nullptr || std::strcmp(e, "0") != 0;
+  if (e == nullptr) return true;
+  std::string v;
+  for (const char* c = e; *c != '\0'; ++c)
+    if (!std::isspace(static_cast<unsigned char>(*c))) v += static_cast<char>(std::tolower(static_cast<unsigned char>(*c)));
+  return v != "0" && v != "false" && v != "off" && v != "no";
 }
 
 // The scratch for one call: empty(slot, sizes, options) is a view into slot's buffer where
