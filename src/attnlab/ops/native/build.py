@@ -223,8 +223,9 @@ def release_scratch() -> int:
     """Frees the native kernel's scratch for its large K/V packs (``scratch.h``: packs of 8 MiB
     and more are views into buffers the process keeps between calls, grown to the largest
     call's, so that a long-context call does not fault in fresh pages every time); returns
-    the bytes freed (0 where the kernel is not loaded).  ``ATTNLAB_NATIVE_SCRATCH=0`` turns
-    the scratch off (every pack allocated per call)."""
+    the bytes freed (0 where the kernel is not loaded).  ``ATTNLAB_NATIVE_SCRATCH=0`` (or
+    ``false``/``off``/``no``, as ``ATTNLAB_NATIVE``) turns the scratch off (every pack allocated
+    per call)."""
     mod = _state.get("module")
     return 0 if mod is None else int(mod.release_scratch())
 
