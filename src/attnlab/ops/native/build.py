@@ -177,7 +177,7 @@ def _compile():
 class Ops:
     """The loaded build: its torch ops (``torch.ops.attnlab_native``) by their names --
     ``fwd``, ``bwd`` (ops.py's custom ops call them), ``features()``, ``parallel_threads(n)``,
-    ``last_bwd_plan()``, ``release_scratch()`` (:func:`release_scratch`)."""
+    ``last_bwd_plan()``, ``last_fwd_plan()``, ``release_scratch()`` (:func:`release_scratch`)."""
 
     def __init__(self, name: str):
         import torch

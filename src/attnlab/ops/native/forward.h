@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -46,6 +47,16 @@ inline void finish_row(T* orow, const float* ar, int64_t Dv, float l, float m, f
 // least as fast as 512 and 1024, 8192; RG 8 and 32 no faster than 16.
 constexpr int64_t RG = 16;
 constexpr int64_t WIDE = 2048;
+// local packs (forward_impl): CQ q blocks per chunk, at most LOCAL_BLOCKS kv blocks each.  bf16
+// (1,4,8192,64) window 256, 2026-12-05 (scripts/ab_native.sh-style paired rounds, new/old
+// medians, local packs against the call's packs): chunks of 16 q blocks 0.80 at two threads,
+// 0.93 at one; 8 and 32 q blocks 1.04 and 1.03 times the time of 16; documents of 1024 rows
+// 0.97-1.02 (neutral).
+constexpr int64_t CQ = 16;
+constexpr int64_t LOCAL_BLOCKS = 6;
+// the last forward call's chunks on local packs (0: the call's packs; the extension's last_fwd_plan)
+inline std::atomic<int64_t> last_fwd_plan{0};
+inline bool local_packs_on() { return attnlab_scratch::env_on("ATTNLAB_NATIVE_LOCAL"); }
 // a row group's columns: [0, s1) ∪ [b0, end), within [il, ih) (its rows' document runs)
 struct Env {
   int64_t s1, b0, end, il, ih;
@@ -59,11 +70,80 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   float* lp = lse.data_ptr<float>();
   const int64_t nqb = (dm.Nq + dm.bq - 1) / dm.bq, nkb = (dm.Nk + dm.bk - 1) / dm.bk;
   const int64_t items = dm.B * dm.H * nqb;
+  const int64_t Dvp0 = (dm.Dv + 15) / 16 * 16, Dw = (dm.D + 1) / 2;
+  const bool pairs = std::is_same_v<T, c10::BFloat16> && bf16_pairs();
+  std::vector<int64_t> visits(items, 0);  // kv blocks each work item (b, h, q block) visits
+  std::vector<int64_t> ijlo(items, 0), ijhi(items, 0);  // and the range of kv blocks they lie in
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
+    const int64_t r0 = iq * dm.bq, r1 = std::min(dm.Nq, r0 + dm.bq);
+    int64_t qlo = mk.qp_of(b, r0), qhi = mk.qp_of(b, r1 - 1);
+    if (mk.qpos != nullptr)
+      for (int64_t i = r0; i < r1; ++i) {
+        qlo = std::min(qlo, mk.qp_of(b, i));
+        qhi = std::max(qhi, mk.qp_of(b, i));
+      }
+    int64_t s1a, b0a, b1a, s1z, b0z, b1z;  // the band's envelope: no block outside it is visited
+    mk.ranges_at(b, qlo, s1a, b0a, b1a);
+    mk.ranges_at(b, qhi, s1z, b0z, b1z);
+    const int64_t lo = s1z > 0 ? 0 : b0a, hi = std::max(s1z, b1z);
+    ijlo[it] = std::min(nkb, lo / dm.bk);
+    ijhi[it] = std::max(ijlo[it], std::min(nkb, (hi + dm.bk - 1) / dm.bk));
+    for (int64_t jk = ijlo[it]; jk < ijhi[it]; ++jk)
+      visits[it] += block_visits(mk, b, h, r0, r1, jk * dm.bk, std::min(dm.Nk, (jk + 1) * dm.bk));
+  }
+  // wide tiles (see fast) for masks whose rows are intervals, without score mod, scale > 0:
+  // at most CW columns each, ATTNLAB_NATIVE_WIDE=<columns> (a multiple of 16; 0: kv block tiles only)
+  const char* wenv = std::getenv("ATTNLAB_NATIVE_WIDE");
+  const int64_t CW = wenv != nullptr ? std::max<int64_t>(0, std::atoll(wenv)) / 16 * 16 : WIDE;
+  bool wide_ok = CW > 0 && !sm.active() && scale > 0.0f && mk.keep == nullptr && mk.kpos == nullptr &&
+                 mk.states == nullptr;
+  for (const uint8_t s : mk.ksorted) wide_ok = wide_ok && s != 0;
+  // Local packs (the bf16 pairs path on narrow bands: a window, short documents): work items
+  // are chunks of CQ q blocks of one (b, kv head), its G heads' blocks in turn, and each chunk
+  // packs the kv blocks it sees into its thread's own buffers (scratch.h's thread_buffer), where
+  // they stay in L2, instead of one pass packing every block into memory that the tile loop
+  // then reads back (16 MiB of memory traffic per call at (1,4,8192,64): the pass and the two
+  // threads' reads contended for it).  Taken where every chunk sees at most LOCAL_BLOCKS kv
+  // blocks and the chunks pack at most 1.5 times the blocks of the one pass (their bands
+  // overlap: a window of 256 packs 1.22 times); the same bits either way.
+  // ATTNLAB_NATIVE_LOCAL=0 (or false/off/no) turns it off.
+  const int64_t nqc = (nqb + CQ - 1) / CQ, chunks = dm.B * dm.Hkv * nqc;
+  std::vector<int64_t> cjlo, cjhi;
+  bool local = pairs && wide_ok && local_packs_on();
+  if (local) {
+    cjlo.assign(chunks, nkb);
+    cjhi.assign(chunks, 0);
+    int64_t packed = 0;
+    for (int64_t ch = 0; local && ch < chunks; ++ch) {
+      const int64_t qc = ch % nqc, hk = (ch / nqc) % dm.Hkv, b = ch / (nqc * dm.Hkv);
+      for (int64_t g = 0; g < dm.G; ++g)
+        for (int64_t iq = qc * CQ; iq < std::min(nqb, (qc + 1) * CQ); ++iq) {
+          const int64_t it = (b * dm.H + hk * dm.G + g) * nqb + iq;
+          if (ijhi[it] <= ijlo[it]) continue;
+          cjlo[ch] = std::min(cjlo[ch], ijlo[it]);
+          cjhi[ch] = std::max(cjhi[ch], ijhi[it]);
+        }
+      cjhi[ch] = std::max(cjhi[ch], cjlo[ch]);
+      packed += cjhi[ch] - cjlo[ch];
+      local = cjhi[ch] - cjlo[ch] <= LOCAL_BLOCKS;
+    }
+    local = local && 2 * packed <= 3 * dm.B * dm.Hkv * nkb;
+  }
+  last_fwd_plan.store(local ? chunks : 0);
+  // work items handed out one at a time, the most kv blocks first (sched.h): a thread whose
+  // core is busy takes fewer items, and the region ends on the shortest ones
+  attnlab_sched::Queue queue(local ? chunks : items, [&](int64_t w) {
+    if (!local) return visits[w];
+    int64_t v = 0;
+    const int64_t qc = w % nqc, hk = (w / nqc) % dm.Hkv, b = w / (nqc * dm.Hkv);
+    for (int64_t g = 0; g < dm.G; ++g)
+      for (int64_t iq = qc * CQ; iq < std::min(nqb, (qc + 1) * CQ); ++iq) v += visits[(b * dm.H + hk * dm.G + g) * nqb + iq];
+    return v;
+  });
   // float32 copies made once per call (O(N·D)): Q, Kᵀ (packed per kv block) and V (Dv padded
   // to 16), so the tile loop reads its operands in place instead of converting every tile
   // (bf16 on the pairs path: Q, Kᵀ and V as bf16 pairs, packed the same way, in words)
-  const int64_t Dvp0 = (dm.Dv + 15) / 16 * 16, Dw = (dm.D + 1) / 2;
-  const bool pairs = std::is_same_v<T, c10::BFloat16> && bf16_pairs();
   at::Tensor q32, kt32, v32;
   attnlab_scratch::Scratch ws;  // the large packs: views into the process's scratch (scratch.h)
   // a contiguous bf16 Q of even D is already in pairs form (word p of a row = its values 2p,
@@ -71,8 +151,10 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const bool q_words = pairs && q.is_contiguous() && dm.D % 2 == 0;
   if (pairs) {
     if (!q_words) q32 = pack_rows_pairs(qv, dm.B, dm.H, dm.Nq, dm.D, q.options());
-    kt32 = pack_kt_pairs(kv, dm.B, dm.Hkv, dm.Nk, dm.D, dm.bk, q.options(), ws);
-    v32 = pack_v_pairs(vv, dm.B, dm.Hkv, dm.Nk, dm.Dv, Dvp0, dm.bk, q.options(), ws);
+    if (!local) {  // local packs: each chunk packs its own blocks (below)
+      kt32 = pack_kt_pairs(kv, dm.B, dm.Hkv, dm.Nk, dm.D, dm.bk, q.options(), ws);
+      v32 = pack_v_pairs(vv, dm.B, dm.Hkv, dm.Nk, dm.Dv, Dvp0, dm.bk, q.options(), ws);
+    }
   } else {
     q32 = q.to(at::kFloat).contiguous();
     kt32 = pack_t_blocked(kv, dm.B, dm.Hkv, dm.Nk, dm.D, dm.bk, q.options(), ws, 0);
@@ -89,35 +171,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const uint32_t* qhp = !pairs  ? nullptr
                         : q_words ? reinterpret_cast<const uint32_t*>(q.data_ptr())
                                   : reinterpret_cast<const uint32_t*>(q32.data_ptr<int32_t>());
-  const uint32_t* khp = pairs ? reinterpret_cast<const uint32_t*>(kt32.data_ptr<int32_t>()) : nullptr;
-  const uint32_t* vhp = pairs ? reinterpret_cast<const uint32_t*>(v32.data_ptr<int32_t>()) : nullptr;
-  // work items handed out one at a time, the most kv blocks first (sched.h): a thread whose
-  // core is busy takes fewer items, and the region ends on the shortest ones
-  std::vector<int64_t> visits(items, 0);  // kv blocks each work item (b, h, q block) visits
-  for (int64_t it = 0; it < items; ++it) {
-    const int64_t iq = it % nqb, h = (it / nqb) % dm.H, b = it / (nqb * dm.H);
-    const int64_t r0 = iq * dm.bq, r1 = std::min(dm.Nq, r0 + dm.bq);
-    int64_t qlo = mk.qp_of(b, r0), qhi = mk.qp_of(b, r1 - 1);
-    if (mk.qpos != nullptr)
-      for (int64_t i = r0; i < r1; ++i) {
-        qlo = std::min(qlo, mk.qp_of(b, i));
-        qhi = std::max(qhi, mk.qp_of(b, i));
-      }
-    int64_t s1a, b0a, b1a, s1z, b0z, b1z;  // the band's envelope: no block outside it is visited
-    mk.ranges_at(b, qlo, s1a, b0a, b1a);
-    mk.ranges_at(b, qhi, s1z, b0z, b1z);
-    const int64_t lo = s1z > 0 ? 0 : b0a, hi = std::max(s1z, b1z);
-    for (int64_t jk = lo / dm.bk; jk < std::min(nkb, (hi + dm.bk - 1) / dm.bk); ++jk)
-      visits[it] += block_visits(mk, b, h, r0, r1, jk * dm.bk, std::min(dm.Nk, (jk + 1) * dm.bk));
-  }
-  attnlab_sched::Queue queue(items, [&](int64_t it) { return visits[it]; });
-  // wide tiles (see fast) for masks whose rows are intervals, without score mod, scale > 0:
-  // at most CW columns each, ATTNLAB_NATIVE_WIDE=<columns> (a multiple of 16; 0: kv block tiles only)
-  const char* wenv = std::getenv("ATTNLAB_NATIVE_WIDE");
-  const int64_t CW = wenv != nullptr ? std::max<int64_t>(0, std::atoll(wenv)) / 16 * 16 : WIDE;
-  bool wide_ok = CW > 0 && !sm.active() && scale > 0.0f && mk.keep == nullptr && mk.kpos == nullptr &&
-                 mk.states == nullptr;
-  for (const uint8_t s : mk.ksorted) wide_ok = wide_ok && s != 0;
+  const uint32_t* khp = pairs && !local ? reinterpret_cast<const uint32_t*>(kt32.data_ptr<int32_t>()) : nullptr;
+  const uint32_t* vhp = pairs && !local ? reinterpret_cast<const uint32_t*>(v32.data_ptr<int32_t>()) : nullptr;
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     const int64_t D = dm.D, Dv = dm.Dv, bq = dm.bq, bk = dm.bk;
     std::vector<float> Qb(bq * D), KT(D * bk), Vb(bk * Dv), S(bk), Pc(bk), acc(bq * Dv), mrow(bq), lrow(bq), tile(Dv);
@@ -142,6 +197,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     // columns thrashed its 8 ways), and its bf16 P pairs at half that stride
     std::vector<float> Sw(wide_ok ? RG * (CW + 16) : 0);
     std::vector<uint32_t> Pww(wide_ok && pairs ? RG * (CW + 16) / 2 : 0);
+    int64_t lb0 = 0;                                  // local packs: the chunk's first kv block
+    const uint32_t *lkh = nullptr, *lvh = nullptr;    // and its Kᵀ and V panels (thread_buffer)
     // The fast path: S and P·V tiles through the register-blocked matmul.  A hidden entry is
     // P = 0 there, so a NaN/inf in a hidden value would leak (0·NaN): a q block whose result
     // is not finite runs again on the careful path below, where hidden entries are skipped.
@@ -153,6 +210,11 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const float* Qf = pairs ? nullptr : q32p + qrow * D;
       const float* KTf = pairs ? nullptr : kt32p + kvh * nkb * D * bk;  // packed: one D × bk panel per kv block
       const float* Vf = pairs ? nullptr : v32p + kvh * dm.Nk * Dvp;
+      // the bf16 pairs' Kᵀ and V panels of kv blocks jb0 on: the call's packs, or the chunk's
+      // local packs (blocks [lb0, ...) in the thread's buffers)
+      const int64_t jb0 = local ? lb0 : 0;
+      const uint32_t* KH = !pairs ? nullptr : local ? lkh : khp + kvh * nkb * Dw * bk;
+      const uint32_t* VH = !pairs ? nullptr : local ? lvh : vhp + kvh * nkb * (bk / 2) * Dvp;
       for (int64_t r = 0; r < n; ++r) {
         mk.row_into(rms[r], b, h, r0 + r, r > 0 ? &rms[r - 1] : nullptr);
         ivok[r] = rms[r].intervals();
@@ -323,7 +385,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         for (int64_t p0 = c0; p0 < c0 + mp;) {  // the part [p0, pe) in kv block jk
           const int64_t jk = p0 / bk, pe = std::min(c0 + mp, (jk + 1) * bk), o = p0 - jk * bk;
           if (pairs)
-            attnlab_fwd::matmul(qhp + (qrow + ra) * Dw, Dw, khp + (kvh * nkb + jk) * Dw * bk + o, bk,
+            attnlab_fwd::matmul(qhp + (qrow + ra) * Dw, Dw, KH + (jk - jb0) * Dw * bk + o, bk,
                                 Sw.data() + (p0 - c0), ld, nr, pe - p0, Dw);
           else
             attnlab_fwd::matmul(Qf + ra * D, D, KTf + jk * D * bk + o, bk, Sw.data() + (p0 - c0), ld, nr, pe - p0,
@@ -335,7 +397,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           soft_row(r, Sw.data() + (r - ra) * ld, reinterpret_cast<uint16_t*>(Pww.data() + (r - ra) * (ld / 2)), c0,
                    m, mp, [&] { return rms[r].covers(c0, c1); });
         if (pairs)
-          attnlab_fwd::matmul_acc(Pww.data(), ld / 2, vhp + (kvh * nkb * (bk / 2) + c0 / 2) * Dvp, Dvp,
+          attnlab_fwd::matmul_acc(Pww.data(), ld / 2, VH + ((c0 - jb0 * bk) / 2) * Dvp, Dvp,
                                   accp.data() + ra * Dvp, Dvp, nr, Dvp, mp / 2, alph.data() + ra);
         else
           attnlab_fwd::matmul_acc(Sw.data(), ld, Vf + c0 * Dvp, Dvp, accp.data() + ra * Dvp, Dvp, nr, Dvp, m,
@@ -346,7 +408,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         const int64_t o = c0 - cb0;  // column offset in the packed panels
         const int64_t m = c1 - c0, mp = (m + 15) / 16 * 16, nr = rb - ra;
         if (pairs)
-          attnlab_fwd::matmul(qhp + (qrow + ra) * Dw, Dw, khp + (kvh * nkb + jk) * Dw * bk + o, bk,
+          attnlab_fwd::matmul(qhp + (qrow + ra) * Dw, Dw, KH + (jk - jb0) * Dw * bk + o, bk,
                               St.data() + ra * bk, bk, nr, mp, Dw);
         else
           attnlab_fwd::matmul(Qf + ra * D, D, KTf + jk * D * bk + o, bk, St.data() + ra * bk, bk, nr, mp, D);
@@ -368,7 +430,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         }
         // acc = acc · alpha + P·V (float32 accumulation), one pass
         if (pairs)
-          attnlab_fwd::matmul_acc(Pw.data() + ra * (bk / 2), bk / 2, vhp + ((kvh * nkb + jk) * (bk / 2) + o / 2) * Dvp,
+          attnlab_fwd::matmul_acc(Pw.data() + ra * (bk / 2), bk / 2, VH + ((jk - jb0) * (bk / 2) + o / 2) * Dvp,
                                   Dvp, accp.data() + ra * Dvp, Dvp, nr, Dvp, mp / 2, alph.data() + ra);
         else
           attnlab_fwd::matmul_acc(St.data() + ra * bk, bk, Vf + c0 * Dvp, Dvp, accp.data() + ra * Dvp, Dvp, nr, Dvp,
@@ -421,6 +483,13 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         T* orow = op + ((b * dm.H + h) * dm.Nq + r0 + r) * Dv;
         const float l = lrow[r];
         const float* ar = accp.data() + r * Dvp;
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (l != 0.0f && std::isfinite(l)) {  // finish_row's values, vectorised (out_row_bf16)
+            finite = attnlab_fwd::out_row_bf16(reinterpret_cast<uint16_t*>(orow), ar, Dv, 1.0f / l) && finite;
+            lp[(b * dm.H + h) * dm.Nq + r0 + r] = mrow[r] + std::log(l);
+            continue;
+          }
+        }
         finite = finite && std::isfinite(l) && attnlab_fwd::all_finite(ar, Dv);
         finish_row(orow, ar, Dv, l, mrow[r], lp + (b * dm.H + h) * dm.Nq + r0 + r);
       }
@@ -479,8 +548,30 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         finish_row(orow, ar, Dv, l, mrow[r], lp + (b * dm.H + h) * dm.Nq + r0 + r);
       }
     };
-    attnlab_sched::drain(queue, [&](int64_t it) {
-      if (!fast(it)) careful(it);
+    if (!local) {
+      attnlab_sched::drain(queue, [&](int64_t it) {
+        if (!fast(it)) careful(it);
+      });
+      return;
+    }
+    // a chunk: its kv blocks packed into this thread's buffers, then its G heads' q blocks in turn
+    attnlab_sched::drain(queue, [&](int64_t ch) {
+      const int64_t qc = ch % nqc, hk = (ch / nqc) % dm.Hkv, b = ch / (nqc * dm.Hkv);
+      lb0 = cjlo[ch];
+      const int64_t nb = cjhi[ch] - lb0;
+      uint32_t* kp = attnlab_scratch::thread_buffer(0, static_cast<size_t>(std::max<int64_t>(nb, 1) * Dw * bk));
+      uint32_t* vp = attnlab_scratch::thread_buffer(1, static_cast<size_t>(std::max<int64_t>(nb, 1) * (bk / 2) * Dvp));
+      for (int64_t j = 0; j < nb; ++j) {
+        pack_kt_pairs_block(kv, b, hk, lb0 + j, dm.Nk, dm.D, bk, kp + j * Dw * bk);
+        pack_v_pairs_block(vv, b, hk, lb0 + j, dm.Nk, dm.Dv, Dvp, bk, vp + j * (bk / 2) * Dvp);
+      }
+      lkh = kp;
+      lvh = vp;
+      for (int64_t g = 0; g < dm.G; ++g)
+        for (int64_t iq = qc * CQ; iq < std::min(nqb, (qc + 1) * CQ); ++iq) {
+          const int64_t it = (b * dm.H + hk * dm.G + g) * nqb + iq;
+          if (!fast(it)) careful(it);
+        }
     });
   });
 }

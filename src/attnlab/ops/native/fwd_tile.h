@@ -22,6 +22,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -309,6 +310,33 @@ inline bool all_finite(const float* x, int64_t n) {
     bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
   }
   return bad == 0;
+}
+
+// The fast path's bf16 output row: out[e] = bf16(acc[e] · inv) for e < n, 16 at a time, rounded
+// as c10::BFloat16 rounds (nearest even, on the integer bits: not vcvtneps2bf16, which reads a
+// denormal as zero); returns whether acc[0:n] is finite (a row that is not reruns on the
+// careful path, which writes it again).  One pass where the scalar loop converted value by value.
+inline bool out_row_bf16(uint16_t* out, const float* acc, int64_t n, float inv) {
+  using attnlab_bf16::vu;
+  vu bad = vu{};
+  int64_t e = 0;
+  for (; e + W <= n; e += W) {
+    const vf a = vload(acc + e), y = a * inv;
+    vu ua, uy;
+    std::memcpy(&ua, &a, sizeof ua);
+    std::memcpy(&uy, &y, sizeof uy);
+    bad |= (ua & 0x7f800000u) == 0x7f800000u;
+    const vu r = (uy + 0x7fffu + ((uy >> 16) & 1u)) >> 16;  // finite rows only are kept
+    const vh h = __builtin_convertvector(r, vh);
+    std::memcpy(out + e, &h, sizeof h);
+  }
+  bool ok = true;
+  for (int j = 0; j < W; ++j) ok = ok && bad[j] == 0;
+  for (; e < n; ++e) {
+    ok = ok && std::isfinite(acc[e]);
+    out[e] = attnlab_bf16::to_bf16(acc[e] * inv);
+  }
+  return ok;
 }
 
 // one vector of the bf16 P row: P at columns k + [0, W) (EDGE: 0 on the lanes outside keep),

@@ -277,6 +277,7 @@ int64_t native_parallel_threads(int64_t n_items) {
 }
 
 int64_t native_last_bwd_plan() { return last_bwd_plan.load(); }
+int64_t native_last_fwd_plan() { return last_fwd_plan.load(); }
 
 // frees the packs' scratch (scratch.h); the bytes it held
 int64_t native_release_scratch() { return attnlab_scratch::release(); }
@@ -299,6 +300,8 @@ TORCH_LIBRARY(attnlab_native, m) {
   m.def("parallel_threads(int n_items) -> int", &native_parallel_threads);
   // the last backward call's kv chunks per (b, kv head); negative where it ran the split schedule
   m.def("last_bwd_plan() -> int", &native_last_bwd_plan);
+  // the last forward call's chunks on local packs (forward.h); 0 where it packed K and V once for the call
+  m.def("last_fwd_plan() -> int", &native_last_fwd_plan);
   // frees the process's scratch for the large packs (scratch.h) -> the bytes it held
   m.def("release_scratch() -> int", &native_release_scratch);
 }

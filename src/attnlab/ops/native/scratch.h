@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <new>
 #include <string>
 
 namespace attnlab_scratch {
@@ -40,15 +41,41 @@ inline Store& store() {
   return s;
 }
 
-// ATTNLAB_NATIVE_SCRATCH=0 / false / off / no (any case, blanks ignored) turns the
-// scratch off: the values build.disabled() reads for ATTNLAB_NATIVE
-inline bool enabled() {
-  const char* e = std::getenv("ATTNLAB_NATIVE_SCRATCH");
+// An ATTNLAB_NATIVE_* switch: on unless set to 0 / false / off / no (any case, blanks
+// ignored), the values build.disabled() reads for ATTNLAB_NATIVE
+inline bool env_on(const char* name) {
+  const char* e = std::getenv(name);
   if (e == nullptr) return true;
   std::string v;
   for (const char* c = e; *c != '\0'; ++c)
     if (!std::isspace(static_cast<unsigned char>(*c))) v += static_cast<char>(std::tolower(static_cast<unsigned char>(*c)));
   return v != "0" && v != "false" && v != "off" && v != "no";
+}
+
+// ATTNLAB_NATIVE_SCRATCH=0 (or false/off/no) turns the scratch off
+inline bool enabled() { return env_on("ATTNLAB_NATIVE_SCRATCH"); }
+
+// A thread's own buffer (slot 0 or 1) of at least `words` 32-bit words, 64-byte aligned, kept
+// with the thread and grown on demand: the forward's local packs (forward.h), which a chunk of
+// work writes and reads while they sit in its core's L2.  At most a few hundred KiB per thread.
+inline uint32_t* thread_buffer(int slot, size_t words) {
+  struct Buffers {
+    void* p[2] = {nullptr, nullptr};
+    size_t n[2] = {0, 0};
+    ~Buffers() {
+      std::free(p[0]);
+      std::free(p[1]);
+    }
+  };
+  static thread_local Buffers t;
+  if (t.n[slot] < words) {
+    std::free(t.p[slot]);
+    const size_t bytes = (words * 4 + 63) / 64 * 64;
+    t.p[slot] = std::aligned_alloc(64, bytes);
+    if (t.p[slot] == nullptr) throw std::bad_alloc();
+    t.n[slot] = bytes / 4;
+  }
+  return static_cast<uint32_t*>(t.p[slot]);
 }
 
 // The scratch for one call: empty(slot, sizes, options) is a view into slot's buffer where

@@ -224,93 +224,102 @@ at::Tensor pack_rows_pairs(const View<T>& x, int64_t B, int64_t H, int64_t N, in
 }
 
 
-// Kᵀ per kv block as pairs along D: (B, Hkv, nb, Dw, bk) words, word (p, c) = K[c, 2p..2p+1]
-// (transposed: the B operand of S = Q·Kᵀ); columns past N and the half past D are zero
+// Kᵀ of kv block jb of (b, h) as pairs along D into panel (Dw × bk words): word (p, c) =
+// K[c0 + c, 2p..2p+1] (transposed: the B operand of S = Q·Kᵀ); columns past N and the half
+// past D are zero.  Every word is written (no memset first).
+template <typename T>
+void pack_kt_pairs_block(const View<T>& x, int64_t b, int64_t h, int64_t jb, int64_t N, int64_t D, int64_t bk,
+                         uint32_t* panel) {
+  const int64_t Dw = (D + 1) / 2;
+  const int64_t c0 = jb * bk, m = std::min(N, c0 + bk) - c0;
+  if (m < bk)
+    for (int64_t p = 0; p < Dw; ++p) std::fill(panel + p * bk + m, panel + (p + 1) * bk, 0u);
+  int64_t c = 0;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // bf16 rows of even length are already pairs (word p = K[c, 2p] | K[c, 2p + 1] << 16,
+    // little-endian): the panel is a transpose of 32-bit words, 16 keys at a time (16
+    // sequential row reads, one 16-word store per p)
+    if (x.s3 == 1 && D % 2 == 0) c = transpose_keys(x, b, h, c0, m, Dw, bk, panel);
+  }
+  for (; c < m; ++c) {
+    const T* src = x.row(b, h, c0 + c);
+    if (x.s3 == 1) {  // contiguous rows: no stride multiplies
+      for (int64_t p = 0; p < D / 2; ++p)
+        panel[p * bk + c] =
+            static_cast<uint32_t>(bf16_bits(src[2 * p])) | (static_cast<uint32_t>(bf16_bits(src[2 * p + 1])) << 16);
+      if (D % 2 != 0) panel[(Dw - 1) * bk + c] = bf16_bits(src[D - 1]);
+      continue;
+    }
+    for (int64_t p = 0; p < Dw; ++p) {
+      const uint32_t lo16 = bf16_bits(src[2 * p * x.s3]);
+      const uint32_t hi16 = 2 * p + 1 < D ? bf16_bits(src[(2 * p + 1) * x.s3]) : 0u;
+      panel[p * bk + c] = lo16 | (hi16 << 16);
+    }
+  }
+}
+
+// Kᵀ per kv block as pairs along D: (B, Hkv, nb, Dw, bk) words (pack_kt_pairs_block per block)
 template <typename T>
 at::Tensor pack_kt_pairs(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, int64_t D, int64_t bk,
                          const at::TensorOptions& opt, attnlab_scratch::Scratch& ws) {
   const int64_t nb = (N + bk - 1) / bk, Dw = (D + 1) / 2;
-  // every word of a key's column is written below: only the columns past N are zeroed (no
-  // memset of the whole output first)
   at::Tensor out = ws.empty(0, {B, Hkv, nb, Dw, bk}, opt.dtype(at::kInt));
   uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
   at::parallel_for(0, B * Hkv * nb, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t w = lo; w < hi; ++w) {
-      const int64_t jb = w % nb, h = (w / nb) % Hkv, b = w / (nb * Hkv);
-      const int64_t c0 = jb * bk, m = std::min(N, c0 + bk) - c0;
-      uint32_t* panel = o + w * Dw * bk;
-      if (m < bk)
-        for (int64_t p = 0; p < Dw; ++p) std::fill(panel + p * bk + m, panel + (p + 1) * bk, 0u);
-      int64_t c = 0;
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        // bf16 rows of even length are already pairs (word p = K[c, 2p] | K[c, 2p + 1] << 16,
-        // little-endian): the panel is a transpose of 32-bit words, 16 keys at a time (16
-        // sequential row reads, one 16-word store per p)
-        if (x.s3 == 1 && D % 2 == 0) c = transpose_keys(x, b, h, c0, m, Dw, bk, panel);
-      }
-      for (; c < m; ++c) {
-        const T* src = x.row(b, h, c0 + c);
-        if (x.s3 == 1) {  // contiguous rows: no stride multiplies
-          for (int64_t p = 0; p < D / 2; ++p)
-            panel[p * bk + c] =
-                static_cast<uint32_t>(bf16_bits(src[2 * p])) | (static_cast<uint32_t>(bf16_bits(src[2 * p + 1])) << 16);
-          if (D % 2 != 0) panel[(Dw - 1) * bk + c] = bf16_bits(src[D - 1]);
-          continue;
-        }
-        for (int64_t p = 0; p < Dw; ++p) {
-          const uint32_t lo16 = bf16_bits(src[2 * p * x.s3]);
-          const uint32_t hi16 = 2 * p + 1 < D ? bf16_bits(src[(2 * p + 1) * x.s3]) : 0u;
-          panel[p * bk + c] = lo16 | (hi16 << 16);
-        }
-      }
-    }
+    for (int64_t w = lo; w < hi; ++w)
+      pack_kt_pairs_block(x, w / (nb * Hkv), (w / nb) % Hkv, w % nb, N, D, bk, o + w * Dw * bk);
   });
   return out;
 }
 
-// V per kv block as pairs along the keys: (B, Hkv, nb, bk / 2, Dp) words, word (p, e) =
-// V[2p, e] | V[2p + 1, e] << 16 (the B operand of P·V); rows past N and columns past D zero
+// V of kv block jb of (b, h) as pairs along the keys into panel (bk / 2 × Dp words): word
+// (p, e) = V[c0 + 2p, e] | V[c0 + 2p + 1, e] << 16 (the B operand of P·V); rows past N and
+// columns past D zero.  Contiguous rows write every word; strided rows OR their halves into
+// a zeroed panel.
+template <typename T>
+void pack_v_pairs_block(const View<T>& x, int64_t b, int64_t h, int64_t jb, int64_t N, int64_t D, int64_t Dp,
+                        int64_t bk, uint32_t* panel) {
+  const int64_t c0 = jb * bk, m = std::min(N, c0 + bk) - c0;
+  if (x.s3 == 1) {  // contiguous rows: two keys' rows interleaved at once (the loop vectorises)
+    const int64_t filled = (m + 1) / 2;  // word rows holding a key
+    if (Dp > D)
+      for (int64_t p = 0; p < filled; ++p) std::fill(panel + p * Dp + D, panel + (p + 1) * Dp, 0u);
+    std::fill(panel + filled * Dp, panel + (bk / 2) * Dp, 0u);
+    int64_t c = 0;
+    for (; c + 2 <= m; c += 2) {
+      const T* r0 = x.row(b, h, c0 + c);
+      const T* r1 = x.row(b, h, c0 + c + 1);
+      uint32_t* dst = panel + (c / 2) * Dp;
+      for (int64_t e = 0; e < D; ++e)
+        dst[e] = static_cast<uint32_t>(bf16_bits(r0[e])) | (static_cast<uint32_t>(bf16_bits(r1[e])) << 16);
+    }
+    if (c < m) {  // an odd last key: the high halves stay zero
+      const T* r0 = x.row(b, h, c0 + c);
+      uint32_t* dst = panel + (c / 2) * Dp;
+      for (int64_t e = 0; e < D; ++e) dst[e] = bf16_bits(r0[e]);
+    }
+    return;
+  }
+  std::fill(panel, panel + (bk / 2) * Dp, 0u);
+  for (int64_t c = 0; c < m; ++c) {
+    const T* src = x.row(b, h, c0 + c);
+    uint32_t* dst = panel + (c / 2) * Dp;
+    const int shift = (c % 2) * 16;
+    for (int64_t e = 0; e < D; ++e) dst[e] |= static_cast<uint32_t>(bf16_bits(src[e * x.s3])) << shift;
+  }
+}
+
+// V per kv block as pairs along the keys: (B, Hkv, nb, bk / 2, Dp) words (pack_v_pairs_block
+// per block)
 template <typename T>
 at::Tensor pack_v_pairs(const View<T>& x, int64_t B, int64_t Hkv, int64_t N, int64_t D, int64_t Dp, int64_t bk,
                         const at::TensorOptions& opt, attnlab_scratch::Scratch& ws) {
   const int64_t nb = (N + bk - 1) / bk;
-  // contiguous rows write every word of the rows they fill: only the padding (columns past D,
-  // word rows past the last key) is zeroed there; strided rows OR their halves into zeros
   at::Tensor out = ws.empty(1, {B, Hkv, nb, bk / 2, Dp}, opt.dtype(at::kInt));
-  if (x.s3 != 1) out.zero_();
   uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
   at::parallel_for(0, B * Hkv * nb, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t w = lo; w < hi; ++w) {
-      const int64_t jb = w % nb, h = (w / nb) % Hkv, b = w / (nb * Hkv);
-      const int64_t c0 = jb * bk, m = std::min(N, c0 + bk) - c0;
-      uint32_t* panel = o + w * (bk / 2) * Dp;
-      if (x.s3 == 1) {  // contiguous rows: two keys' rows interleaved at once (the loop vectorises)
-        const int64_t filled = (m + 1) / 2;  // word rows holding a key
-        if (Dp > D)
-          for (int64_t p = 0; p < filled; ++p) std::fill(panel + p * Dp + D, panel + (p + 1) * Dp, 0u);
-        std::fill(panel + filled * Dp, panel + (bk / 2) * Dp, 0u);
-        int64_t c = 0;
-        for (; c + 2 <= m; c += 2) {
-          const T* r0 = x.row(b, h, c0 + c);
-          const T* r1 = x.row(b, h, c0 + c + 1);
-          uint32_t* dst = panel + (c / 2) * Dp;
-          for (int64_t e = 0; e < D; ++e)
-            dst[e] = static_cast<uint32_t>(bf16_bits(r0[e])) | (static_cast<uint32_t>(bf16_bits(r1[e])) << 16);
-        }
-        if (c < m) {  // an odd last key: the high halves stay zero
-          const T* r0 = x.row(b, h, c0 + c);
-          uint32_t* dst = panel + (c / 2) * Dp;
-          for (int64_t e = 0; e < D; ++e) dst[e] = bf16_bits(r0[e]);
-        }
-        continue;
-      }
-      for (int64_t c = 0; c < m; ++c) {
-        const T* src = x.row(b, h, c0 + c);
-        uint32_t* dst = panel + (c / 2) * Dp;
-        const int shift = (c % 2) * 16;
-        for (int64_t e = 0; e < D; ++e) dst[e] |= static_cast<uint32_t>(bf16_bits(src[e * x.s3])) << shift;
-      }
-    }
+    for (int64_t w = lo; w < hi; ++w)
+      pack_v_pairs_block(x, w / (nb * Hkv), (w / nb) % Hkv, w % nb, N, D, Dp, bk, o + w * (bk / 2) * Dp);
   });
   return out;
 }
