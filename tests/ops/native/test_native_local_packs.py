@@ -28,6 +28,9 @@ def ext(native_ext, monkeypatch):
 
 # name: ((B, H, Hkv, Nq, Nk, D, Dv), mask factory, call kwargs, chunks on local packs; None: either)
 W256, MHA = masks.sliding_window(256), (1, 2, 2, 2100, 2100, 64, 64)
+FAR_Q = (torch.arange(2100) >= 1001).long() * 2  # rows 0-1000: id 0, then id 2
+FAR_KV = (torch.arange(2100) >= 300).long() + (torch.arange(2100) >= 1800).long()  # 0 / 1 / 2 from 300, 1800
+DOCS = torch.stack([torch.arange(2100) * 5 // 2100, torch.arange(2100) * 3 // 2100])  # per batch row
 CASES = {
     "window256": (MHA, lambda B: W256, {}, True),
     "window300 GQA 4:2 D128": ((1, 4, 2, 2048, 2048, 128, 128), lambda B: masks.sliding_window(300), {}, True),
@@ -45,6 +48,19 @@ CASES = {
     "causal (every key: one pass)": (MHA, lambda B: masks.causal(), {}, False),
     "sinks + window (block 0 in every chunk)": (MHA, lambda B: masks.sink_window(4, 256), {}, None),
     "document&window": (MHA, lambda B: masks.document(torch.arange(2100) * 5 // 2100) & W256, {}, None),
+    # sorted kv ids: a chunk's blocks are its documents' runs (a causal mask alone sees every key)
+    "documents & causal": (MHA, lambda B: masks.document(torch.arange(2100) * 5 // 2100) & masks.causal(), {}, True),
+    "per-batch documents & causal": ((2, *MHA[1:]), lambda B: masks.document(DOCS) & masks.causal(), {}, True),
+    "documents, q ids != kv ids": (MHA, lambda B: masks.document(DOCS[1], DOCS[0]), {}, True),
+    # q block 15 (rows 960-1023) holds q ids 0 and 2, whose key runs are 1500 columns apart: its
+    # blocks span the whole of them (the chunk then sees too many for local packs)
+    "documents, one q block's runs far apart": (MHA, lambda B: masks.document(FAR_Q, FAR_KV), {}, False),
+    "documents, unsorted kv ids": (
+        MHA,
+        lambda B: masks.document(DOCS[0], DOCS[0][torch.randperm(2100, generator=torch.Generator().manual_seed(0))]),
+        {},
+        False,
+    ),
 }
 
 
@@ -78,7 +94,16 @@ def test_local_packs_give_the_one_pass_bits(ext, name, strided, monkeypatch):
     assert torch.equal(lse, lse1), f"{name}: LSE differs"
 
 
-@pytest.mark.parametrize("name", ["window256", "window300 GQA 4:2 D128", "window&padding", "window, explicit offsets"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "window256",
+        "window300 GQA 4:2 D128",
+        "window&padding",
+        "window, explicit offsets",
+        "per-batch documents & causal",
+    ],
+)
 def test_local_packs_against_the_oracle(ext, name):
     q, k, v, mask, kw = problem(name)
     compare_backend(q, k, v, backend="native", grad=False, mask=mask, **kw)

@@ -86,9 +86,17 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     int64_t s1a, b0a, b1a, s1z, b0z, b1z;  // the band's envelope: no block outside it is visited
     mk.ranges_at(b, qlo, s1a, b0a, b1a);
     mk.ranges_at(b, qhi, s1z, b0z, b1z);
-    const int64_t lo = s1z > 0 ? 0 : b0a, hi = std::max(s1z, b1z);
+    int64_t lo = s1z > 0 ? 0 : b0a, hi = std::max(s1z, b1z);
+    // sorted kv ids (documents): no column outside the runs of the block's ids is visible
+    if (mk.q_ids != nullptr && !mk.ksorted.empty() && mk.ksorted[mk.kv_ids_bs == 0 ? 0 : b]) {
+      const int64_t* qi = mk.q_ids + b * mk.q_ids_bs;
+      const int64_t* ki = mk.kv_ids + b * mk.kv_ids_bs;
+      const auto [idl, idh] = std::minmax_element(qi + r0, qi + r1);
+      lo = std::max(lo, static_cast<int64_t>(std::lower_bound(ki, ki + dm.Nk, *idl) - ki));
+      hi = std::min(hi, static_cast<int64_t>(std::upper_bound(ki, ki + dm.Nk, *idh) - ki));
+    }
     ijlo[it] = std::min(nkb, lo / dm.bk);
-    ijhi[it] = std::max(ijlo[it], std::min(nkb, (hi + dm.bk - 1) / dm.bk));
+    ijhi[it] = std::max(ijlo[it], std::min(nkb, (std::max(hi, lo) + dm.bk - 1) / dm.bk));
     for (int64_t jk = ijlo[it]; jk < ijhi[it]; ++jk)
       visits[it] += block_visits(mk, b, h, r0, r1, jk * dm.bk, std::min(dm.Nk, (jk + 1) * dm.bk));
   }

@@ -330,8 +330,9 @@ inline bool out_row_bf16(uint16_t* out, const float* acc, int64_t n, float inv) 
     const vh h = __builtin_convertvector(r, vh);
     std::memcpy(out + e, &h, sizeof h);
   }
-  bool ok = true;
-  for (int j = 0; j < W; ++j) ok = ok && bad[j] == 0;
+  uint32_t any = 0;  // an OR over the lanes (no early exit: one vector reduction)
+  for (int j = 0; j < W; ++j) any |= bad[j];
+  bool ok = any == 0;
   for (; e < n; ++e) {
     ok = ok && std::isfinite(acc[e]);
     out[e] = attnlab_bf16::to_bf16(acc[e] * inv);
