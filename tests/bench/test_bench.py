@@ -1,5 +1,6 @@
 """The benchmark machinery: measurement helpers and one tiny case end to end."""
 
+import inspect
 import json
 import subprocess
 import sys
@@ -46,14 +47,19 @@ def test_best_time_is_the_fastest_timed_run():
     assert 0.03 <= t < 0.08
 
 
-def test_warm_time_is_the_fastest_call_after_one_untimed_call():
-    # an untimed 200 ms first call (the cold one), then 80, 30 and 80 ms: 30 ms
-    naps = iter([0.2, 0.08, 0.03, 0.08])
+def test_warm_time_is_the_fastest_call_after_the_untimed_ones():
+    # two untimed calls (a 10 ms one among them would be the fastest), then 80, 30 and 80 ms: 30 ms
+    naps = iter([0.2, 0.01, 0.08, 0.03, 0.08])
     assert 0.03 <= bench.warm_time(lambda: time.sleep(next(naps)), reps=3) < 0.08
     # the budget stops the timed calls, never before one
     calls = []
     t = bench.warm_time(lambda: calls.append(time.sleep(0.02)), reps=50, budget_s=0.0)
-    assert len(calls) == 2 and t >= 0.02
+    assert len(calls) == bench.WARM_WARMUP + 1 and t >= 0.02
+    # by default as many calls as the ceiling's per size (matmul_rates' reps and warm-up)
+    calls.clear()
+    bench.warm_time(lambda: calls.append(None))
+    sig = inspect.signature(bench.matmul_rates).parameters
+    assert len(calls) == sig["warmup"].default + sig["reps"].default == bench.WARM_WARMUP + bench.WARM_REPS
 
 
 def test_warm_times_are_back_to_back_calls_after_the_interleaved_rounds(monkeypatch):
@@ -78,8 +84,10 @@ def test_warm_times_are_back_to_back_calls_after_the_interleaved_rounds(monkeypa
             Bar.n += k
 
     recs = bench._run_case(case, Fake(case), ["a", "b", "c"], 2, False, False, Bar(), warm=True)
-    # warm-ups, two interleaved rounds, then each backend's untimed call and two timed ones in a row
-    assert log == ["a", "b", "c"] * 3 + ["a"] * 3 + ["b"] * 3 + ["c"] * 3
+    # warm-ups, two interleaved rounds, then each backend's warm calls in a row (warm_time's
+    # untimed and timed calls, whatever the interleaved rounds' count)
+    w = bench.WARM_WARMUP + bench.WARM_REPS
+    assert log == ["a", "b", "c"] * 3 + ["a"] * w + ["b"] * w + ["c"] * w
     assert all(r["warm_seconds"] > 0 and r["seconds"] > 0 for r in recs)
     assert Bar.n == 3 * (2 + 1 + 1)  # the progress bar counts warm-up, reps and the warm time
     log.clear()

@@ -165,12 +165,20 @@ def matmul_rates(dtype: torch.dtype, sizes=MATMUL_SIZES, reps: int = 7, warmup: 
 
 
 WARM_BUDGET_S = 3.0
+#: the warm time's calls, as many as the ceiling's per size (:func:`matmul_rates`): two untimed,
+#: then the fastest of seven.  It was one untimed call and the fastest of ``--reps`` (3) until
+#: 2026-12-05, when window256 bf16's warm time (5.1 ms) came out slower than the same backend's
+#: interleaved median (4.4 ms) in one run: three calls on this machine can all land in a slow spell.
+WARM_REPS, WARM_WARMUP = 7, 2
 
 
-def warm_time(fn: Callable[[], object], reps: int = 3, budget_s: float = WARM_BUDGET_S) -> float:
-    """Seconds of ``fn()`` called back to back, as the ceiling is measured: one untimed call,
-    then the fastest of ``reps`` (fewer where ``budget_s`` runs out; at least one)."""
-    return best_time(fn, reps=reps, warmup=1, budget_s=budget_s)
+def warm_time(
+    fn: Callable[[], object], reps: int = WARM_REPS, warmup: int = WARM_WARMUP, budget_s: float = WARM_BUDGET_S
+) -> float:
+    """Seconds of ``fn()`` called back to back, as the ceiling is measured: ``warmup`` untimed
+    calls, then the fastest of ``reps`` (fewer where ``budget_s`` of timed calls runs out; at
+    least one)."""
+    return best_time(fn, reps=reps, warmup=warmup, budget_s=budget_s)
 
 
 def matmul_rate(dtype: torch.dtype, sizes=MATMUL_SIZES, reps: int = 7) -> float:
@@ -376,7 +384,7 @@ def _run_case(
     for n in names:
         if warm and times[n]:
             bar.set_postfix_str(f"{c.name[:34]} | {n} | warm")
-            rec_t = warm_time(fns[n], reps=reps)
+            rec_t = warm_time(fns[n])
             if n == "flex compiled":
                 time.sleep(0.5)  # as in attempt(): inductor's workers settle
             recs[n]["warm_seconds"] = rec_t
