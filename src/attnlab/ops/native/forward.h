@@ -117,6 +117,13 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   // overlap: a window of 256 packs 1.22 times); the same bits either way.
   // ATTNLAB_NATIVE_LOCAL=0 (or false/off/no) turns it off.
   const int64_t nqc = (nqb + CQ - 1) / CQ, chunks = dm.B * dm.Hkv * nqc;
+  // f(it) for chunk ch's work items in the order it runs them: (b, kv head hk, q chunk qc)'s G
+  // heads, each its q blocks in turn
+  auto chunk_items = [&](int64_t ch, auto&& f) {
+    const int64_t qc = ch % nqc, hk = (ch / nqc) % dm.Hkv, b = ch / (nqc * dm.Hkv);
+    for (int64_t g = 0; g < dm.G; ++g)
+      for (int64_t iq = qc * CQ; iq < std::min(nqb, (qc + 1) * CQ); ++iq) f((b * dm.H + hk * dm.G + g) * nqb + iq);
+  };
   std::vector<int64_t> cjlo, cjhi;
   bool local = pairs && wide_ok && local_packs_on();
   if (local) {
@@ -124,14 +131,11 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     cjhi.assign(chunks, 0);
     int64_t packed = 0;
     for (int64_t ch = 0; local && ch < chunks; ++ch) {
-      const int64_t qc = ch % nqc, hk = (ch / nqc) % dm.Hkv, b = ch / (nqc * dm.Hkv);
-      for (int64_t g = 0; g < dm.G; ++g)
-        for (int64_t iq = qc * CQ; iq < std::min(nqb, (qc + 1) * CQ); ++iq) {
-          const int64_t it = (b * dm.H + hk * dm.G + g) * nqb + iq;
-          if (ijhi[it] <= ijlo[it]) continue;
-          cjlo[ch] = std::min(cjlo[ch], ijlo[it]);
-          cjhi[ch] = std::max(cjhi[ch], ijhi[it]);
-        }
+      chunk_items(ch, [&](int64_t it) {
+        if (ijhi[it] <= ijlo[it]) return;
+        cjlo[ch] = std::min(cjlo[ch], ijlo[it]);
+        cjhi[ch] = std::max(cjhi[ch], ijhi[it]);
+      });
       cjhi[ch] = std::max(cjhi[ch], cjlo[ch]);
       packed += cjhi[ch] - cjlo[ch];
       local = cjhi[ch] - cjlo[ch] <= LOCAL_BLOCKS;
@@ -144,9 +148,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   attnlab_sched::Queue queue(local ? chunks : items, [&](int64_t w) {
     if (!local) return visits[w];
     int64_t v = 0;
-    const int64_t qc = w % nqc, hk = (w / nqc) % dm.Hkv, b = w / (nqc * dm.Hkv);
-    for (int64_t g = 0; g < dm.G; ++g)
-      for (int64_t iq = qc * CQ; iq < std::min(nqb, (qc + 1) * CQ); ++iq) v += visits[(b * dm.H + hk * dm.G + g) * nqb + iq];
+    chunk_items(w, [&](int64_t it) { v += visits[it]; });
     return v;
   });
   // float32 copies made once per call (O(N·D)): Q, Kᵀ (packed per kv block) and V (Dv padded
@@ -564,7 +566,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     }
     // a chunk: its kv blocks packed into this thread's buffers, then its G heads' q blocks in turn
     attnlab_sched::drain(queue, [&](int64_t ch) {
-      const int64_t qc = ch % nqc, hk = (ch / nqc) % dm.Hkv, b = ch / (nqc * dm.Hkv);
+      const int64_t hk = (ch / nqc) % dm.Hkv, b = ch / (nqc * dm.Hkv);
       lb0 = cjlo[ch];
       const int64_t nb = cjhi[ch] - lb0;
       uint32_t* kp = attnlab_scratch::thread_buffer(0, static_cast<size_t>(std::max<int64_t>(nb, 1) * Dw * bk));
@@ -575,11 +577,9 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       }
       lkh = kp;
       lvh = vp;
-      for (int64_t g = 0; g < dm.G; ++g)
-        for (int64_t iq = qc * CQ; iq < std::min(nqb, (qc + 1) * CQ); ++iq) {
-          const int64_t it = (b * dm.H + hk * dm.G + g) * nqb + iq;
-          if (!fast(it)) careful(it);
-        }
+      chunk_items(ch, [&](int64_t it) {
+        if (!fast(it)) careful(it);
+      });
     });
   });
 }
