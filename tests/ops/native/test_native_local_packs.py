@@ -14,6 +14,7 @@ import torch
 import attnlab
 from attnlab import masks
 from tests.ops.conftest import compare_backend, make_qkv
+from tests.ops.native.test_native_properties import FLEX_BF16_FACTOR, _eager_bf16
 
 
 @pytest.fixture
@@ -122,3 +123,22 @@ def test_local_packs_same_bits_on_one_and_two_threads(ext):
         torch.set_num_threads(n)
     assert ext.last_fwd_plan() > 0
     assert all(torch.equal(a.float(), b.float()) for a, b in zip(one, two, strict=True))
+
+
+@pytest.mark.parametrize("name", ["window256", "window300 GQA 4:2 D128", "documents & causal"])
+def test_local_packs_meet_flex_bf16_rule(ext, name):
+    """FlexAttention's bf16 rule (test_flex_attention.py's _check_out): the mean error against
+    float64 at most 1.1x that of the same-dtype eager reference (every op in bf16), on the
+    local-packs route."""
+    q, k, v, mask, kw = problem(name)
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    i, j = torch.arange(Nq).view(-1, 1), torch.arange(Nk).view(1, -1)
+    allowed = mask(torch.tensor(0), torch.tensor(0), i, j).reshape(Nq, Nk).expand(B, H, Nq, Nk)
+    out = run(q, k, v, mask, kw)[0]
+    assert ext.last_fwd_plan() > 0
+    gold = _eager_bf16(q.double(), k.double(), v.double(), allowed, 1 / D**0.5)
+    eager = _eager_bf16(q, k, v, allowed, 1 / D**0.5)
+    e_nat = (out.double() - gold).abs().mean().item()
+    e_ref = (eager.double() - gold).abs().mean().item()
+    assert e_nat <= FLEX_BF16_FACTOR * e_ref, f"{name}: mean error {e_nat:.3e} > 1.1x eager bf16 {e_ref:.3e}"
