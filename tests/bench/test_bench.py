@@ -227,3 +227,24 @@ def test_compiled_flex_contender_runs_again_after_its_compile():
     ref = torch.nn.functional.scaled_dot_product_attention(r.q, r.k, r.v, is_causal=True)
     torch.testing.assert_close(again, ref, **F32_FEW_ULPS)
     assert torch.equal(first, again)
+
+
+@pytest.mark.skipif(not bench.flex_available(), reason="compiled FlexAttention needs a C++ compiler")
+def test_compiled_flex_contender_compiles_every_case_past_dynamos_recompile_limit():
+    # dynamo compiles one code object (flex_attention's) at most recompile_limit times, then
+    # runs it eagerly with one warning: from the 9th case on, the bench's "flex compiled" column
+    # timed eager flex (2026-12-05).  With the limit at 1, the second case must still compile
+    # a graph of its own and give FlexAttention's values.
+    from torch._dynamo.utils import counters
+
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for N, mask in ((64, "causal"), (80, "window256")):
+            r = bench.Runner(bench.Case(f"tiny {mask}", mask, 1, 2, 2, N, 16, "float32"))
+            # inductor's CPU flex template is instantiated once per compile (eager flex, the
+            # fallback, compiles its mask functions but no template)
+            kernels = counters["inductor"]["cpp_templated_kernel_counter"]
+            out = r._flex_call()
+            assert counters["inductor"]["cpp_templated_kernel_counter"] > kernels, f"N={N} {mask}: flex ran eagerly"
+            dm = bench.dense_bool_mask(r.case) if mask != "causal" else torch.ones(N, N, dtype=torch.bool).tril()
+            ref = torch.nn.functional.scaled_dot_product_attention(r.q, r.k, r.v, attn_mask=dm)
+            torch.testing.assert_close(out, ref, **F32_FEW_ULPS)

@@ -251,15 +251,29 @@ class Runner:
         return out
 
     def _flex_call(self):
+        """Compiled FlexAttention on this case (compiled on the first call, timed as
+        ``flex_compile_s``).  Every case compiles ``flex_attention``'s one code object again, and
+        dynamo stops compiling a code object after ``recompile_limit`` (8) versions: from the
+        ninth case on it ran flex_attention *eagerly* (5 s a call at N=8192) under the name
+        "flex compiled", with one warning (the runs up to 2026-12-05 07:15, docs/benchmarks.md).
+        So each case starts from an empty dynamo cache (the earlier cases are done with theirs),
+        and a call that would still fall back raises instead (``fail_on_recompile_limit_hit``:
+        the table records the error, not an eager time)."""
         if self._flex is None:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
             c = self.case
             mm = flex_mask_mod(c)
             bm = None if mm is None else create_block_mask(mm, None, None, c.N, c.N, device="cpu")
+            torch._dynamo.reset()
             fn = torch.compile(flex_attention, dynamic=False)
             gqa = c.H != c.Hkv
-            flex = self._flex = lambda: fn(self.q, self.k, self.v, block_mask=bm, enable_gqa=gqa)
+
+            def flex():
+                with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                    return fn(self.q, self.k, self.v, block_mask=bm, enable_gqa=gqa)
+
+            self._flex = flex
             t0 = time.perf_counter()
             r = flex()
             if self.dout is not None:
