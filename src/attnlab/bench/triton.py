@@ -202,7 +202,14 @@ def _contenders(kind, N, flex, window):
         }
         mod = mods[kind]
         bm = None if mod is None else create_block_mask(mod, None, None, N, N, device="cuda")
-        out["flex-compiled"] = lambda q, k, v: compiled(q, k, v, block_mask=bm)
+
+        def flex(q, k, v):
+            # past the limit dynamo would run flex_attention eagerly under this row's name
+            # (the CPU bench did, 2026-12-05): raise instead
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                return compiled(q, k, v, block_mask=bm)
+
+        out["flex-compiled"] = flex
     return out
 
 
