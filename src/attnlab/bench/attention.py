@@ -265,7 +265,7 @@ class Runner:
             c = self.case
             mm = flex_mask_mod(c)
             bm = None if mm is None else create_block_mask(mm, None, None, c.N, c.N, device="cpu")
-            torch._dynamo.reset()
+            torch.compiler.reset()
             fn = torch.compile(flex_attention, dynamic=False)
             gqa = c.H != c.Hkv
 
