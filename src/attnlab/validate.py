@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -320,10 +321,13 @@ def same_device(**named: torch.Tensor) -> torch.device:
     return devs[0]
 
 
-def gqa_heads(H: int, Hkv: int, context: str = "") -> None:
+def gqa_heads(H: int, Hkv: int, context: str | Callable[[], str] = "") -> None:
     """The GQA rule: ``Hkv >= 1`` kv heads and ``H % Hkv == 0`` query heads (query head ``h``
-    reads kv head ``h // (H // Hkv)``).  ``context`` (the shapes) ends the message."""
+    reads kv head ``h // (H // Hkv)``).  ``context`` (the shapes, or a function that formats
+    them, called only for the message) ends the message."""
     if Hkv == 0 or H % Hkv != 0:
+        if callable(context):
+            context = context()
         raise ValueError(
             f"query heads H={H} must be a multiple of kv heads Hkv={Hkv} (GQA; the kv heads must "
             f"divide the query heads){': ' + context if context else ''}"

@@ -91,19 +91,22 @@ def check_qkv(
         validate.float_dtype(t, name)
     validate.same_dtype(q=q, k=k, v=v)
     validate.same_device(q=q, k=k, v=v)
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+
+    def shapes() -> str:  # for the messages only (formatting it on every call cost ~2 us)
+        return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(
-            f"batch sizes differ: {shapes}"
+            f"batch sizes differ: {shapes()}"
             + (" (k/v may also have batch 1, shared by the batch)" if shared_kv_batch else "")
         )
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(f"k and v must have the same (B, Hkv, Nk): {shapes}{BNHD_HINT}")
-    validate.gqa_heads(q.shape[1], k.shape[1], f"{shapes}{BNHD_HINT}")
+        raise ValueError(f"k and v must have the same (B, Hkv, Nk): {shapes()}{BNHD_HINT}")
+    validate.gqa_heads(q.shape[1], k.shape[1], lambda: f"{shapes()}{BNHD_HINT}")
     if same_head_dim and q.shape[3] != k.shape[3]:
-        raise ValueError(f"q and k head dims differ (D={q.shape[3]} vs {k.shape[3]}): {shapes}")
+        raise ValueError(f"q and k head dims differ (D={q.shape[3]} vs {k.shape[3]}): {shapes()}")
     if positive_head_dim and q.shape[3] == 0:
-        raise ValueError(f"head dim D must be >= 1: {shapes}")
+        raise ValueError(f"head dim D must be >= 1: {shapes()}")
 
 
 def scale_arg(scale, D: int) -> float:
