@@ -70,6 +70,8 @@ inline uint32_t* thread_buffer(int slot, size_t words) {
   static thread_local Buffers t;
   if (t.n[slot] < words) {
     std::free(t.p[slot]);
+    t.p[slot] = nullptr;
+    t.n[slot] = 0;  // a failed allocation leaves no stale size behind (the next call tries again)
     const size_t bytes = (words * 4 + 63) / 64 * 64;
     t.p[slot] = std::aligned_alloc(64, bytes);
     if (t.p[slot] == nullptr) throw std::bad_alloc();
