@@ -6,6 +6,8 @@
 # that median is the stable figure).  Each checkout builds (or finds) its own extension by its
 # sources' hash in TORCH_EXTENSIONS_DIR.  Pin to one core on a shared machine: CORES=0.
 # OLDENV / NEWENV: environment settings for one side (e.g. NEWENV=ATTNLAB_NATIVE_LOCAL=0).
+# SCRIPT: another script in scripts/ printing `name=ms ...` on one line, called with REPS
+# (SCRIPT=cold_call_times.py: each case hot and cold).
 #
 #   CASES=w256,doc8 DT=bfloat16 NT=2 scripts/ab_native.sh OLD/src NEW/src [ROUNDS] [REPS]
 set -euo pipefail
@@ -17,7 +19,7 @@ for r in $(seq "$rounds"); do
     src=$old envs=${OLDENV:-}
     [ "$side" = new ] && src=$new envs=${NEWENV:-}
     # shellcheck disable=SC2086  # envs: words of NAME=value
-    echo "$r $side $(env $envs PYTHONPATH=$src taskset -c "$cores" "$py" "$here/native_case_times.py" "$reps")"
+    echo "$r $side $(env $envs PYTHONPATH=$src taskset -c "$cores" "$py" "$here/${SCRIPT:-native_case_times.py}" "$reps")"
   done
 done | python3 -c "
 import collections, statistics, sys
