@@ -285,3 +285,11 @@ def test_valid_unusual_arguments_are_accepted():
     ref = attnlab.attention(q, k, v, backend="reference", scale=-0.25, q_offset=np.int64(1), kv_offset=-3)
     out = attnlab.attention(q, k, v, backend="flash", scale=np.float64(-0.25), q_offset=1, kv_offset=-3)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+
+
+def test_gqa_error_names_the_heads_and_every_shape():
+    # check_qkv formats the shapes only when it raises (validate.gqa_heads takes them lazily)
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 3, 5, 8)
+    want = r"H=4 must be a multiple of kv heads Hkv=3 .*: q \(1, 4, 5, 8\), k \(1, 3, 5, 8\), v \(1, 3, 5, 8\); .*layout='bnhd'"
+    with pytest.raises(ValueError, match=want):
+        attnlab.attention(q, k, k)
