@@ -67,6 +67,26 @@ def test_hidden_nan_has_no_effect(native_ext):
     assert torch.count_nonzero(got[3][0, :, 30:]) == 0 and torch.count_nonzero(got[4][0, :, 30:]) == 0
 
 
+def test_bf16_inf_in_a_value_inside_a_row_groups_columns_reaches_no_row_that_hides_it(native_ext):
+    """The bf16 fast path runs a window's 16-row group on the union of its rows' columns, so a
+    key that one row hides can lie in that row's tile: P = 0 there, and 0 · inf = NaN in its
+    P·V.  The finished rows' check (out_row_bf16) must send that q block to the careful path.
+    sliding_window(16): key 40 is seen by rows 40..55 only, but lies in the columns of the
+    groups of rows 32..47 and 48..63.  The rows that hide it match the clean inputs' result
+    and are finite; the rows that see it are inf."""
+    q, k, v = make_qkv(1, 2, 2, 97, 97, 64, dtype=torch.bfloat16)
+    m = masks.sliding_window(16)
+    ref = attnlab.attention(q, k, v, mask=m, backend="native")
+    v2 = v.clone()
+    v2[:, :, 40] = float("inf")
+    got = attnlab.attention(q, k, v2, mask=m, backend="native")
+    i = torch.arange(97)
+    sees = (i >= 40) & (i <= 55)
+    assert torch.isinf(got[:, :, sees]).all()
+    assert torch.isfinite(got[:, :, ~sees]).all()
+    torch.testing.assert_close(got[:, :, ~sees].float(), ref[:, :, ~sees].float(), rtol=2**-7, atol=2**-7)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_strided_inputs_give_the_same_bits(dtype, native_ext):
     """(B, N, H, D) transposes, a sliced head dim and a K with stride(-1) != 1 are read in

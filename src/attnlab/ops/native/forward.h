@@ -296,7 +296,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       // One row's softmax step on its S row Sr (columns c0 + [0, m), padded to mp): the running
       // max, alpha (the old sums' rescale) and P (float32 in Sr, bf16 pairs in Ph on the pairs
       // path), zero where hidden; full_of(): every column visible (asked only where needed)
-      auto soft_row = [&](int64_t r, float* Sr, uint16_t* Ph, int64_t c0, int64_t m, int64_t mp, auto full_of) {
+      auto soft_row = [&](int64_t r, float* Sr, uint16_t* Ph, int64_t c0, int64_t m, int64_t mp, const auto& full_of) {
         const RowMask& rm = rms[r];
         // The bf16 path on a row whose visible columns in the tile are one range [lo, hi)
         // (span_pass: its max already taken): exp on that range only, its edges masked in

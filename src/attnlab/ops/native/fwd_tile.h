@@ -330,9 +330,14 @@ inline bool out_row_bf16(uint16_t* out, const float* acc, int64_t n, float inv) 
     const vh h = __builtin_convertvector(r, vh);
     std::memcpy(out + e, &h, sizeof h);
   }
+#if ATTNLAB_GEMM_W == 16
+  // one mask test (the lane loop below compiled to 16 extracts and ORs a row)
+  bool ok = _mm512_test_epi32_mask((__m512i)bad, (__m512i)bad) == 0;
+#else
   uint32_t any = 0;  // an OR over the lanes (no early exit: one vector reduction)
   for (int j = 0; j < W; ++j) any |= bad[j];
   bool ok = any == 0;
+#endif
   for (; e < n; ++e) {
     ok = ok && std::isfinite(acc[e]);
     out[e] = attnlab_bf16::to_bf16(acc[e] * inv);
