@@ -12,8 +12,9 @@ cases report the peak extra resident memory of forward and of forward+backward
 (see :mod:`attnlab.bench.measure`).  Absolute times on a shared 2-core machine are
 noise; read the ratios.
 
-Two times per backend.  The median of the interleaved rounds (A, B, C, A, B, C, ...) is the
-one the ratios to SDPA use: drift and order hit every backend alike, and every call starts
+Two times per backend.  The median of the interleaved rounds (A, B, C, flex, then B, C, A,
+flex, ...: the backends before FlexAttention rotate, round by round) is the one the ratios to
+SDPA use: drift and order hit every backend alike, and every call starts
 where a user's would, after other work (here: the other backends, whose dense masks and
 compiled graphs leave the caches cold and the allocator's pages handed back).  The *warm*
 time is the fastest of back-to-back calls of the same backend after one untimed call
@@ -390,8 +391,17 @@ def _run_case(
             attempt(n, "warm-up")
     else:
         bar.update(len(names))
+    # Round i starts at the i-th backend (FlexAttention stays last).  In a fixed order the first
+    # backend always came right after FlexAttention's settling sleep, when this VM's idle second
+    # core wakes late and the caches have gone cold: `attnlab auto`, first, read 8.7 ms
+    # interleaved at window256 bf16 where `attnlab native`, the same kernel third, read 4.3
+    # (2026-12-05 10:21).  Rotated, that call falls to a different backend each round, and the
+    # median of three drops it.
+    rest = [n for n in names if n != "flex compiled"]
+    last = [n for n in names if n == "flex compiled"]
     for i in range(reps):
-        for n in names:
+        k = i % len(rest) if rest else 0
+        for n in rest[k:] + rest[:k] + last:
             t = attempt(n, f"rep {i + 1}/{reps}")
             if t is not None:
                 times[n].append(t)
