@@ -119,6 +119,15 @@ F32_DECODE_STEPS = dict(rtol=0, atol=1e-4)
 #: float32 logits of O(1-10) through two layers on different backends (flash against eager).
 F32_BACKENDS_DEEP = dict(rtol=1e-4, atol=1e-4)
 
+#: two bf16 results of the same math by different sums (a fast path against the careful one):
+#: 2^-7 absolute plus 2^-7 relative, one or two bf16 ulps at magnitudes up to about 1.
+BF16_FEW_ULPS = dict(rtol=2**-7, atol=2**-7)
+
+#: FlexAttention's bf16 rule (test_flex_attention.py's _check_out fudge factor): a kernel's mean
+#: error against float64 at most this times the same-dtype eager reference's
+#: (tests/ops/native/flex_bf16.py; the peers' port, tests/peers/peer_refs.py, for bf16 and float16).
+FLEX_BF16_FACTOR = 1.1
+
 # --- inequalities: an edit must change the result ---------------------------------------------
 # Used as ``assert not torch.allclose(a, b, **MOVED)``: a looser value makes the check stronger.
 # ``rtol`` is torch.allclose's default.

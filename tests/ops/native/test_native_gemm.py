@@ -17,7 +17,7 @@ from attnlab import masks
 from attnlab.ops.native.ops import plan
 from tests.ops.conftest import compare_backend, make_qkv
 from tests.ops.native import portable
-from tests.ops.native.test_native_properties import FLEX_BF16_FACTOR, _eager_bf16
+from tests.ops.native.flex_bf16 import assert_flex_bf16, eager_bf16
 
 DIMS = [40, 59, 64, 111, 128, 256]
 LENGTHS = [1, 97, 1025]
@@ -37,7 +37,7 @@ def _flex_errors(q, k, v, mask):
         if name == "native":
             out = attnlab.attention(qq, kk, vv, mask=mask, backend="native")
         else:
-            out = _eager_bf16(qq, kk, vv, allowed, 1 / math.sqrt(D))
+            out = eager_bf16(qq, kk, vv, allowed, 1 / math.sqrt(D))
         res[name] = [out.double(), *(g.double() for g in torch.autograd.grad(out, (qq, kk, vv), gout.to(dt)))]
     return {
         what: (
@@ -60,7 +60,7 @@ def test_bf16_pairs_meet_flex_rule(D, N, monkeypatch, native_ext):
     m = masks.causal()
     assert plan(q, k, v, m, None, 0, 0)[0] is not None
     for what, (e_nat, e_ref) in _flex_errors(q, k, v, m).items():
-        assert e_nat <= FLEX_BF16_FACTOR * e_ref, f"{what}: mean error {e_nat:.3e} > 1.1x eager bf16 {e_ref:.3e}"
+        assert_flex_bf16(e_nat, e_ref, what)
 
 
 def test_bf16_pairs_is_its_own_path(monkeypatch, native_ext):

@@ -14,7 +14,7 @@ import torch
 import attnlab
 from attnlab import masks
 from tests.ops.conftest import compare_backend, make_qkv
-from tests.ops.native.test_native_properties import FLEX_BF16_FACTOR, _eager_bf16
+from tests.ops.native.flex_bf16 import assert_flex_bf16, eager_bf16
 
 
 @pytest.fixture
@@ -137,8 +137,8 @@ def test_local_packs_meet_flex_bf16_rule(ext, name):
     allowed = mask(torch.tensor(0), torch.tensor(0), i, j).reshape(Nq, Nk).expand(B, H, Nq, Nk)
     out = run(q, k, v, mask, kw)[0]
     assert ext.last_fwd_plan() > 0
-    gold = _eager_bf16(q.double(), k.double(), v.double(), allowed, 1 / D**0.5)
-    eager = _eager_bf16(q, k, v, allowed, 1 / D**0.5)
+    gold = eager_bf16(q.double(), k.double(), v.double(), allowed, 1 / D**0.5)
+    eager = eager_bf16(q, k, v, allowed, 1 / D**0.5)
     e_nat = (out.double() - gold).abs().mean().item()
     e_ref = (eager.double() - gold).abs().mean().item()
-    assert e_nat <= FLEX_BF16_FACTOR * e_ref, f"{name}: mean error {e_nat:.3e} > 1.1x eager bf16 {e_ref:.3e}"
+    assert_flex_bf16(e_nat, e_ref, name)

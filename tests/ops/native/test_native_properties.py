@@ -13,8 +13,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import attnlab
 from attnlab import masks
 from attnlab.ops.native.ops import blocks, plan
-from tests.helpers import assert_close_rule
+from tests.helpers import BF16_FEW_ULPS, assert_close_rule
 from tests.ops.conftest import dense_allowed, make_qkv, run_case
+from tests.ops.native.flex_bf16 import assert_flex_bf16, eager_bf16
 
 
 def _grads(q, k, v, seed=3, **kw):
@@ -84,7 +85,7 @@ def test_bf16_inf_in_a_value_inside_a_row_groups_columns_reaches_no_row_that_hid
     sees = (i >= 40) & (i <= 55)
     assert torch.isinf(got[:, :, sees]).all()
     assert torch.isfinite(got[:, :, ~sees]).all()
-    torch.testing.assert_close(got[:, :, ~sees].float(), ref[:, :, ~sees].float(), rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(got[:, :, ~sees].float(), ref[:, :, ~sees].float(), **BF16_FEW_ULPS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -107,18 +108,6 @@ def test_strided_inputs_give_the_same_bits(dtype, native_ext):
         assert torch.equal(x, y)
 
 
-def _eager_bf16(q, k, v, allowed, scale):
-    """FlexAttention's same-dtype eager reference: every op in bf16 (S = QKᵀ rounded)."""
-    G = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    s = s.masked_fill(~allowed, float("-inf"))
-    return torch.softmax(s, -1) @ v
-
-
-FLEX_BF16_FACTOR = 1.1  # FlexAttention's _check_out fudge factor for bf16 (test_flex_attention.py)
-
-
 @pytest.mark.parametrize(
     "shape,mask",
     [((1, 2, 1, 97, 97, 64), None), ((1, 2, 2, 128, 256, 128), "causal"), ((2, 4, 2, 64, 64, 64), "window")],
@@ -136,8 +125,8 @@ def test_bf16_meets_flex_rule(shape, mask, native_ext):
     res = {}
     for name, fn, dt in (
         ("native", None, torch.bfloat16),
-        ("eager", _eager_bf16, torch.bfloat16),
-        ("gold", _eager_bf16, torch.float64),
+        ("eager", eager_bf16, torch.bfloat16),
+        ("gold", eager_bf16, torch.float64),
     ):
         qq, kk, vv = (t.detach().to(dt).requires_grad_() for t in (q, k, v))
         out = attnlab.attention(qq, kk, vv, mask=m, backend="native") if fn is None else fn(qq, kk, vv, allowed, scale)
@@ -147,7 +136,7 @@ def test_bf16_meets_flex_rule(shape, mask, native_ext):
     for i, what in enumerate(("out", "dq", "dk", "dv")):
         e_nat = (res["native"][i] - res["gold"][i]).abs().mean().item()
         e_ref = (res["eager"][i] - res["gold"][i]).abs().mean().item()
-        assert e_nat <= FLEX_BF16_FACTOR * e_ref, f"{what}: mean error {e_nat:.3e} > 1.1x eager bf16 {e_ref:.3e}"
+        assert_flex_bf16(e_nat, e_ref, what)
 
 
 _KINDS = ["none", "causal", "window", "prefix", "padding", "band"]
@@ -228,13 +217,13 @@ def test_bf16_forward_random_masks_meet_flex_rule(Hkv, G, Nq, Nk, D, Dv, kind, w
     scale = 1 / math.sqrt(D)
     with torch.no_grad():
         nat = attnlab.attention(q, k, v, mask=m, backend="native").double()
-        eager = _eager_bf16(q, k, v, allowed, scale).double()
-        gold = _eager_bf16(q.double(), k.double(), v.double(), allowed, scale)
+        eager = eager_bf16(q, k, v, allowed, scale).double()
+        gold = eager_bf16(q.double(), k.double(), v.double(), allowed, scale)
     assert torch.equal(nat[~seen], torch.zeros_like(nat[~seen]))
     if seen.any():
         e_nat = (nat[seen] - gold[seen]).abs().mean().item()
         e_ref = (eager[seen] - gold[seen]).abs().mean().item()
-        assert e_nat <= FLEX_BF16_FACTOR * e_ref, f"{kind}: mean error {e_nat:.3e} > 1.1x eager bf16 {e_ref:.3e}"
+        assert_flex_bf16(e_nat, e_ref, kind)
 
 
 def test_custom_op_registration(native_ext):
