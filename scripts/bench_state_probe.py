@@ -1,0 +1,50 @@
+"""Does `attnlab bench attention`'s own earlier work slow window256 bf16?  In one process: the
+native kernel's warm time on window256 bf16 (1,4,8192,64) (three `warm_time` readings), then
+`attnlab.bench.attention.run` over every case the bench runs before it, then the warm time
+again (twice), after `gc.collect()`, after `malloc_trim(0)`, and on fresh inputs.
+
+    PYTHONPATH=src python scripts/bench_state_probe.py [all|noflex|nomem|noflexmem]
+
+(all: FlexAttention and the memory probes on, as the bench runs; noflex: no FlexAttention;
+nomem: no memory probes; noflexmem: neither.)  2026-12-05, stop 30 (docs/benchmarks.md): all,
+twice: 3.35-3.41 ms before, 3.50-3.83 after; noflex, nomem and noflexmem once each: no
+slowdown (3.3-3.5 ms before and after).  On this noisy VM one run each is not proof.
+"""
+
+import ctypes
+import gc
+import sys
+
+from attnlab.bench import attention as A
+
+VARIANTS = {
+    "all": {"with_flex": True, "memory": True},
+    "noflex": {"with_flex": False, "memory": True},
+    "nomem": {"with_flex": True, "memory": False},
+    "noflexmem": {"with_flex": False, "memory": False},
+}
+
+
+def main() -> None:
+    kw = VARIANTS[sys.argv[1] if len(sys.argv) > 1 else "all"]
+    cases = A.default_cases()
+    i = [c.name for c in cases].index("window256 bfloat16 (1,4,8192,64)")
+    fn = A.Runner(cases[i]).backends(with_flex=False)["attnlab native"]
+
+    def show(tag: str) -> None:
+        print(tag, " ".join(f"{A.warm_time(fn) * 1e3:.3f}" for _ in range(3)), "ms", flush=True)
+
+    show("before")
+    A.run(cases[:i], reps=3, progress=False, **kw)
+    show("after the earlier cases")
+    show("after the earlier cases")
+    gc.collect()
+    show("after gc.collect()")
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    show("after malloc_trim(0)")
+    fn = A.Runner(cases[i], seed=1).backends(with_flex=False)["attnlab native"]
+    show("fresh inputs")
+
+
+if __name__ == "__main__":
+    main()
