@@ -43,6 +43,8 @@ from attnlab.bench import memprobe
 from attnlab.bench.measure import best_time
 
 MiB = 1 << 20
+#: compiled FlexAttention's backend name (last in every round; no second warm moment)
+FLEX = "flex compiled"
 _DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -249,7 +251,7 @@ class Runner:
                 lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dm, enable_gqa=gqa)
             )
         if with_flex and flex_available():
-            out["flex compiled"] = self._run(self._flex_call)
+            out[FLEX] = self._run(self._flex_call)
         return out
 
     def _flex_call(self):
@@ -329,7 +331,7 @@ def run(
     per_backend = {c.name: n_reps[c.name] + 1 + (1 if warm and not c.memory_only else 0) for c, _, _ in plan}
     total = sum(len(names) * per_backend[c.name] for c, _, names in plan)
     if warm:  # the warm times' second moment (_warm_again)
-        total += sum(len([n for n in names if n != "flex compiled"]) for c, _, names in plan if not c.memory_only)
+        total += sum(len(names) - names.count(FLEX) for c, _, names in plan if not c.memory_only)
     bar = tqdm(
         total=total, desc="bench attention", unit="run", disable=not progress, file=sys.stderr, dynamic_ncols=True
     )
@@ -389,7 +391,7 @@ def _run_case(
             return None
         finally:
             bar.update(1)
-            if n == "flex compiled":
+            if n == FLEX:
                 # inductor's OpenMP workers spin for a while after a kernel returns; let
                 # them settle so that they do not steal the next backend's cores
                 time.sleep(0.5)
@@ -405,8 +407,8 @@ def _run_case(
     # interleaved at window256 bf16 where `attnlab native`, the same kernel third, read 4.3
     # (2026-12-05 10:21).  Rotated, that call falls to a different backend each round, and the
     # median of three drops it.
-    rest = [n for n in names if n != "flex compiled"]
-    last = [n for n in names if n == "flex compiled"]
+    rest = [n for n in names if n != FLEX]
+    last = [n for n in names if n == FLEX]
     for i in range(reps):
         k = i % len(rest) if rest else 0
         for n in rest[k:] + rest[:k] + last:
@@ -417,7 +419,7 @@ def _run_case(
         if warm and times[n]:
             bar.set_postfix_str(f"{c.name[:34]} | {n} | warm")
             rec_t = warm_time(fns[n])
-            if n == "flex compiled":
+            if n == FLEX:
                 time.sleep(0.5)  # as in attempt(): inductor's workers settle
             recs[n]["warm_seconds"] = rec_t
             bar.update(1)
@@ -427,7 +429,7 @@ def _run_case(
         rec = recs[n]
         if times[n]:
             rec["seconds"] = statistics.median(times[n])
-        if n == "flex compiled" and r.flex_compile_s is not None and times[n]:
+        if n == FLEX and r.flex_compile_s is not None and times[n]:
             rec["compile_seconds"] = r.flex_compile_s - rec["seconds"]
         elif memory and "error" not in rec:  # in a child process, see attnlab.bench.memprobe
             bar.set_postfix_str(f"{c.name[:34]} | {n} | memory")
@@ -456,7 +458,7 @@ def _warm_again(c: Case, r: Runner, recs: list[dict], bar) -> None:
     fns = r.backends(with_flex=False)
     for rec in recs:
         n = rec["backend"]
-        if n == "flex compiled":
+        if n == FLEX:
             continue
         if n in fns and "warm_seconds" in rec and "error" not in rec:
             bar.set_postfix_str(f"{c.name[:34]} | {n} | warm again")
