@@ -326,3 +326,41 @@ def test_warm_times_are_read_again_after_every_case_and_the_faster_moment_counts
     end = max(i for i, x in enumerate(log) if x == ("two", "flex compiled"))
     assert log[end + 1 :] == [("one", "a"), ("one", "b"), ("two", "a"), ("two", "b")]
     assert passes[("one", "flex compiled")] == 1
+
+
+def test_a_backend_failing_at_its_second_warm_moment_loses_nothing(monkeypatch):
+    """The second moment runs after every case (minutes of work): a backend that raises there
+    (out of memory, say) keeps its first warm time and the error; the run still returns every
+    case's results."""
+    state = {"second": False}
+
+    class Fake:
+        def __init__(self, case, seed=0):
+            self.case = case
+            self.flex_compile_s = None
+
+        def backends(self, with_flex=True):
+            def bad():
+                if state["second"]:
+                    raise MemoryError("injected at the second moment")
+
+            return {"good": lambda: None, "bad": bad}
+
+    real_warm_again = bench._warm_again
+
+    def warm_again(*args):
+        state["second"] = True
+        real_warm_again(*args)
+
+    monkeypatch.setattr(bench, "Runner", Fake)
+    monkeypatch.setattr(bench, "_warm_again", warm_again)
+    monkeypatch.setattr(bench, "matmul_rate", lambda dt: 100.0)
+    cases = [bench.Case(n, "causal", 1, 1, 1, 64, 16, "float32") for n in ("one", "two")]
+    res = bench.run(cases, reps=1, progress=False, memory=False, with_flex=False)
+    got = {(c["name"], x["backend"]): x for c in res["cases"] for x in c["results"]}
+    assert len(got) == 4 and all(x["warm_seconds"] > 0 for x in got.values())
+    for case in ("one", "two"):
+        assert "warm_seconds_runs" in got[(case, "good")] and "warm_again_error" not in got[(case, "good")]
+        assert got[(case, "bad")]["warm_again_error"] == "MemoryError: injected at the second moment"
+        assert "warm_seconds_runs" not in got[(case, "bad")]
+    assert bench.format_table(res).count("second warm moment failed: MemoryError: injected") == 2

@@ -454,7 +454,8 @@ def _warm_again(c: Case, r: Runner, recs: list[dict], bar) -> None:
     weaker estimate of the two sides of ``w%mm``: in a slow spell of this VM (minutes long)
     every one of its seven calls is slow, and the ceiling's other moment is not.  Not
     FlexAttention's: its compiled graph went with the case's dynamo cache (it keeps its one
-    moment)."""
+    moment).  A backend that fails now keeps its first moment and the error
+    (``warm_again_error``): the whole run's results are not lost to it."""
     fns = r.backends(with_flex=False)
     for rec in recs:
         n = rec["backend"]
@@ -462,9 +463,13 @@ def _warm_again(c: Case, r: Runner, recs: list[dict], bar) -> None:
             continue
         if n in fns and "warm_seconds" in rec and "error" not in rec:
             bar.set_postfix_str(f"{c.name[:34]} | {n} | warm again")
-            t = warm_time(fns[n])
-            rec["warm_seconds_runs"] = [rec["warm_seconds"], t]
-            rec["warm_seconds"] = min(rec["warm_seconds"], t)
+            try:
+                t = warm_time(fns[n])
+            except Exception as e:  # noqa: BLE001 - reported; the run's other results are kept
+                rec["warm_again_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            else:
+                rec["warm_seconds_runs"] = [rec["warm_seconds"], t]
+                rec["warm_seconds"] = min(rec["warm_seconds"], t)
         bar.update(1)
 
 
@@ -505,6 +510,8 @@ def format_table(res: dict) -> str:
                 notes.append(f"compile {x['compile_seconds']:.1f}s")
             if x.get("peak_extra_fwd_mib") is not None:
                 notes.append(f"peak extra fwd {x['peak_extra_fwd_mib']:.1f} MiB")
+            if x.get("warm_again_error"):
+                notes.append(f"second warm moment failed: {x['warm_again_error']}")
             if x.get("peak_extra_mib") is not None:
                 notes.append(f"peak extra fwd+bwd {x['peak_extra_mib']:.1f} MiB")
             if "error" in x:
