@@ -8,7 +8,7 @@ again (twice), after `gc.collect()`, after `malloc_trim(0)`, and on fresh inputs
 (all: FlexAttention and the memory probes on, as the bench runs; noflex: no FlexAttention;
 nomem: no memory probes; noflexmem: neither.)  2026-12-05, stop 30 (docs/benchmarks.md): all,
 twice: 3.35-3.41 ms before, 3.50-3.83 after; noflex, nomem and noflexmem once each: no
-slowdown (3.3-3.5 ms before and after).  On this noisy VM one run each is not proof.
+slowdown (3.30-3.59 ms before and after).  On this noisy VM one run each is not proof.
 """
 
 import ctypes
