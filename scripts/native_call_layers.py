@@ -7,34 +7,32 @@ else: window256 bf16 (1,4,16,64), no grad, 2 threads, best of 9 rounds of 300 ca
 
     PYTHONPATH=src python scripts/native_call_layers.py
 
-2026-12-05 14:14, stop 31 (2-core AMD EPYC VM): 63.5 / 5.7 / 38.1 / 35.7 / 17.7 µs.  So about
-46 µs of a call is Python above the C++ op: about 20 µs in `attnlab.attention` itself
-(argument checks, normalisation, the backend choice), 6 µs the plan, 18 µs torch.library's
-custom-op layers (what makes the kernel one opaque node under torch.compile), 2 µs the
-arguments; 1.3-1.4% of window256 bf16 at N=8192 (3.3-3.6 ms), most of a small decode step.
+2026-12-05 14:20, stop 31 (2-core AMD EPYC VM), three runs: 66.6-70.8 / 6.0 / 36.1-39.5 /
+33.4-35.8 / 14.8-18.2 µs.  So about 49-53 µs of a call is Python above the C++ op: about 25 µs
+in `attnlab.attention` itself (argument checks, normalisation, the backend choice), 6 µs the
+plan, 15-19 µs torch.library's custom-op layers (what makes the kernel one opaque node under
+torch.compile), 3-4 µs the arguments; 1.4-1.6% of window256 bf16 at N=8192 (3.3-3.6 ms), most
+of a small decode step.
 """
-
-import time
 
 import torch
 
 import attnlab
 import attnlab.ops.native.ops as native_ops
 from attnlab import masks
+from attnlab.bench.measure import best_time
 from attnlab.ops.native import build
 from attnlab.ops.native.structure import band_of
 
 
 def best_us(f, n: int = 300, rounds: int = 9) -> float:
-    for _ in range(50):
-        f()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
+    """µs per call: the fastest of ``rounds`` runs of ``n`` calls (best_time, 50 calls' warm-up)."""
+
+    def batch() -> None:
         for _ in range(n):
             f()
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best * 1e6
+
+    return best_time(batch, reps=rounds, warmup=max(1, 50 // n)) / n * 1e6
 
 
 def main() -> None:
