@@ -35,6 +35,9 @@ VARIANTS = {
 
 def main() -> None:
     variant = sys.argv[1] if len(sys.argv) > 1 else "all"
+    known = [*VARIANTS, "flex1", "sleep20"]
+    if variant not in known:
+        raise SystemExit(f"bench_state_probe.py: unknown variant {variant!r}; one of {', '.join(known)}")
     cases = A.default_cases()
     i = [c.name for c in cases].index("window256 bfloat16 (1,4,8192,64)")
     fn = A.Runner(cases[i]).backends(with_flex=False)["attnlab native"]
